@@ -1,0 +1,198 @@
+"""Pick the CPU or CUDA kernels for a tensor's device and launch them on torch tensors.
+
+Both backends expose the same methods over torch tensors; ``ScoredHashTable`` and the
+initializers only talk to this interface. The CUDA backend also runs under numba's simulator
+(``NUMBA_ENABLE_CUDASIM=1``), where it takes CPU tensors: that is how CI exercises the CUDA
+kernels without a GPU.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Tuple
+
+import torch
+
+from dynemb.kernels import init_cpu, table_cpu
+
+_THREADS_PER_BLOCK = 256
+
+
+def cuda_simulator_enabled() -> bool:
+    """True when numba-cuda runs kernels in its Python simulator."""
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+
+class CpuBackend:
+    """``@njit`` kernels on CPU tensors (viewed as numpy arrays without copying)."""
+
+    name = "cpu"
+
+    def check_device(self, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"the cpu backend needs CPU tensors, got device {device}")
+
+    @staticmethod
+    def _np(t: torch.Tensor):
+        return t.numpy()
+
+    def find(self, tbl_keys, num_buckets, bucket_size, keys, out_slots, parallel=True):
+        kernel = table_cpu.find_cpu if parallel else table_cpu.find_serial_cpu
+        kernel(self._np(tbl_keys), num_buckets, bucket_size, self._np(keys), self._np(out_slots))
+
+    def lookup_update(self, tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, ukeys,
+                      counts, given, policy, clock, pin, out_slots, out_prev_scores):
+        n = self._np
+        table_cpu.lookup_update_cpu(n(tbl_keys), n(tbl_scores), n(refcnt), num_buckets,
+                                    bucket_size, n(ukeys), n(counts), n(given), policy, clock,
+                                    pin, n(out_slots), n(out_prev_scores))
+
+    def insert_missing(self, tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, ukeys,
+                       counts, given, policy, clock, allow_evict, slots, prev_keys, prev_scores,
+                       failed):
+        n = self._np
+        table_cpu.insert_missing_cpu(n(tbl_keys), n(tbl_scores), n(refcnt), n(size), num_buckets,
+                                     bucket_size, n(ukeys), n(counts), n(given), policy, clock,
+                                     allow_evict, n(slots), n(prev_keys), n(prev_scores),
+                                     n(failed))
+
+    def erase(self, tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, keys,
+              out_erased, out_pinned):
+        n = self._np
+        table_cpu.erase_cpu(n(tbl_keys), n(tbl_scores), n(refcnt), n(size), num_buckets,
+                            bucket_size, n(keys), n(out_erased), n(out_pinned))
+
+    def add_refcounts(self, refcnt, slots, delta):
+        table_cpu.add_refcounts_cpu(self._np(refcnt), self._np(slots), delta)
+
+    def export(self, tbl_keys, tbl_scores, start, end) -> Tuple[torch.Tensor, ...]:
+        n = end - start
+        keys, slots, scores = (torch.empty(n, dtype=torch.int64) for _ in range(3))
+        count = table_cpu.export_cpu(self._np(tbl_keys), self._np(tbl_scores), start, end,
+                                     keys.numpy(), slots.numpy(), scores.numpy())
+        return keys[:count], slots[:count], scores[:count]
+
+    def rehash(self, old_keys, old_scores, old_refcnt, new_keys, new_scores, new_refcnt,
+               new_num_buckets, bucket_size, remap) -> int:
+        n = self._np
+        return int(table_cpu.rehash_cpu(n(old_keys), n(old_scores), n(old_refcnt), n(new_keys),
+                                        n(new_scores), n(new_refcnt), new_num_buckets,
+                                        bucket_size, n(remap)))
+
+    def init_rows(self, out, keys, seed, table_id, kind, p0, p1, low, high):
+        init_cpu.init_rows_cpu(self._np(out), self._np(keys), seed, table_id, kind, p0, p1, low,
+                               high)
+
+
+class CudaBackend:
+    """numba-cuda kernels on CUDA tensors, launched on torch's current stream.
+
+    Under the simulator the same kernels take CPU tensors.
+    """
+
+    name = "cuda"
+
+    def __init__(self):
+        from numba import cuda
+
+        from dynemb.kernels import init_cuda, table_cuda
+
+        self._cuda = cuda
+        self._table = table_cuda
+        self._init = init_cuda
+        self._simulated = cuda_simulator_enabled()
+
+    def check_device(self, device: torch.device) -> None:
+        want = "cpu" if self._simulated else "cuda"
+        if device.type != want:
+            mode = "the CUDA simulator" if self._simulated else "a GPU"
+            raise ValueError(f"the cuda backend on {mode} needs {want} tensors, got {device}")
+
+    def _arr(self, t: torch.Tensor):
+        if self._simulated:
+            return t.numpy()
+        return self._cuda.as_cuda_array(t.detach())
+
+    def _launch(self, kernel, n: int, *args) -> None:
+        if n <= 0:
+            return
+        blocks = (n + _THREADS_PER_BLOCK - 1) // _THREADS_PER_BLOCK
+        if self._simulated:
+            kernel[blocks, _THREADS_PER_BLOCK](*args)
+            return
+        stream = self._cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+        kernel[blocks, _THREADS_PER_BLOCK, stream](*args)
+
+    def find(self, tbl_keys, num_buckets, bucket_size, keys, out_slots, parallel=True):
+        a = self._arr
+        self._launch(self._table.find_kernel, keys.numel(), a(tbl_keys), num_buckets,
+                     bucket_size, a(keys), a(out_slots))
+
+    def lookup_update(self, tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, ukeys,
+                      counts, given, policy, clock, pin, out_slots, out_prev_scores):
+        a = self._arr
+        self._launch(self._table.lookup_update_kernel, ukeys.numel(), a(tbl_keys), a(tbl_scores),
+                     a(refcnt), num_buckets, bucket_size, a(ukeys), a(counts), a(given), policy,
+                     clock, pin, a(out_slots), a(out_prev_scores))
+
+    def insert_missing(self, tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, ukeys,
+                       counts, given, policy, clock, allow_evict, slots, prev_keys, prev_scores,
+                       failed):
+        a = self._arr
+        self._launch(self._table.insert_missing_kernel, ukeys.numel(), a(tbl_keys),
+                     a(tbl_scores), a(refcnt), a(size), num_buckets, bucket_size, a(ukeys),
+                     a(counts), a(given), policy, clock, allow_evict, a(slots), a(prev_keys),
+                     a(prev_scores), a(failed))
+
+    def erase(self, tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, keys,
+              out_erased, out_pinned):
+        a = self._arr
+        self._launch(self._table.erase_kernel, keys.numel(), a(tbl_keys), a(tbl_scores),
+                     a(refcnt), a(size), num_buckets, bucket_size, a(keys), a(out_erased),
+                     a(out_pinned))
+
+    def add_refcounts(self, refcnt, slots, delta):
+        self._launch(self._table.add_refcounts_kernel, slots.numel(), self._arr(refcnt),
+                     self._arr(slots), delta)
+
+    def export(self, tbl_keys, tbl_scores, start, end):
+        n = end - start
+        dev = tbl_keys.device
+        keys, slots, scores = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(3))
+        counter = torch.zeros(1, dtype=torch.int64, device=dev)
+        a = self._arr
+        self._launch(self._table.export_kernel, n, a(tbl_keys), a(tbl_scores), start, end,
+                     a(counter), a(keys), a(slots), a(scores))
+        count = int(counter.item())
+        order = torch.argsort(slots[:count])
+        return keys[:count][order], slots[:count][order], scores[:count][order]
+
+    def rehash(self, old_keys, old_scores, old_refcnt, new_keys, new_scores, new_refcnt,
+               new_num_buckets, bucket_size, remap) -> int:
+        lost = torch.zeros(1, dtype=torch.int64, device=old_keys.device)
+        a = self._arr
+        self._launch(self._table.rehash_kernel, old_keys.numel(), a(old_keys), a(old_scores),
+                     a(old_refcnt), a(new_keys), a(new_scores), a(new_refcnt), new_num_buckets,
+                     bucket_size, a(remap), a(lost))
+        return int(lost.item())
+
+    def init_rows(self, out, keys, seed, table_id, kind, p0, p1, low, high):
+        self._launch(self._init.init_rows_kernel, out.numel(), self._arr(out), self._arr(keys),
+                     seed, table_id, kind, p0, p1, low, high)
+
+
+@lru_cache(maxsize=None)
+def get_backend(name: str):
+    """The backend called ``name`` ("cpu" or "cuda"), created once per process."""
+    if name == "cpu":
+        return CpuBackend()
+    if name == "cuda":
+        return CudaBackend()
+    raise ValueError(f"backend must be 'cpu' or 'cuda', got {name!r}")
+
+
+def backend_for_device(device: torch.device, backend: str | None = None):
+    """The backend for ``device``; ``backend`` overrides it (e.g. "cuda" under the simulator)."""
+    chosen = get_backend(backend or ("cuda" if device.type == "cuda" else "cpu"))
+    chosen.check_device(device)
+    return chosen

@@ -1,0 +1,353 @@
+"""``ScoredHashTable``: raw int64 keys -> slots of a flat value table, with scores and pins."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from dynemb.backends import backend_for_device
+from dynemb.kernels.constants import MAX_BUCKET_SIZE
+from dynemb.types import (EMPTY_KEY, TOMBSTONE_KEY, EraseResult, ExportBatch, FindOrInsertResult,
+                          ScorePolicy, TableFullError)
+from dynemb.validation import (check_index_tensor, check_keys, check_positive_int,
+                               check_same_length, check_slots)
+
+_ON_FAILURE = ("raise", "report")
+
+
+class ScoredHashTable:
+    """A bucketed open-addressing hash table from int64 keys to slots ``[0, capacity)``.
+
+    Slot ``s`` is row ``s`` of the caller's flat value tables; the table stores per slot only
+    the key, a score (see :class:`ScorePolicy`) and a reference count. A key lives in one bucket
+    of ``bucket_size`` slots chosen by its hash and is probed linearly inside it. When the
+    bucket is full, inserting evicts the unpinned slot with the lowest score (ties: the first in
+    probe order on CPU, any of them on CUDA); slots inserted or hit by the same call are never
+    victims. A pinned slot (reference count > 0) is never evicted or erased.
+
+    Args:
+        capacity: number of slots; a positive multiple of ``bucket_size``.
+        bucket_size: slots per bucket, a power of two <= 128 (default: 128, or ``capacity``
+            when that is smaller).
+        policy: the score policy.
+        device: where the table lives; picks the CPU or CUDA kernels.
+        grow_at_load_factor: grow (doubling) before an insert would pass this load factor, or
+            when a key finds no slot, as long as ``max_capacity`` allows. None: never grow by
+            itself.
+        max_capacity: upper bound for growth (default: unbounded when growth is on).
+        backend: "cpu" or "cuda" to override the choice by device (the CUDA simulator runs the
+            "cuda" backend on CPU tensors).
+
+    Example::
+
+        >>> table = ScoredHashTable(1024, policy=ScorePolicy.LRU)
+        >>> result = table.find_or_insert(torch.tensor([7, 42, 7]))
+        >>> result.keys.tolist(), result.inserted.tolist()
+        ([7, 42], [True, True])
+        >>> bool((table.find(torch.tensor([42, 5])) == torch.stack([result.slots[1], torch.tensor(-1)])).all())
+        True
+        >>> table.size()
+        2
+    """
+
+    def __init__(self, capacity: int, *, bucket_size: Optional[int] = None,
+                 policy: ScorePolicy = ScorePolicy.LRU, device=None,
+                 grow_at_load_factor: Optional[float] = None,
+                 max_capacity: Optional[int] = None, backend: Optional[str] = None):
+        check_positive_int(capacity, "capacity")
+        if bucket_size is None:
+            bucket_size = min(MAX_BUCKET_SIZE, capacity)
+        check_positive_int(bucket_size, "bucket_size")
+        if bucket_size > MAX_BUCKET_SIZE or bucket_size & (bucket_size - 1):
+            raise ValueError(f"bucket_size must be a power of two <= {MAX_BUCKET_SIZE}, "
+                             f"got {bucket_size}")
+        if capacity % bucket_size:
+            raise ValueError(f"capacity must be a multiple of bucket_size ({bucket_size}), got "
+                             f"{capacity}; nearest valid: "
+                             f"{max(bucket_size, capacity // bucket_size * bucket_size)}")
+        if capacity // bucket_size >= 2**31:
+            raise ValueError(f"capacity {capacity} needs >= 2**31 buckets; use larger buckets")
+        if not isinstance(policy, ScorePolicy):
+            raise TypeError(f"policy must be a ScorePolicy, got {policy!r}")
+        if grow_at_load_factor is not None and not 0.0 < grow_at_load_factor <= 1.0:
+            raise ValueError(f"grow_at_load_factor must be in (0, 1], got {grow_at_load_factor}")
+        if max_capacity is not None:
+            check_positive_int(max_capacity, "max_capacity")
+            if max_capacity < capacity:
+                raise ValueError(f"max_capacity ({max_capacity}) is below capacity ({capacity})")
+        self.device = torch.device(device if device is not None else "cpu")
+        self._backend = backend_for_device(self.device, backend)
+        self.policy = policy
+        self.bucket_size = bucket_size
+        self.grow_at_load_factor = grow_at_load_factor
+        self.max_capacity = max_capacity
+        self._clock = 0
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        self._keys, self._scores, self._refcnt = self._empty_arrays(capacity)
+        self._size = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def _empty_arrays(self, capacity: int):
+        dev = self.device
+        return (torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=dev),
+                torch.zeros(capacity, dtype=torch.int64, device=dev),
+                torch.zeros(capacity, dtype=torch.int32, device=dev))
+
+    # -- sizes -------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._keys.numel()
+
+    @property
+    def num_buckets(self) -> int:
+        return self.capacity // self.bucket_size
+
+    @property
+    def clock(self) -> int:
+        """Calls that updated scores so far (the LRU/STEP score of the latest call)."""
+        return self._clock
+
+    def size(self) -> int:
+        """Number of live keys (synchronizes with the device on CUDA)."""
+        return int(self._size.item())
+
+    def load_factor(self) -> float:
+        return self.size() / self.capacity
+
+    def pinned_count(self) -> int:
+        """Number of slots with a reference count above zero."""
+        return int((self._refcnt > 0).sum().item())
+
+    # -- lookups -----------------------------------------------------------------------------
+    def find(self, keys: torch.Tensor, *, update_scores: bool = False,
+             scores: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Slots of ``keys`` ([N] int64), -1 for keys not in the table.
+
+        With ``update_scores`` hits get their score updated by the policy (and the clock
+        advances); ``scores`` are the given scores for CUSTOMIZED.
+        """
+        check_keys(keys, self.device)
+        self._check_scores(keys, scores, required=update_scores)
+        out = torch.empty_like(keys)
+        if not update_scores:
+            self._backend.find(self._keys, self.num_buckets, self.bucket_size, keys, out)
+            return out
+        ukeys, inverse, counts, given = self._dedup(keys, scores, assume_unique=False)
+        self._clock += 1
+        slots = torch.full_like(ukeys, -1)
+        self._lookup_update(ukeys, counts, given, pin=False, slots=slots,
+                            prev_scores=torch.zeros_like(ukeys))
+        return slots[inverse]
+
+    def find_or_insert(self, keys: torch.Tensor, scores: Optional[torch.Tensor] = None, *,
+                       pin: bool = False, on_failure: str = "raise",
+                       assume_unique: bool = False) -> FindOrInsertResult:
+        """Find each key, inserting the missing ones (evicting by score when a bucket is full).
+
+        Args:
+            keys: [N] int64, duplicates allowed (they share one slot).
+            scores: [N] int64, required by CUSTOMIZED and rejected by the other policies.
+            pin: keep one pin on every returned slot (release it with :meth:`unpin`).
+            on_failure: "raise" (default): if any key finds no slot, undo the call and raise
+                :class:`TableFullError`; "report": keep what succeeded, flag the rest in
+                ``failed``.
+            assume_unique: the caller guarantees no duplicates (skips the dedup pass).
+
+        The caller must write back the rows of ``result.evicted`` slots (their old keys are in
+        ``previous_keys``) before overwriting them, and apply ``result.remap`` if the table grew.
+        """
+        check_keys(keys, self.device)
+        self._check_scores(keys, scores, required=self.policy is ScorePolicy.CUSTOMIZED)
+        if on_failure not in _ON_FAILURE:
+            raise ValueError(f"on_failure must be one of {_ON_FAILURE}, got {on_failure!r}")
+        ukeys, inverse, counts, given = self._dedup(keys, scores, assume_unique)
+        remap = self._grow_for(ukeys) if self.grow_at_load_factor is not None else None
+        while True:
+            attempt = self._find_or_insert_once(ukeys, counts, given)
+            slots, hit, prev_keys, prev_scores, failed = attempt
+            if not bool(failed.any()):
+                break
+            new_capacity = self._next_capacity(self.capacity + 1)
+            if on_failure == "report" and new_capacity is None:
+                break
+            self._rollback(slots, hit, prev_keys, prev_scores)
+            if new_capacity is None:
+                raise TableFullError(
+                    f"{int(failed.sum())} of {ukeys.numel()} keys found no slot: their buckets "
+                    f"are full of pinned slots or the policy is NO_EVICTION "
+                    f"(capacity {self.capacity}, size {self.size()}); the table is unchanged",
+                    ukeys[failed], remap)
+            remap = _compose(remap, self.grow(new_capacity))
+        if not pin:
+            self._backend.add_refcounts(self._refcnt, slots, -1)
+        inserted = ~hit & (slots >= 0)
+        return FindOrInsertResult(ukeys, inverse, slots, inserted, prev_keys, prev_scores, failed,
+                                  remap)
+
+    def _find_or_insert_once(self, ukeys, counts, given):
+        self._clock += 1
+        slots = torch.full_like(ukeys, -1)
+        prev_scores = torch.zeros_like(ukeys)
+        self._lookup_update(ukeys, counts, given, pin=True, slots=slots, prev_scores=prev_scores)
+        hit = slots >= 0
+        prev_keys = torch.full_like(ukeys, EMPTY_KEY)
+        failed = torch.zeros(ukeys.shape, dtype=torch.bool, device=self.device)
+        self._backend.insert_missing(
+            self._keys, self._scores, self._refcnt, self._size, self.num_buckets,
+            self.bucket_size, ukeys, counts, given, self.policy.code, self._clock,
+            self.policy is not ScorePolicy.NO_EVICTION, slots, prev_keys, prev_scores, failed)
+        return slots, hit, prev_keys, prev_scores, failed
+
+    def _lookup_update(self, ukeys, counts, given, *, pin, slots, prev_scores) -> None:
+        self._backend.lookup_update(self._keys, self._scores, self._refcnt, self.num_buckets,
+                                    self.bucket_size, ukeys, counts, given, self.policy.code,
+                                    self._clock, pin, slots, prev_scores)
+
+    def _rollback(self, slots, hit, prev_keys, prev_scores) -> None:
+        """Undo one ``_find_or_insert_once``: restore keys, scores, size, pins and clock."""
+        placed = slots >= 0
+        inserted = placed & ~hit
+        ins_slots = slots[inserted]
+        restored = prev_keys[inserted]
+        self._keys[ins_slots] = restored
+        self._size -= (restored == EMPTY_KEY).sum() + (restored == TOMBSTONE_KEY).sum()
+        self._scores[slots[placed]] = prev_scores[placed]
+        self._backend.add_refcounts(self._refcnt, slots, -1)
+        self._clock -= 1
+
+    def _dedup(self, keys, scores, assume_unique):
+        if assume_unique:
+            counts = torch.ones_like(keys)
+            inverse = torch.arange(keys.numel(), device=self.device)
+            given = scores if scores is not None else torch.zeros_like(keys)
+            return keys, inverse, counts, given
+        ukeys, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+        given = torch.zeros_like(ukeys)
+        if scores is not None:
+            given = given.fill_(torch.iinfo(torch.int64).min).scatter_reduce(
+                0, inverse, scores, reduce="amax")
+        return ukeys, inverse, counts, given
+
+    def _check_scores(self, keys, scores, required: bool) -> None:
+        custom = self.policy is ScorePolicy.CUSTOMIZED
+        if scores is None:
+            if custom and required:
+                raise ValueError("scores are required by the CUSTOMIZED policy")
+            return
+        if not custom:
+            raise ValueError(f"scores are only used by the CUSTOMIZED policy, this table uses "
+                             f"{self.policy.name}")
+        check_index_tensor(scores, "scores", self.device)
+        check_same_length(keys, "keys", scores, "scores")
+
+    # -- removal and pins --------------------------------------------------------------------
+    def erase(self, keys: torch.Tensor) -> EraseResult:
+        """Remove ``keys``; pinned keys are kept and flagged in ``pinned``."""
+        check_keys(keys, self.device)
+        erased = torch.zeros(keys.shape, dtype=torch.bool, device=self.device)
+        pinned = torch.zeros_like(erased)
+        self._backend.erase(self._keys, self._scores, self._refcnt, self._size, self.num_buckets,
+                            self.bucket_size, keys, erased, pinned)
+        return EraseResult(erased, pinned)
+
+    def pin(self, slots: torch.Tensor) -> None:
+        """Add one reference to each slot (duplicates add one each); pinned slots stay put."""
+        self._check_live_slots(slots, "slots")
+        self._backend.add_refcounts(self._refcnt, slots, 1)
+
+    def unpin(self, slots: torch.Tensor) -> None:
+        """Drop one reference per entry of ``slots``; more than were added is an error."""
+        self._check_live_slots(slots, "slots")
+        if slots.numel():
+            drops = torch.bincount(slots, minlength=self.capacity)
+            over = drops > self._refcnt.to(torch.int64)
+            if bool(over.any()):
+                s = int(over.nonzero()[0].item())
+                raise ValueError(f"slots unpins slot {s} {int(drops[s])} times but it holds "
+                                 f"{int(self._refcnt[s])} pins")
+        self._backend.add_refcounts(self._refcnt, slots, -1)
+
+    def _check_live_slots(self, slots, name) -> None:
+        check_slots(slots, name, self.device, self.capacity)
+        stored = self._keys[slots]
+        empty = (stored == EMPTY_KEY) | (stored == TOMBSTONE_KEY)
+        if bool(empty.any()):
+            raise ValueError(f"{name} names slot {int(slots[empty][0])}, which holds no key")
+
+    # -- iteration and growth ----------------------------------------------------------------
+    def export(self, start: int = 0, batch: Optional[int] = None) -> ExportBatch:
+        """Live entries of slots ``[start, start + batch)``; loop until ``next_start == capacity``.
+
+        Example::
+
+            >>> start, seen = 0, 0
+            >>> while start < table.capacity:
+            ...     chunk = table.export(start, 4096)
+            ...     seen += chunk.keys.numel(); start = chunk.next_start
+        """
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= self.capacity:
+            raise ValueError(f"start must be an int in [0, {self.capacity}], got {start!r}")
+        batch = self.capacity - start if batch is None else check_positive_int(batch, "batch")
+        end = min(self.capacity, start + batch)
+        keys, slots, scores = self._backend.export(self._keys, self._scores, start, end)
+        return ExportBatch(keys, slots, scores, end)
+
+    def grow(self, new_capacity: int) -> torch.Tensor:
+        """Rehash into ``new_capacity`` slots; returns ``remap`` [old capacity] (old -> new slot,
+        -1 for empty slots). Scores and pins move with their keys; apply ``remap`` to any slot
+        index you hold and move value rows with it. On failure the table is unchanged."""
+        check_positive_int(new_capacity, "new_capacity")
+        if new_capacity <= self.capacity or new_capacity % self.bucket_size:
+            raise ValueError(f"new_capacity must be a multiple of {self.bucket_size} above the "
+                             f"current capacity {self.capacity}, got {new_capacity}")
+        if self.max_capacity is not None and new_capacity > self.max_capacity:
+            raise ValueError(f"new_capacity {new_capacity} exceeds max_capacity "
+                             f"{self.max_capacity}")
+        keys, scores, refcnt = self._empty_arrays(new_capacity)
+        remap = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
+        lost = self._backend.rehash(self._keys, self._scores, self._refcnt, keys, scores, refcnt,
+                                    new_capacity // self.bucket_size, self.bucket_size, remap)
+        if lost:
+            raise ValueError(f"new_capacity {new_capacity} cannot hold the {self.size()} keys "
+                             f"({lost} found their bucket full); the table is unchanged")
+        self._keys, self._scores, self._refcnt = keys, scores, refcnt
+        return remap
+
+    def _next_capacity(self, needed: int) -> Optional[int]:
+        """Smallest doubling of the capacity that reaches ``needed``, or None if growth is off
+        or ``max_capacity`` forbids it."""
+        if self.grow_at_load_factor is None:
+            return None
+        limit = self.max_capacity
+        cap = self.capacity
+        while cap < needed:
+            cap *= 2
+        if limit is not None:
+            cap = min(cap, limit // self.bucket_size * self.bucket_size)
+        return cap if cap > self.capacity else None
+
+    def _grow_for(self, ukeys) -> Optional[torch.Tensor]:
+        """Grow before inserting if the missing keys would pass ``grow_at_load_factor``."""
+        probe = torch.empty_like(ukeys)
+        self._backend.find(self._keys, self.num_buckets, self.bucket_size, ukeys, probe)
+        after = self.size() + int((probe < 0).sum())
+        if after <= self.grow_at_load_factor * self.capacity:
+            return None
+        needed = int(after / self.grow_at_load_factor) + 1
+        new_capacity = self._next_capacity(needed)
+        return None if new_capacity is None else self.grow(new_capacity)
+
+    def __repr__(self) -> str:
+        return (f"ScoredHashTable(capacity={self.capacity}, bucket_size={self.bucket_size}, "
+                f"policy={self.policy.name}, device={self.device}, backend={self._backend.name})")
+
+
+def _compose(first: Optional[torch.Tensor], then: torch.Tensor) -> torch.Tensor:
+    """Remap of two successive growths (``first`` may be None)."""
+    if first is None:
+        return then
+    out = first.clone()
+    live = first >= 0
+    out[live] = then[first[live]]
+    return out

@@ -1,0 +1,112 @@
+"""Public enums and result types of the hash table."""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple, Optional
+
+import torch
+
+from dynemb.kernels import constants
+
+#: Reserved int64 keys: the table rejects them (they mark empty and erased slots).
+EMPTY_KEY = int(constants.EMPTY_KEY)
+TOMBSTONE_KEY = int(constants.TOMBSTONE_KEY)
+RESERVED_KEYS = (EMPTY_KEY, TOMBSTONE_KEY)
+
+
+class ScorePolicy(enum.Enum):
+    """How a slot's score is set. Larger score = more worth keeping; eviction takes the lowest.
+
+    The table's clock advances by one at every ``find_or_insert`` and every
+    ``find(..., update_scores=True)`` call (one call per batch, i.e. per training step).
+
+    - ``LRU``: score = clock at insertion and at every scored hit (recency).
+    - ``LFU``: score = number of occurrences seen (a batch adds its occurrence count).
+    - ``STEP``: score = clock at insertion, unchanged by hits (age: oldest goes first).
+    - ``CUSTOMIZED``: the caller passes the scores; a hit sets the score to the given value.
+      Duplicates of a key in one batch take the largest given score.
+    - ``NO_EVICTION``: scores are unused; a key whose bucket is full is not inserted and is
+      reported as failed.
+    """
+
+    LRU = "lru"
+    LFU = "lfu"
+    STEP = "step"
+    CUSTOMIZED = "customized"
+    NO_EVICTION = "no_eviction"
+
+    @property
+    def code(self) -> int:
+        return _POLICY_CODES[self]
+
+
+_POLICY_CODES = {
+    ScorePolicy.LRU: constants.POLICY_LRU,
+    ScorePolicy.LFU: constants.POLICY_LFU,
+    ScorePolicy.STEP: constants.POLICY_STEP,
+    ScorePolicy.CUSTOMIZED: constants.POLICY_CUSTOMIZED,
+    ScorePolicy.NO_EVICTION: constants.POLICY_NO_EVICTION,
+}
+
+
+class FindOrInsertResult(NamedTuple):
+    """Outcome of ``ScoredHashTable.find_or_insert``, one entry per *unique* key.
+
+    Shapes: ``U`` unique keys, ``N`` input keys.
+
+    - ``keys`` [U]: the unique keys; ``inverse`` [N]: ``keys[inverse] == input``.
+    - ``slots`` [U]: the slot of each key, -1 where ``failed``.
+    - ``inserted`` [U]: the key was not in the table and now has a slot.
+    - ``previous_keys`` / ``previous_scores`` [U]: what the slot held before an insert;
+      a live key there was evicted (see ``evicted``): write its row back before reusing it.
+    - ``failed`` [U]: no slot could be found (bucket full of pinned slots, or NO_EVICTION).
+    - ``remap`` [old capacity] or None: set when the table grew during the call; row
+      ``remap[s]`` of the new table holds what row ``s`` held (-1: empty).
+    """
+
+    keys: torch.Tensor
+    inverse: torch.Tensor
+    slots: torch.Tensor
+    inserted: torch.Tensor
+    previous_keys: torch.Tensor
+    previous_scores: torch.Tensor
+    failed: torch.Tensor
+    remap: Optional[torch.Tensor]
+
+    @property
+    def evicted(self) -> torch.Tensor:
+        """[U] bool: the insert of ``keys[i]`` displaced the live key ``previous_keys[i]``."""
+        return self.inserted & (self.previous_keys != EMPTY_KEY) & (
+            self.previous_keys != TOMBSTONE_KEY)
+
+    @property
+    def input_slots(self) -> torch.Tensor:
+        """[N]: the slot of every input key, duplicates included."""
+        return self.slots[self.inverse]
+
+
+class EraseResult(NamedTuple):
+    """Per input key: ``erased`` (it was removed) and ``pinned`` (found but kept: pinned)."""
+
+    erased: torch.Tensor
+    pinned: torch.Tensor
+
+
+class ExportBatch(NamedTuple):
+    """Live entries of slots ``[start, next_start)``, in slot order."""
+
+    keys: torch.Tensor
+    slots: torch.Tensor
+    scores: torch.Tensor
+    next_start: int
+
+
+class TableFullError(RuntimeError):
+    """Some keys found no slot. The table is as it was before the call, except that it may
+    have grown: ``remap`` (or None) then maps old slots to new ones, as in
+    ``FindOrInsertResult.remap``. ``failed_keys`` lists the keys that found no slot."""
+
+    def __init__(self, message: str, failed_keys: torch.Tensor, remap: Optional[torch.Tensor]):
+        super().__init__(message)
+        self.failed_keys = failed_keys
+        self.remap = remap

@@ -1,0 +1,50 @@
+"""Argument checks shared by the public API. Each error names the argument at fault."""
+from __future__ import annotations
+
+import torch
+
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
+
+
+def check_index_tensor(t, name: str, device: torch.device) -> None:
+    """``t`` must be a 1-D int64 tensor on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int64:
+        raise TypeError(f"{name} must have dtype torch.int64, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the table is on {device}")
+
+
+def check_keys(keys, device: torch.device, name: str = "keys") -> None:
+    """1-D int64 keys on ``device`` that contain no reserved key."""
+    check_index_tensor(keys, name, device)
+    reserved = (keys == EMPTY_KEY) | (keys == TOMBSTONE_KEY)
+    if keys.numel() and bool(reserved.any()):
+        bad = keys[reserved][0].item()
+        raise ValueError(
+            f"{name} contains the reserved key {bad} (EMPTY_KEY={EMPTY_KEY} and "
+            f"TOMBSTONE_KEY={TOMBSTONE_KEY} mark free slots and cannot be stored)")
+
+
+def check_same_length(a: torch.Tensor, name_a: str, b: torch.Tensor, name_b: str) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{name_b} has shape {tuple(b.shape)} but {name_a} has {tuple(a.shape)}")
+
+
+def check_positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def check_slots(slots, name: str, device: torch.device, capacity: int) -> None:
+    """1-D int64 slot indices in ``[0, capacity)``."""
+    check_index_tensor(slots, name, device)
+    if slots.numel() and (bool((slots < 0).any()) or bool((slots >= capacity).any())):
+        raise ValueError(f"{name} must lie in [0, {capacity}), got values from "
+                         f"{slots.min().item()} to {slots.max().item()}")

@@ -1,0 +1,17 @@
+"""Reserved keys and score-policy codes shared by every kernel."""
+import numpy as np
+
+#: Marks a slot that never held a key since the last rehash. Reserved: never stored.
+EMPTY_KEY = np.int64(-(2**63))
+#: Marks a slot whose key was erased; probing continues past it. Reserved: never stored.
+TOMBSTONE_KEY = np.int64(-(2**63) + 1)
+
+#: Score policies, as passed to kernels (see ``dynemb.ScorePolicy`` for their meaning).
+POLICY_LRU = 0
+POLICY_LFU = 1
+POLICY_STEP = 2
+POLICY_CUSTOMIZED = 3
+POLICY_NO_EVICTION = 4
+
+#: Largest bucket the CUDA insert kernel can track with its two 64-bit "already claimed" masks.
+MAX_BUCKET_SIZE = 128

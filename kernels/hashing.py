@@ -1,0 +1,60 @@
+"""Key hashing and bucket addressing, shared by the CPU and CUDA kernels.
+
+Plain ``@njit`` functions: CPU kernels inline them, and numba-cuda compiles them as device
+functions when a ``@cuda.jit`` kernel calls them. Everything stays in int64 arithmetic (which
+wraps on overflow in both backends); logical right shifts are written as shift-and-mask.
+"""
+import numpy as np
+from numba import njit
+
+from .constants import EMPTY_KEY, TOMBSTONE_KEY
+
+_MASK31 = np.int64(0x7FFFFFFF)
+_MASK32 = np.int64(0xFFFFFFFF)
+# 0xff51afd7ed558ccd and 0xc4ceb9fe1a85ec53 (the murmur3 64-bit finalizer) as int64.
+_MIX_A = np.int64(-49064778989728563)
+_MIX_B = np.int64(-4265267296055464877)
+
+
+@njit(cache=True, inline="always")
+def mix64(x):
+    """Murmur3 finalizer: a bijection on 64-bit words that spreads every input bit."""
+    x = x ^ ((x >> 33) & _MASK31)
+    x = x * _MIX_A
+    x = x ^ ((x >> 33) & _MASK31)
+    x = x * _MIX_B
+    x = x ^ ((x >> 33) & _MASK31)
+    return x
+
+
+@njit(cache=True, inline="always")
+def bucket_base_and_start(key, num_buckets, bucket_size):
+    """First slot of ``key``'s bucket and the in-bucket position its probe starts at.
+
+    The bucket is chosen by multiply-shift range reduction of the high 32 hash bits, so any
+    bucket count works and doubling it splits every bucket into two (growth never overflows).
+    """
+    h = mix64(key)
+    bucket = (((h >> 32) & _MASK32) * num_buckets) >> 32
+    return bucket * bucket_size, h & (bucket_size - 1)
+
+
+@njit(cache=True, inline="always")
+def is_live_key(key):
+    """True for a stored key, False for the EMPTY and TOMBSTONE markers."""
+    return key != EMPTY_KEY and key != TOMBSTONE_KEY
+
+
+@njit(cache=True, inline="always")
+def probe(tbl_keys, key, num_buckets, bucket_size):
+    """Slot holding ``key`` or -1. Stops at the first EMPTY slot (keys never sit past one)."""
+    base, start = bucket_base_and_start(key, num_buckets, bucket_size)
+    mask = bucket_size - 1
+    for j in range(bucket_size):
+        s = base + ((start + j) & mask)
+        k = tbl_keys[s]
+        if k == key:
+            return s
+        if k == EMPTY_KEY:
+            return -1
+    return -1

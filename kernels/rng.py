@@ -1,0 +1,36 @@
+"""Counter-based random numbers: the value depends only on (seed, table, key, counter).
+
+This is what makes a new row's initial vector independent of batch order, rank, backend and
+storage mode. Shared by the CPU and CUDA initializer kernels.
+"""
+import math
+
+import numpy as np
+from numba import njit
+
+from .hashing import mix64
+
+_MASK53 = np.int64((1 << 53) - 1)
+_GOLDEN = np.int64(-7046029254386353131)  # 0x9e3779b97f4a7c15 as int64
+_INV_2_53 = 1.0 / 9007199254740992.0
+
+
+@njit(cache=True, inline="always")
+def row_stream(seed, table_id, key):
+    """A 64-bit word identifying the random stream of one row."""
+    return mix64(mix64(seed ^ (table_id * _GOLDEN)) ^ key)
+
+
+@njit(cache=True, inline="always")
+def uniform01(stream, counter):
+    """Uniform in the open interval (0, 1), 53 bits of resolution."""
+    h = mix64(stream + (counter + 1) * _GOLDEN)
+    return (float((h >> 11) & _MASK53) + 0.5) * _INV_2_53
+
+
+@njit(cache=True, inline="always")
+def standard_normal(stream, counter):
+    """Box-Muller on two uniforms drawn at ``2 * counter`` and ``2 * counter + 1``."""
+    u1 = uniform01(stream, 2 * counter)
+    u2 = uniform01(stream, 2 * counter + 1)
+    return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)

@@ -1,0 +1,169 @@
+"""CPU kernels of the scored hash table (``@njit``).
+
+Read-only kernels run in parallel (``prange``); kernels that claim slots run sequentially in
+batch order, which makes their victims and slot choices deterministic. The CUDA twins in
+``table_cuda.py`` implement the same rules with atomics.
+
+Arrays: ``tbl_keys`` [C] int64, ``tbl_scores`` [C] int64, ``refcnt`` [C] int32, ``size`` [1]
+int64, with ``C = num_buckets * bucket_size``.
+"""
+import numpy as np
+from numba import njit, prange
+
+from .constants import EMPTY_KEY, TOMBSTONE_KEY
+from .hashing import bucket_base_and_start, is_live_key, probe
+from .scoring import INT64_MAX, score_on_hit, score_on_insert
+
+
+@njit(cache=True, parallel=True)
+def find_cpu(tbl_keys, num_buckets, bucket_size, keys, out_slots):
+    """``out_slots[i]`` = slot of ``keys[i]`` or -1. Duplicates allowed; nothing is written."""
+    for i in prange(keys.size):
+        key = keys[i]
+        out_slots[i] = -1 if key == EMPTY_KEY else probe(tbl_keys, key, num_buckets, bucket_size)
+
+
+@njit(cache=True)
+def find_serial_cpu(tbl_keys, num_buckets, bucket_size, keys, out_slots):
+    """Single-threaded ``find_cpu`` (for benchmarks and small batches)."""
+    for i in range(keys.size):
+        key = keys[i]
+        out_slots[i] = -1 if key == EMPTY_KEY else probe(tbl_keys, key, num_buckets, bucket_size)
+
+
+@njit(cache=True, parallel=True)
+def lookup_update_cpu(tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, ukeys, counts,
+                      given, policy, clock, pin, out_slots, out_prev_scores):
+    """Find unique keys; for hits, update the score by policy and optionally add one pin.
+
+    ``ukeys`` must hold no duplicates (so parallel writes never collide). ``out_prev_scores``
+    keeps the score before the update so a failed batch can be rolled back.
+    """
+    for i in prange(ukeys.size):
+        key = ukeys[i]
+        s = -1 if key == EMPTY_KEY else probe(tbl_keys, key, num_buckets, bucket_size)
+        out_slots[i] = s
+        if s >= 0:
+            old = tbl_scores[s]
+            out_prev_scores[i] = old
+            tbl_scores[s] = score_on_hit(policy, old, clock, counts[i], given[i])
+            if pin:
+                refcnt[s] += 1
+
+
+@njit(cache=True)
+def insert_missing_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, ukeys,
+                       counts, given, policy, clock, allow_evict, slots, prev_keys, prev_scores,
+                       failed):
+    """Give every unique key with ``slots[i] < 0`` a slot, in batch order.
+
+    A key takes the first EMPTY or TOMBSTONE slot of its probe sequence; in a full bucket it
+    takes the unpinned live slot with the lowest score (ties: earliest in probe order), and the
+    displaced key is left in ``prev_keys[i]``. Claimed slots get one pin (``refcnt``), so no
+    later key of the batch can displace them. No candidate: ``failed[i] = True``.
+    """
+    mask = bucket_size - 1
+    for i in range(ukeys.size):
+        key = ukeys[i]
+        if slots[i] >= 0 or key == EMPTY_KEY:
+            continue
+        base, start = bucket_base_and_start(key, num_buckets, bucket_size)
+        claimed = -1
+        for j in range(bucket_size):
+            s = base + ((start + j) & mask)
+            if not is_live_key(tbl_keys[s]) and refcnt[s] == 0:
+                claimed = s
+                break
+        if claimed < 0 and allow_evict:
+            lowest = INT64_MAX
+            for j in range(bucket_size):
+                s = base + ((start + j) & mask)
+                if refcnt[s] == 0 and is_live_key(tbl_keys[s]) and (
+                        claimed < 0 or tbl_scores[s] < lowest):
+                    claimed = s
+                    lowest = tbl_scores[s]
+        if claimed < 0:
+            failed[i] = True
+            continue
+        prev = tbl_keys[claimed]
+        prev_keys[i] = prev
+        prev_scores[i] = tbl_scores[claimed]
+        tbl_keys[claimed] = key
+        tbl_scores[claimed] = score_on_insert(policy, clock, counts[i], given[i])
+        refcnt[claimed] += 1
+        if not is_live_key(prev):
+            size[0] += 1
+        slots[i] = claimed
+
+
+@njit(cache=True)
+def erase_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, keys, out_erased,
+              out_pinned):
+    """Replace each found, unpinned key by a TOMBSTONE. Pinned keys stay and are reported."""
+    for i in range(keys.size):
+        key = keys[i]
+        if key == EMPTY_KEY:
+            continue
+        s = probe(tbl_keys, key, num_buckets, bucket_size)
+        if s < 0:
+            continue
+        if refcnt[s] > 0:
+            out_pinned[i] = True
+            continue
+        tbl_keys[s] = TOMBSTONE_KEY
+        tbl_scores[s] = 0
+        size[0] -= 1
+        out_erased[i] = True
+
+
+@njit(cache=True)
+def add_refcounts_cpu(refcnt, slots, delta):
+    """``refcnt[slots[i]] += delta`` for every ``slots[i] >= 0`` (duplicates count each time)."""
+    for i in range(slots.size):
+        s = slots[i]
+        if s >= 0:
+            refcnt[s] += delta
+
+
+@njit(cache=True)
+def export_cpu(tbl_keys, tbl_scores, start, end, out_keys, out_slots, out_scores):
+    """Copy the live entries of slots ``[start, end)`` to the outputs, in slot order."""
+    n = 0
+    for s in range(start, end):
+        k = tbl_keys[s]
+        if is_live_key(k):
+            out_keys[n] = k
+            out_slots[n] = s
+            out_scores[n] = tbl_scores[s]
+            n += 1
+    return n
+
+
+@njit(cache=True)
+def rehash_cpu(old_keys, old_scores, old_refcnt, new_keys, new_scores, new_refcnt,
+               new_num_buckets, bucket_size, remap):
+    """Insert every live entry into the (empty) new arrays; ``remap[old] = new`` or -1.
+
+    Returns the number of entries that found no slot (the caller then keeps the old table).
+    """
+    mask = bucket_size - 1
+    lost = 0
+    for old in range(old_keys.size):
+        key = old_keys[old]
+        remap[old] = -1
+        if not is_live_key(key):
+            continue
+        base, start = bucket_base_and_start(key, new_num_buckets, bucket_size)
+        placed = False
+        for j in range(bucket_size):
+            s = base + ((start + j) & mask)
+            if new_keys[s] == EMPTY_KEY:
+                new_keys[s] = key
+                new_scores[s] = old_scores[old]
+                new_refcnt[s] = old_refcnt[old]
+                remap[old] = s
+                placed = True
+                break
+        if not placed:
+            lost += 1
+    return lost
