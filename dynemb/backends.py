@@ -7,20 +7,15 @@ kernels without a GPU.
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from typing import Tuple
 
 import torch
 
 from dynemb.kernels import init_cpu, table_cpu
+from dynemb.kernels.constants import cuda_simulator_enabled
 
 _THREADS_PER_BLOCK = 256
-
-
-def cuda_simulator_enabled() -> bool:
-    """True when numba-cuda runs kernels in its Python simulator."""
-    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
 
 class CpuBackend:

@@ -1,4 +1,6 @@
 """Reserved keys and score-policy codes shared by every kernel."""
+import os
+
 import numpy as np
 
 #: Marks a slot that never held a key since the last rehash. Reserved: never stored.
@@ -15,3 +17,8 @@ POLICY_NO_EVICTION = 4
 
 #: Largest bucket the CUDA insert kernel can track with its two 64-bit "already claimed" masks.
 MAX_BUCKET_SIZE = 128
+
+
+def cuda_simulator_enabled() -> bool:
+    """True when numba-cuda runs kernels in its Python simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"

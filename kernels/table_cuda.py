@@ -8,9 +8,14 @@ slots) and every retry makes progress. Keys passed to the insert kernel must be 
 import numpy as np
 from numba import cuda, int64
 
-from .constants import EMPTY_KEY, TOMBSTONE_KEY
-from .hashing import bucket_base_and_start, is_live_key, probe
+from .constants import EMPTY_KEY, TOMBSTONE_KEY, cuda_simulator_enabled
+from .hashing import bucket_base_and_start, is_live_key
+from .hashing import probe as _probe_cpu
 from .scoring import INT64_MAX, score_on_hit, score_on_insert
+
+# The compiler calls the @njit probe as a device function. The simulator cannot pass its fake
+# device arrays to an @njit function, so there the probe runs from the same Python source.
+probe = _probe_cpu.py_func if cuda_simulator_enabled() else _probe_cpu
 
 
 @cuda.jit
