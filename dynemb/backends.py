@@ -13,9 +13,10 @@ from typing import Tuple
 import torch
 
 from dynemb.kernels import init_cpu, table_cpu
-from dynemb.kernels.constants import cuda_simulator_enabled
+from dynemb.kernels.constants import EMPTY_KEY, cuda_simulator_enabled
 
 _THREADS_PER_BLOCK = 256
+_SIMULATED_THREADS_PER_BLOCK = 32
 
 
 class CpuBackend:
@@ -56,6 +57,16 @@ class CpuBackend:
         n = self._np
         table_cpu.erase_cpu(n(tbl_keys), n(tbl_scores), n(refcnt), n(size), num_buckets,
                             bucket_size, n(keys), n(out_erased), n(out_pinned))
+
+    def dedup(self, keys):
+        """(unique keys in first-occurrence order, inverse, counts)."""
+        n = keys.numel()
+        size = 1 << max(4, (2 * n - 1).bit_length())
+        scratch = torch.full((size, 2), EMPTY_KEY, dtype=torch.int64)
+        unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
+        u = table_cpu.dedup_cpu(keys.numpy(), scratch.view(-1).numpy(), unique.numpy(),
+                                inverse.numpy(), counts.numpy())
+        return unique[:u], inverse, counts[:u]
 
     def add_refcounts(self, refcnt, slots, delta):
         table_cpu.add_refcounts_cpu(self._np(refcnt), self._np(slots), delta)
@@ -113,7 +124,9 @@ class CudaBackend:
             return
         blocks = (n + _THREADS_PER_BLOCK - 1) // _THREADS_PER_BLOCK
         if self._simulated:
-            kernel[blocks, _THREADS_PER_BLOCK](*args)
+            # Small blocks: the simulator runs every thread of a block as a Python thread.
+            blocks = (n + _SIMULATED_THREADS_PER_BLOCK - 1) // _SIMULATED_THREADS_PER_BLOCK
+            kernel[blocks, _SIMULATED_THREADS_PER_BLOCK](*args)
             return
         stream = self._cuda.external_stream(torch.cuda.current_stream().cuda_stream)
         kernel[blocks, _THREADS_PER_BLOCK, stream](*args)
@@ -145,6 +158,10 @@ class CudaBackend:
         self._launch(self._table.erase_kernel, keys.numel(), a(tbl_keys), a(tbl_scores),
                      a(refcnt), a(size), num_buckets, bucket_size, a(keys), a(out_erased),
                      a(out_pinned))
+
+    def dedup(self, keys):
+        """(sorted unique keys, inverse, counts)."""
+        return torch.unique(keys, return_inverse=True, return_counts=True)
 
     def add_refcounts(self, refcnt, slots, delta):
         self._launch(self._table.add_refcounts_kernel, slots.numel(), self._arr(refcnt),

@@ -135,9 +135,9 @@ class ScoredHashTable:
             return out
         ukeys, inverse, counts, given = self._dedup(keys, scores, assume_unique=False)
         self._clock += 1
-        slots = torch.full_like(ukeys, -1)
+        slots = torch.empty_like(ukeys)
         self._lookup_update(ukeys, counts, given, pin=False, slots=slots,
-                            prev_scores=torch.zeros_like(ukeys))
+                            prev_scores=torch.empty_like(ukeys))
         return slots[inverse]
 
     def find_or_insert(self, keys: torch.Tensor, scores: Optional[torch.Tensor] = None, *,
@@ -187,12 +187,12 @@ class ScoredHashTable:
 
     def _find_or_insert_once(self, ukeys, counts, given):
         self._clock += 1
-        slots = torch.full_like(ukeys, -1)
-        prev_scores = torch.zeros_like(ukeys)
+        slots = torch.empty_like(ukeys)
+        prev_scores = torch.empty_like(ukeys)
         self._lookup_update(ukeys, counts, given, pin=True, slots=slots, prev_scores=prev_scores)
         hit = slots >= 0
-        prev_keys = torch.full_like(ukeys, EMPTY_KEY)
-        failed = torch.zeros(ukeys.shape, dtype=torch.bool, device=self.device)
+        prev_keys = torch.empty_like(ukeys)
+        failed = torch.empty(ukeys.shape, dtype=torch.bool, device=self.device)
         self._backend.insert_missing(
             self._keys, self._scores, self._refcnt, self._size, self.num_buckets,
             self.bucket_size, ukeys, counts, given, self.policy.code, self._clock,
@@ -222,7 +222,7 @@ class ScoredHashTable:
             inverse = torch.arange(keys.numel(), device=self.device)
             given = scores if scores is not None else torch.zeros_like(keys)
             return keys, inverse, counts, given
-        ukeys, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+        ukeys, inverse, counts = self._backend.dedup(keys)
         given = torch.zeros_like(ukeys)
         if scores is not None:
             given = given.fill_(torch.iinfo(torch.int64).min).scatter_reduce(

@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit, prange
 
 from .constants import EMPTY_KEY, TOMBSTONE_KEY
-from .hashing import bucket_base_and_start, is_live_key, probe
+from .hashing import bucket_base_and_start, is_live_key, mix64, probe
 from .scoring import INT64_MAX, score_on_hit, score_on_insert
 
 
@@ -43,6 +43,7 @@ def lookup_update_cpu(tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, uk
         key = ukeys[i]
         s = -1 if key == EMPTY_KEY else probe(tbl_keys, key, num_buckets, bucket_size)
         out_slots[i] = s
+        out_prev_scores[i] = 0
         if s >= 0:
             old = tbl_scores[s]
             out_prev_scores[i] = old
@@ -65,6 +66,8 @@ def insert_missing_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_s
     mask = bucket_size - 1
     for i in range(ukeys.size):
         key = ukeys[i]
+        prev_keys[i] = EMPTY_KEY
+        failed[i] = False
         if slots[i] >= 0 or key == EMPTY_KEY:
             continue
         base, start = bucket_base_and_start(key, num_buckets, bucket_size)
@@ -167,3 +170,34 @@ def rehash_cpu(old_keys, old_scores, old_refcnt, new_keys, new_scores, new_refcn
         if not placed:
             lost += 1
     return lost
+
+
+@njit(cache=True)
+def dedup_cpu(keys, scratch, out_unique, out_inverse, out_counts):
+    """Unique keys in first-occurrence order with inverse indices and counts; returns U.
+
+    ``scratch`` [2 * S] is a throwaway open-addressing set of (key, unique index) pairs, S a
+    power of two >= 2 * ``keys.size``, keys filled with EMPTY_KEY; ``keys`` holds no EMPTY_KEY.
+    """
+    mask = scratch.size // 2 - 1
+    n = 0
+    for i in range(keys.size):
+        key = keys[i]
+        h = mix64(key) & mask
+        while True:
+            k = scratch[2 * h]
+            if k == EMPTY_KEY:
+                scratch[2 * h] = key
+                scratch[2 * h + 1] = n
+                out_unique[n] = key
+                out_counts[n] = 1
+                out_inverse[i] = n
+                n += 1
+                break
+            if k == key:
+                j = scratch[2 * h + 1]
+                out_counts[j] += 1
+                out_inverse[i] = j
+                break
+            h = (h + 1) & mask
+    return n

@@ -35,6 +35,7 @@ def lookup_update_kernel(tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size,
     key = ukeys[i]
     s = -1 if key == EMPTY_KEY else probe(tbl_keys, key, num_buckets, bucket_size)
     out_slots[i] = s
+    out_prev_scores[i] = 0
     if s >= 0:
         old = tbl_scores[s]
         out_prev_scores[i] = old
@@ -51,6 +52,8 @@ def insert_missing_kernel(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucke
     if i >= ukeys.size:
         return
     key = ukeys[i]
+    prev_keys[i] = EMPTY_KEY
+    failed[i] = False
     if slots[i] >= 0 or key == EMPTY_KEY:
         return
     base, start = bucket_base_and_start(key, num_buckets, bucket_size)
