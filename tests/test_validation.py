@@ -1,0 +1,107 @@
+"""Bad input raises an error naming the argument, and leaves the table as it was."""
+import pytest
+import torch
+
+from dynemb import EMPTY_KEY, TOMBSTONE_KEY, ScoredHashTable, ScorePolicy
+from test_hash_table import snapshot
+
+
+@pytest.fixture
+def filled(make_table, to_dev):
+    table = make_table(64, bucket_size=8, policy=ScorePolicy.LRU)
+    table.find_or_insert(to_dev([1, 2, 3]))
+    return table
+
+
+BAD_KEYS = [
+    (lambda d: torch.tensor([1.0, 2.0], device=d), TypeError, "keys must have dtype torch.int64"),
+    (lambda d: torch.tensor([1, 2], dtype=torch.int32, device=d), TypeError, "keys must have dtype"),
+    (lambda d: torch.tensor([[1, 2]], device=d), ValueError, "keys must be 1-D"),
+    (lambda d: [1, 2], TypeError, "keys must be a torch.Tensor"),
+    (lambda d: torch.tensor([4, EMPTY_KEY], device=d), ValueError, "reserved key"),
+    (lambda d: torch.tensor([TOMBSTONE_KEY], device=d), ValueError, "reserved key"),
+]
+
+
+@pytest.mark.parametrize("make_keys,error,message", BAD_KEYS,
+                         ids=["float", "int32", "2d", "list", "empty_key", "tombstone_key"])
+@pytest.mark.parametrize("op", ["find", "find_or_insert", "erase"])
+def test_bad_keys(filled, backend, make_keys, error, message, op):
+    before = snapshot(filled)
+    with pytest.raises(error, match=message):
+        getattr(filled, op)(make_keys(backend[1]))
+    assert snapshot(filled) == before
+
+
+def test_bad_scores_and_options(filled, to_dev, make_table):
+    before = snapshot(filled)
+    with pytest.raises(ValueError, match="scores are only used by the CUSTOMIZED"):
+        filled.find_or_insert(to_dev([5]), to_dev([1]))
+    with pytest.raises(ValueError, match="on_failure"):
+        filled.find_or_insert(to_dev([5]), on_failure="ignore")
+    assert snapshot(filled) == before
+    custom = make_table(16, policy=ScorePolicy.CUSTOMIZED)
+    with pytest.raises(ValueError, match="scores are required"):
+        custom.find_or_insert(to_dev([5]))
+    with pytest.raises(ValueError, match="scores has shape"):
+        custom.find_or_insert(to_dev([5, 6]), to_dev([1]))
+    with pytest.raises(TypeError, match="scores must have dtype"):
+        custom.find_or_insert(to_dev([5]), to_dev([1]).float())
+    assert custom.size() == 0 and custom.clock == 0
+
+
+def test_bad_slots(filled, to_dev):
+    before = snapshot(filled)
+    with pytest.raises(ValueError, match=r"slots must lie in \[0, 64\)"):
+        filled.pin(to_dev([64]))
+    with pytest.raises(ValueError, match=r"slots must lie in"):
+        filled.unpin(to_dev([-1]))
+    empty_slot = next(s for s in range(64) if s not in filled.export().slots.tolist())
+    with pytest.raises(ValueError, match="holds no key"):
+        filled.pin(to_dev([empty_slot]))
+    live = filled.find(to_dev([1]))
+    with pytest.raises(ValueError, match="holds 0 pins"):
+        filled.unpin(live)
+    filled.pin(live)
+    with pytest.raises(ValueError, match="2 times but it holds 1 pins"):
+        filled.unpin(torch.cat([live, live]))
+    filled.unpin(live)
+    assert snapshot(filled) == before
+
+
+def test_bad_export_and_grow(filled):
+    before = snapshot(filled)
+    for start in (-1, 65, 1.5):
+        with pytest.raises(ValueError, match="start must be"):
+            filled.export(start)
+    with pytest.raises(ValueError, match="batch must be positive"):
+        filled.export(0, 0)
+    for cap in (64, 32, 100):
+        with pytest.raises(ValueError, match="new_capacity must be a multiple"):
+            filled.grow(cap)
+    with pytest.raises(TypeError, match="new_capacity must be an int"):
+        filled.grow(128.0)
+    assert snapshot(filled) == before
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(capacity=0), ValueError, "capacity must be positive"),
+    (dict(capacity=-8), ValueError, "capacity must be positive"),
+    (dict(capacity=2.5), TypeError, "capacity must be an int"),
+    (dict(capacity=1000), ValueError, r"capacity must be a multiple of bucket_size \(128\)"),
+    (dict(capacity=96, bucket_size=12), ValueError, "bucket_size must be a power of two"),
+    (dict(capacity=512, bucket_size=256), ValueError, "bucket_size must be a power of two <= 128"),
+    (dict(capacity=64, policy="lru"), TypeError, "policy must be a ScorePolicy"),
+    (dict(capacity=64, grow_at_load_factor=1.5), ValueError, "grow_at_load_factor"),
+    (dict(capacity=64, max_capacity=32), ValueError, "max_capacity"),
+    (dict(capacity=64, backend="tpu"), ValueError, "backend must be"),
+])
+def test_bad_construction(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        ScoredHashTable(**kwargs)
+
+
+def test_keys_on_the_wrong_device_are_rejected():
+    table = ScoredHashTable(64)
+    with pytest.raises(ValueError, match="keys is on meta but the table is on cpu"):
+        table.find(torch.empty(3, dtype=torch.int64, device="meta"))
