@@ -26,7 +26,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+import subprocess
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import numba
 import numpy as np
@@ -49,7 +50,6 @@ EVICT_OVERFILL = 1.25
 EVICT_BATCH_FRACTION = 0.25
 KEY_RANGE = (-(2**62), 2**62)  # signed keys, far from the reserved EMPTY/TOMBSTONE keys
 
-OPS = ("find_hit", "find_miss50", "insert_unique", "insert_dedup", "insert_evict")
 OP_HELP = {
     "find_hit": "find, every key present",
     "find_miss50": "find, half the keys absent",
@@ -83,7 +83,8 @@ class Row:
     threads: int
     keys: int  # keys per timed call
     seconds: float  # median over the repeats
-    mkeys_per_s: float
+    mkeys_per_s: float  # keys / seconds, in millions
+    times_s: List[float]  # every timed repeat, to judge the noise
     evicted: Optional[int] = None
     dict_entries: Optional[int] = None
 
@@ -132,10 +133,9 @@ def thread_count(n: int) -> Iterator[None]:
         torch.set_num_threads(old_torch)
 
 
-def median_time(fn: Callable, repeats: int, setup: Optional[Callable] = None):
-    """Median seconds of ``fn(setup())`` (or ``fn()``) over ``repeats`` calls after one warm-up
-    call (numba compiles on first use); returns it with the last call's output. ``setup`` is not
-    timed."""
+def time_calls(fn: Callable, repeats: int, setup: Optional[Callable] = None):
+    """Seconds of ``repeats`` calls of ``fn(setup())`` (or ``fn()``) after one warm-up call
+    (numba compiles on first use), and the last call's output. ``setup`` is not timed."""
     def once():
         arg = () if setup is None else (setup(),)
         start = time.perf_counter()
@@ -147,7 +147,7 @@ def median_time(fn: Callable, repeats: int, setup: Optional[Callable] = None):
     for _ in range(repeats):
         seconds, out = once()
         times.append(seconds)
-    return statistics.median(times), out
+    return times, out
 
 
 # -- tables and baselines --------------------------------------------------------------------
@@ -220,9 +220,10 @@ class Scenario:
     dict_keys: int
     rows: List[Row]
 
-    def add(self, op, impl, threads, keys, seconds, evicted=None, dict_entries=None) -> None:
+    def add(self, op, impl, threads, keys, times, evicted=None, dict_entries=None) -> None:
+        seconds = statistics.median(times)
         self.rows.append(Row(self.capacity_log2, self.load_target, self.table.load_factor(), op,
-                             impl, threads, keys, seconds, keys / seconds / 1e6, evicted,
+                             impl, threads, keys, seconds, keys / seconds / 1e6, times, evicted,
                              dict_entries))
 
 
@@ -244,32 +245,31 @@ def bench_find(sc: Scenario, op: str, queries: torch.Tensor, expected: torch.Ten
     n_miss = int((expected < 0).sum())
     for threads in sorted({1, ALL_THREADS}):
         with thread_count(threads):
-            seconds, out = median_time(lambda: table.find(queries), sc.repeats)
+            times, out = time_calls(lambda: table.find(queries), sc.repeats)
             check(torch.equal(out, expected), f"{op}: table.find returned wrong slots")
             check(int((out < 0).sum()) == n_miss, f"{op}: table.find miss count is off")
-            sc.add(op, "dynemb", threads, n, seconds)
+            sc.add(op, "dynemb", threads, n, times)
             if threads == 1:
-                seconds = time_serial_find(sc, queries, expected, op)
-                sc.add(op, "dynemb-serial-kernel", 1, n, seconds)
-            seconds, out = median_time(lambda: sc.baselines.searchsorted_find(queries), sc.repeats)
+                sc.add(op, "dynemb-serial-kernel", 1, n, time_serial_find(sc, queries, expected, op))
+            times, out = time_calls(lambda: sc.baselines.searchsorted_find(queries), sc.repeats)
             check(torch.equal(out, expected), f"{op}: searchsorted disagrees with the table")
-            sc.add(op, "searchsorted", threads, n, seconds)
+            sc.add(op, "searchsorted", threads, n, times)
     sub = queries[:sc.dict_keys].tolist()
-    seconds, out = median_time(lambda: sc.baselines.dict_find(sub), sc.repeats)
+    times, out = time_calls(lambda: sc.baselines.dict_find(sub), sc.repeats)
     check(out == expected[:len(sub)].tolist(), f"{op}: dict disagrees with the table")
-    sc.add(op, "dict", 1, len(sub), seconds, dict_entries=len(sc.baselines.dict))
+    sc.add(op, "dict", 1, len(sub), times, dict_entries=len(sc.baselines.dict))
 
 
 def time_serial_find(sc: Scenario, queries: torch.Tensor, expected: torch.Tensor,
-                     op: str) -> float:
-    """Median seconds of the backend's single-threaded find kernel (no argument checks)."""
+                     op: str) -> List[float]:
+    """Timings of the backend's single-threaded find kernel (no argument checks)."""
     table = sc.table
     out = torch.empty_like(queries)
-    seconds, _ = median_time(lambda: table._backend.find(
+    times, _ = time_calls(lambda: table._backend.find(
         table._keys, table.num_buckets, table.bucket_size, queries, out, parallel=False),
         sc.repeats)
     check(torch.equal(out, expected), f"{op}: serial find kernel returned wrong slots")
-    return seconds
+    return times
 
 
 def bench_insert(sc: Scenario, op: str, new_keys: torch.Tensor, assume_unique: bool,
@@ -279,12 +279,12 @@ def bench_insert(sc: Scenario, op: str, new_keys: torch.Tensor, assume_unique: b
     base, n = sc.table, new_keys.numel()
     for threads in sorted({1, ALL_THREADS}):
         with thread_count(threads):
-            seconds, (table, result) = median_time(
+            times, (table, result) = time_calls(
                 lambda t: (t, t.find_or_insert(new_keys, assume_unique=assume_unique)),
                 sc.repeats, setup=lambda: copy.deepcopy(base))
             evicted = check_insert(base, table, result, new_keys, op)
             check(evicted > 0 or not must_evict, f"{op}: no insert evicted; buckets not full")
-            sc.add(op, "dynemb", threads, n, seconds, evicted=evicted)
+            sc.add(op, "dynemb", threads, n, times, evicted=evicted)
     bench_dict_insert(sc, op, new_keys)
 
 
@@ -308,11 +308,11 @@ def bench_dict_insert(sc: Scenario, op: str, new_keys: torch.Tensor) -> None:
     the keys are removed again (untimed) before each repeat."""
     sub = new_keys[:sc.dict_keys].tolist()
     before = len(sc.baselines.dict)
-    seconds, out = median_time(lambda _: sc.baselines.dict_insert(sub), sc.repeats,
-                               setup=lambda: sc.baselines.dict_discard(sub))
+    times, out = time_calls(lambda _: sc.baselines.dict_insert(sub), sc.repeats,
+                            setup=lambda: sc.baselines.dict_discard(sub))
     sc.baselines.dict_discard(sub)
     check(out == list(range(before, before + len(sub))), f"{op}: dict setdefault went wrong")
-    sc.add(op, "dict", 1, len(sub), seconds, dict_entries=before)
+    sc.add(op, "dict", 1, len(sub), times, dict_entries=before)
 
 
 def make_scenario(cfg: argparse.Namespace, capacity_log2: int, load_target: Optional[float],
@@ -390,17 +390,15 @@ def run_all(cfg: argparse.Namespace) -> List[Row]:
 def comparisons(rows: List[Row]) -> List[dict]:
     """Each dynemb row with the dict row of its scenario and the searchsorted row with the same
     thread count, and the speed-ups over them."""
-    def key(r, threads=None):
-        return (r.capacity_log2, r.load_target, r.op, r.impl if threads is None else threads)
-
-    dict_rows = {key(r): r for r in rows if r.impl == "dict"}
-    sorted_rows = {key(r, r.threads): r for r in rows if r.impl == "searchsorted"}
+    dict_rows = {(r.capacity_log2, r.load_target, r.op): r for r in rows if r.impl == "dict"}
+    sorted_rows = {(r.capacity_log2, r.load_target, r.op, r.threads): r
+                   for r in rows if r.impl == "searchsorted"}
     out = []
     for r in rows:
         if not r.impl.startswith("dynemb"):
             continue
-        d = dict_rows.get((r.capacity_log2, r.load_target, r.op, "dict"))
-        s = sorted_rows.get(key(r, r.threads))
+        d = dict_rows.get((r.capacity_log2, r.load_target, r.op))
+        s = sorted_rows.get((r.capacity_log2, r.load_target, r.op, r.threads))
         out.append({**asdict(r),
                     "dict_mkeys_per_s": d.mkeys_per_s if d else None,
                     "vs_dict": r.mkeys_per_s / d.mkeys_per_s if d else None,
@@ -474,12 +472,30 @@ def machine_info() -> dict:
     return {
         "processor": platform.processor(), "cpu_model": model, "machine": platform.machine(),
         "nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
-        "numba_threads": ALL_THREADS,
+        "numba_threads": ALL_THREADS, "numba_threading_layer": numba.threading_layer(),
+        "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS",
+                                                "NUMBA_NUM_THREADS", "NUMBA_THREADING_LAYER")},
         "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
         "python": platform.python_version(), "torch": torch.__version__,
         "numba": numba.__version__, "numpy": np.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git": git_state(),
     }
+
+
+def git_state() -> Optional[dict]:
+    """Commit of the checkout and whether the library sources differ from it (None: no git)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"),
+                "library_modified": bool(git("status", "--porcelain", "dynemb", "kernels"))}
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 NOTES = [
@@ -536,8 +552,9 @@ def plot(comps: List[dict], rows: List[dict], path: Path) -> None:
         ax.set_ylabel("M keys/s")
         ax.set_title(f"capacity 2^{capacity_log2}")
         ax.grid(axis="y", which="both", alpha=0.3)
-    axes[0, 0].legend(fontsize=8, ncol=3)
-    fig.tight_layout()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(series), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -582,6 +599,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     report = {
         "machine": machine_info(),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()},
+        "ops": OP_HELP,
         "notes": NOTES,
         "rows": [asdict(r) for r in rows],
         "comparisons": comps,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Tuple
 
+import numba
 import torch
 
 from dynemb.kernels import init_cpu, table_cpu
@@ -50,7 +51,7 @@ class CpuBackend:
         table_cpu.insert_missing_cpu(n(tbl_keys), n(tbl_scores), n(refcnt), n(size), num_buckets,
                                      bucket_size, n(ukeys), n(counts), n(given), policy, clock,
                                      allow_evict, n(slots), n(prev_keys), n(prev_scores),
-                                     n(failed))
+                                     n(failed), numba.get_num_threads())
 
     def erase(self, tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, keys,
               out_erased, out_pinned):

@@ -176,7 +176,8 @@ class ScoredHashTable:
                 raise TableFullError(
                     f"{int(failed.sum())} of {ukeys.numel()} keys found no slot: their buckets "
                     f"are full of pinned slots or the policy is NO_EVICTION "
-                    f"(capacity {self.capacity}, size {self.size()}); the table is unchanged",
+                    f"(capacity {self.capacity}, size {self.size()}); the table is unchanged"
+                    + ("" if remap is None else " except that it grew (see .remap)"),
                     ukeys[failed], remap)
             remap = _compose(remap, self.grow(new_capacity))
         if not pin:

@@ -52,51 +52,74 @@ def lookup_update_cpu(tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, uk
                 refcnt[s] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def insert_missing_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, ukeys,
                        counts, given, policy, clock, allow_evict, slots, prev_keys, prev_scores,
-                       failed):
-    """Give every unique key with ``slots[i] < 0`` a slot, in batch order.
+                       failed, threads):
+    """Give every unique key with ``slots[i] < 0`` a slot, in batch order within each bucket.
 
     A key takes the first EMPTY or TOMBSTONE slot of its probe sequence; in a full bucket it
     takes the unpinned live slot with the lowest score (ties: earliest in probe order), and the
     displaced key is left in ``prev_keys[i]``. Claimed slots get one pin (``refcnt``), so no
     later key of the batch can displace them. No candidate: ``failed[i] = True``.
+
+    A key only ever touches its own bucket, so thread ``t`` handles the buckets with
+    ``bucket % threads == t``: race-free, and the result does not depend on the thread count.
+    """
+    added = np.zeros(threads, dtype=np.int64)
+    for t in prange(threads):
+        for i in range(ukeys.size):
+            key = ukeys[i]
+            if key == EMPTY_KEY:
+                if t == 0:
+                    prev_keys[i] = EMPTY_KEY
+                    failed[i] = False
+                continue
+            base, start = bucket_base_and_start(key, num_buckets, bucket_size)
+            if (base // bucket_size) % threads != t:
+                continue
+            prev_keys[i] = EMPTY_KEY
+            failed[i] = False
+            if slots[i] >= 0:
+                continue
+            claimed = _claim_slot(tbl_keys, tbl_scores, refcnt, base, start, bucket_size,
+                                  allow_evict)
+            if claimed < 0:
+                failed[i] = True
+                continue
+            prev = tbl_keys[claimed]
+            prev_keys[i] = prev
+            prev_scores[i] = tbl_scores[claimed]
+            tbl_keys[claimed] = key
+            tbl_scores[claimed] = score_on_insert(policy, clock, counts[i], given[i])
+            refcnt[claimed] += 1
+            if not is_live_key(prev):
+                added[t] += 1
+            slots[i] = claimed
+    size[0] += added.sum()
+
+
+@njit(cache=True, inline="always")
+def _claim_slot(tbl_keys, tbl_scores, refcnt, base, start, bucket_size, allow_evict):
+    """First free slot of the probe, else the lowest-score unpinned live slot, else -1.
+
+    Free (EMPTY/TOMBSTONE) slots always have a zero reference count: pins need a live key.
     """
     mask = bucket_size - 1
-    for i in range(ukeys.size):
-        key = ukeys[i]
-        prev_keys[i] = EMPTY_KEY
-        failed[i] = False
-        if slots[i] >= 0 or key == EMPTY_KEY:
-            continue
-        base, start = bucket_base_and_start(key, num_buckets, bucket_size)
-        claimed = -1
-        for j in range(bucket_size):
-            s = base + ((start + j) & mask)
-            if not is_live_key(tbl_keys[s]) and refcnt[s] == 0:
-                claimed = s
-                break
-        if claimed < 0 and allow_evict:
-            lowest = INT64_MAX
-            for j in range(bucket_size):
-                s = base + ((start + j) & mask)
-                if refcnt[s] == 0 and is_live_key(tbl_keys[s]) and (
-                        claimed < 0 or tbl_scores[s] < lowest):
-                    claimed = s
-                    lowest = tbl_scores[s]
-        if claimed < 0:
-            failed[i] = True
-            continue
-        prev = tbl_keys[claimed]
-        prev_keys[i] = prev
-        prev_scores[i] = tbl_scores[claimed]
-        tbl_keys[claimed] = key
-        tbl_scores[claimed] = score_on_insert(policy, clock, counts[i], given[i])
-        refcnt[claimed] += 1
-        if not is_live_key(prev):
-            size[0] += 1
-        slots[i] = claimed
+    for j in range(bucket_size):
+        s = base + ((start + j) & mask)
+        if not is_live_key(tbl_keys[s]):
+            return s
+    if not allow_evict:
+        return -1
+    claimed = -1
+    lowest = INT64_MAX
+    for j in range(bucket_size):
+        s = base + ((start + j) & mask)
+        if refcnt[s] == 0 and (claimed < 0 or tbl_scores[s] < lowest):
+            claimed = s
+            lowest = tbl_scores[s]
+    return claimed
 
 
 @njit(cache=True)
