@@ -18,6 +18,7 @@ from dynemb.kernels.constants import EMPTY_KEY, cuda_simulator_enabled
 
 _THREADS_PER_BLOCK = 256
 _SIMULATED_THREADS_PER_BLOCK = 32
+_MIN_PARALLEL_KEYS = 16384
 
 
 class CpuBackend:
@@ -33,7 +34,9 @@ class CpuBackend:
     def _np(t: torch.Tensor):
         return t.numpy()
 
-    def find(self, tbl_keys, num_buckets, bucket_size, keys, out_slots, parallel=True):
+    def find(self, tbl_keys, num_buckets, bucket_size, keys, out_slots, parallel=None):
+        if parallel is None:  # threads only pay off with more than one and a real batch
+            parallel = numba.get_num_threads() > 1 and keys.numel() >= _MIN_PARALLEL_KEYS
         kernel = table_cpu.find_cpu if parallel else table_cpu.find_serial_cpu
         kernel(self._np(tbl_keys), num_buckets, bucket_size, self._np(keys), self._np(out_slots))
 
@@ -132,7 +135,7 @@ class CudaBackend:
         stream = self._cuda.external_stream(torch.cuda.current_stream().cuda_stream)
         kernel[blocks, _THREADS_PER_BLOCK, stream](*args)
 
-    def find(self, tbl_keys, num_buckets, bucket_size, keys, out_slots, parallel=True):
+    def find(self, tbl_keys, num_buckets, bucket_size, keys, out_slots, parallel=None):
         a = self._arr
         self._launch(self._table.find_kernel, keys.numel(), a(tbl_keys), num_buckets,
                      bucket_size, a(keys), a(out_slots))

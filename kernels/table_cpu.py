@@ -103,20 +103,17 @@ def insert_missing_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_s
 def _claim_slot(tbl_keys, tbl_scores, refcnt, base, start, bucket_size, allow_evict):
     """First free slot of the probe, else the lowest-score unpinned live slot, else -1.
 
-    Free (EMPTY/TOMBSTONE) slots always have a zero reference count: pins need a live key.
+    One pass: a free slot ends the scan; until then the lowest candidate is tracked. Free
+    (EMPTY/TOMBSTONE) slots always have a zero reference count: pins need a live key.
     """
     mask = bucket_size - 1
-    for j in range(bucket_size):
-        s = base + ((start + j) & mask)
-        if not is_live_key(tbl_keys[s]):
-            return s
-    if not allow_evict:
-        return -1
     claimed = -1
     lowest = INT64_MAX
     for j in range(bucket_size):
         s = base + ((start + j) & mask)
-        if refcnt[s] == 0 and (claimed < 0 or tbl_scores[s] < lowest):
+        if not is_live_key(tbl_keys[s]):
+            return s
+        if allow_evict and refcnt[s] == 0 and (claimed < 0 or tbl_scores[s] < lowest):
             claimed = s
             lowest = tbl_scores[s]
     return claimed
