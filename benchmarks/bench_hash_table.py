@@ -22,11 +22,11 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-import subprocess
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import numba
@@ -152,6 +152,7 @@ def time_calls(fn: Callable, repeats: int, setup: Optional[Callable] = None):
 
 # -- tables and baselines --------------------------------------------------------------------
 def fill_chunk(table: dynemb.ScoredHashTable) -> int:
+    """Keys per insert call while filling (see ``FILL_CHUNK``)."""
     return min(FILL_CHUNK, table.capacity // FILL_CHUNK_FRACTION)
 
 
@@ -193,10 +194,12 @@ class Baselines:
         return torch.where(found, self.sorted_slots[pos], -1)
 
     def dict_find(self, queries: List[int]) -> List[int]:
+        """Slot of each query or -1."""
         d = self.dict
         return [d.get(k, -1) for k in queries]
 
     def dict_insert(self, new_keys: List[int]) -> List[int]:
+        """Slot of each key, giving absent keys the next free slot."""
         d = self.dict
         return [d.setdefault(k, len(d)) for k in new_keys]
 
@@ -250,7 +253,8 @@ def bench_find(sc: Scenario, op: str, queries: torch.Tensor, expected: torch.Ten
             check(int((out < 0).sum()) == n_miss, f"{op}: table.find miss count is off")
             sc.add(op, "dynemb", threads, n, times)
             if threads == 1:
-                sc.add(op, "dynemb-serial-kernel", 1, n, time_serial_find(sc, queries, expected, op))
+                serial_times = time_serial_find(sc, queries, expected, op)
+                sc.add(op, "dynemb-serial-kernel", 1, n, serial_times)
             times, out = time_calls(lambda: sc.baselines.searchsorted_find(queries), sc.repeats)
             check(torch.equal(out, expected), f"{op}: searchsorted disagrees with the table")
             sc.add(op, "searchsorted", threads, n, times)
@@ -324,6 +328,7 @@ def make_scenario(cfg: argparse.Namespace, capacity_log2: int, load_target: Opti
 
 
 def new_table(capacity_log2: int) -> dynemb.ScoredHashTable:
+    """An empty table with the default bucket size and the LRU policy."""
     return dynemb.ScoredHashTable(1 << capacity_log2, policy=dynemb.ScorePolicy.LRU, device="cpu")
 
 
@@ -440,7 +445,8 @@ def targets(comps: List[dict]) -> List[dict]:
     specs = [("find_hit", "vs_dict", 10.0, "find >= 10x dict"),
              ("find_hit", "vs_searchsorted", 4.0, "find >= 4x searchsorted"),
              ("find_hit", "mkeys_per_s", 40.0, "find >= 40 M keys/s"),
-             ("insert_unique", "mkeys_per_s", 15.0, "find_or_insert (assume_unique) >= 15 M keys/s"),
+             ("insert_unique", "mkeys_per_s", 15.0,
+              "find_or_insert (assume_unique) >= 15 M keys/s"),
              ("insert_dedup", "mkeys_per_s", 15.0, "find_or_insert (default) >= 15 M keys/s")]
     out = []
     for op, field, threshold, name in specs:
@@ -452,6 +458,7 @@ def targets(comps: List[dict]) -> List[dict]:
 
 
 def format_targets(results: List[dict]) -> str:
+    """One PASS/FAIL/SKIP line per target."""
     where = f"capacity 2^{TARGET_CAPACITY_LOG2}, load {TARGET_LOAD}, one thread"
     lines = []
     for t in results:
@@ -461,8 +468,8 @@ def format_targets(results: List[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine_info() -> dict:
-    """What the numbers were measured on."""
+def machine_info(git: Optional[dict]) -> dict:
+    """What the numbers were measured on (``git``: :func:`git_state` from the start of the run)."""
     model = ""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -479,7 +486,7 @@ def machine_info() -> dict:
         "python": platform.python_version(), "torch": torch.__version__,
         "numba": numba.__version__, "numpy": np.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git": git_state(),
+        "git": git,
     }
 
 
@@ -515,15 +522,16 @@ NOTES = [
 ]
 
 
-def write_outputs(report: dict, comps: List[dict], out_dir: Path, stem: str) -> List[Path]:
+def write_outputs(report: dict, out_dir: Path, stem: str) -> List[Path]:
+    """``<stem>.json`` (the report) and ``<stem>.png`` (its plot) under ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
     json_path.write_text(json.dumps(report, indent=1) + "\n")
-    plot(comps, report["rows"], png_path)
+    plot(report["rows"], png_path)
     return [json_path, png_path]
 
 
-def plot(comps: List[dict], rows: List[dict], path: Path) -> None:
+def plot(rows: List[dict], path: Path) -> None:
     """Grouped bars of keys/s (log scale) per (op, load), one panel per capacity."""
     import matplotlib
     matplotlib.use("Agg")
@@ -592,12 +600,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> dict:
     """Run the benchmark, print the table and targets, write JSON and PNG; returns the report."""
     cfg = parse_args(argv)
-    start = time.perf_counter()
+    start, git = time.perf_counter(), git_state()
     rows = run_all(cfg)
     comps = comparisons(rows)
     goals = targets(comps)
     report = {
-        "machine": machine_info(),
+        "machine": machine_info(git),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()},
         "ops": OP_HELP,
         "notes": NOTES,
@@ -611,7 +619,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     print()
     print(format_targets(goals))
     stem = FILE_STEM + ("_quick" if cfg.quick else "")
-    for path in write_outputs(report, comps, cfg.out_dir, stem):
+    for path in write_outputs(report, cfg.out_dir, stem):
         print(f"wrote {path}")
     print(f"run time {report['runtime_s']:.0f} s, peak RSS {report['peak_rss_gib']:.1f} GiB")
     return report

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python benchmarks/bench_hash_table.py "$@"
+exec .venv/bin/python -m benchmarks.bench_hash_table "$@"
