@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from dynemb.kernels.table_cpu import count_reserved_cpu
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 
 
@@ -21,12 +22,20 @@ def check_index_tensor(t, name: str, device: torch.device) -> None:
 def check_keys(keys, device: torch.device, name: str = "keys") -> None:
     """1-D int64 keys on ``device`` that contain no reserved key."""
     check_index_tensor(keys, name, device)
+    if not keys.numel() or not _has_reserved(keys):
+        return
     reserved = (keys == EMPTY_KEY) | (keys == TOMBSTONE_KEY)
-    if keys.numel() and bool(reserved.any()):
+    if bool(reserved.any()):
         bad = keys[reserved][0].item()
         raise ValueError(
             f"{name} contains the reserved key {bad} (EMPTY_KEY={EMPTY_KEY} and "
             f"TOMBSTONE_KEY={TOMBSTONE_KEY} mark free slots and cannot be stored)")
+
+
+def _has_reserved(keys: torch.Tensor) -> bool:
+    if keys.device.type == "cpu" and keys.is_contiguous():
+        return count_reserved_cpu(keys.numpy()) > 0  # one pass instead of four torch ops
+    return bool(((keys == EMPTY_KEY) | (keys == TOMBSTONE_KEY)).any())
 
 
 def check_same_length(a: torch.Tensor, name_a: str, b: torch.Tensor, name_b: str) -> None:

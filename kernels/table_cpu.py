@@ -221,3 +221,13 @@ def dedup_cpu(keys, scratch, out_unique, out_inverse, out_counts):
                 break
             h = (h + 1) & mask
     return n
+
+
+@njit(cache=True)
+def count_reserved_cpu(keys):
+    """Number of EMPTY/TOMBSTONE keys (one pass; the public API rejects them)."""
+    n = 0
+    for i in range(keys.size):
+        if not is_live_key(keys[i]):
+            n += 1
+    return n
