@@ -5,7 +5,6 @@ reference count from 0 to 1 with ``atomic.cas``; during an insert no slot is eve
 failed CAS marks that position as taken for good (two 64-bit masks, hence buckets of at most 128
 slots) and every retry makes progress. Keys passed to the insert kernel must be unique.
 """
-import numpy as np
 from numba import cuda, int64
 
 from .constants import EMPTY_KEY, TOMBSTONE_KEY, cuda_simulator_enabled
