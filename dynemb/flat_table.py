@@ -78,6 +78,13 @@ class FlatTable:
             rows = torch.cat([rows, rows.new_zeros(rows.shape[0], self.optimizer_state_dim)], 1)
         self.scatter(slots, rows)
 
+    def initialize_where(self, slots: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
+                         initializer: Initializer, *, seed: int, table_id: int) -> None:
+        """:meth:`initialize` the rows ``slots[i]`` with ``mask[i]`` (and ``slots[i] >= 0``)."""
+        pick = mask & (slots >= 0)
+        if bool(pick.any()):
+            self.initialize(slots[pick], keys[pick], initializer, seed=seed, table_id=table_id)
+
     def remap(self, remap: torch.Tensor, new_capacity: int) -> None:
         """Move rows after the hash table grew: old row ``s`` goes to ``remap[s]`` (if >= 0)."""
         check_index_tensor(remap, "remap", self.device)

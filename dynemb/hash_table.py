@@ -12,7 +12,7 @@ from dynemb.types import (EMPTY_KEY, TOMBSTONE_KEY, EraseResult, ExportBatch, Fi
 from dynemb.validation import (check_index_tensor, check_keys, check_positive_int,
                                check_same_length, check_slots)
 
-_ON_FAILURE = ("raise", "report")
+_ON_FAILURE = ("raise", "report", "defer")
 
 
 class ScoredHashTable:
@@ -115,6 +115,11 @@ class ScoredHashTable:
     def load_factor(self) -> float:
         return self.size() / self.capacity
 
+    def scores_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """Current scores of ``slots`` (-1 entries give 0)."""
+        check_index_tensor(slots, "slots", self.device)
+        return torch.where(slots >= 0, self._scores[slots.clamp(min=0)], 0)
+
     def pinned_count(self) -> int:
         """Number of slots with a reference count above zero."""
         return int((self._refcnt > 0).sum().item())
@@ -142,7 +147,8 @@ class ScoredHashTable:
 
     def find_or_insert(self, keys: torch.Tensor, scores: Optional[torch.Tensor] = None, *,
                        pin: bool = False, on_failure: str = "raise",
-                       assume_unique: bool = False) -> FindOrInsertResult:
+                       assume_unique: bool = False,
+                       counts: Optional[torch.Tensor] = None) -> FindOrInsertResult:
         """Find each key, inserting the missing ones (evicting by score when a bucket is full).
 
         Args:
@@ -151,22 +157,34 @@ class ScoredHashTable:
             pin: keep one pin on every returned slot (release it with :meth:`unpin`).
             on_failure: "raise" (default): if any key finds no slot, undo the call and raise
                 :class:`TableFullError`; "report": keep what succeeded, flag the rest in
-                ``failed``.
-            assume_unique: the caller guarantees no duplicates (skips the dedup pass).
+                ``failed``; "defer": like "report" but without growing on failure, so the call
+                never waits for the device (read ``failed`` when convenient).
+            assume_unique: the caller guarantees no duplicates (skips the dedup pass); with it,
+                ``EMPTY_KEY`` entries are accepted as padding and get slot -1.
+            counts: with ``assume_unique``, occurrences of each key (what LFU adds; default 1).
 
         The caller must write back the rows of ``result.evicted`` slots (their old keys are in
         ``previous_keys``) before overwriting them, and apply ``result.remap`` if the table grew.
         """
-        check_keys(keys, self.device)
+        if assume_unique:
+            check_index_tensor(keys, "keys", self.device)
+        else:
+            check_keys(keys, self.device)
         self._check_scores(keys, scores, required=self.policy is ScorePolicy.CUSTOMIZED)
         if on_failure not in _ON_FAILURE:
             raise ValueError(f"on_failure must be one of {_ON_FAILURE}, got {on_failure!r}")
-        ukeys, inverse, counts, given = self._dedup(keys, scores, assume_unique)
+        if counts is not None:
+            if not assume_unique:
+                raise ValueError("counts is only taken with assume_unique=True")
+            check_index_tensor(counts, "counts", self.device)
+            check_same_length(keys, "keys", counts, "counts")
+        ukeys, inverse, dedup_counts, given = self._dedup(keys, scores, assume_unique)
+        counts = dedup_counts if counts is None else counts
         remap = self._grow_for(ukeys) if self.grow_at_load_factor is not None else None
         while True:
             attempt = self._find_or_insert_once(ukeys, counts, given)
             slots, hit, prev_keys, prev_scores, failed = attempt
-            if not bool(failed.any()):
+            if on_failure == "defer" or not bool(failed.any()):
                 break
             new_capacity = self._next_capacity(self.capacity + 1)
             if on_failure == "report" and new_capacity is None:
@@ -243,9 +261,13 @@ class ScoredHashTable:
         check_same_length(keys, "keys", scores, "scores")
 
     # -- removal and pins --------------------------------------------------------------------
-    def erase(self, keys: torch.Tensor) -> EraseResult:
-        """Remove ``keys``; pinned keys are kept and flagged in ``pinned``."""
-        check_keys(keys, self.device)
+    def erase(self, keys: torch.Tensor, *, allow_padding: bool = False) -> EraseResult:
+        """Remove ``keys``; pinned keys are kept and flagged in ``pinned``. With
+        ``allow_padding``, ``EMPTY_KEY`` entries are skipped instead of rejected."""
+        if allow_padding:
+            check_index_tensor(keys, "keys", self.device)
+        else:
+            check_keys(keys, self.device)
         erased = torch.zeros(keys.shape, dtype=torch.bool, device=self.device)
         pinned = torch.zeros_like(erased)
         self._backend.erase(self._keys, self._scores, self._refcnt, self._size, self.num_buckets,
@@ -267,6 +289,14 @@ class ScoredHashTable:
                 s = int(over.nonzero()[0].item())
                 raise ValueError(f"slots unpins slot {s} {int(drops[s])} times but it holds "
                                  f"{int(self._refcnt[s])} pins")
+        self._backend.add_refcounts(self._refcnt, slots, -1)
+
+    def retain(self, slots: torch.Tensor) -> None:
+        """:meth:`pin` for slots this table returned, without checks or host sync; -1 skipped."""
+        self._backend.add_refcounts(self._refcnt, slots, 1)
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Drop the pins taken by :meth:`retain` or ``find_or_insert(pin=True)``; -1 skipped."""
         self._backend.add_refcounts(self._refcnt, slots, -1)
 
     def _check_live_slots(self, slots, name) -> None:

@@ -1,0 +1,105 @@
+"""Backing stores: where a CACHE-mode table keeps every row the device cache does not hold.
+
+A store maps int64 keys to rows of ``width`` values (embedding then optimizer state). Any
+object with the four methods of :class:`BackingStore` works (a parameter server client, an
+SSD table...); :class:`HostBackingStore` keeps the rows in host memory.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol, Tuple, runtime_checkable
+
+import torch
+
+from dynemb.flat_table import FlatTable
+from dynemb.hash_table import ScoredHashTable
+from dynemb.types import ScorePolicy
+
+
+@runtime_checkable
+class BackingStore(Protocol):
+    """What a CACHE-mode table needs from its store. Keys are 1-D int64 and unique per call.
+
+    - ``find(keys) -> (rows [N, width], found [N] bool)``: rows of stored keys (rows of
+      missing keys are unspecified).
+    - ``insert(keys, rows) -> int``: insert or overwrite; returns how many other keys the
+      store evicted to make room (0 for a store that never forgets).
+    - ``export(start, batch) -> (keys, rows, next_start)``: iterate over everything stored;
+      start at 0 and stop when ``next_start`` is ``None``.
+    - ``size() -> int``: keys stored.
+    """
+
+    width: int
+
+    def find(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+    def insert(self, keys: torch.Tensor, rows: torch.Tensor) -> int: ...
+
+    def export(self, start: int, batch: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[int]]:
+        ...
+
+    def size(self) -> int: ...
+
+
+class HostBackingStore:
+    """A :class:`BackingStore` in host memory: a CPU ``ScoredHashTable`` plus a ``FlatTable``.
+
+    It grows by doubling from ``initial_capacity`` up to ``max_capacity``; past that the score
+    policy evicts (and ``insert`` reports how many). Rows come back on the caller's device;
+    on CUDA they travel through pinned buffers.
+
+    Example::
+
+        >>> store = HostBackingStore(width=4, dtype=torch.float32, device=torch.device("cpu"))
+        >>> store.insert(torch.tensor([7, 9]), torch.ones(2, 4))
+        0
+        >>> rows, found = store.find(torch.tensor([9, 8]))
+        >>> found.tolist()
+        [True, False]
+    """
+
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device, *,
+                 initial_capacity: int = 1 << 12, max_capacity: Optional[int] = None,
+                 policy: ScorePolicy = ScorePolicy.LRU):
+        bucket = min(128, initial_capacity)
+        self.width = width
+        self.device = torch.device(device)
+        self._table = ScoredHashTable(initial_capacity, bucket_size=bucket, policy=policy,
+                                      grow_at_load_factor=0.75, max_capacity=max_capacity)
+        self._rows = FlatTable(initial_capacity, width, dtype=dtype)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to("cpu")
+
+    def find(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        slots = self._table.find(self._to_host(keys))
+        found = slots >= 0
+        rows = self._rows.weights.index_select(0, slots.clamp(min=0))
+        return rows.to(self.device), found.to(self.device)
+
+    def insert(self, keys: torch.Tensor, rows: torch.Tensor) -> int:
+        if rows.shape != (keys.numel(), self.width):
+            raise ValueError(f"rows must have shape [{keys.numel()}, {self.width}], got "
+                             f"{tuple(rows.shape)}")
+        result = self._table.find_or_insert(self._to_host(keys), assume_unique=True)
+        if result.remap is not None:
+            self._rows.remap(result.remap, self._table.capacity)
+        self._rows.weights.index_copy_(0, result.slots, self._to_host(rows).to(
+            self._rows.weights.dtype))
+        return int(result.evicted.sum())
+
+    def export(self, start: int, batch: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[int]]:
+        chunk = self._table.export(start, batch)
+        rows = self._rows.weights.index_select(0, chunk.slots)
+        nxt = None if chunk.next_start >= self._table.capacity else chunk.next_start
+        return chunk.keys.to(self.device), rows.to(self.device), nxt
+
+    def size(self) -> int:
+        return self._table.size()
+
+    @property
+    def capacity(self) -> int:
+        return self._table.capacity
+
+    def __repr__(self) -> str:
+        return (f"HostBackingStore(width={self.width}, size={self.size()}, "
+                f"capacity={self.capacity})")

@@ -1,0 +1,327 @@
+"""``DynamicEmbCollection``: a drop-in ``EmbeddingCollection`` backed by dynamic tables."""
+from __future__ import annotations
+
+import collections
+from typing import Any, Deque, Dict, List, Mapping, Optional, Union
+
+import torch
+from torchrec.modules.embedding_configs import EmbeddingConfig, data_type_to_dtype
+from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from dynemb.dynamic_table import DynamicTable, TableBatch
+from dynemb.optimizers import OptimizerConfig
+from dynemb.options import DynamicEmbTableOptions, StorageMode, choose_storage_mode
+from dynemb.prefetch import PrefetchState
+from dynemb.validation import check_keys
+
+
+class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
+    """``torchrec.EmbeddingCollection`` with hash-table rows: any int64 id, rows created on
+    first sight, evicted by score, trained by a fused optimizer in backward.
+
+    Same input and output as ``EmbeddingCollection``: ``forward(kjt)`` returns one
+    ``JaggedTensor`` of float32 embeddings per feature, with the KJT's lengths.
+
+    Args:
+        tables: TorchRec ``EmbeddingConfig``s. ``num_embeddings`` is the capacity hint
+            (default ``max_capacity``); several features may share a table.
+        device: where the tables live.
+        table_options: one :class:`DynamicEmbTableOptions` for every table, or a dict by
+            table name (tables left out get the defaults).
+        optimizer: the fused optimizer (:class:`~dynemb.optimizers.OptimizerConfig`); its
+            learning rate can be changed between steps through :attr:`fused_optimizer`.
+        need_indices: also return the ids as the ``weights`` of each JaggedTensor.
+        validate_inputs: check each KJT (features, dtype, lengths, reserved ids) before any
+            table changes. On CUDA this reads the lengths on the host; turn it off for a
+            sync-free step once inputs are trusted.
+        world_size: ranks the global memory budgets are split over.
+        backend: "cpu" or "cuda" to override the kernels picked by device.
+
+    Example::
+
+        >>> ec = DynamicEmbCollection(
+        ...     tables=[EmbeddingConfig(name="t", embedding_dim=8, num_embeddings=1024,
+        ...                             feature_names=["f"])],
+        ...     optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=1e-3))
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([10**12, 7]),
+        ...                                           torch.tensor([1, 1]))
+        >>> ec(kjt)["f"].values().shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, tables: List[EmbeddingConfig], device: Optional[torch.device] = None, *,
+                 table_options: Union[DynamicEmbTableOptions,
+                                      Mapping[str, DynamicEmbTableOptions], None] = None,
+                 optimizer: Optional[OptimizerConfig] = None, need_indices: bool = False,
+                 validate_inputs: bool = True, world_size: int = 1,
+                 backend: Optional[str] = None):
+        super().__init__()
+        self._configs = _check_configs(tables)
+        self._device = torch.device(device if device is not None else "cpu")
+        self._optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
+        if not isinstance(self._optimizer_config, OptimizerConfig):
+            raise TypeError(f"optimizer must be an OptimizerConfig, got {optimizer!r}")
+        options = _options_by_table(table_options, [c.name for c in self._configs])
+        self._need_indices = need_indices
+        self._validate = validate_inputs
+        self.tables: Dict[str, DynamicTable] = {}
+        for table_id, config in enumerate(self._configs):
+            state_dim = self._optimizer_config.state_dim(config.embedding_dim)
+            layout = choose_storage_mode(
+                options[config.name], name=config.name, num_embeddings=config.num_embeddings,
+                width=config.embedding_dim + state_dim,
+                config_dtype=data_type_to_dtype(config.data_type), world_size=world_size)
+            self.tables[config.name] = DynamicTable(
+                config.name, table_id, config.embedding_dim, layout, options[config.name],
+                self._optimizer_config, self._device, backend)
+        self._table_of_feature = {f: c.name for c in self._configs for f in c.feature_names}
+        self._queue: Deque[PrefetchState] = collections.deque()
+        self._steps = {name: 0 for name in self.tables}
+        self._fused_optimizer = DynamicEmbFusedOptimizer(self, self._optimizer_config.learning_rate)
+        self._prefetch_stream = (torch.cuda.Stream(device=self._device)
+                                 if self._device.type == "cuda" else None)
+
+    # -- configuration views -----------------------------------------------------------------
+    def embedding_configs(self) -> List[EmbeddingConfig]:
+        return self._configs
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def fused_optimizer(self) -> "DynamicEmbFusedOptimizer":
+        return self._fused_optimizer
+
+    def storage_modes(self) -> Dict[str, StorageMode]:
+        """The storage mode each table runs in."""
+        return {name: t.mode for name, t in self.tables.items()}
+
+    def stats(self) -> Dict[str, Dict[str, Any]]:
+        """Per-table counters and sizes (see :mod:`dynemb.counters`); one device read each."""
+        return {name: t.stats() for name, t in self.tables.items()}
+
+    @property
+    def pending_prefetches(self) -> int:
+        return len(self._queue)
+
+    # -- prefetch ----------------------------------------------------------------------------
+    def prefetch(self, kjt: KeyedJaggedTensor,
+                 forward_stream: Optional[torch.cuda.Stream] = None) -> PrefetchState:
+        """Resolve ``kjt``'s ids to slots ahead of ``forward`` and queue the result.
+
+        On CUDA the work runs on a side stream (after waiting for ``forward_stream``, default
+        the current stream, so the input is ready); ``forward`` waits for it. Rows of queued
+        batches stay pinned: a cache too small for all of them raises ``TableFullError``.
+        """
+        if self._prefetch_stream is None:
+            state = self._prefetch_now(kjt)
+        else:
+            main = forward_stream or torch.cuda.current_stream(self._device)
+            self._prefetch_stream.wait_stream(main)
+            with torch.cuda.stream(self._prefetch_stream):
+                state = self._prefetch_now(kjt)
+                state.ready = torch.cuda.Event()
+                state.ready.record(self._prefetch_stream)
+            for tensor in kjt.values(), kjt.lengths():
+                tensor.record_stream(self._prefetch_stream)
+        self._queue.append(state)
+        return state
+
+    def _prefetch_now(self, kjt: KeyedJaggedTensor) -> PrefetchState:
+        per_table = self._split_by_table(kjt)
+        batches: Dict[str, TableBatch] = {}
+        try:
+            for name, table in self.tables.items():
+                batches[name] = table.prefetch(per_table[name][0], self.training)
+        except Exception:
+            for name, batch in batches.items():
+                self.tables[name].release(batch)
+            raise
+        features = {name: per_table[name][1] for name in self.tables}
+        lengths = {f: jt.lengths() for f, jt in per_table["__jt__"].items()}
+        return PrefetchState(batches, features, tuple(kjt.keys()), self.training,
+                             lengths=lengths)
+
+    def _split_by_table(self, kjt: KeyedJaggedTensor):
+        """Validate, then concatenate each table's feature values (int64)."""
+        if not isinstance(kjt, KeyedJaggedTensor):
+            raise TypeError(f"input must be a KeyedJaggedTensor, got {type(kjt).__name__}")
+        unknown = [f for f in kjt.keys() if f not in self._table_of_feature]
+        if unknown:
+            raise ValueError(f"features {unknown} are in no table; known features: "
+                             f"{sorted(self._table_of_feature)}")
+        values = kjt.values()
+        if values.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"ids must be int64 or int32, got {values.dtype}")
+        if self._validate:
+            _check_lengths(kjt)
+        jts = kjt.to_dict()
+        out: Dict[str, Any] = {"__jt__": jts}
+        for config in self._configs:
+            present = [f for f in config.feature_names if f in jts]
+            parts = [jts[f].values().to(torch.int64) for f in present]
+            keys = (torch.cat(parts) if parts else
+                    torch.empty(0, dtype=torch.int64, device=values.device))
+            keys = keys.to(self._device)
+            if self._validate:
+                check_keys(keys, self._device, name=f"ids of table {config.name!r}")
+            out[config.name] = (keys, [(f, part.numel()) for f, part in zip(present, parts)])
+        return out
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        """Embeddings of ``kjt`` per feature; consumes the oldest prefetched state, or
+        prefetches inline when none is queued."""
+        state = self._queue.popleft() if self._queue else self._prefetch_now(kjt)
+        try:
+            self._check_state_matches(state, kjt)
+        except ValueError:
+            self._drop(state)
+            raise
+        if state.ready is not None:
+            torch.cuda.current_stream(self._device).wait_event(state.ready)
+        track_grad = state.training and torch.is_grad_enabled()
+        out: Dict[str, JaggedTensor] = {}
+        for name, table in self.tables.items():
+            batch = state.batches[name]
+            if track_grad:
+                anchor = torch.empty(0, device=self._device, requires_grad=True)
+                unique_rows = _DynamicLookup.apply(anchor, self, name, batch)
+            else:
+                unique_rows = table.lookup(batch)
+                table.release(batch)
+            rows = unique_rows.index_select(0, batch.inverse)
+            offset = 0
+            for feature, count in state.features[name]:
+                values = rows[offset:offset + count]
+                offset += count
+                out_name = feature
+                jt_ids = None
+                if self._need_indices:
+                    jt_ids = kjt[feature].values()
+                out[out_name] = JaggedTensor(values=values, lengths=state.lengths[feature],
+                                             weights=jt_ids)
+        return {f: out[f] for f in state.feature_order}
+
+    def _check_state_matches(self, state: PrefetchState, kjt: KeyedJaggedTensor) -> None:
+        if tuple(kjt.keys()) != state.feature_order:
+            raise ValueError(f"forward got features {list(kjt.keys())} but the oldest prefetched "
+                             f"batch has {list(state.feature_order)}; call forward in the order "
+                             f"of prefetch")
+        expected = sum(n for feats in state.features.values() for _, n in feats)
+        if kjt.values().numel() != expected:
+            raise ValueError(f"forward got {kjt.values().numel()} ids but the oldest prefetched "
+                             f"batch has {expected}; call forward in the order of prefetch")
+
+    def _drop(self, state: PrefetchState) -> None:
+        for name, batch in state.batches.items():
+            self.tables[name].release(batch)
+
+    def clear_prefetched(self) -> None:
+        """Drop every queued prefetch and release its pins."""
+        while self._queue:
+            self._drop(self._queue.popleft())
+
+    def _apply_gradients(self, name: str, batch: TableBatch, grads: torch.Tensor) -> None:
+        self._steps[name] += 1
+        self.tables[name].apply_gradients(batch, grads, lr=self._fused_optimizer.lr,
+                                          step=self._steps[name])
+
+    def extra_repr(self) -> str:
+        return ", ".join(repr(t) for t in self.tables.values())
+
+
+class _DynamicLookup(torch.autograd.Function):
+    """Unique rows of one table; backward applies the fused optimizer to them."""
+
+    @staticmethod
+    def forward(ctx, anchor, module: DynamicEmbCollection, name: str, batch: TableBatch):
+        ctx.module, ctx.name, ctx.batch = module, name, batch
+        return module.tables[name].lookup(batch)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        ctx.module._apply_gradients(ctx.name, ctx.batch, grad_rows)
+        return None, None, None, None
+
+
+class DynamicEmbFusedOptimizer(FusedOptimizer):
+    """The optimizer object of a :class:`DynamicEmbCollection`, TorchRec style: updates happen
+    in backward, so ``step`` and ``zero_grad`` do nothing; ``param_groups[0]["lr"]`` is the
+    learning rate used by the next backward (LR schedulers work on it).
+
+    Example::
+
+        >>> ec.fused_optimizer.param_groups[0]["lr"] = 0.01
+    """
+
+    def __init__(self, module: DynamicEmbCollection, lr: float):
+        super().__init__({}, {}, [{"params": [], "lr": lr}])
+
+    @property
+    def lr(self) -> float:
+        return float(self.param_groups[0]["lr"])
+
+    def step(self, closure: Any = None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        return None
+
+
+def _check_configs(tables) -> List[EmbeddingConfig]:
+    if not isinstance(tables, (list, tuple)) or not tables:
+        raise ValueError("tables must be a non-empty list of EmbeddingConfig")
+    seen, features = set(), {}
+    for config in tables:
+        if not isinstance(config, EmbeddingConfig):
+            raise TypeError(f"tables must hold EmbeddingConfig, got {type(config).__name__}")
+        if not config.name or config.name in seen:
+            raise ValueError(f"table names must be unique and non-empty, got {config.name!r}")
+        seen.add(config.name)
+        if config.embedding_dim <= 0:
+            raise ValueError(f"table {config.name!r}: embedding_dim must be positive, got "
+                             f"{config.embedding_dim}")
+        if not config.feature_names:
+            config.feature_names = [config.name]
+        for f in config.feature_names:
+            if f in features:
+                raise ValueError(f"feature {f!r} is in tables {features[f]!r} and "
+                                 f"{config.name!r}; a feature reads one table")
+            features[f] = config.name
+    return list(tables)
+
+
+def _options_by_table(table_options, names) -> Dict[str, DynamicEmbTableOptions]:
+    if table_options is None or isinstance(table_options, DynamicEmbTableOptions):
+        return {n: table_options or DynamicEmbTableOptions() for n in names}
+    if not isinstance(table_options, Mapping):
+        raise TypeError("table_options must be DynamicEmbTableOptions or a dict of them by "
+                        f"table name, got {type(table_options).__name__}")
+    unknown = sorted(set(table_options) - set(names))
+    if unknown:
+        raise ValueError(f"table_options names unknown tables {unknown}; tables: {names}")
+    out = {}
+    for n in names:
+        opt = table_options.get(n, DynamicEmbTableOptions())
+        if not isinstance(opt, DynamicEmbTableOptions):
+            raise TypeError(f"table_options[{n!r}] must be DynamicEmbTableOptions, got {opt!r}")
+        out[n] = opt
+    return out
+
+
+def _check_lengths(kjt: KeyedJaggedTensor) -> None:
+    lengths = kjt.lengths()
+    if lengths.numel() and bool((lengths < 0).any()):
+        raise ValueError("lengths must be >= 0")
+    total = int(lengths.sum()) if lengths.numel() else 0
+    if total != kjt.values().numel():
+        raise ValueError(f"lengths add up to {total} but there are {kjt.values().numel()} ids")
+    if lengths.numel() != len(kjt.keys()) * kjt.stride():
+        raise ValueError(f"lengths has {lengths.numel()} entries, expected "
+                         f"{len(kjt.keys())} features x batch {kjt.stride()}")

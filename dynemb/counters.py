@@ -1,0 +1,48 @@
+"""Per-table counters, accumulated on the table's device so that counting never stalls it."""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+#: Counted events, in the order they are stored.
+COUNTER_NAMES = (
+    "lookups",            # key occurrences looked up (duplicates included)
+    "unique_keys",        # distinct keys per batch, summed over batches
+    "hits",               # distinct keys found on the device (cache hits)
+    "misses",             # distinct keys not on the device
+    "inserts",            # keys given a device slot (new keys and CACHE loads)
+    "evictions",          # device rows displaced by the score policy
+    "write_backs",        # CACHE: evicted rows written to the backing store
+    "loads",              # CACHE: missed rows read back from the backing store
+    "admission_rejects",  # distinct keys per batch refused by admission (not stored)
+    "store_evictions",    # CACHE: rows the backing store itself evicted (its capacity is full)
+)
+_INDEX = {name: i for i, name in enumerate(COUNTER_NAMES)}
+
+
+class TableCounters:
+    """Running totals of one table's events (see :data:`COUNTER_NAMES`).
+
+    ``add`` takes Python ints or 0-d device tensors, so the hot path never reads a value back;
+    ``snapshot`` reads them all in one transfer.
+
+    Example::
+
+        >>> c = TableCounters(torch.device("cpu"))
+        >>> c.add("hits", torch.tensor(3)); c.add("hits", 2)
+        >>> c.snapshot()["hits"]
+        5
+    """
+
+    def __init__(self, device: torch.device):
+        self._values = torch.zeros(len(COUNTER_NAMES), dtype=torch.int64, device=device)
+
+    def add(self, name: str, amount) -> None:
+        self._values[_INDEX[name]] += amount
+
+    def snapshot(self) -> Dict[str, int]:
+        return dict(zip(COUNTER_NAMES, self._values.tolist()))
+
+    def reset(self) -> None:
+        self._values.zero_()

@@ -1,0 +1,385 @@
+"""One dynamic table on one rank: resolve keys to slots, serve rows, apply gradients.
+
+:class:`DynamicTable` implements the three storage modes behind one interface:
+
+- ``prefetch(keys, training)`` -> :class:`TableBatch`: dedup; for HBM_DIRECT and CACHE also
+  find or insert every key (admission, initializer, eviction, CACHE write-back and load) and
+  pin its slot. DEFAULT only dedups here.
+- ``lookup(batch)`` -> one row per unique key (DEFAULT does its hash lookups here).
+- ``apply_gradients(batch, grads, lr, step)``: the fused optimizer update, then unpin.
+
+Shapes follow the unique keys. On CUDA they are padded to the input length (``EMPTY_KEY``
+entries, slot -1), so the HBM_DIRECT path never reads a data-dependent size on the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from dynemb.admission import AdmissionCounter
+from dynemb.backends import backend_for_device
+from dynemb.backing_store import BackingStore, HostBackingStore
+from dynemb.counters import TableCounters
+from dynemb.dedup import unique_keys
+from dynemb.flat_table import FlatTable
+from dynemb.hash_table import ScoredHashTable
+from dynemb.optimizers import OptimizerConfig, fused_update
+from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
+from dynemb.types import EMPTY_KEY, TableFullError
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads keys over the tiers
+
+
+@dataclass
+class TableBatch:
+    """One table's part of a :class:`~dynemb.prefetch.PrefetchState`.
+
+    ``keys`` / ``counts`` [U] are the unique keys and their occurrences, ``inverse`` [N] maps
+    each input key to its unique index. ``slots`` [U] are device-tier slots (-1: no device row:
+    padding, a key refused by admission, a key unseen in eval, or the host tier in DEFAULT);
+    ``host_slots`` [U] the DEFAULT host-tier slots. ``fallback`` [U, dim] holds the rows used
+    for keys without a slot (initializer, eval initializer or CACHE store rows). ``buffer``
+    [U, dim + state] holds the rows DEFAULT mode gathered in forward.
+    """
+
+    name: str
+    mode: StorageMode
+    training: bool
+    keys: torch.Tensor
+    inverse: torch.Tensor
+    counts: torch.Tensor
+    num_unique: torch.Tensor
+    slots: Optional[torch.Tensor] = None
+    host_slots: Optional[torch.Tensor] = None
+    fallback: Optional[torch.Tensor] = None
+    buffer: Optional[torch.Tensor] = None
+    pinned: bool = False
+
+    @property
+    def num_keys(self) -> int:
+        return self.inverse.numel()
+
+
+class _Tier:
+    """A hash table and the flat table of its rows."""
+
+    def __init__(self, layout: TableLayout, capacity: int, width_state: int, dim: int,
+                 options: DynamicEmbTableOptions, device: torch.device, backend: Optional[str],
+                 grow: bool):
+        self.hash = ScoredHashTable(
+            capacity, bucket_size=layout.bucket_size, policy=options.score_strategy,
+            device=device, backend=backend,
+            grow_at_load_factor=options.max_load_factor if grow else None,
+            max_capacity=layout.max_capacity if grow else None)
+        self.flat = FlatTable(capacity, dim, optimizer_state_dim=width_state, dtype=layout.dtype,
+                              device=device, backend=backend)
+        self.device = torch.device(device)
+
+
+class DynamicTable:
+    """See the module docstring. Built by :class:`~dynemb.DynamicEmbCollection`."""
+
+    def __init__(self, name: str, table_id: int, dim: int, layout: TableLayout,
+                 options: DynamicEmbTableOptions, optimizer: OptimizerConfig,
+                 device: torch.device, backend: Optional[str] = None):
+        self.name = name
+        self.table_id = table_id
+        self.dim = dim
+        self.layout = layout
+        self.options = options
+        self.optimizer = optimizer
+        self.device = torch.device(device)
+        self.backend = backend
+        self.state_dim = optimizer.state_dim(dim)
+        self.width = dim + self.state_dim
+        self.mode = layout.mode
+        self._cpu_kernels = backend_for_device(self.device, backend).name == "cpu"
+        grow = layout.mode is StorageMode.HBM_DIRECT and layout.init_capacity < layout.max_capacity
+        self.tier = _Tier(layout, layout.init_capacity, self.state_dim, dim, options, self.device,
+                          backend, grow)
+        self.host_tier: Optional[_Tier] = None
+        self.store: Optional[BackingStore] = None
+        if layout.mode is StorageMode.DEFAULT:
+            host_rows = max(layout.bucket_size, layout.max_capacity - layout.device_capacity)
+            host_rows = -(-host_rows // layout.bucket_size) * layout.bucket_size
+            self.host_tier = _Tier(layout, host_rows, self.state_dim, dim, options,
+                                   torch.device("cpu"), None, False)
+        elif layout.mode is StorageMode.CACHE:
+            factory = options.backing_store or _default_store(layout)
+            self.store = factory(self.width, layout.dtype, self.device)
+            if not isinstance(self.store, BackingStore) or self.store.width != self.width:
+                raise TypeError(f"table {name!r}: backing_store must build a BackingStore of "
+                                f"width {self.width}, got {self.store!r}")
+        self.admission = (AdmissionCounter(options.admission, self.device, backend)
+                          if options.admission is not None else None)
+        self.counters = TableCounters(self.device)
+        self._held: List[TableBatch] = []
+
+    # -- prefetch ----------------------------------------------------------------------------
+    def prefetch(self, keys: torch.Tensor, training: bool) -> TableBatch:
+        """Dedup ``keys`` [N] and, except in DEFAULT mode, resolve and pin their slots."""
+        unique = unique_keys(keys, self.backend)
+        batch = TableBatch(self.name, self.mode, training, unique.keys, unique.inverse,
+                           unique.counts, unique.num_unique)
+        self.counters.add("lookups", keys.numel())
+        self.counters.add("unique_keys", unique.num_unique.sum())
+        if self.mode is not StorageMode.DEFAULT:
+            if training:
+                self._resolve_training(batch)
+            else:
+                self._resolve_eval(batch)
+        return batch
+
+    def _resolve_training(self, batch: TableBatch) -> None:
+        keys = batch.keys
+        claim = keys
+        if self.admission is not None:
+            present = self.tier.hash.find(keys) >= 0
+            if self.store is not None:
+                present |= self.store.find(keys)[1]
+            admitted = self._admit(batch, present)
+            claim = torch.where(admitted, keys, EMPTY_KEY)
+        result = self._claim(self.tier, claim, batch.counts, batch)
+        slots, inserted = result.slots, result.inserted
+        batch.slots, batch.pinned = slots, True
+        self._held.append(batch)
+        self._count_claim(batch, slots, inserted, result.evicted)
+        if self.store is None:
+            self._initialize(self.tier, result, keys)
+        else:
+            self._write_back_and_load(keys, slots, inserted, result)
+
+    def _admit(self, batch: TableBatch, present: torch.Tensor) -> torch.Tensor:
+        """Keys allowed a row: those already stored and those reaching the threshold. The rest
+        get the initializer's row in ``batch.fallback``."""
+        valid = batch.keys != EMPTY_KEY
+        admitted = present | self.admission.admit(batch.keys, batch.counts, valid & ~present)
+        self.counters.add("admission_rejects", (valid & ~admitted).sum())
+        batch.fallback = self.options.initializer.rows(
+            batch.keys, self.dim, seed=self.options.seed, table_id=self.table_id,
+            backend=self.backend)
+        return admitted
+
+    def _claim(self, tier: _Tier, keys: torch.Tensor, counts: torch.Tensor,
+               batch: TableBatch):
+        """find_or_insert with pins; growth remaps the rows and every held batch."""
+        on_failure = "raise" if self._cpu_kernels or tier is self.host_tier else "defer"
+        try:
+            result = tier.hash.find_or_insert(keys, pin=True, assume_unique=True,
+                                              counts=counts.to(tier.device), on_failure=on_failure)
+        except TableFullError as err:
+            if err.remap is not None:
+                self._apply_remap(tier, err.remap)
+            where = "the cache" if self.mode is StorageMode.CACHE else f"the {self.mode.value} table"
+            raise TableFullError(
+                f"table {self.name!r}: {err.failed_keys.numel()} keys found no slot in {where} "
+                f"({tier.hash.capacity} rows, {tier.hash.pinned_count()} pinned by "
+                f"{len(self._held)} prefetched batches not yet consumed); prefetch fewer "
+                f"batches ahead, raise the device budget, or use an evicting score_strategy. "
+                f"Nothing was inserted.", err.failed_keys, err.remap) from None
+        if result.remap is not None:
+            self._apply_remap(tier, result.remap)
+        return result
+
+    def _apply_remap(self, tier: _Tier, remap: torch.Tensor) -> None:
+        tier.flat.remap(remap, tier.hash.capacity)
+        for held in self._held:
+            if tier is self.tier and held.slots is not None:
+                held.slots = torch.where(held.slots >= 0, remap[held.slots.clamp(min=0)], -1)
+
+    def _count_claim(self, batch, slots, inserted, evicted) -> None:
+        hits = ((slots >= 0) & ~inserted).sum()
+        self.counters.add("hits", hits)
+        self.counters.add("misses", batch.num_unique.sum() - hits)
+        self.counters.add("inserts", inserted.sum())
+        self.counters.add("evictions", evicted.sum())
+
+    def _write_back_and_load(self, keys, slots, inserted, result) -> None:
+        """CACHE: save the evicted rows to the store, then fill the new slots from it (or from
+        the initializer for keys it has never seen)."""
+        evicted = result.evicted
+        if bool(evicted.any()):
+            ev_slots = slots[evicted]
+            rows = self.tier.flat.weights.index_select(0, ev_slots)
+            dropped = self.store.insert(result.previous_keys[evicted], rows)
+            self.counters.add("write_backs", ev_slots.numel())
+            self.counters.add("store_evictions", dropped)
+        if not bool(inserted.any()):
+            return
+        new_keys, new_slots = keys[inserted], slots[inserted]
+        rows, found = self.store.find(new_keys)
+        if bool(found.any()):
+            self.tier.flat.weights.index_copy_(0, new_slots[found], rows[found])
+            self.counters.add("loads", found.sum())
+        self.tier.flat.initialize_where(new_slots, new_keys, ~found, self.options.initializer,
+                                        seed=self.options.seed, table_id=self.table_id)
+
+    def _resolve_eval(self, batch: TableBatch) -> None:
+        """Eval: find without inserting or rescoring; unseen keys get the eval initializer
+        (CACHE: the store's row when it has one). Found slots are pinned until forward."""
+        slots = self.tier.hash.find(batch.keys)
+        self.tier.hash.retain(slots)
+        batch.slots, batch.pinned = slots, True
+        self._held.append(batch)
+        found = slots >= 0
+        self.counters.add("hits", found.sum())
+        self.counters.add("misses", batch.num_unique.sum() - found.sum())
+        batch.fallback = self._eval_rows(batch.keys)
+        if self.store is not None:
+            rows, stored = self.store.find(batch.keys)
+            batch.fallback = torch.where(stored[:, None], rows[:, :self.dim].float(),
+                                         batch.fallback)
+
+    def _eval_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.options.eval_initializer.rows(keys, self.dim, seed=self.options.seed,
+                                                  table_id=self.table_id, backend=self.backend)
+
+    # -- forward -----------------------------------------------------------------------------
+    def lookup(self, batch: TableBatch) -> torch.Tensor:
+        """[U, dim] float32 rows of the batch's unique keys (no hash lookup except DEFAULT)."""
+        if batch.mode is StorageMode.DEFAULT:
+            return self._lookup_tiers(batch)
+        rows = self._gather(self.tier, batch.slots)[:, :self.dim].float()
+        return self._with_fallback(rows, batch.slots >= 0, batch.fallback)
+
+    @staticmethod
+    def _gather(tier: _Tier, slots: torch.Tensor) -> torch.Tensor:
+        return tier.flat.weights.index_select(0, slots.clamp(min=0))
+
+    @staticmethod
+    def _with_fallback(rows, stored, fallback):
+        if fallback is None:
+            return rows * stored[:, None]  # padding and unplaced keys read zeros
+        return torch.where(stored[:, None], rows, fallback)
+
+    def _lookup_tiers(self, batch: TableBatch) -> torch.Tensor:
+        """DEFAULT: route each key to its tier by hash, find or insert it there, and gather the
+        rows (with optimizer state) into ``batch.buffer``."""
+        keys = batch.keys
+        valid = keys != EMPTY_KEY
+        on_device = valid & self._routes_to_device(keys)
+        dev_keys = torch.where(on_device, keys, EMPTY_KEY)
+        host_keys = torch.where(valid & ~on_device, keys, EMPTY_KEY).cpu()
+        if batch.training:
+            self._claim_tiers(batch, dev_keys, host_keys)
+        else:
+            batch.slots = self.tier.hash.find(dev_keys)
+            batch.host_slots = self.host_tier.hash.find(host_keys)
+            self.tier.hash.retain(batch.slots)
+            self.host_tier.hash.retain(batch.host_slots)
+            batch.pinned = True
+            self._held.append(batch)
+            stored = (batch.slots >= 0) | (batch.host_slots >= 0).to(self.device)
+            self.counters.add("hits", stored.sum())
+            self.counters.add("misses", batch.num_unique.sum() - stored.sum())
+            batch.fallback = self._eval_rows(keys)
+        host_rows = self._gather(self.host_tier, batch.host_slots).to(self.device)
+        on_host = (batch.host_slots >= 0).to(self.device)
+        batch.buffer = torch.where(on_host[:, None], host_rows,
+                                   self._gather(self.tier, batch.slots))
+        stored = on_host | (batch.slots >= 0)
+        rows = self._with_fallback(batch.buffer[:, :self.dim].float(), stored, batch.fallback)
+        if not batch.training:
+            self.release(batch)
+        return rows
+
+    def _claim_tiers(self, batch: TableBatch, dev_keys, host_keys) -> None:
+        if self.admission is not None:
+            present = (self.tier.hash.find(dev_keys) >= 0) | (
+                self.host_tier.hash.find(host_keys) >= 0).to(self.device)
+            admitted = self._admit(batch, present)
+            dev_keys = torch.where(admitted, dev_keys, EMPTY_KEY)
+            host_keys = torch.where(admitted.cpu(), host_keys, EMPTY_KEY)
+        dev = self._claim(self.tier, dev_keys, batch.counts, batch)
+        self._initialize(self.tier, dev, dev_keys)
+        batch.slots = dev.slots
+        try:
+            host = self._claim(self.host_tier, host_keys, batch.counts, batch)
+        except TableFullError:
+            self.tier.hash.release(dev.slots)  # device inserts stay, with initialized rows
+            raise
+        self._initialize(self.host_tier, host, host_keys)
+        batch.host_slots, batch.pinned = host.slots, True
+        self._held.append(batch)
+        inserted = dev.inserted | host.inserted.to(self.device)
+        slots = torch.where(host.slots.to(self.device) >= 0, 0, dev.slots)
+        self._count_claim(batch, slots, inserted, dev.evicted | host.evicted.to(self.device))
+
+    def _initialize(self, tier: _Tier, result, keys) -> None:
+        tier.flat.initialize_where(result.slots, keys, result.inserted, self.options.initializer,
+                                   seed=self.options.seed, table_id=self.table_id)
+
+    def _routes_to_device(self, keys: torch.Tensor) -> torch.Tensor:
+        mixed = keys * _GOLDEN
+        mixed = (mixed ^ (mixed >> 31)) & 0x7FFFFFFFFFFFFFFF
+        total = self.tier.hash.capacity + self.host_tier.hash.capacity
+        return mixed % total < self.tier.hash.capacity
+
+    # -- backward ----------------------------------------------------------------------------
+    def apply_gradients(self, batch: TableBatch, grads: torch.Tensor, *, lr: float,
+                        step: int) -> None:
+        """Fused optimizer update of the batch's rows with ``grads`` [U, dim], then unpin."""
+        grads = grads.to(torch.float32).contiguous()
+        if batch.mode is StorageMode.DEFAULT:
+            self._update_tiers(batch, grads, lr, step)
+        else:
+            fused_update(self.tier.flat.weights, batch.slots, grads, dim=self.dim,
+                         config=self.optimizer, lr=lr, step=step, backend=self.backend)
+        self.release(batch)
+
+    def _update_tiers(self, batch: TableBatch, grads, lr, step) -> None:
+        """DEFAULT: update the forward buffer, then write its rows back to their tiers."""
+        on_host = (batch.host_slots >= 0).to(self.device)
+        stored = on_host | (batch.slots >= 0)
+        local = torch.where(stored, torch.arange(stored.numel(), device=self.device), -1)
+        buffer = batch.buffer.contiguous()
+        fused_update(buffer, local, grads, dim=self.dim, config=self.optimizer, lr=lr, step=step,
+                     backend=self.backend)
+        on_dev = batch.slots >= 0
+        self.tier.flat.weights.index_copy_(0, batch.slots[on_dev], buffer[on_dev])
+        host_pick = batch.host_slots >= 0
+        self.host_tier.flat.weights.index_copy_(0, batch.host_slots[host_pick],
+                                                buffer[on_host].cpu())
+
+    def release(self, batch: TableBatch) -> None:
+        """Drop the batch's pins (once)."""
+        if not batch.pinned:
+            return
+        if batch.slots is not None:
+            self.tier.hash.release(batch.slots)
+        if batch.host_slots is not None:
+            self.host_tier.hash.release(batch.host_slots)
+        batch.pinned = False
+        self._held = [b for b in self._held if b is not batch]
+
+    # -- observability -----------------------------------------------------------------------
+    def stats(self) -> Dict[str, object]:
+        """Counters plus current sizes (reads the device once)."""
+        out: Dict[str, object] = dict(self.counters.snapshot())
+        rows_device = self.tier.hash.size()
+        out["storage_mode"] = self.mode.value
+        out["rows_device"] = rows_device
+        out["device_capacity"] = self.tier.hash.capacity
+        out["load_factor"] = rows_device / self.tier.hash.capacity
+        if self.host_tier is not None:
+            out["rows_backing"] = self.host_tier.hash.size()
+        elif self.store is not None:
+            out["rows_backing"] = self.store.size()
+        else:
+            out["rows_backing"] = 0
+        out["admission_pending"] = 0 if self.admission is None else self.admission.size()
+        return out
+
+    def __repr__(self) -> str:
+        return (f"DynamicTable({self.name!r}, dim={self.dim}, mode={self.mode.name}, "
+                f"device_capacity={self.tier.hash.capacity}, optimizer={self.optimizer.type.name})")
+
+
+def _default_store(layout: TableLayout):
+    def build(width: int, dtype: torch.dtype, device: torch.device) -> HostBackingStore:
+        initial = 1 << 12
+        return HostBackingStore(width, dtype, device, initial_capacity=initial,
+                                max_capacity=max(layout.max_capacity, initial))
+    return build

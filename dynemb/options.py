@@ -1,0 +1,208 @@
+"""Per-table options of :class:`DynamicEmbCollection` and the storage mode they lead to."""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from dynemb.initializers import Initializer, InitializerKind
+from dynemb.kernels.constants import MAX_BUCKET_SIZE
+from dynemb.types import ScorePolicy
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class StorageMode(enum.Enum):
+    """Where a table's rows live (chosen per table by :func:`choose_storage_mode`).
+
+    - ``HBM_DIRECT``: the whole table (values + optimizer state) fits the device budget: one
+      hash table and one flat table on the device.
+    - ``CACHE``: it does not fit and ``caching=True``: the device tables cache the hot rows of
+      a backing store that holds every row; evicted rows are written back, missed rows loaded.
+    - ``DEFAULT``: it does not fit and ``caching=False``: a device tier and a host tier side by
+      side, each key placed in one of them by its hash; lookups run in ``forward``.
+    """
+
+    HBM_DIRECT = "hbm_direct"
+    CACHE = "cache"
+    DEFAULT = "default"
+
+
+@dataclass(frozen=True)
+class FrequencyAdmission:
+    """Admit a key into the table only once it has been seen ``threshold`` times.
+
+    Occurrences of keys not yet admitted are counted in a separate LFU-scored hash table of
+    ``counter_capacity`` slots (the least-seen counts are forgotten when it fills up). Until a
+    key is admitted, lookups return the table's initializer row for it, nothing is stored and
+    its gradients are dropped.
+
+    Example::
+
+        >>> DynamicEmbTableOptions(admission=FrequencyAdmission(threshold=3))
+    """
+
+    threshold: int = 2
+    counter_capacity: int = 1 << 16
+
+    def __post_init__(self):
+        _check_int(self.threshold, "admission.threshold", minimum=1)
+        _check_int(self.counter_capacity, "admission.counter_capacity", minimum=1)
+
+
+#: Builds a table's backing store: ``factory(width, dtype, device)`` where ``width`` is the
+#: embedding dim plus the optimizer state dim (see :mod:`dynemb.backing_store`).
+BackingStoreFactory = Callable[[int, torch.dtype, torch.device], "object"]
+
+
+@dataclass(frozen=True)
+class DynamicEmbTableOptions:
+    """How one dynamic table stores, grows, evicts and initializes its rows.
+
+    Capacities count rows. Memory budgets count bytes of values plus optimizer state
+    (``capacity * (dim + optimizer_state_dim) * dtype size``).
+
+    Args:
+        caching: when the table does not fit the device budget, use the device as a cache of a
+            backing store (CACHE) instead of splitting rows between tiers by hash (DEFAULT).
+        global_hbm_for_values: device budget of the table over all ranks (split evenly);
+            None with ``local_hbm_for_values`` None: unlimited (HBM_DIRECT).
+        local_hbm_for_values: device budget on each rank; overrides the global one.
+        init_capacity: rows allocated at the start (default: ``max_capacity``).
+        max_capacity: most rows the table holds (default: the config's ``num_embeddings``);
+            beyond it the score policy evicts.
+        max_load_factor: grow (doubling, up to ``max_capacity``) once the table would be
+            fuller than this.
+        bucket_size: hash-table bucket size, a power of two <= 128.
+        score_strategy: eviction order, a :class:`ScorePolicy` (LRU is the timestamp policy).
+        initializer: start value of new rows in training.
+        eval_initializer: value returned for unseen keys in eval mode (nothing is stored).
+        admission: a :class:`FrequencyAdmission`, or None to admit every key.
+        embedding_dtype: dtype of the stored rows (default: the config's ``data_type``).
+        backing_store: factory of the CACHE mode's store (default: host memory,
+            :class:`dynemb.backing_store.HostBackingStore`).
+        seed: seed of the initializers (with the table's index, it fixes every initial row).
+
+    Example::
+
+        >>> DynamicEmbTableOptions(caching=True, global_hbm_for_values=64 << 20,
+        ...                        score_strategy=ScorePolicy.LFU)
+    """
+
+    caching: bool = False
+    global_hbm_for_values: Optional[int] = None
+    local_hbm_for_values: Optional[int] = None
+    init_capacity: Optional[int] = None
+    max_capacity: Optional[int] = None
+    max_load_factor: float = 0.75
+    bucket_size: int = MAX_BUCKET_SIZE
+    score_strategy: ScorePolicy = ScorePolicy.LRU
+    initializer: Initializer = field(default_factory=Initializer)
+    eval_initializer: Initializer = field(
+        default_factory=lambda: Initializer(InitializerKind.CONSTANT, value=0.0))
+    admission: Optional[FrequencyAdmission] = None
+    embedding_dtype: Optional[torch.dtype] = None
+    backing_store: Optional[BackingStoreFactory] = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.caching, bool):
+            raise TypeError(f"caching must be a bool, got {self.caching!r}")
+        for name in ("global_hbm_for_values", "local_hbm_for_values", "init_capacity",
+                     "max_capacity"):
+            if getattr(self, name) is not None:
+                _check_int(getattr(self, name), name, minimum=1)
+        f = self.max_load_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
+            raise ValueError(f"max_load_factor must be in (0, 1], got {f!r}")
+        _check_int(self.bucket_size, "bucket_size", minimum=1)
+        if self.bucket_size > MAX_BUCKET_SIZE or self.bucket_size & (self.bucket_size - 1):
+            raise ValueError(f"bucket_size must be a power of two <= {MAX_BUCKET_SIZE}, got "
+                             f"{self.bucket_size}")
+        if not isinstance(self.score_strategy, ScorePolicy):
+            raise TypeError(f"score_strategy must be a ScorePolicy, got {self.score_strategy!r}")
+        if self.score_strategy is ScorePolicy.CUSTOMIZED:
+            raise ValueError("score_strategy CUSTOMIZED needs per-key scores, which "
+                             "DynamicEmbCollection does not take; use the ScoredHashTable directly")
+        for name in ("initializer", "eval_initializer"):
+            if not isinstance(getattr(self, name), Initializer):
+                raise TypeError(f"{name} must be an Initializer, got {getattr(self, name)!r}")
+        if self.admission is not None and not isinstance(self.admission, FrequencyAdmission):
+            raise TypeError(f"admission must be a FrequencyAdmission or None, got "
+                            f"{self.admission!r}")
+        if self.embedding_dtype is not None and self.embedding_dtype not in _DTYPES:
+            raise ValueError(f"embedding_dtype must be one of {_DTYPES}, got "
+                             f"{self.embedding_dtype}")
+        if self.backing_store is not None and not callable(self.backing_store):
+            raise TypeError("backing_store must be a factory (width, dtype, device) -> store")
+        _check_int(self.seed, "seed", minimum=0)
+        if (self.init_capacity is not None and self.max_capacity is not None
+                and self.init_capacity > self.max_capacity):
+            raise ValueError(f"init_capacity ({self.init_capacity}) exceeds max_capacity "
+                             f"({self.max_capacity})")
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """What the options resolve to for one table on one rank (all counts in rows)."""
+
+    mode: StorageMode
+    dtype: torch.dtype
+    bucket_size: int
+    init_capacity: int          # device rows at the start (HBM_DIRECT) or fixed (CACHE/DEFAULT)
+    max_capacity: int           # most rows the table holds, all tiers together
+    device_capacity: int        # most rows on the device
+    row_bytes: int
+
+    @property
+    def host_capacity(self) -> int:
+        """Rows of the host tier (DEFAULT) or backing store (CACHE); 0 for HBM_DIRECT."""
+        return 0 if self.mode is StorageMode.HBM_DIRECT else self.max_capacity
+
+
+def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embeddings: int,
+                        width: int, config_dtype: torch.dtype, world_size: int = 1) -> TableLayout:
+    """Resolve a table's options into a :class:`TableLayout`; errors name the field at fault.
+
+    ``width`` is the embedding dim plus the optimizer state dim. The table goes to HBM_DIRECT
+    when ``max_capacity`` rows fit the per-rank budget; otherwise to CACHE (``caching``) or
+    DEFAULT with as many device rows as the budget holds, rounded down to whole buckets.
+    """
+    dtype = options.embedding_dtype or config_dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"table {name!r}: data_type {dtype} is not supported; use one of "
+                         f"{_DTYPES} (or set embedding_dtype)")
+    _check_int(num_embeddings, f"table {name!r}: num_embeddings", minimum=1)
+    bucket = options.bucket_size
+    max_capacity = _round_up(options.max_capacity or num_embeddings, bucket)
+    init_capacity = _round_up(options.init_capacity or max_capacity, bucket)
+    row_bytes = width * torch.empty((), dtype=dtype).element_size()
+    budget = options.local_hbm_for_values
+    if budget is None and options.global_hbm_for_values is not None:
+        budget = options.global_hbm_for_values // world_size
+    if budget is None or max_capacity * row_bytes <= budget:
+        return TableLayout(StorageMode.HBM_DIRECT, dtype, bucket, init_capacity, max_capacity,
+                           max_capacity, row_bytes)
+    device_rows = budget // row_bytes // bucket * bucket
+    field_name = ("local_hbm_for_values" if options.local_hbm_for_values is not None
+                  else "global_hbm_for_values")
+    if device_rows < bucket:
+        raise ValueError(
+            f"table {name!r}: {field_name} gives {budget} bytes per rank, below one bucket "
+            f"({bucket} rows x {row_bytes} bytes = {bucket * row_bytes} bytes)")
+    mode = StorageMode.CACHE if options.caching else StorageMode.DEFAULT
+    return TableLayout(mode, dtype, bucket, device_rows, max_capacity, device_rows, row_bytes)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(multiple, math.ceil(n / multiple) * multiple)
+
+
+def _check_int(value, name: str, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
