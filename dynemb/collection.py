@@ -10,7 +10,7 @@ from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from dynemb.dynamic_table import DynamicTable, TableBatch
-from dynemb.optimizers import OptimizerConfig
+from dynemb.optimizers import OptimizerConfig, clip_gradients
 from dynemb.options import DynamicEmbTableOptions, StorageMode, choose_storage_mode
 from dynemb.prefetch import PrefetchState
 from dynemb.validation import check_keys
@@ -105,6 +105,13 @@ class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
         """Per-table counters and sizes (see :mod:`dynemb.counters`); one device read each."""
         return {name: t.stats() for name, t in self.tables.items()}
 
+    def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
+        """``(rows, found)``: the current rows of ``keys`` in ``table`` (see
+        :meth:`DynamicTable.read_rows`); nothing is inserted or rescored."""
+        if table not in self.tables:
+            raise KeyError(f"no table {table!r}; tables: {list(self.tables)}")
+        return self.tables[table].read_rows(keys, with_state=with_state)
+
     @property
     def pending_prefetches(self) -> int:
         return len(self._queue)
@@ -196,6 +203,9 @@ class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
                 unique_rows = table.lookup(batch)
                 table.release(batch)
             rows = unique_rows.index_select(0, batch.inverse)
+            if track_grad and self._optimizer_config.max_gradient is not None:
+                # fbgemm clips each output's gradient before the per-row sum
+                rows.register_hook(self._clip)
             offset = 0
             for feature, count in state.features[name]:
                 values = rows[offset:offset + count]
@@ -226,6 +236,9 @@ class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
         """Drop every queued prefetch and release its pins."""
         while self._queue:
             self._drop(self._queue.popleft())
+
+    def _clip(self, grads: torch.Tensor) -> torch.Tensor:
+        return clip_gradients(grads, self._optimizer_config)
 
     def _apply_gradients(self, name: str, batch: TableBatch, grads: torch.Tensor) -> None:
         self._steps[name] += 1

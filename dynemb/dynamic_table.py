@@ -28,6 +28,7 @@ from dynemb.hash_table import ScoredHashTable
 from dynemb.optimizers import OptimizerConfig, fused_update
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.types import EMPTY_KEY, TableFullError
+from dynemb.validation import check_keys
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads keys over the tiers
 
@@ -353,6 +354,27 @@ class DynamicTable:
             self.host_tier.hash.release(batch.host_slots)
         batch.pinned = False
         self._held = [b for b in self._held if b is not batch]
+
+    # -- direct reads ------------------------------------------------------------------------
+    def read_rows(self, keys: torch.Tensor, *, with_state: bool = False):
+        """Current rows of ``keys`` wherever they live (device, host tier or store), without
+        touching scores, pins or counters. Returns ``(rows [N, dim or width], found [N])``."""
+        check_keys(keys, self.device)
+        width = self.width if with_state else self.dim
+        rows = torch.zeros(keys.numel(), width, dtype=self.layout.dtype, device=self.device)
+        found = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
+        if self.store is not None:
+            stored_rows, stored = self.store.find(keys)
+            rows[stored] = stored_rows[stored][:, :width]
+            found |= stored
+        for tier in (self.host_tier, self.tier):  # the device tier is authoritative: last
+            if tier is None:
+                continue
+            slots = tier.hash.find(keys.to(tier.device)).to(self.device)
+            hit = slots >= 0
+            rows[hit] = tier.flat.weights[slots[hit].to(tier.device)][:, :width].to(self.device)
+            found |= hit
+        return rows, found
 
     # -- observability -----------------------------------------------------------------------
     def stats(self) -> Dict[str, object]:
