@@ -137,7 +137,7 @@ class DynamicTable:
         keys = batch.keys
         claim = keys
         if self.admission is not None:
-            present = self.tier.hash.find(keys) >= 0
+            present = self.tier.hash.find(keys, allow_padding=True) >= 0
             if self.store is not None:
                 present |= self.store.find(keys)[1]
             admitted = self._admit(batch, present)
@@ -220,7 +220,7 @@ class DynamicTable:
     def _resolve_eval(self, batch: TableBatch) -> None:
         """Eval: find without inserting or rescoring; unseen keys get the eval initializer
         (CACHE: the store's row when it has one). Found slots are pinned until forward."""
-        slots = self.tier.hash.find(batch.keys)
+        slots = self.tier.hash.find(batch.keys, allow_padding=True)
         self.tier.hash.retain(slots)
         batch.slots, batch.pinned = slots, True
         self._held.append(batch)
@@ -266,8 +266,8 @@ class DynamicTable:
         if batch.training:
             self._claim_tiers(batch, dev_keys, host_keys)
         else:
-            batch.slots = self.tier.hash.find(dev_keys)
-            batch.host_slots = self.host_tier.hash.find(host_keys)
+            batch.slots = self.tier.hash.find(dev_keys, allow_padding=True)
+            batch.host_slots = self.host_tier.hash.find(host_keys, allow_padding=True)
             self.tier.hash.retain(batch.slots)
             self.host_tier.hash.retain(batch.host_slots)
             batch.pinned = True
@@ -288,8 +288,8 @@ class DynamicTable:
 
     def _claim_tiers(self, batch: TableBatch, dev_keys, host_keys) -> None:
         if self.admission is not None:
-            present = (self.tier.hash.find(dev_keys) >= 0) | (
-                self.host_tier.hash.find(host_keys) >= 0).to(self.device)
+            present = (self.tier.hash.find(dev_keys, allow_padding=True) >= 0) | (
+                self.host_tier.hash.find(host_keys, allow_padding=True) >= 0).to(self.device)
             admitted = self._admit(batch, present)
             dev_keys = torch.where(admitted, dev_keys, EMPTY_KEY)
             host_keys = torch.where(admitted.cpu(), host_keys, EMPTY_KEY)

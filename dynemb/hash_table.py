@@ -126,13 +126,17 @@ class ScoredHashTable:
 
     # -- lookups -----------------------------------------------------------------------------
     def find(self, keys: torch.Tensor, *, update_scores: bool = False,
-             scores: Optional[torch.Tensor] = None) -> torch.Tensor:
+             scores: Optional[torch.Tensor] = None, allow_padding: bool = False) -> torch.Tensor:
         """Slots of ``keys`` ([N] int64), -1 for keys not in the table.
 
         With ``update_scores`` hits get their score updated by the policy (and the clock
-        advances); ``scores`` are the given scores for CUSTOMIZED.
+        advances); ``scores`` are the given scores for CUSTOMIZED. With ``allow_padding``
+        (plain finds only), ``EMPTY_KEY`` entries are accepted and get -1.
         """
-        check_keys(keys, self.device)
+        if allow_padding and not update_scores:
+            check_index_tensor(keys, "keys", self.device)
+        else:
+            check_keys(keys, self.device)
         self._check_scores(keys, scores, required=update_scores)
         out = torch.empty_like(keys)
         if not update_scores:

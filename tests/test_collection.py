@@ -1,0 +1,347 @@
+"""DynamicEmbCollection behaviour: admission, eviction order per score strategy, eval mode,
+queued prefetches, shared tables, empty input, counters, custom stores, bad input."""
+import pytest
+import torch
+from torchrec import EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, FrequencyAdmission,
+                    HostBackingStore, Initializer, InitializerKind, OptimizerConfig,
+                    OptimizerType, ScorePolicy, StorageMode, TableFullError)
+
+DIM = 4
+SGD = OptimizerConfig(OptimizerType.SGD, learning_rate=0.5)
+INIT = Initializer(InitializerKind.UNIFORM, low=-0.1, high=0.1)
+
+
+def make(options=None, features=("f",), num_embeddings=1024, optimizer=SGD, **kwargs):
+    tables = [EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=num_embeddings,
+                              feature_names=list(features))]
+    return DynamicEmbCollection(tables, table_options=options or DynamicEmbTableOptions(
+        initializer=INIT), optimizer=optimizer, **kwargs)
+
+
+def kjt(ids, features=("f",), lengths=None):
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    if lengths is None:
+        lengths = [ids.numel()] + [0] * (len(features) - 1)
+    return KeyedJaggedTensor.from_lengths_sync(list(features), ids, torch.tensor(lengths))
+
+
+def train_step(ec, ids, **kw):
+    """One step whose loss is the sum of all embeddings: each row moves by -lr per use."""
+    out = ec(kjt(ids, **kw))
+    loss = sum(jt.values().sum() for jt in out.values())
+    loss.backward()
+    return out
+
+
+def init_rows(ec, ids, table="t"):
+    t = ec.tables[table]
+    return t.options.initializer.rows(torch.as_tensor(ids), t.dim, seed=t.options.seed,
+                                      table_id=t.table_id)
+
+
+def stored(ec, ids, table="t"):
+    return ec.read_rows(table, torch.as_tensor(ids, dtype=torch.int64))[1].tolist()
+
+
+# -- admission -----------------------------------------------------------------------------
+def test_admission_stores_a_key_on_its_threshold_th_sighting():
+    ec = make(DynamicEmbTableOptions(initializer=INIT, admission=FrequencyAdmission(threshold=3)))
+    out = train_step(ec, [10, 20])  # first sighting of both: refused, initializer rows
+    torch.testing.assert_close(out["f"].values(), init_rows(ec, [10, 20]))
+    assert stored(ec, [10, 20]) == [False, False]
+    train_step(ec, [10])  # second sighting: still refused, its gradient is dropped
+    assert stored(ec, [10]) == [False]
+    out = train_step(ec, [10, 30, 30, 30])  # 10: third sighting; 30: three in one batch
+    torch.testing.assert_close(out["f"].values(), init_rows(ec, [10, 30, 30, 30]))
+    assert stored(ec, [10, 20, 30]) == [True, False, True]
+    rows, _ = ec.read_rows("t", torch.tensor([10, 30]))
+    expected = init_rows(ec, [10, 30]) - 0.5 * torch.tensor([[1.0], [3.0]])
+    torch.testing.assert_close(rows, expected)
+    s = ec.stats()["t"]
+    assert s["admission_rejects"] == 3 and s["inserts"] == 2 and s["rows_device"] == 2
+
+
+# -- eviction order per score strategy -------------------------------------------------------
+def _one_bucket(policy):
+    return make(DynamicEmbTableOptions(initializer=INIT, max_capacity=4, bucket_size=4,
+                                       score_strategy=policy))
+
+
+@pytest.mark.parametrize("policy, expected_victim", [
+    (ScorePolicy.LRU, 2),    # last used: 1 at step 4, 2 at step 2, 3 at step 3, 4 at step 4
+    (ScorePolicy.LFU, 3),    # uses: 1 four times, 2 twice, 3 once, 4 twice (with step 5)
+    (ScorePolicy.STEP, 1),   # inserted at steps 1, 2, 3, 4: hits do not matter
+])
+def test_eviction_order_per_score_strategy(policy, expected_victim):
+    ec = _one_bucket(policy)
+    train_step(ec, [1])            # step 1
+    train_step(ec, [2, 2, 1])      # step 2
+    train_step(ec, [3, 1])         # step 3
+    train_step(ec, [4, 1])         # step 4: the bucket of 4 is now full
+    if policy is ScorePolicy.LFU:  # make 3 strictly less frequent than 4
+        train_step(ec, [4])
+    train_step(ec, [5])            # evicts one
+    present = dict(zip([1, 2, 3, 4, 5], stored(ec, [1, 2, 3, 4, 5])))
+    assert present[5] and not present[expected_victim]
+    assert sum(present.values()) == 4
+    assert ec.stats()["t"]["evictions"] == 1
+
+
+def test_no_eviction_raises_and_leaves_the_table_unchanged():
+    ec = _one_bucket(ScorePolicy.NO_EVICTION)
+    train_step(ec, [1, 2, 3, 4])
+    before = ec.read_rows("t", torch.tensor([1, 2, 3, 4]))[0].clone()
+    with pytest.raises(TableFullError, match="found no slot"):
+        ec(kjt([5, 1]))
+    assert stored(ec, [1, 2, 3, 4, 5]) == [True] * 4 + [False]
+    torch.testing.assert_close(ec.read_rows("t", torch.tensor([1, 2, 3, 4]))[0], before)
+    assert ec.tables["t"].tier.hash.pinned_count() == 0
+    train_step(ec, [1])  # still usable
+
+
+# -- eval mode -------------------------------------------------------------------------------
+@pytest.mark.parametrize("caching", [False, True])
+def test_eval_inserts_nothing_and_uses_the_eval_initializer(caching):
+    opts = DynamicEmbTableOptions(initializer=INIT, caching=caching,
+                                  local_hbm_for_values=None if not caching else 16 * DIM * 4,
+                                  bucket_size=16, eval_initializer=Initializer(
+                                      InitializerKind.CONSTANT, value=0.25))
+    ec = make(opts)
+    for start in range(0, 64, 8):  # with caching, most of these end up in the store only
+        train_step(ec, list(range(start, start + 8)))
+    trained, _ = ec.read_rows("t", torch.arange(64))
+    size_before = ec.stats()["t"]["rows_device"]
+    ec.eval()
+    out = ec(kjt([3, 1000, 60]))["f"].values()
+    assert not out.requires_grad
+    torch.testing.assert_close(out[0], trained[3])
+    torch.testing.assert_close(out[1], torch.full((DIM,), 0.25))
+    torch.testing.assert_close(out[2], trained[60])
+    assert stored(ec, [1000]) == [False]
+    assert ec.stats()["t"]["rows_device"] == size_before
+    assert ec.tables["t"].tier.hash.pinned_count() == 0
+
+
+# -- prefetch queue --------------------------------------------------------------------------
+def test_forward_consumes_prefetches_oldest_first():
+    ec = make()
+    a, b = kjt([1, 2]), kjt([3, 4, 5])
+    state_a = ec.prefetch(a)
+    ec.prefetch(b)
+    assert ec.pending_prefetches == 2 and state_a.storage_modes == {"t": StorageMode.HBM_DIRECT}
+    assert ec.tables["t"].tier.hash.pinned_count() == 5
+    with pytest.raises(ValueError, match="order of prefetch"):
+        ec(b)  # a is the oldest: mismatch detected, a's pins dropped
+    assert ec.pending_prefetches == 1
+    out = ec(b)["f"].values()
+    assert out.shape == (3, DIM)
+    out.sum().backward()
+    assert ec.tables["t"].tier.hash.pinned_count() == 0
+
+
+def test_forward_without_grad_releases_pins():
+    ec = make()
+    with torch.no_grad():
+        ec(kjt([1, 2, 3]))
+    assert ec.tables["t"].tier.hash.pinned_count() == 0
+    assert stored(ec, [1, 2, 3]) == [True] * 3
+
+
+def test_clear_prefetched_drops_pins():
+    ec = make()
+    ec.prefetch(kjt([1, 2]))
+    ec.clear_prefetched()
+    assert ec.pending_prefetches == 0 and ec.tables["t"].tier.hash.pinned_count() == 0
+
+
+# -- layouts of the input --------------------------------------------------------------------
+def test_shared_table_gives_one_row_per_id_across_features():
+    ec = make(features=("a", "b"))
+    out = train_step(ec, [7, 8, 7], features=("a", "b"), lengths=[2, 1])
+    torch.testing.assert_close(out["a"].values()[0], out["b"].values()[0])
+    rows, _ = ec.read_rows("t", torch.tensor([7, 8]))
+    expected = init_rows(ec, [7, 8]) - 0.5 * torch.tensor([[2.0], [1.0]])
+    torch.testing.assert_close(rows, expected)
+
+
+def test_empty_batch_and_zero_length_features():
+    ec = make(features=("a", "b"))
+    empty = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.empty(0, dtype=torch.int64),
+                                                torch.zeros(6, dtype=torch.int64))
+    out = ec(empty)
+    assert out["a"].values().shape == (0, DIM) and out["a"].lengths().tolist() == [0, 0, 0]
+    sum(jt.values().sum() for jt in out.values()).backward()
+    out = ec(KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([5, 6]),
+                                                 torch.tensor([0, 2, 0, 0])))
+    assert out["a"].values().shape == (2, DIM) and out["b"].values().shape == (0, DIM)
+    assert out["b"].lengths().tolist() == [0, 0]
+    assert out["a"].lengths().tolist() == [0, 2]
+
+
+def test_output_layout_matches_embedding_collection():
+    from torchrec import EmbeddingCollection
+    ec = make(features=("a", "b"), need_indices=True)
+    ref = EmbeddingCollection(tables=[EmbeddingConfig(name="t", embedding_dim=DIM,
+                                                      num_embeddings=10, feature_names=["a", "b"])],
+                              need_indices=True)
+    batch = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, 2, 3, 4]),
+                                                torch.tensor([1, 1, 2, 0]))
+    out, want = ec(batch), ref(batch)
+    assert list(out) == list(want)
+    for f in want:
+        assert out[f].values().shape == want[f].values().shape
+        assert out[f].values().dtype == want[f].values().dtype
+        assert torch.equal(out[f].lengths(), want[f].lengths())
+        assert torch.equal(out[f].weights(), want[f].weights())
+
+
+# -- counters ----------------------------------------------------------------------------------
+def test_counters_hand_computed():
+    ec = make()
+    train_step(ec, [1, 2, 2])
+    train_step(ec, [2, 3])
+    s = ec.stats()["t"]
+    assert (s["lookups"], s["unique_keys"], s["hits"], s["misses"], s["inserts"]) == (5, 4, 1, 3, 3)
+    assert s["rows_device"] == 3 and s["evictions"] == 0
+    assert s["storage_mode"] == "hbm_direct" and 0 < s["load_factor"] < 0.01
+
+
+# -- CACHE with a custom store ---------------------------------------------------------------
+class RecordingStore(HostBackingStore):
+    """The in-memory store, recording what it is asked."""
+
+    def __init__(self, width, dtype, device):
+        super().__init__(width, dtype, device, initial_capacity=128)
+        self.inserted = []
+
+    def insert(self, keys, rows):
+        self.inserted.extend(keys.tolist())
+        return super().insert(keys, rows)
+
+
+def test_cache_writes_back_to_a_custom_store_and_reloads():
+    stores = []
+
+    def factory(width, dtype, device):
+        stores.append(RecordingStore(width, dtype, device))
+        return stores[-1]
+
+    opts = DynamicEmbTableOptions(initializer=INIT, caching=True, bucket_size=4,
+                                  local_hbm_for_values=4 * DIM * 4, backing_store=factory)
+    ec = make(opts)
+    assert ec.storage_modes() == {"t": StorageMode.CACHE}
+    train_step(ec, [1, 2, 3, 4])
+    train_step(ec, [5, 6])      # evicts two of 1..4 to the store
+    assert len(stores[0].inserted) == 2 and set(stores[0].inserted) <= {1, 2, 3, 4}
+    victim = stores[0].inserted[0]
+    out = train_step(ec, [victim])  # reloaded with its trained value
+    torch.testing.assert_close(out["f"].values()[0], init_rows(ec, [victim])[0] - 0.5)
+    assert ec.stats()["t"]["loads"] == 1
+
+
+def test_host_backing_store_round_trip_and_growth():
+    store = HostBackingStore(3, torch.float32, torch.device("cpu"), initial_capacity=128)
+    keys = torch.arange(1000) * 7919
+    rows = torch.randn(1000, 3)
+    assert store.insert(keys, rows) == 0
+    assert store.size() == 1000 and store.capacity >= 1024
+    got, found = store.find(torch.cat([keys[:5], torch.tensor([-5])]))
+    assert found.tolist() == [True] * 5 + [False]
+    torch.testing.assert_close(got[:5], rows[:5])
+    exported, start = {}, 0
+    while start is not None:
+        k, r, start = store.export(start, 300)
+        exported.update(zip(k.tolist(), r))
+    assert set(exported) == set(keys.tolist())
+
+
+# -- bad input: clear error, nothing changed ---------------------------------------------------
+def _snapshot(ec):
+    return ec.stats()["t"], ec.read_rows("t", torch.arange(10))
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda: kjt([1, 2], features=("nope",)), ValueError, "in no table"),
+    (lambda: KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1.0, 2.0]),
+                                                 torch.tensor([2])), TypeError, "int64"),
+    (lambda: KeyedJaggedTensor(["f"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1])),
+     ValueError, "add up to 2"),
+    (lambda: kjt([1, -2**63]), ValueError, "reserved"),
+])
+def test_bad_input_is_rejected_before_any_change(bad, error, match):
+    ec = make()
+    train_step(ec, [1, 2, 3])
+    before = _snapshot(ec)
+    with pytest.raises(error, match=match):
+        ec(bad())
+    with pytest.raises(error, match=match):
+        ec.prefetch(bad())
+    after = _snapshot(ec)
+    assert after[0] == before[0]
+    torch.testing.assert_close(after[1][0], before[1][0])
+    assert ec.pending_prefetches == 0 and ec.tables["t"].tier.hash.pinned_count() == 0
+
+
+def test_reserved_id_in_a_later_table_leaves_earlier_tables_unchanged():
+    tables = [EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=64, feature_names=[f])
+              for n, f in (("t0", "a"), ("t1", "b"))]
+    ec = DynamicEmbCollection(tables)
+    batch = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([5, -2**63 + 1]),
+                                                torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="reserved"):
+        ec(batch)
+    assert ec.stats()["t0"]["rows_device"] == 0
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(max_capacity=0), "max_capacity"),
+    (dict(init_capacity=0), "init_capacity"),
+    (dict(local_hbm_for_values=100, caching=True), "below one bucket"),
+    (dict(global_hbm_for_values=100), "global_hbm_for_values"),
+    (dict(max_load_factor=0.0), "max_load_factor"),
+    (dict(bucket_size=3), "bucket_size"),
+    (dict(score_strategy="lru"), "score_strategy"),
+    (dict(init_capacity=4096, max_capacity=1024), "init_capacity"),
+    (dict(admission=lambda: FrequencyAdmission(threshold=0)), "admission.threshold"),
+])
+def test_unworkable_options_name_the_field(options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make(DynamicEmbTableOptions(**{k: v() if callable(v) else v
+                                       for k, v in options.items()}))
+
+
+def test_unworkable_table_configs():
+    zero = EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=8, feature_names=["f"])
+    zero.num_embeddings = 0  # TorchRec's own constructor divides by it
+    with pytest.raises(ValueError, match="num_embeddings"):
+        DynamicEmbCollection([zero])
+    with pytest.raises(ValueError, match="unknown tables"):
+        make({"other": DynamicEmbTableOptions()})
+    tables = [EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=8, feature_names=["f"])
+              for n in ("a", "b")]
+    with pytest.raises(ValueError, match="feature 'f' is in tables"):
+        DynamicEmbCollection(tables)
+
+
+# -- the CUDA kernels (simulator without a GPU) give the same training -----------------------
+def test_cuda_backend_trains_like_the_cpu_backend():
+    from tests.conftest import BACKENDS
+    _, cuda_device = BACKENDS[1]
+    results = []
+    for backend, device in (("cpu", "cpu"), ("cuda", cuda_device)):
+        ec = make(DynamicEmbTableOptions(initializer=INIT, max_capacity=64, bucket_size=16,
+                                         admission=FrequencyAdmission(threshold=2,
+                                                                      counter_capacity=128)),
+                  optimizer=OptimizerConfig(OptimizerType.ROWWISE_ADAGRAD, learning_rate=0.1),
+                  device=device, backend=backend)
+        for ids in ([1, 2, 2, 3], [3, 4, 1], [5, 1, 2, 9, 9]):
+            out = ec(kjt(torch.tensor(ids, device=device)))
+            (out["f"].values() ** 2).sum().backward()
+        results.append((out["f"].values().detach().cpu(),
+                        ec.read_rows("t", torch.tensor([1, 2, 3, 4, 5, 9], device=device))))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1][0], results[1][1][0].cpu())
+    assert results[0][1][1].tolist() == results[1][1][1].cpu().tolist()
