@@ -79,6 +79,39 @@ class _Tier:
         self.device = torch.device(device)
 
 
+class _DeferredFailures:
+    """Keys that found no slot on the sync-free path, reported at a later call.
+
+    The count is copied to pinned host memory behind an event; a later ``check`` raises once
+    the copy has landed, without ever waiting for the device.
+    """
+
+    def __init__(self, device: torch.device):
+        self.total = torch.zeros(1, dtype=torch.int64, device=device)
+        self._on_gpu = device.type == "cuda"
+        self._host = torch.zeros(1, dtype=torch.int64, pin_memory=self._on_gpu)
+        self._event = None
+
+    def record(self, failed: torch.Tensor) -> None:
+        self.total += failed.sum()
+        self._host.copy_(self.total, non_blocking=self._on_gpu)
+        if self._on_gpu:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def check(self, table: str) -> None:
+        if self._event is not None and not self._event.query():
+            return
+        count = int(self._host[0])
+        if count:
+            self.total.zero_()
+            self._host.zero_()
+            raise TableFullError(
+                f"table {table!r}: {count} keys of earlier batches found no slot (buckets full "
+                f"of pinned rows or NO_EVICTION) and were served zeros without being trained",
+                torch.empty(0, dtype=torch.int64), None)
+
+
 class DynamicTable:
     """See the module docstring. Built by :class:`~dynemb.DynamicEmbCollection`."""
 
@@ -117,10 +150,12 @@ class DynamicTable:
                           if options.admission is not None else None)
         self.counters = TableCounters(self.device)
         self._held: List[TableBatch] = []
+        self._deferred = _DeferredFailures(self.device)
 
     # -- prefetch ----------------------------------------------------------------------------
     def prefetch(self, keys: torch.Tensor, training: bool) -> TableBatch:
         """Dedup ``keys`` [N] and, except in DEFAULT mode, resolve and pin their slots."""
+        self._deferred.check(self.name)
         unique = unique_keys(keys, self.backend)
         batch = TableBatch(self.name, self.mode, training, unique.keys, unique.inverse,
                            unique.counts, unique.num_unique)
@@ -182,6 +217,8 @@ class DynamicTable:
                 f"Nothing was inserted.", err.failed_keys, err.remap) from None
         if result.remap is not None:
             self._apply_remap(tier, result.remap)
+        if on_failure == "defer":
+            self._deferred.record(result.failed)
         return result
 
     def _apply_remap(self, tier: _Tier, remap: torch.Tensor) -> None:

@@ -80,7 +80,12 @@ class FlatTable:
 
     def initialize_where(self, slots: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
                          initializer: Initializer, *, seed: int, table_id: int) -> None:
-        """:meth:`initialize` the rows ``slots[i]`` with ``mask[i]`` (and ``slots[i] >= 0``)."""
+        """:meth:`initialize` the rows ``slots[i]`` with ``mask[i]`` (and ``slots[i] >= 0``).
+        float32 rows are written by one kernel without a host sync."""
+        if self.weights.dtype == torch.float32:
+            initializer.write_rows(self.weights, slots, keys, mask, dim=self.dim, seed=seed,
+                                   table_id=table_id, backend=self.backend)
+            return
         pick = mask & (slots >= 0)
         if bool(pick.any()):
             self.initialize(slots[pick], keys[pick], initializer, seed=seed, table_id=table_id)

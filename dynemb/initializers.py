@@ -88,3 +88,14 @@ class Initializer:
             out, keys, int(seed), int(table_id), _KIND_CODES[self.kind], float(p0), float(p1),
             float(self.low), float(self.high))
         return out
+
+    def write_rows(self, weights: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+                   mask: torch.Tensor, *, dim: int, seed: int, table_id: int,
+                   backend: str | None = None) -> None:
+        """In float32 ``weights`` [C, W], start the rows ``slots[i]`` with ``mask[i]`` (and
+        ``slots[i] >= 0``) from ``keys[i]``: initial values in ``[0, dim)``, zeros after.
+        One kernel, no host sync."""
+        p0, p1 = self._params()
+        backend_for_device(weights.device, backend).init_rows_at(
+            weights, slots, keys, mask, int(dim), int(seed), int(table_id),
+            _KIND_CODES[self.kind], float(p0), float(p1), float(self.low), float(self.high))

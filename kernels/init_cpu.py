@@ -12,3 +12,18 @@ def init_rows_cpu(out, keys, seed, table_id, kind, p0, p1, low, high):
         stream = row_stream(seed, table_id, keys[i])
         for j in range(out.shape[1]):
             out[i, j] = initial_value(kind, p0, p1, low, high, stream, j)
+
+
+@njit(cache=True, parallel=True)
+def init_rows_at_cpu(weights, slots, keys, mask, dim, seed, table_id, kind, p0, p1, low, high):
+    """Start row ``weights[slots[i]]`` of every ``mask[i]`` (and ``slots[i] >= 0``) from
+    ``keys[i]``: columns ``[0, dim)`` the initial value, the rest (optimizer state) zero."""
+    for i in prange(slots.size):
+        s = slots[i]
+        if s < 0 or not mask[i]:
+            continue
+        stream = row_stream(seed, table_id, keys[i])
+        for j in range(dim):
+            weights[s, j] = initial_value(kind, p0, p1, low, high, stream, j)
+        for j in range(dim, weights.shape[1]):
+            weights[s, j] = 0.0

@@ -15,4 +15,23 @@ def init_rows_kernel(out, keys, seed, table_id, kind, p0, p1, low, high):
         out[i, j] = initial_value(kind, p0, p1, low, high, row_stream(seed, table_id, keys[i]), j)
 
 
-KERNELS = {"init_rows_kernel": init_rows_kernel}
+@cuda.jit
+def init_rows_at_kernel(weights, slots, keys, mask, dim, seed, table_id, kind, p0, p1, low, high):
+    """One thread per element of the rows ``weights[slots[i]]`` with ``mask[i]``: the initial
+    value in columns ``[0, dim)``, zero (optimizer state) after."""
+    t = cuda.grid(1)
+    width = weights.shape[1]
+    if t < slots.size * width:
+        i = t // width
+        j = t - i * width
+        s = slots[i]
+        if s < 0 or not mask[i]:
+            return
+        if j < dim:
+            weights[s, j] = initial_value(kind, p0, p1, low, high,
+                                          row_stream(seed, table_id, keys[i]), j)
+        else:
+            weights[s, j] = 0.0
+
+
+KERNELS = {"init_rows_kernel": init_rows_kernel, "init_rows_at_kernel": init_rows_at_kernel}
