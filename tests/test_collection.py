@@ -345,3 +345,18 @@ def test_cuda_backend_trains_like_the_cpu_backend():
     torch.testing.assert_close(results[0][0], results[1][0])
     torch.testing.assert_close(results[0][1][0], results[1][1][0].cpu())
     assert results[0][1][1].tolist() == results[1][1][1].cpu().tolist()
+
+
+def test_sync_free_path_reports_slot_failures_at_the_next_prefetch():
+    from tests.conftest import BACKENDS
+    _, device = BACKENDS[1]
+    ec = make(DynamicEmbTableOptions(initializer=INIT, max_capacity=4, bucket_size=4,
+                                     score_strategy=ScorePolicy.NO_EVICTION),
+              device=device, backend="cuda")
+    out = ec(kjt(torch.tensor([1, 2, 3, 4, 5], device=device)))  # 5 keys, 4 slots
+    values = out["f"].values()
+    assert int((values.abs().sum(1) == 0).sum()) == 1  # the unplaced key reads zeros
+    values.sum().backward()
+    with pytest.raises(TableFullError, match="1 keys of earlier batches found no slot"):
+        ec.prefetch(kjt(torch.tensor([1], device=device)))
+    ec(kjt(torch.tensor([1], device=device)))  # reported once; the table keeps working
