@@ -11,9 +11,10 @@ from functools import lru_cache
 from typing import Tuple
 
 import numba
+import numpy as np
 import torch
 
-from dynemb.kernels import init_cpu, table_cpu
+from dynemb.kernels import init_cpu, optim_cpu, table_cpu
 from dynemb.kernels.constants import EMPTY_KEY, cuda_simulator_enabled
 
 _THREADS_PER_BLOCK = 256
@@ -93,6 +94,18 @@ class CpuBackend:
         init_cpu.init_rows_cpu(self._np(out), self._np(keys), seed, table_id, kind, p0, p1, low,
                                high)
 
+    def init_rows_at(self, weights, slots, keys, mask, dim, seed, table_id, kind, p0, p1, low,
+                     high):
+        n = self._np
+        init_cpu.init_rows_at_cpu(n(weights), n(slots), n(keys), n(mask), dim, seed, table_id,
+                                  kind, p0, p1, low, high)
+
+    def fused_update(self, weights, slots, grads, kind, dim, lr, eps, beta1, beta2, weight_decay,
+                     bias1, bias2, acc0):
+        """In place on float32 ``weights`` [C, W]; see ``optim_cpu.fused_update_cpu``."""
+        optim_cpu.fused_update_cpu(self._np(weights), self._np(slots), self._np(grads), kind, dim,
+                                   *_f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
+
 
 class CudaBackend:
     """numba-cuda kernels on CUDA tensors, launched on torch's current stream.
@@ -105,11 +118,12 @@ class CudaBackend:
     def __init__(self):
         from numba import cuda
 
-        from dynemb.kernels import init_cuda, table_cuda
+        from dynemb.kernels import init_cuda, optim_cuda, table_cuda
 
         self._cuda = cuda
         self._table = table_cuda
         self._init = init_cuda
+        self._optim = optim_cuda
         self._simulated = cuda_simulator_enabled()
 
     def check_device(self, device: torch.device) -> None:
@@ -195,6 +209,27 @@ class CudaBackend:
     def init_rows(self, out, keys, seed, table_id, kind, p0, p1, low, high):
         self._launch(self._init.init_rows_kernel, out.numel(), self._arr(out), self._arr(keys),
                      seed, table_id, kind, p0, p1, low, high)
+
+    def init_rows_at(self, weights, slots, keys, mask, dim, seed, table_id, kind, p0, p1, low,
+                     high):
+        a = self._arr
+        self._launch(self._init.init_rows_at_kernel, slots.numel() * weights.shape[1],
+                     a(weights), a(slots), a(keys), a(mask), dim, seed, table_id, kind, p0, p1,
+                     low, high)
+
+    def fused_update(self, weights, slots, grads, kind, dim, lr, eps, beta1, beta2, weight_decay,
+                     bias1, bias2, acc0):
+        """In place on float32 ``weights`` [C, W]; one warp per row of ``slots``."""
+        # The kernel's shared buffer holds optim_cuda.MAX_THREADS_PER_BLOCK >= block size.
+        a = self._arr
+        self._launch(self._optim.fused_update_kernel, slots.numel() * self._optim.WARP,
+                     a(weights), a(slots), a(grads), kind, dim,
+                     *_f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
+
+
+def _f32(*values):
+    """Kernel scalars as float32, so the kernels compute (and compile) in float32."""
+    return tuple(np.float32(v) for v in values)
 
 
 @lru_cache(maxsize=None)

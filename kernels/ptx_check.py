@@ -15,9 +15,9 @@ def kernel_signatures():
     """Name -> (kernel, numba signature) with the argument types the launchers pass."""
     from numba import types as nt
 
-    from . import init_cuda, table_cuda
+    from . import init_cuda, optim_cuda, table_cuda
 
-    i64, i32, b1, f64 = nt.int64, nt.int32, nt.boolean, nt.float64
+    i64, i32, b1, f32, f64 = nt.int64, nt.int32, nt.boolean, nt.float32, nt.float64
     k64 = nt.Array(i64, 1, "C")
     r32 = nt.Array(i32, 1, "C")
     mask = nt.Array(b1, 1, "C")
@@ -36,6 +36,10 @@ def kernel_signatures():
         "rehash_kernel": (t.rehash_kernel, (k64, k64, r32, k64, k64, r32, i64, i64, k64, k64)),
         "init_rows_kernel": (init_cuda.init_rows_kernel,
                              (rows, k64, i64, i64, i64, f64, f64, f64, f64)),
+        "init_rows_at_kernel": (init_cuda.init_rows_at_kernel,
+                                (rows, k64, k64, mask, i64, i64, i64, i64, f64, f64, f64, f64)),
+        "fused_update_kernel": (optim_cuda.fused_update_kernel,
+                                (rows, k64, rows, i64, i64) + (f32,) * 8),
     }
 
 

@@ -1,0 +1,73 @@
+"""CUDA fused optimizer kernel: one warp per touched row, lanes stride over its columns.
+
+Consecutive lanes touch consecutive columns, so every access of a row is coalesced. Row-wise
+AdaGrad sums the row's squared gradients with a shared-memory tree inside each warp (the
+simulator has no warp shuffles); every thread of the block, in range or not, takes part in the
+``syncthreads`` barriers, which is why no thread returns early.
+"""
+from numba import cuda, float32
+
+from .optim_common import (OPT_ADAGRAD, OPT_ADAM, OPT_ROWWISE_ADAGRAD, OPT_SGD, adagrad_element,
+                           adam_element, rowwise_adagrad_scale, rowwise_element, rowwise_grad,
+                           sgd_element)
+
+WARP = 32
+#: Launches use at most this many threads per block (the shared reduction buffer's size).
+MAX_THREADS_PER_BLOCK = 256
+
+
+@cuda.jit
+def fused_update_kernel(weights, slots, grads, kind, dim, lr, eps, beta1, beta2, weight_decay,
+                        bias1, bias2, acc0):
+    """Same contract as ``optim_cpu.fused_update_cpu``; launch ``WARP`` threads per row."""
+    partial = cuda.shared.array(MAX_THREADS_PER_BLOCK, float32)
+    tid = cuda.threadIdx.x
+    lane = tid % WARP
+    row = cuda.grid(1) // WARP
+    s = -1
+    if row < slots.size:
+        s = slots[row]
+    if kind == OPT_ROWWISE_ADAGRAD:
+        sum_sq = float32(0.0)
+        old_acc = float32(0.0)
+        if s >= 0:
+            old_acc = weights[s, dim]  # read before lane 0 may overwrite it below
+            for j in range(lane, dim, WARP):
+                g = rowwise_grad(grads[row, j], weights[s, j], weight_decay)
+                sum_sq += g * g
+        partial[tid] = sum_sq
+        cuda.syncthreads()
+        width = WARP // 2
+        while width > 0:
+            if lane < width:
+                partial[tid] += partial[tid + width]
+            cuda.syncthreads()
+            width //= 2
+        if s >= 0:
+            acc, multiplier, correction = rowwise_adagrad_scale(
+                old_acc + acc0, partial[tid - lane], dim, lr, eps, weight_decay)
+            for j in range(lane, dim, WARP):
+                weights[s, j] = rowwise_element(weights[s, j], grads[row, j], multiplier,
+                                                correction)
+            if lane == 0:
+                weights[s, dim] = acc - acc0
+        return
+    if s < 0:
+        return
+    for j in range(lane, dim, WARP):
+        g = grads[row, j]
+        if kind == OPT_SGD:
+            weights[s, j] = sgd_element(weights[s, j], g, lr)
+        elif kind == OPT_ADAM:
+            w, m, v = adam_element(weights[s, j], weights[s, dim + j], weights[s, 2 * dim + j], g,
+                                   lr, beta1, beta2, bias1, bias2, eps, weight_decay)
+            weights[s, j] = w
+            weights[s, dim + j] = m
+            weights[s, 2 * dim + j] = v
+        elif kind == OPT_ADAGRAD:
+            w, acc = adagrad_element(weights[s, j], weights[s, dim + j] + acc0, g, lr, eps)
+            weights[s, j] = w
+            weights[s, dim + j] = acc - acc0
+
+
+KERNELS = {"fused_update_kernel": fused_update_kernel}
