@@ -191,7 +191,11 @@ class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
             self._drop(state)
             raise
         if state.ready is not None:
-            torch.cuda.current_stream(self._device).wait_event(state.ready)
+            stream = torch.cuda.current_stream(self._device)
+            stream.wait_event(state.ready)
+            for batch in state.batches.values():  # made on the prefetch stream, used here
+                for tensor in batch.tensors():
+                    tensor.record_stream(stream)
         track_grad = state.training and torch.is_grad_enabled()
         out: Dict[str, JaggedTensor] = {}
         for name, table in self.tables.items():

@@ -62,6 +62,11 @@ class TableBatch:
     def num_keys(self) -> int:
         return self.inverse.numel()
 
+    def tensors(self) -> List[torch.Tensor]:
+        """Every tensor the batch holds (to mark them used by another CUDA stream)."""
+        return [t for t in (self.keys, self.inverse, self.counts, self.num_unique, self.slots,
+                            self.host_slots, self.fallback, self.buffer) if t is not None]
+
 
 class _Tier:
     """A hash table and the flat table of its rows."""
