@@ -152,7 +152,7 @@ class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
         features = {name: per_table[name][1] for name in self.tables}
         lengths = {f: jt.lengths() for f, jt in per_table["__jt__"].items()}
         return PrefetchState(batches, features, tuple(kjt.keys()), self.training,
-                             lengths=lengths)
+                             lengths=lengths, values=kjt.values())
 
     def _split_by_table(self, kjt: KeyedJaggedTensor):
         """Validate, then concatenate each table's feature values (int64)."""
@@ -184,7 +184,10 @@ class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
     def forward(self, kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         """Embeddings of ``kjt`` per feature; consumes the oldest prefetched state, or
         prefetches inline when none is queued."""
-        state = self._queue.popleft() if self._queue else self._prefetch_now(kjt)
+        if self._queue and self._queue[0].training == self.training:
+            state = self._queue.popleft()
+        else:  # nothing queued, or queued for the other mode (e.g. an eval between steps)
+            state = self._prefetch_now(kjt)
         try:
             self._check_state_matches(state, kjt)
         except ValueError:
@@ -228,9 +231,13 @@ class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
                              f"batch has {list(state.feature_order)}; call forward in the order "
                              f"of prefetch")
         expected = sum(n for feats in state.features.values() for _, n in feats)
-        if kjt.values().numel() != expected:
-            raise ValueError(f"forward got {kjt.values().numel()} ids but the oldest prefetched "
-                             f"batch has {expected}; call forward in the order of prefetch")
+        values = kjt.values()
+        same = values.numel() == expected and (
+            values is state.values or not self._validate or torch.equal(values, state.values))
+        if not same:
+            raise ValueError(f"forward got other ids ({values.numel()}) than the oldest "
+                             f"prefetched batch ({expected}); call forward in the order of "
+                             f"prefetch")
 
     def _drop(self, state: PrefetchState) -> None:
         for name, batch in state.batches.items():

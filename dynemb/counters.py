@@ -41,6 +41,15 @@ class TableCounters:
     def add(self, name: str, amount) -> None:
         self._values[_INDEX[name]] += amount
 
+    def add_many(self, **amounts) -> None:
+        if all(isinstance(v, int) for v in amounts.values()):  # one tensor op on the host path
+            index = torch.tensor([_INDEX[k] for k in amounts], device=self._values.device)
+            self._values.index_add_(0, index, torch.tensor(list(amounts.values()),
+                                                           device=self._values.device))
+            return
+        for name, amount in amounts.items():
+            self.add(name, amount)
+
     def snapshot(self) -> Dict[str, int]:
         return dict(zip(COUNTER_NAMES, self._values.tolist()))
 

@@ -16,7 +16,8 @@ class PrefetchState:
     storage mode (:class:`~dynemb.dynamic_table.TableBatch`), plus how to cut the table's
     rows back into features.
 
-    ``features`` lists, per table, ``(feature name, number of values)`` in the order the
+    ``values`` are the input ids (forward checks its input against them). ``features`` lists,
+    per table, ``(feature name, number of values)`` in the order the
     table's keys were concatenated. ``ready`` is the CUDA event recorded on the prefetch
     stream (None on CPU); forward waits on it before reading the slots.
     """
@@ -27,6 +28,7 @@ class PrefetchState:
     training: bool
     ready: Optional[torch.cuda.Event] = None
     lengths: Dict[str, torch.Tensor] = field(default_factory=dict)
+    values: Optional[torch.Tensor] = None  # the input ids, to match forward's input
 
     @property
     def table_names(self) -> List[str]:

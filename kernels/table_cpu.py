@@ -231,3 +231,19 @@ def count_reserved_cpu(keys):
         if not is_live_key(keys[i]):
             n += 1
     return n
+
+
+@njit(cache=True)
+def claim_summary_cpu(slots, inserted, prev_keys):
+    """(keys placed, keys inserted, live keys evicted) of one find_or_insert, in one pass."""
+    placed = 0
+    new = 0
+    evicted = 0
+    for i in range(slots.size):
+        if slots[i] >= 0:
+            placed += 1
+            if inserted[i]:
+                new += 1
+                if is_live_key(prev_keys[i]):
+                    evicted += 1
+    return placed, new, evicted

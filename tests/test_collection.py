@@ -142,6 +142,26 @@ def test_forward_consumes_prefetches_oldest_first():
     assert ec.tables["t"].tier.hash.pinned_count() == 0
 
 
+def test_forward_rejects_other_ids_of_the_same_shape():
+    ec = make()
+    ec.prefetch(kjt([1, 2]))
+    with pytest.raises(ValueError, match="order of prefetch"):
+        ec(kjt([3, 4]))
+    assert ec.pending_prefetches == 0 and ec.tables["t"].tier.hash.pinned_count() == 0
+
+
+def test_eval_forward_leaves_a_queued_training_batch_alone():
+    ec = make()
+    train_batch = kjt([1, 2])
+    ec.prefetch(train_batch)
+    ec.eval()
+    assert ec(kjt([7]))["f"].values().shape == (1, DIM)
+    ec.train()
+    assert ec.pending_prefetches == 1
+    ec(train_batch)["f"].values().sum().backward()
+    assert stored(ec, [1, 2, 7]) == [True, True, False]
+
+
 def test_forward_without_grad_releases_pins():
     ec = make()
     with torch.no_grad():
