@@ -1,7 +1,7 @@
-"""The benchmark's smoke mode runs, checks its own results and writes its report."""
+"""The benchmarks' smoke modes run, check their own results and write their reports."""
 import json
 
-from benchmarks import bench_hash_table
+from benchmarks import bench_collection, bench_hash_table
 
 
 def test_hash_table_benchmark_quick(tmp_path):
@@ -14,3 +14,23 @@ def test_hash_table_benchmark_quick(tmp_path):
     saved = json.loads((tmp_path / "hash_table_cpu_quick.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(report["rows"]))
     assert (tmp_path / "hash_table_cpu_quick.png").stat().st_size > 0
+
+
+def test_collection_benchmark_quick(tmp_path):
+    report = bench_collection.main(["--quick", "--profile", "1", "--out-dir", str(tmp_path)])
+    methods = {(r["optimizer"], r["method"]) for r in report["rows"]}
+    common = {"hbm_direct", "cache", "static", "managed_collision"}
+    assert {("sgd", m) for m in common | {"static_torch"}} | {("adam", m) for m in common} \
+        == methods
+    steps = report["config"]["steps"]
+    assert all(len(r["step_ms"]) == steps and r["median_ms"] > 0 for r in report["rows"])
+    cache = [r for r in report["rows"] if r["method"] == "cache"]
+    assert all(r["extra"]["timed_counters"]["evictions"] > 0 for r in cache)
+    for c in report["comparisons"]:
+        assert 0.0 <= c["cache_hit_rate"] <= 1.0
+        assert min(c["hbm_vs_static"], c["mc_vs_hbm"], c["cache_vs_hbm"]) > 0
+    assert len(report["targets"]) == 3 * len(report["comparisons"])
+    assert {p["method"] for p in report["profile"]} == {"hbm_direct", "cache"}
+    saved = json.loads((tmp_path / "collection_cpu_quick.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(report["rows"]))
+    assert (tmp_path / "collection_cpu_quick.png").stat().st_size > 0
