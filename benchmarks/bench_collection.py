@@ -5,7 +5,7 @@ run on the same batches.
 
 Run from the repository root::
 
-    .venv/bin/python -m benchmarks.bench_collection            # full run (~9 minutes on 2 cores)
+    .venv/bin/python -m benchmarks.bench_collection            # full run (~2 minutes, 2 idle cores)
     .venv/bin/python -m benchmarks.bench_collection --quick    # seconds-long smoke run
 
 Writes ``<out-dir>/collection_cpu.json`` and ``.png`` (``collection_cpu_quick.*`` with

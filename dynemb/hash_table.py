@@ -188,9 +188,14 @@ class ScoredHashTable:
         while True:
             attempt = self._find_or_insert_once(ukeys, counts, given)
             slots, hit, prev_keys, prev_scores, failed = attempt
+            new_capacity = self._next_capacity(self.capacity + 1)
+            if new_capacity is not None and self._evicted_any(slots, hit, prev_keys):
+                # Below max_capacity a full bucket means "grow", never "forget a key".
+                self._rollback(slots, hit, prev_keys, prev_scores)
+                remap = _compose(remap, self.grow(new_capacity))
+                continue
             if on_failure == "defer" or not bool(failed.any()):
                 break
-            new_capacity = self._next_capacity(self.capacity + 1)
             if on_failure == "report" and new_capacity is None:
                 break
             self._rollback(slots, hit, prev_keys, prev_scores)
@@ -207,6 +212,11 @@ class ScoredHashTable:
         inserted = ~hit & (slots >= 0)
         return FindOrInsertResult(ukeys, inverse, slots, inserted, prev_keys, prev_scores, failed,
                                   remap)
+
+    @staticmethod
+    def _evicted_any(slots, hit, prev_keys) -> bool:
+        inserted = ~hit & (slots >= 0)
+        return bool((inserted & (prev_keys != EMPTY_KEY) & (prev_keys != TOMBSTONE_KEY)).any())
 
     def _find_or_insert_once(self, ukeys, counts, given):
         self._clock += 1

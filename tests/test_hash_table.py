@@ -190,3 +190,15 @@ def test_large_random_batches_agree_with_a_dict():
     probe = torch.tensor(list(truth)[:20_000] + [12345678901, -5], dtype=torch.int64)
     assert table.find(probe).tolist() == [truth.get(k, -1) for k in probe.tolist()]
     assert table.size() == len(truth) and len(set(truth.values())) == len(truth)
+
+
+def test_growth_below_max_capacity_never_evicts(make_table, to_dev):
+    # Buckets of 8 fill unevenly long before the load factor is reached: a full bucket must
+    # grow the table, not evict, while max_capacity allows.
+    table = make_table(16, bucket_size=8, grow_at_load_factor=0.9, max_capacity=1 << 12)
+    keys = to_dev(list(range(1, 601)))
+    for chunk in keys.split(50):
+        result = table.find_or_insert(chunk)
+        assert not bool(result.evicted.any())
+    assert table.size() == 600
+    assert bool((table.find(keys) >= 0).all())
