@@ -291,7 +291,9 @@ class DynamicTable:
         """[U, dim] float32 rows of the batch's unique keys (no hash lookup except DEFAULT)."""
         if batch.mode is StorageMode.DEFAULT:
             return self._lookup_tiers(batch)
-        rows = self._gather(self.tier, batch.slots)[:, :self.dim].float()
+        # read the embedding columns only, not the optimizer state behind them
+        embeddings = self.tier.flat.weights[:, :self.dim]
+        rows = embeddings.index_select(0, batch.slots.clamp(min=0)).float()
         return self._with_fallback(rows, batch.slots >= 0, batch.fallback)
 
     @staticmethod
