@@ -6,6 +6,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Union
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig, data_type_to_dtype
+from torchrec.modules.embedding_modules import EmbeddingCollectionInterface
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
@@ -16,7 +17,7 @@ from dynemb.prefetch import PrefetchState
 from dynemb.validation import check_keys
 
 
-class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
+class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
     """``torchrec.EmbeddingCollection`` with hash-table rows: any int64 id, rows created on
     first sight, evicted by score, trained by a fused optimizer in backward.
 
@@ -37,6 +38,9 @@ class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
             sync-free step once inputs are trusted.
         world_size: ranks the global memory budgets are split over.
         backend: "cpu" or "cuda" to override the kernels picked by device.
+
+    On ``device="meta"`` no table is allocated: the module only describes its tables, for
+    :class:`~dynemb.sharding.DynamicEmbCollectionSharder` to build them on each rank.
 
     Example::
 
@@ -63,6 +67,8 @@ class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
         if not isinstance(self._optimizer_config, OptimizerConfig):
             raise TypeError(f"optimizer must be an OptimizerConfig, got {optimizer!r}")
         options = _options_by_table(table_options, [c.name for c in self._configs])
+        self._table_options = options
+        self._backend = backend
         self._need_indices = need_indices
         self._validate = validate_inputs
         self.tables: Dict[str, DynamicTable] = {}
@@ -72,6 +78,8 @@ class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
                 options[config.name], name=config.name, num_embeddings=config.num_embeddings,
                 width=config.embedding_dim + state_dim,
                 config_dtype=data_type_to_dtype(config.data_type), world_size=world_size)
+            if self._device.type == "meta":
+                continue
             self.tables[config.name] = DynamicTable(
                 config.name, table_id, config.embedding_dim, layout, options[config.name],
                 self._optimizer_config, self._device, backend)
@@ -88,6 +96,31 @@ class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
 
     def need_indices(self) -> bool:
         return self._need_indices
+
+    def embedding_dim(self) -> int:
+        dims = sorted({c.embedding_dim for c in self._configs})
+        if len(dims) > 1:
+            raise ValueError(f"tables have different embedding dims {dims}")
+        return dims[0]
+
+    def embedding_names_by_table(self) -> List[List[str]]:
+        return [list(c.feature_names) for c in self._configs]
+
+    @property
+    def table_options(self) -> Dict[str, DynamicEmbTableOptions]:
+        return dict(self._table_options)
+
+    @property
+    def optimizer_config(self) -> OptimizerConfig:
+        return self._optimizer_config
+
+    @property
+    def validate_inputs(self) -> bool:
+        return self._validate
+
+    @property
+    def backend(self) -> Optional[str]:
+        return self._backend
 
     @property
     def device(self) -> torch.device:
@@ -140,6 +173,10 @@ class DynamicEmbCollection(torch.nn.Module, FusedOptimizerModule):
         return state
 
     def _prefetch_now(self, kjt: KeyedJaggedTensor) -> PrefetchState:
+        if self._device.type == "meta":
+            raise RuntimeError("this DynamicEmbCollection is on the meta device and holds no "
+                               "rows: shard it (DistributedModelParallel with "
+                               "DynamicEmbCollectionSharder) or build it on a real device")
         per_table = self._split_by_table(kjt)
         batches: Dict[str, TableBatch] = {}
         try:

@@ -31,6 +31,20 @@ class StorageMode(enum.Enum):
     DEFAULT = "default"
 
 
+class ShardingScheme(enum.Enum):
+    """Which rank owns a key when a table is sharded row-wise (ids are unbounded, so there are
+    no row blocks to split).
+
+    - ``MOD``: rank ``key mod world``. Predictable; balanced when ids are dense or random, but
+      ids sharing a stride with the world size (all even ids on 2 ranks) pile onto one rank.
+    - ``HASH``: rank from a 64-bit mix of the key (independent of the hash the table uses for
+      its buckets). Balanced for any id pattern; the default.
+    """
+
+    MOD = "mod"
+    HASH = "hash"
+
+
 @dataclass(frozen=True)
 class FrequencyAdmission:
     """Admit a key into the table only once it has been seen ``threshold`` times.
@@ -85,6 +99,7 @@ class DynamicEmbTableOptions:
         backing_store: factory of the CACHE mode's store (default: host memory,
             :class:`dynemb.backing_store.HostBackingStore`).
         seed: seed of the initializers (with the table's index, it fixes every initial row).
+        sharding: how a sharded table picks each key's rank (:class:`ShardingScheme`).
 
     Example::
 
@@ -107,6 +122,7 @@ class DynamicEmbTableOptions:
     embedding_dtype: Optional[torch.dtype] = None
     backing_store: Optional[BackingStoreFactory] = None
     seed: int = 0
+    sharding: ShardingScheme = ShardingScheme.HASH
 
     def __post_init__(self):
         if not isinstance(self.caching, bool):
@@ -139,6 +155,8 @@ class DynamicEmbTableOptions:
         if self.backing_store is not None and not callable(self.backing_store):
             raise TypeError("backing_store must be a factory (width, dtype, device) -> store")
         _check_int(self.seed, "seed", minimum=0)
+        if not isinstance(self.sharding, ShardingScheme):
+            raise TypeError(f"sharding must be a ShardingScheme, got {self.sharding!r}")
         if (self.init_capacity is not None and self.max_capacity is not None
                 and self.init_capacity > self.max_capacity):
             raise ValueError(f"init_capacity ({self.init_capacity}) exceeds max_capacity "

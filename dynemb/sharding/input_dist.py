@@ -1,0 +1,70 @@
+"""Input distribution of a row-wise sharded dynamic table group: dedup, route, all-to-all."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.dist_data import KJTAllToAll
+from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
+from torchrec.distributed.types import Awaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb.options import ShardingScheme
+from dynemb.sharding.routing import RoutedIds, route_unique
+
+
+class DedupRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
+    """Sends each distinct id of each table once to the rank that owns it.
+
+    The KJT handed to TorchRec's :class:`KJTAllToAll` has one key per table and rank and a
+    batch of one per rank (``values`` = that table's distinct ids for that rank), so ranks
+    with different batch sizes exchange the same shape of KJT. After ``forward``,
+    :attr:`routing` holds what the output side needs to expand the answers back to one per
+    occurrence (read it before the next call, as TorchRec does with its bucketize permute).
+
+    Args:
+        pg: the process group of the all-to-all.
+        tables: ``(table name, feature names, sharding scheme)`` of each table in the group.
+    """
+
+    def __init__(self, pg: dist.ProcessGroup,
+                 tables: Sequence[Tuple[str, Sequence[str], ShardingScheme]]) -> None:
+        super().__init__()
+        self._world_size = pg.size()
+        self._tables = [(name, list(features), scheme) for name, features, scheme in tables]
+        self._table_names = [name for name, _, _ in self._tables]
+        self._dist = KJTAllToAll(pg=pg, splits=[len(self._tables)] * self._world_size)
+        self.routing: Optional[RoutedIds] = None
+
+    @property
+    def table_names(self) -> List[str]:
+        return list(self._table_names)
+
+    def forward(self, sparse_features: KeyedJaggedTensor
+                ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        """Route ``sparse_features`` (features of other tables are ignored) and start the
+        all-to-all; the result is an awaitable of the splits, then of the KJT received."""
+        self.routing = self.route(sparse_features.to_dict())
+        bucketized = KeyedJaggedTensor(
+            keys=self._table_names * self._world_size,
+            values=self.routing.values,
+            lengths=self.routing.lengths,
+            stride=1,
+        )
+        return self._dist(bucketized)
+
+    def route(self, jts: Dict[str, "torch.Tensor"]) -> RoutedIds:
+        ids_per_table, schemes, segments = [], [], []
+        device = next(iter(jts.values())).values().device if jts else torch.device("cpu")
+        for _, features, scheme in self._tables:
+            parts = []
+            for feature in features:
+                if feature in jts:
+                    ids = jts[feature].values().to(torch.int64)
+                    parts.append(ids)
+                    segments.append((feature, ids.numel()))
+            ids_per_table.append(torch.cat(parts) if parts else
+                                 torch.empty(0, dtype=torch.int64, device=device))
+            schemes.append(scheme)
+        return route_unique(ids_per_table, schemes, self._world_size, segments)

@@ -1,0 +1,90 @@
+"""Which rank owns each key, and the deduplicated, rank-ordered ids a rank sends out.
+
+Row-wise sharding of an unbounded id space has no row blocks to split: a key's owner is
+``key mod world`` or a hash of it (:class:`~dynemb.options.ShardingScheme`). Before the
+all-to-all each rank sends every distinct id once per table; the ``gather`` index maps each
+original occurrence back to the row of its unique id in what comes back, so the returned
+embeddings expand to one per occurrence and their gradients sum per unique id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+
+from dynemb.backends import backend_for_device
+from dynemb.options import ShardingScheme
+
+# The murmur3 finalizer constants and a salt as int64: torch int64 arithmetic wraps, and
+# ``>>`` is arithmetic, so logical shifts mask the sign bits.
+_MIX_A = -49064778989728563
+_MIX_B = -4265267296055464877
+_SALT = -7046029254386353131
+_MASK31 = 0x7FFFFFFF
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ ((x >> 33) & _MASK31)
+    x = x * _MIX_A
+    x = x ^ ((x >> 33) & _MASK31)
+    x = x * _MIX_B
+    return x ^ ((x >> 33) & _MASK31)
+
+
+def owner_ranks(keys: torch.Tensor, world_size: int, scheme: ShardingScheme) -> torch.Tensor:
+    """The rank (int64, in ``[0, world_size)``) that owns each key.
+
+    HASH mixes ``key + salt``, so the owner is independent of the bucket a table's own hash
+    (of ``key``) picks: the keys of one rank still spread over all buckets.
+
+    Example::
+
+        >>> owner_ranks(torch.tensor([7, -3, 10]), 4, ShardingScheme.MOD).tolist()
+        [3, 1, 2]
+    """
+    if scheme is ShardingScheme.MOD:
+        return torch.remainder(keys, world_size)
+    high = (_mix64(keys + _SALT) >> 32) & _MASK32
+    return (high * world_size) >> 32
+
+
+@dataclass
+class RoutedIds:
+    """One rank's outgoing ids for a group of tables.
+
+    ``values`` holds each table's distinct ids, ordered by destination rank, then table;
+    ``lengths[r * T + t]`` of them go to rank ``r`` for table ``t``. ``gather[i]`` is the
+    position in ``values`` of the ``i``-th occurrence, occurrences listed table by table in
+    the order of ``segments`` (``(feature, count)`` pairs).
+    """
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+    gather: torch.Tensor
+    segments: List[Tuple[str, int]]
+
+
+def route_unique(ids_per_table: Sequence[torch.Tensor], schemes: Sequence[ShardingScheme],
+                 world_size: int, segments: List[Tuple[str, int]]) -> RoutedIds:
+    """Dedup each table's ids and order the distinct ids by (owner rank, table)."""
+    num_tables = len(ids_per_table)
+    device = ids_per_table[0].device
+    uniques, inverses, groups = [], [], []
+    for t, (ids, scheme) in enumerate(zip(ids_per_table, schemes)):
+        unique, inverse, _ = backend_for_device(ids.device).dedup(ids)
+        uniques.append(unique)
+        inverses.append(inverse)
+        groups.append(owner_ranks(unique, world_size, scheme) * num_tables + t)
+    all_unique = torch.cat(uniques)
+    group = torch.cat(groups)
+    order = torch.sort(group, stable=True).indices
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=device)
+    offset, gathers = 0, []
+    for unique, inverse in zip(uniques, inverses):
+        gathers.append(position[inverse + offset])
+        offset += unique.numel()
+    lengths = torch.bincount(group, minlength=world_size * num_tables).to(torch.int32)
+    return RoutedIds(all_unique[order], lengths, torch.cat(gathers), segments)

@@ -1,0 +1,251 @@
+"""``ShardedDynamicEmbCollection``: a :class:`DynamicEmbCollection` split row-wise over ranks.
+
+One step, for each group of tables with the same embedding dim:
+
+1. ``input_dist``: each rank dedups its ids per table, routes every distinct id to its owner
+   (:mod:`dynemb.sharding.routing`) and sends them with TorchRec's ``KJTAllToAll``;
+2. ``prefetch`` / ``compute``: the owner resolves the ids it received in its local
+   :class:`DynamicEmbCollection` (one table per rank's share), which gathers their rows;
+3. ``output_dist``: TorchRec's sequence all-to-all returns the rows, and the ``gather`` index
+   expands them to one per occurrence (its backward sums gradients per distinct id);
+4. backward: the all-to-all returns the gradients to the owners, where the local collection
+   applies the fused optimizer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torchrec.distributed.embedding import EmbeddingCollectionContext
+from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
+from torchrec.distributed.embedding_types import (EmbeddingComputeKernel, KJTList,
+                                                  ShardedEmbeddingModule)
+from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingDist
+from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
+from torchrec.distributed.types import (Awaitable, LazyAwaitable, ParameterSharding,
+                                        ShardingEnv, ShardingType)
+from torchrec.optim.fused import FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from dynemb.collection import DynamicEmbCollection
+from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
+from dynemb.sharding.plan_rows import local_table_config, local_table_options
+from dynemb.sharding.routing import RoutedIds
+
+SUPPORTED_SHARDING_TYPES = (ShardingType.ROW_WISE.value,)
+SUPPORTED_COMPUTE_KERNELS = (EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,)
+
+
+@dataclass
+class DynamicEmbShardingContext(EmbeddingCollectionContext):
+    """TorchRec's EC context plus, per table group, the routing of the ids this rank sent
+    and the lengths of each input feature."""
+
+    routings: List[RoutedIds] = field(default_factory=list)
+    feature_lengths: Dict[str, torch.Tensor] = field(default_factory=dict)
+    feature_ids: Dict[str, torch.Tensor] = field(default_factory=dict)
+    feature_order: List[str] = field(default_factory=list)
+    received: Optional[KeyedJaggedTensor] = None
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        super().record_stream(stream)
+        for routing in self.routings:
+            for tensor in (routing.values, routing.lengths, routing.gather):
+                tensor.record_stream(stream)
+        for tensor in list(self.feature_lengths.values()) + list(self.feature_ids.values()):
+            tensor.record_stream(stream)
+        if self.received is not None:
+            self.received.record_stream(stream)
+
+
+class DynamicEmbOutputAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
+    """Waits for each group's sequence all-to-all and cuts the rows into one
+    ``JaggedTensor`` per input feature."""
+
+    def __init__(self, awaitables: List[Awaitable[torch.Tensor]],
+                 ctx: DynamicEmbShardingContext, need_indices: bool) -> None:
+        super().__init__()
+        self._awaitables = awaitables
+        self._ctx = ctx
+        self._need_indices = need_indices
+
+    def _wait_impl(self) -> Dict[str, JaggedTensor]:
+        out: Dict[str, JaggedTensor] = {}
+        for awaitable, routing in zip(self._awaitables, self._ctx.routings):
+            rows = awaitable.wait()
+            offset = 0
+            for feature, count in routing.segments:
+                out[feature] = JaggedTensor(
+                    values=rows[offset:offset + count],
+                    lengths=self._ctx.feature_lengths[feature],
+                    weights=self._ctx.feature_ids[feature] if self._need_indices else None)
+                offset += count
+        return {f: out[f] for f in self._ctx.feature_order if f in out}
+
+
+class ShardedDynamicEmbCollection(
+        ShardedEmbeddingModule[KJTList, List[torch.Tensor], Dict[str, JaggedTensor],
+                               DynamicEmbShardingContext],
+        FusedOptimizerModule):
+    """The sharded form of :class:`DynamicEmbCollection` (built by
+    :class:`~dynemb.sharding.DynamicEmbCollectionSharder`; not constructed by hand).
+
+    Each rank holds its share of every table in :attr:`local` (a
+    :class:`DynamicEmbCollection` with one feature per table), so ``stats()``,
+    ``storage_modes()`` and ``read_rows`` work per rank. Features of the input KJT that
+    belong to no table of this module are ignored, as TorchRec's sharded modules do (one KJT
+    often feeds several modules).
+    """
+
+    def __init__(self, module: DynamicEmbCollection,
+                 table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+                 env: ShardingEnv, device: Optional[torch.device] = None,
+                 module_fqn: Optional[str] = None) -> None:
+        super().__init__()
+        pg = env.process_group
+        if pg is None:
+            raise ValueError("ShardedDynamicEmbCollection needs a process group in its "
+                             "ShardingEnv")
+        self._env = env
+        self._world_size = env.world_size
+        self._module_fqn = module_fqn
+        configs = module.embedding_configs()
+        check_plan(configs, table_name_to_parameter_sharding, self._world_size,
+                   module_fqn or "")
+        self._need_indices = module.need_indices()
+        options = module.table_options
+        device = torch.device(device if device is not None else "cpu")
+        self.local = DynamicEmbCollection(
+            [local_table_config(c, self._world_size) for c in configs], device,
+            table_options={c.name: local_table_options(options[c.name], self._world_size)
+                           for c in configs},
+            optimizer=module.optimizer_config, validate_inputs=module.validate_inputs,
+            world_size=self._world_size, backend=module.backend)
+        self._features = {f for c in configs for f in c.feature_names}
+        self._group_tables: List[List[str]] = []
+        dims: Dict[int, List] = {}
+        for c in configs:
+            dims.setdefault(c.embedding_dim, []).append(c)
+        input_dists, output_dists = [], []
+        for dim in sorted(dims):
+            group = dims[dim]
+            self._group_tables.append([c.name for c in group])
+            input_dists.append(DedupRwSparseFeaturesDist(
+                pg, [(c.name, c.feature_names, options[c.name].sharding) for c in group]))
+            output_dists.append(RwSequenceEmbeddingDist(pg, len(group), device))
+        self._input_dists = torch.nn.ModuleList(input_dists)
+        self._output_dists = torch.nn.ModuleList(output_dists)
+        self._table_shardings = dict(table_name_to_parameter_sharding)
+
+    # -- TorchRec ShardedModule API -----------------------------------------------------------
+    def create_context(self) -> DynamicEmbShardingContext:
+        return DynamicEmbShardingContext()
+
+    def input_dist(self, ctx: DynamicEmbShardingContext,
+                   features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"input must be a KeyedJaggedTensor, got {type(features).__name__}")
+        values = features.values()
+        if values.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"ids must be int64 or int32, got {values.dtype}")
+        mine = [f for f in features.keys() if f in self._features]
+        jts = features.to_dict()
+        ctx.feature_order = mine
+        ctx.feature_lengths = {f: jts[f].lengths() for f in mine}
+        if self._need_indices:
+            ctx.feature_ids = {f: jts[f].values() for f in mine}
+        awaitables = []
+        for dist in self._input_dists:
+            awaitables.append(dist(features))
+            routing = dist.routing
+            ctx.routings.append(routing)
+            ctx.sharding_contexts.append(SequenceShardingContext(
+                features_before_input_dist=features,
+                unbucketize_permute_tensor=routing.gather))
+        return KJTListSplitsAwaitable(awaitables, ctx, self._module_fqn,
+                                      [ShardingType.ROW_WISE.value] * len(awaitables))
+
+    def prefetch(self, dist_input: KJTList, forward_stream: Optional[torch.Stream] = None,
+                 ctx: Optional[DynamicEmbShardingContext] = None) -> None:
+        """Resolve the received ids to slots ahead of ``compute`` (called by TorchRec's
+        prefetch pipeline on its prefetch stream); the next ``compute`` consumes it."""
+        received = self._merge(dist_input)
+        if ctx is not None:
+            ctx.received = received
+        self.local.prefetch(received, forward_stream)
+
+    def compute(self, ctx: DynamicEmbShardingContext, dist_input: KJTList) -> List[torch.Tensor]:
+        for kjt, sharding_ctx in zip(dist_input, ctx.sharding_contexts):
+            sharding_ctx.lengths_after_input_dist = kjt.lengths().view(-1, kjt.stride())
+        received = ctx.received if ctx.received is not None else self._merge(dist_input)
+        rows = self.local(received)
+        return [torch.cat([rows[t].values() for t in tables])
+                for tables in self._group_tables]
+
+    def output_dist(self, ctx: DynamicEmbShardingContext,
+                    output: List[torch.Tensor]) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+        awaitables = [dist(rows, sharding_ctx) for dist, rows, sharding_ctx
+                      in zip(self._output_dists, output, ctx.sharding_contexts)]
+        return DynamicEmbOutputAwaitable(awaitables, ctx, self._need_indices)
+
+    def compute_and_output_dist(self, ctx: DynamicEmbShardingContext,
+                                input: KJTList) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+        return self.output_dist(ctx, self.compute(ctx, input))
+
+    @staticmethod
+    def _merge(dist_input: KJTList) -> KeyedJaggedTensor:
+        kjts = list(dist_input)
+        return kjts[0] if len(kjts) == 1 else KeyedJaggedTensor.concat(kjts)
+
+    # -- dynemb views ------------------------------------------------------------------------
+    @property
+    def fused_optimizer(self):
+        return self.local.fused_optimizer
+
+    def stats(self):
+        """This rank's counters per table (see :meth:`DynamicEmbCollection.stats`)."""
+        return self.local.stats()
+
+    def storage_modes(self):
+        return self.local.storage_modes()
+
+    def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
+        """Rows of the ``keys`` this rank owns (others come back not found)."""
+        return self.local.read_rows(table, keys, with_state=with_state)
+
+    @property
+    def table_shardings(self) -> Dict[str, ParameterSharding]:
+        return dict(self._table_shardings)
+
+    def extra_repr(self) -> str:
+        return f"world_size={self._world_size}, groups={self._group_tables}"
+
+
+def check_plan(configs, shardings: Dict[str, ParameterSharding], world_size: int,
+               module_fqn: str) -> None:
+    """Every table of the module is row-wise sharded over all ranks with our kernel."""
+    where = f" of module {module_fqn!r}" if module_fqn else ""
+    names = [c.name for c in configs]
+    missing = [n for n in names if n not in shardings]
+    if missing:
+        raise ValueError(f"the sharding plan{where} has no entry for dynamic tables {missing}")
+    extra = sorted(set(shardings) - set(names))
+    if extra:
+        raise ValueError(f"the sharding plan{where} names unknown tables {extra}; "
+                         f"tables: {names}")
+    for name in names:
+        ps = shardings[name]
+        if ps.sharding_type not in SUPPORTED_SHARDING_TYPES:
+            raise ValueError(
+                f"dynamic table {name!r}{where}: sharding type {ps.sharding_type!r} is not "
+                f"supported; dynamic tables shard {list(SUPPORTED_SHARDING_TYPES)} only (ids "
+                f"are unbounded, so rows split by key, not by column or table)")
+        if ps.compute_kernel not in SUPPORTED_COMPUTE_KERNELS:
+            raise ValueError(
+                f"dynamic table {name!r}{where}: compute kernel {ps.compute_kernel!r} is not "
+                f"supported; use {list(SUPPORTED_COMPUTE_KERNELS)}")
+        if ps.ranks is not None and sorted(ps.ranks) != list(range(world_size)):
+            raise ValueError(
+                f"dynamic table {name!r}{where}: row-wise shards must be on every rank "
+                f"0..{world_size - 1}, the plan puts them on {ps.ranks}")
