@@ -38,6 +38,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             sync-free step once inputs are trusted.
         world_size: ranks the global memory budgets are split over.
         backend: "cpu" or "cuda" to override the kernels picked by device.
+        weights_are_counts: read the KJT's weights as how many times each id occurred (the
+            sharded module feeds its shards deduplicated ids this way, so frequency-based
+            admission, LFU scores and the lookup counters still count every occurrence).
 
     On ``device="meta"`` no table is allocated: the module only describes its tables, for
     :class:`~dynemb.sharding.DynamicEmbCollectionSharder` to build them on each rank.
@@ -59,7 +62,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
                                       Mapping[str, DynamicEmbTableOptions], None] = None,
                  optimizer: Optional[OptimizerConfig] = None, need_indices: bool = False,
                  validate_inputs: bool = True, world_size: int = 1,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, weights_are_counts: bool = False):
         super().__init__()
         self._configs = _check_configs(tables)
         self._device = torch.device(device if device is not None else "cpu")
@@ -71,6 +74,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         self._backend = backend
         self._need_indices = need_indices
         self._validate = validate_inputs
+        self._weights_are_counts = weights_are_counts
         self.tables: Dict[str, DynamicTable] = {}
         for table_id, config in enumerate(self._configs):
             state_dim = self._optimizer_config.state_dim(config.embedding_dim)
@@ -181,7 +185,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         batches: Dict[str, TableBatch] = {}
         try:
             for name, table in self.tables.items():
-                batches[name] = table.prefetch(per_table[name][0], self.training)
+                keys, _, occurrences = per_table[name]
+                batches[name] = table.prefetch(keys, self.training, occurrences=occurrences)
         except Exception:
             for name, batch in batches.items():
                 self.tables[name].release(batch)
@@ -204,6 +209,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             raise TypeError(f"ids must be int64 or int32, got {values.dtype}")
         if self._validate:
             _check_lengths(kjt)
+        counted = self._weights_are_counts and kjt.weights_or_none() is not None
         jts = kjt.to_dict()
         out: Dict[str, Any] = {"__jt__": jts}
         for config in self._configs:
@@ -214,7 +220,13 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             keys = keys.to(self._device)
             if self._validate:
                 check_keys(keys, self._device, name=f"ids of table {config.name!r}")
-            out[config.name] = (keys, [(f, part.numel()) for f, part in zip(present, parts)])
+            occurrences = None
+            if counted:
+                occurrences = (torch.cat([jts[f].weights() for f in present]) if present else
+                               torch.empty(0, device=values.device))
+                occurrences = occurrences.to(device=self._device, dtype=torch.int64)
+            out[config.name] = (keys, [(f, part.numel()) for f, part in zip(present, parts)],
+                                occurrences)
         return out
 
     # -- forward -----------------------------------------------------------------------------

@@ -159,13 +159,20 @@ class DynamicTable:
         self._deferred = _DeferredFailures(self.device)
 
     # -- prefetch ----------------------------------------------------------------------------
-    def prefetch(self, keys: torch.Tensor, training: bool) -> TableBatch:
-        """Dedup ``keys`` [N] and, except in DEFAULT mode, resolve and pin their slots."""
+    def prefetch(self, keys: torch.Tensor, training: bool,
+                 occurrences: Optional[torch.Tensor] = None) -> TableBatch:
+        """Dedup ``keys`` [N] and, except in DEFAULT mode, resolve and pin their slots.
+
+        ``occurrences`` [N] (int64), when given, says how many times each entry of ``keys``
+        stands for (ids deduplicated upstream); counts and counters use it."""
         self._deferred.check(self.name)
         unique = unique_keys(keys, self.backend)
+        counts = unique.counts
+        if occurrences is not None:
+            counts = torch.zeros_like(counts).index_add_(0, unique.inverse, occurrences)
         batch = TableBatch(self.name, self.mode, training, unique.keys, unique.inverse,
-                           unique.counts, unique.num_unique)
-        self.counters.add("lookups", keys.numel())
+                           counts, unique.num_unique)
+        self.counters.add("lookups", keys.numel() if occurrences is None else occurrences.sum())
         self.counters.add("unique_keys", unique.num_unique.sum())
         if self.mode is not StorageMode.DEFAULT:
             if training:

@@ -48,17 +48,22 @@ def run_on_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300
     results, errors = {}, []
     try:
         for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
+            try:  # after a failure, the others fail soon (or hang in a collective)
+                rank, status, payload = queue.get(timeout=10 if errors else timeout)
+            except Exception:
+                if errors:
+                    break
+                raise
             if status == "ok":
                 results[rank] = payload
             else:
                 errors.append(f"rank {rank}:\n{payload}")
-                break  # the other ranks are likely stuck in a collective
     finally:
         for p in procs:
             p.join(timeout=5 if errors else timeout)
             if p.is_alive():
                 p.kill()
-    if errors:
+    if errors:  # the root cause first: a peer's crash shows up as "Connection closed"
+        errors.sort(key=lambda e: "Connection closed" in e)
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]

@@ -86,14 +86,16 @@ def optimizer_configs(name: str):
     raise ValueError(name)
 
 
-def table_options(s: Scenario, opt_config):
+def table_options(s: Scenario, opt_config, cache_scale: int = 1):
+    """Per-rank CACHE budget of ``s.cache_rows`` rows (times ``cache_scale``: the unsharded
+    reference sees every rank's batch at once)."""
     from dynemb import (DynamicEmbTableOptions, FrequencyAdmission, Initializer,
                         InitializerKind)
     from dynemb.options import ShardingScheme
     out = {}
     for t in tables(s.dims):
         width = t.embedding_dim + opt_config.state_dim(t.embedding_dim)
-        budget = s.cache_rows * width * 4 if s.mode == "cache" else None
+        budget = s.cache_rows * cache_scale * width * 4 if s.mode == "cache" else None
         out[t.name] = DynamicEmbTableOptions(
             caching=s.mode == "cache", local_hbm_for_values=budget, max_capacity=2048,
             bucket_size=16, initializer=Initializer(InitializerKind.UNIFORM, low=-0.1, high=0.1),
@@ -163,7 +165,7 @@ class DynModel(torch.nn.Module):
         self.with_extra = s.with_ec_and_dense
         if self.with_extra:  # an ordinary EC table and a dense layer in the same model
             self.ec = EmbeddingCollection(
-                tables=[EmbeddingConfig(name="static", embedding_dim=8, num_embeddings=100,
+                tables=[EmbeddingConfig(name="static", embedding_dim=8, num_embeddings=NUM_IDS,
                                         feature_names=["f0"])], device=torch.device("meta"))
             self.dense = torch.nn.Linear(4, 1)
         self.tgt = targets(s.dims)
@@ -287,7 +289,8 @@ def run_scenario(rank: int, world_size: int, s: Scenario) -> Dict[str, Any]:
     dmp = shard_dyn(DynModel(s, opt_config), world_size)
     trainer = _Trainer(dmp, local_batches, s.loop)
 
-    ref = DynamicEmbCollection(tables(s.dims), table_options=table_options(s, opt_config),
+    ref = DynamicEmbCollection(tables(s.dims),
+                               table_options=table_options(s, opt_config, world_size),
                                optimizer=opt_config)
     ref_tgt = targets(s.dims)
     ec_trainer = None
@@ -360,9 +363,30 @@ def eval_probe(dmp, ref, batch: Batch) -> Dict[str, Any]:
     fresh = KeyedJaggedTensor.from_lengths_sync(
         FEATURES, torch.arange(10**9, 10**9 + 6), torch.tensor([2, 2, 2]))
     with torch.no_grad():
-        loss, out = dmp(Batch(fresh))
+        _, (_, out) = dmp(Batch(fresh))
     dmp.train()
     after = dmp.module.dyn.stats()
     return {"inserts_before": {n: s["inserts"] for n, s in before.items()},
             "inserts_after": {n: s["inserts"] for n, s in after.items()},
             "out": {f: v.numpy().copy() for f, v in out.items()}}
+
+
+def run_scenarios(rank: int, world_size: int, scenarios: List[Scenario]) -> List[Dict[str, Any]]:
+    """Several scenarios in one spawned world (process start-up dominates small runs).
+    Also counts the calls of the sharded module's ``prefetch``."""
+    from dynemb.sharding import ShardedDynamicEmbCollection
+    calls = {"n": 0}
+    original = ShardedDynamicEmbCollection.prefetch
+
+    def counting(self, *args, **kwargs):
+        calls["n"] += 1
+        return original(self, *args, **kwargs)
+
+    ShardedDynamicEmbCollection.prefetch = counting
+    out = []
+    for s in scenarios:
+        calls["n"] = 0
+        result = run_scenario(rank, world_size, s)
+        result["prefetch_calls"] = calls["n"]
+        out.append(result)
+    return out

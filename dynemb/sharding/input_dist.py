@@ -18,8 +18,9 @@ class DedupRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     """Sends each distinct id of each table once to the rank that owns it.
 
     The KJT handed to TorchRec's :class:`KJTAllToAll` has one key per table and rank and a
-    batch of one per rank (``values`` = that table's distinct ids for that rank), so ranks
-    with different batch sizes exchange the same shape of KJT. After ``forward``,
+    batch of one per rank (``values`` = that table's distinct ids for that rank, ``weights`` =
+    how many times each occurred), so ranks with different batch sizes exchange the same
+    shape of KJT. After ``forward``,
     :attr:`routing` holds what the output side needs to expand the answers back to one per
     occurrence (read it before the next call, as TorchRec does with its bucketize permute).
 
@@ -50,6 +51,7 @@ class DedupRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
             keys=self._table_names * self._world_size,
             values=self.routing.values,
             lengths=self.routing.lengths,
+            weights=self.routing.counts.to(torch.float32),
             stride=1,
         )
         return self._dist(bucketized)

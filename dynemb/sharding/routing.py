@@ -54,13 +54,15 @@ def owner_ranks(keys: torch.Tensor, world_size: int, scheme: ShardingScheme) -> 
 class RoutedIds:
     """One rank's outgoing ids for a group of tables.
 
-    ``values`` holds each table's distinct ids, ordered by destination rank, then table;
-    ``lengths[r * T + t]`` of them go to rank ``r`` for table ``t``. ``gather[i]`` is the
+    ``values`` holds each table's distinct ids, ordered by destination rank, then table, and
+    ``counts`` how many times each occurred; ``lengths[r * T + t]`` of them go to rank ``r``
+    for table ``t``. ``gather[i]`` is the
     position in ``values`` of the ``i``-th occurrence, occurrences listed table by table in
     the order of ``segments`` (``(feature, count)`` pairs).
     """
 
     values: torch.Tensor
+    counts: torch.Tensor
     lengths: torch.Tensor
     gather: torch.Tensor
     segments: List[Tuple[str, int]]
@@ -71,11 +73,12 @@ def route_unique(ids_per_table: Sequence[torch.Tensor], schemes: Sequence[Shardi
     """Dedup each table's ids and order the distinct ids by (owner rank, table)."""
     num_tables = len(ids_per_table)
     device = ids_per_table[0].device
-    uniques, inverses, groups = [], [], []
+    uniques, inverses, counts, groups = [], [], [], []
     for t, (ids, scheme) in enumerate(zip(ids_per_table, schemes)):
-        unique, inverse, _ = backend_for_device(ids.device).dedup(ids)
+        unique, inverse, count = backend_for_device(ids.device).dedup(ids)
         uniques.append(unique)
         inverses.append(inverse)
+        counts.append(count)
         groups.append(owner_ranks(unique, world_size, scheme) * num_tables + t)
     all_unique = torch.cat(uniques)
     group = torch.cat(groups)
@@ -87,4 +90,5 @@ def route_unique(ids_per_table: Sequence[torch.Tensor], schemes: Sequence[Shardi
         gathers.append(position[inverse + offset])
         offset += unique.numel()
     lengths = torch.bincount(group, minlength=world_size * num_tables).to(torch.int32)
-    return RoutedIds(all_unique[order], lengths, torch.cat(gathers), segments)
+    return RoutedIds(all_unique[order], torch.cat(counts)[order], lengths, torch.cat(gathers),
+                     segments)

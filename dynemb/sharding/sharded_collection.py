@@ -51,7 +51,7 @@ class DynamicEmbShardingContext(EmbeddingCollectionContext):
     def record_stream(self, stream: torch.Stream) -> None:
         super().record_stream(stream)
         for routing in self.routings:
-            for tensor in (routing.values, routing.lengths, routing.gather):
+            for tensor in (routing.values, routing.counts, routing.lengths, routing.gather):
                 tensor.record_stream(stream)
         for tensor in list(self.feature_lengths.values()) + list(self.feature_ids.values()):
             tensor.record_stream(stream)
@@ -121,7 +121,7 @@ class ShardedDynamicEmbCollection(
             table_options={c.name: local_table_options(options[c.name], self._world_size)
                            for c in configs},
             optimizer=module.optimizer_config, validate_inputs=module.validate_inputs,
-            world_size=self._world_size, backend=module.backend)
+            world_size=self._world_size, backend=module.backend, weights_are_counts=True)
         self._features = {f for c in configs for f in c.feature_names}
         self._group_tables: List[List[str]] = []
         dims: Dict[int, List] = {}
