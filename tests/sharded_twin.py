@@ -42,6 +42,7 @@ class Scenario:
     torchrec_twin: bool = True
     lonely_step: Optional[int] = 3  # at this step every t1 id is owned by rank 0
     eval_every: int = 0             # run an eval forward after every n-th step
+    eval_pipeline: bool = False     # after training, evaluate under EvalPipelineSparseDist
     with_ec_and_dense: bool = False
     seed: int = 11
 
@@ -336,6 +337,9 @@ def run_scenario(rank: int, world_size: int, s: Scenario) -> Dict[str, Any]:
         if s.eval_every and step % s.eval_every == 0:
             result["eval"].append(eval_probe(dmp, ref, local_batches[step]))
 
+    if s.eval_pipeline:
+        result["eval_pipeline"] = run_eval_pipeline(rank, world_size, s, dmp, trainer, ref)
+
     seen = sorted({int(v) for per_step in batches for per_rank in per_step
                    for f in FEATURES for v in per_rank[f][1] if TABLE_OF[f] == "t1"})
     sharded = dmp.module.dyn
@@ -390,3 +394,48 @@ def run_scenarios(rank: int, world_size: int, scenarios: List[Scenario]) -> List
         result["prefetch_calls"] = calls["n"]
         out.append(result)
     return out
+
+
+def run_eval_pipeline(rank, world_size, s: Scenario, dmp, trainer, ref) -> Dict[str, Any]:
+    """Eval batches (half the ids seen in training, half new) under TorchRec's
+    EvalPipelineSparseDist: outputs against the unsharded module in eval mode, and the
+    tables before and after."""
+    from torchrec.distributed.train_pipeline import EvalPipelineSparseDist
+    sharded = dmp.module.dyn
+    ids = torch.arange(NUM_IDS)
+    before = {n: sharded.read_rows(n, ids) for n in ("t0", "t1")}
+    inserts = {n: v["inserts"] for n, v in sharded.stats().items()}
+    g = torch.Generator().manual_seed(99)
+    batches = []
+    for _ in range(3):
+        per_rank = []
+        for r in range(world_size):
+            d = {}
+            for f in FEATURES:
+                lengths = torch.randint(1, 4, (s.batch,), generator=g)
+                values = torch.randint(0, 2 * NUM_IDS, (int(lengths.sum()),), generator=g)
+                d[f] = (lengths, values)
+            per_rank.append(d)
+        batches.append(per_rank)
+    dmp.eval()
+    ref.eval()
+    pipeline = EvalPipelineSparseDist(dmp, trainer.optimizer, torch.device("cpu"))
+    it = iter([Batch(to_kjt([per_rank[rank]])) for per_rank in batches])
+    outputs, expected = [], []
+    with torch.no_grad():
+        for per_rank in batches:
+            _, out = pipeline.progress(it)
+            outputs.append({f: v.numpy().copy() for f, v in out.items()})
+            ref_out = ref(to_kjt(per_rank))
+            mine = {}
+            for f in FEATURES:
+                counts = [p[f][1].numel() for p in per_rank]
+                start = sum(counts[:rank])
+                mine[f] = ref_out[f].values()[start:start + counts[rank]].numpy().copy()
+            expected.append(mine)
+    after = {n: sharded.read_rows(n, ids) for n in ("t0", "t1")}
+    return {"outputs": outputs, "expected": expected,
+            "inserts_before": inserts,
+            "inserts_after": {n: v["inserts"] for n, v in sharded.stats().items()},
+            "rows_unchanged": all(torch.equal(before[n][0], after[n][0]) and
+                                  torch.equal(before[n][1], after[n][1]) for n in before)}

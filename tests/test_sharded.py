@@ -23,7 +23,7 @@ from tests.sharded_twin import FEATURES, NUM_IDS, Scenario, run_scenarios
 RTOL, ATOL = 1e-4, 1e-5
 
 WORLD2 = {
-    "sgd_plain": Scenario(loop="plain", eval_every=4),
+    "sgd_plain": Scenario(loop="plain", eval_every=4, eval_pipeline=True),
     "sgd_pipeline": Scenario(loop="pipeline", sharding="mod"),
     "sgd_prefetch": Scenario(loop="prefetch"),
     "adam_plain": Scenario(optimizer="adam", loop="plain", dims=(8, 4), torchrec_twin=False),
@@ -176,6 +176,16 @@ def test_eval_inserts_and_updates_nothing(world2):
             assert probe["inserts_before"] == probe["inserts_after"]
             for values in probe["out"].values():  # unseen ids: the eval initializer (zeros)
                 assert values.shape[0] == 2 and not values.any()
+
+
+def test_eval_pipeline_reads_without_writing(world2):
+    for res in world2["sgd_plain"]:
+        ev = res["eval_pipeline"]
+        assert ev["inserts_before"] == ev["inserts_after"] and ev["rows_unchanged"]
+        for got, expected in zip(ev["outputs"], ev["expected"]):
+            for f in FEATURES:  # seen ids: their trained rows; new ids: zeros
+                np.testing.assert_allclose(got[f], expected[f], rtol=RTOL, atol=ATOL)
+                assert got[f].any(axis=1).sum() > 0 and (~got[f].any(axis=1)).sum() > 0
 
 
 def test_mixed_model_trains(world2):
