@@ -5,7 +5,8 @@
 - :class:`DynamicEmbTableOptions` / :class:`StorageMode`: how each table stores its rows;
 - :class:`ScoredHashTable`: int64 key -> slot, with scores for eviction and pins;
 - :class:`FlatTable`: the value rows (row = slot);
-- :class:`Initializer`: deterministic initial rows from (seed, table, key).
+- :class:`Initializer`: deterministic initial rows from (seed, table, key);
+- :mod:`dynemb.sharding`: the row-wise sharder for TorchRec's DistributedModelParallel.
 """
 from dynemb.backing_store import BackingStore, HostBackingStore
 from dynemb.collection import DynamicEmbCollection, DynamicEmbFusedOptimizer
@@ -13,14 +14,15 @@ from dynemb.flat_table import FlatTable
 from dynemb.hash_table import ScoredHashTable
 from dynemb.initializers import Initializer, InitializerKind
 from dynemb.optimizers import OptimizerConfig, OptimizerType, fused_update
-from dynemb.options import DynamicEmbTableOptions, FrequencyAdmission, StorageMode
+from dynemb.options import (DynamicEmbTableOptions, FrequencyAdmission, ShardingScheme,
+                            StorageMode)
 from dynemb.prefetch import PrefetchState
 from dynemb.types import (EMPTY_KEY, RESERVED_KEYS, TOMBSTONE_KEY, EraseResult, ExportBatch,
                           FindOrInsertResult, ScorePolicy, TableFullError)
 
 __all__ = [
     "DynamicEmbCollection", "DynamicEmbFusedOptimizer", "DynamicEmbTableOptions",
-    "FrequencyAdmission", "StorageMode", "PrefetchState", "BackingStore", "HostBackingStore",
+    "FrequencyAdmission", "ShardingScheme", "StorageMode", "PrefetchState", "BackingStore", "HostBackingStore",
     "OptimizerConfig", "OptimizerType", "fused_update",
     "EMPTY_KEY", "TOMBSTONE_KEY", "RESERVED_KEYS", "ScoredHashTable", "FlatTable", "Initializer",
     "InitializerKind", "ScorePolicy", "FindOrInsertResult", "EraseResult", "ExportBatch",

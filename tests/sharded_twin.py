@@ -201,16 +201,22 @@ def shard_dyn(model: DynModel, world_size: int):
 
     from dynemb.sharding import DynamicEmbCollectionSharder
     sharders = [DynamicEmbCollectionSharder()]
-    plan = {"dyn": construct_module_sharding_plan(
-        model.dyn, {t.name: row_wise(compute_kernel="customized_kernel")
-                    for t in model.dyn.embedding_configs()},
-        sharder=sharders[0], local_size=world_size, world_size=world_size, device_type="cpu")}
-    if model.with_extra:
-        ec_sharder = EmbeddingCollectionSharder(fused_params={"learning_rate": 0.05})
-        sharders.append(ec_sharder)
-        plan["ec"] = construct_module_sharding_plan(
-            model.ec, {"static": row_wise(compute_kernel="fused")}, sharder=ec_sharder,
-            local_size=world_size, world_size=world_size, device_type="cpu")
+    if model.with_extra:  # TorchRec's planner places both modules' tables
+        from torchrec.distributed.planner import ParameterConstraints, Topology
+
+        from dynemb.planner import dynemb_constraints, make_planner
+        sharders.append(EmbeddingCollectionSharder(fused_params={"learning_rate": 0.05}))
+        constraints = dynemb_constraints(model, {"static": ParameterConstraints(
+            sharding_types=["row_wise"], compute_kernels=["fused"])})
+        planner = make_planner(Topology(world_size=world_size, local_world_size=world_size,
+                                        compute_device="cpu"), constraints, batch_size=8)
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD).plan
+    else:
+        plan = {"dyn": construct_module_sharding_plan(
+            model.dyn, {t.name: row_wise(compute_kernel="customized_kernel")
+                        for t in model.dyn.embedding_configs()},
+            sharder=sharders[0], local_size=world_size, world_size=world_size,
+            device_type="cpu")}
     return DistributedModelParallel(model, env=ShardingEnv.from_process_group(
         dist.GroupMember.WORLD), device=torch.device("cpu"), plan=ShardingPlan(plan),
         sharders=sharders)
@@ -305,6 +311,8 @@ def run_scenario(rank: int, world_size: int, s: Scenario) -> Dict[str, Any]:
 
     result: Dict[str, Any] = {"outputs": [], "ref_outputs": [], "ec_outputs": [],
                               "losses": [], "ref_losses": [], "ec_losses": [], "eval": []}
+    result["plan"] = {path: {t: (p.sharding_type, p.compute_kernel) for t, p in mp.items()}
+                      for path, mp in dmp.plan.plan.items()}
     lr = opt_config.learning_rate
     for step in range(s.steps):
         if step == s.steps // 2:  # a learning-rate change takes effect in every model
