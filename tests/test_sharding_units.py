@@ -158,3 +158,20 @@ def test_one_rank_module_with_indices_and_foreign_features():
         assert torch.equal(out[f].lengths(), expected[f].lengths())
         assert torch.equal(out[f].weights(), expected[f].weights())
     assert dmp.module.dyn.stats()["t0"]["lookups"] == 3  # occurrences, not distinct ids
+
+
+def test_bad_input_is_rejected_on_the_sending_rank():
+    from dynemb import EMPTY_KEY
+    model = _Wrap()
+    plan = construct_module_sharding_plan(
+        model.dyn, {t.name: row_wise(compute_kernel="customized_kernel") for t in _tables()},
+        sharder=DynamicEmbCollectionSharder(), local_size=1, world_size=1, device_type="cpu")
+    dmp = _dmp(model, plan)
+    bad = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, EMPTY_KEY]),
+                                              torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="ids of feature 'b'"):
+        dmp(bad)
+    floats = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1.0]), torch.tensor([1]))
+    with pytest.raises(TypeError, match="ids must be int64 or int32"):
+        dmp(floats)
+    assert dmp.module.dyn.stats()["t0"]["lookups"] == 0  # nothing reached the tables

@@ -28,10 +28,11 @@ from torchrec.distributed.types import (Awaitable, LazyAwaitable, ParameterShard
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from dynemb.collection import DynamicEmbCollection
+from dynemb.collection import DynamicEmbCollection, _check_lengths
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
 from dynemb.sharding.routing import RoutedIds
+from dynemb.validation import check_keys
 
 SUPPORTED_SHARDING_TYPES = (ShardingType.ROW_WISE.value,)
 SUPPORTED_COMPUTE_KERNELS = (EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,)
@@ -120,8 +121,9 @@ class ShardedDynamicEmbCollection(
             [local_table_config(c, self._world_size) for c in configs], device,
             table_options={c.name: local_table_options(options[c.name], self._world_size)
                            for c in configs},
-            optimizer=module.optimizer_config, validate_inputs=module.validate_inputs,
+            optimizer=module.optimizer_config, validate_inputs=False,  # checked at input dist
             world_size=self._world_size, backend=module.backend, weights_are_counts=True)
+        self._validate = module.validate_inputs
         self._features = {f for c in configs for f in c.feature_names}
         self._group_tables: List[List[str]] = []
         dims: Dict[int, List] = {}
@@ -150,7 +152,13 @@ class ShardedDynamicEmbCollection(
         if values.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"ids must be int64 or int32, got {values.dtype}")
         mine = [f for f in features.keys() if f in self._features]
+        if self._validate:  # on the sending rank, before any collective
+            _check_lengths(features)
         jts = features.to_dict()
+        if self._validate:
+            for f in mine:
+                check_keys(jts[f].values().to(torch.int64), jts[f].values().device,
+                           name=f"ids of feature {f!r}")
         ctx.feature_order = mine
         ctx.feature_lengths = {f: jts[f].lengths() for f in mine}
         if self._need_indices:
