@@ -14,7 +14,7 @@ from dynemb.dynamic_table import DynamicTable, TableBatch
 from dynemb.optimizers import OptimizerConfig, clip_gradients
 from dynemb.options import DynamicEmbTableOptions, StorageMode, choose_storage_mode
 from dynemb.prefetch import PrefetchState
-from dynemb.validation import check_keys
+from dynemb.validation import check_keys, check_kjt_lengths
 
 
 class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
@@ -208,7 +208,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         if values.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"ids must be int64 or int32, got {values.dtype}")
         if self._validate:
-            _check_lengths(kjt)
+            check_kjt_lengths(kjt)
         counted = self._weights_are_counts and kjt.weights_or_none() is not None
         jts = kjt.to_dict()
         out: Dict[str, Any] = {"__jt__": jts}
@@ -386,15 +386,3 @@ def _options_by_table(table_options, names) -> Dict[str, DynamicEmbTableOptions]
             raise TypeError(f"table_options[{n!r}] must be DynamicEmbTableOptions, got {opt!r}")
         out[n] = opt
     return out
-
-
-def _check_lengths(kjt: KeyedJaggedTensor) -> None:
-    lengths = kjt.lengths()
-    if lengths.numel() and bool((lengths < 0).any()):
-        raise ValueError("lengths must be >= 0")
-    total = int(lengths.sum()) if lengths.numel() else 0
-    if total != kjt.values().numel():
-        raise ValueError(f"lengths add up to {total} but there are {kjt.values().numel()} ids")
-    if lengths.numel() != len(kjt.keys()) * kjt.stride():
-        raise ValueError(f"lengths has {lengths.numel()} entries, expected "
-                         f"{len(kjt.keys())} features x batch {kjt.stride()}")

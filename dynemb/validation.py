@@ -57,3 +57,16 @@ def check_slots(slots, name: str, device: torch.device, capacity: int) -> None:
     if slots.numel() and (bool((slots < 0).any()) or bool((slots >= capacity).any())):
         raise ValueError(f"{name} must lie in [0, {capacity}), got values from "
                          f"{slots.min().item()} to {slots.max().item()}")
+
+
+def check_kjt_lengths(kjt) -> None:
+    """A KJT's lengths are >= 0, add up to its ids, and cover every feature x sample."""
+    lengths = kjt.lengths()
+    if lengths.numel() and bool((lengths < 0).any()):
+        raise ValueError("lengths must be >= 0")
+    total = int(lengths.sum()) if lengths.numel() else 0
+    if total != kjt.values().numel():
+        raise ValueError(f"lengths add up to {total} but there are {kjt.values().numel()} ids")
+    if lengths.numel() != len(kjt.keys()) * kjt.stride():
+        raise ValueError(f"lengths has {lengths.numel()} entries, expected "
+                         f"{len(kjt.keys())} features x batch {kjt.stride()}")

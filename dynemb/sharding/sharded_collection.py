@@ -28,11 +28,11 @@ from torchrec.distributed.types import (Awaitable, LazyAwaitable, ParameterShard
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from dynemb.collection import DynamicEmbCollection, _check_lengths
+from dynemb.collection import DynamicEmbCollection
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
 from dynemb.sharding.routing import RoutedIds
-from dynemb.validation import check_keys
+from dynemb.validation import check_keys, check_kjt_lengths
 
 SUPPORTED_SHARDING_TYPES = (ShardingType.ROW_WISE.value,)
 SUPPORTED_COMPUTE_KERNELS = (EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,)
@@ -153,7 +153,7 @@ class ShardedDynamicEmbCollection(
             raise TypeError(f"ids must be int64 or int32, got {values.dtype}")
         mine = [f for f in features.keys() if f in self._features]
         if self._validate:  # on the sending rank, before any collective
-            _check_lengths(features)
+            check_kjt_lengths(features)
         jts = features.to_dict()
         if self._validate:
             for f in mine:
