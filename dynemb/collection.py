@@ -158,15 +158,20 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
                  forward_stream: Optional[torch.cuda.Stream] = None) -> PrefetchState:
         """Resolve ``kjt``'s ids to slots ahead of ``forward`` and queue the result.
 
-        On CUDA the work runs on a side stream (after waiting for ``forward_stream``, default
-        the current stream, so the input is ready); ``forward`` waits for it. Rows of queued
-        batches stay pinned: a cache too small for all of them raises ``TableFullError``.
+        On CUDA the work runs on a side stream, after the current stream (where the input is
+        ready) and ``forward_stream`` (where earlier steps update the tables); ``forward``
+        waits for it. Rows of queued batches stay pinned: a cache too small for all of them
+        raises ``TableFullError``.
         """
         if self._prefetch_stream is None:
             state = self._prefetch_now(kjt)
         else:
-            main = forward_stream or torch.cuda.current_stream(self._device)
-            self._prefetch_stream.wait_stream(main)
+            # the input is ready on the calling stream (TorchRec's prefetch pipeline calls
+            # from its own); table updates of earlier steps run on the forward stream
+            current = torch.cuda.current_stream(self._device)
+            self._prefetch_stream.wait_stream(current)
+            if forward_stream is not None and forward_stream != current:
+                self._prefetch_stream.wait_stream(forward_stream)
             with torch.cuda.stream(self._prefetch_stream):
                 state = self._prefetch_now(kjt)
                 state.ready = torch.cuda.Event()
