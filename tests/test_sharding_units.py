@@ -175,3 +175,32 @@ def test_bad_input_is_rejected_on_the_sending_rank():
     with pytest.raises(TypeError, match="ids must be int64 or int32"):
         dmp(floats)
     assert dmp.module.dyn.stats()["t0"]["lookups"] == 0  # nothing reached the tables
+
+
+def test_one_rank_module_on_the_cuda_kernels_matches_cpu():
+    """The shard's tables on the CUDA backend (a GPU, or numba's simulator in CI)."""
+    from tests.conftest import BACKENDS
+    name, device = BACKENDS[1]
+    model = _Wrap(backend=name)
+    plan = construct_module_sharding_plan(
+        model.dyn, {t.name: row_wise(compute_kernel="customized_kernel") for t in _tables()},
+        sharder=DynamicEmbCollectionSharder(), local_size=1, world_size=1, device_type="cpu")
+    dmp = _dmp(model, plan)
+    ref = DynamicEmbCollection(_tables(), optimizer=OptimizerConfig(OptimizerType.SGD))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        lengths = torch.randint(0, 4, (4,), generator=g)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            ["a", "b"], torch.randint(0, 30, (int(lengths.sum()),), generator=g), lengths)
+        out, expected = dmp(kjt), ref(kjt)
+        loss = sum(out[f].values().pow(2).sum() for f in ("a", "b"))
+        ref_loss = sum(expected[f].values().pow(2).sum() for f in ("a", "b"))
+        torch.testing.assert_close(loss, ref_loss)
+        loss.backward()
+        ref_loss.backward()
+    ids = torch.arange(30)
+    for t in ("t0", "t1"):
+        rows, found = dmp.module.dyn.read_rows(t, ids)
+        ref_rows, ref_found = ref.read_rows(t, ids)
+        assert torch.equal(found, ref_found)
+        torch.testing.assert_close(rows[found], ref_rows[ref_found])
