@@ -1,5 +1,6 @@
 """The benchmarks' smoke modes run, check their own results and write their reports."""
 import json
+import math
 
 from benchmarks import bench_collection, bench_hash_table
 
@@ -34,3 +35,29 @@ def test_collection_benchmark_quick(tmp_path):
     saved = json.loads((tmp_path / "collection_cpu_quick.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(report["rows"]))
     assert (tmp_path / "collection_cpu_quick.png").stat().st_size > 0
+
+
+def test_sharded_benchmark_quick(tmp_path):
+    """Two spawned ranks train both sharded models under TrainPipelineSparseDist; the report
+    has every field, and every time is finite and positive (no timing is asserted)."""
+    from benchmarks import bench_sharded
+    report = bench_sharded.main(["--quick", "--out-dir", str(tmp_path)])
+    steps = report["config"]["steps"]
+    assert len(report["rows"]) == 1
+    for row in report["rows"]:
+        for method in ("dynemb", "torchrec"):
+            times = row["step_ms"][method]
+            assert len(times) == steps
+            assert all(math.isfinite(t) and t > 0 for t in times)
+            assert math.isfinite(row["median_ms"][method]) and row["median_ms"][method] > 0
+        assert math.isfinite(row["ratio"]) and row["ratio"] > 0
+        assert row["max_loss_rel_diff"] <= bench_sharded.LOSS_RTOL
+        assert [p["rank"] for p in row["per_rank"]] == [0, 1]
+        for profile in row["profile"]:
+            for method in ("dynemb", "torchrec"):
+                phases = profile[method]["phases_ms"]
+                assert {"forward", "backward"} <= set(phases)
+                assert all(math.isfinite(v) and v >= 0 for v in phases.values())
+    saved = json.loads((tmp_path / "sharded_cpu_quick.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(report["rows"]))
+    assert (tmp_path / "sharded_cpu_quick.png").stat().st_size > 0
