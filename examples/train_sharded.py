@@ -1,0 +1,467 @@
+"""Train the next-item recommender of ``train_next_item.py`` with its tables sharded row-wise
+over several ranks, under TorchRec's ``TrainPipelineSparseDist``.
+
+The data, the tables and the model are ``train_next_item.py``'s (imported from it): raw
+random 64-bit item ids with Zipf popularity and hidden clusters; an ``items`` table in CACHE
+mode (each rank caches a few thousand rows of its share over a host backing store) read by the
+history and target features, and a ``users`` table with frequency admission; an MLP over the
+pooled history and the user scores the target against in-batch negatives.
+
+What changes is the distribution: the ``DynamicEmbCollection`` is built on the meta device,
+TorchRec's planner (with dynemb's estimators, :func:`dynemb.planner.make_planner`) plans it,
+``DistributedModelParallel`` shards it with :class:`~dynemb.sharding.DynamicEmbCollectionSharder`
+(every rank owns the ids that hash to it), and ``TrainPipelineSparseDist`` overlaps the next
+batch's id all-to-all with the current step. Each rank draws its own batches from the same
+stream; the embedding rows train with the fused row-wise AdaGrad inside backward, the MLP with
+Adam (data parallel).
+
+Every few hundred steps the pipeline drains and the model is evaluated on a held-out stream
+(eval mode, which stores nothing): each rank reads the item rows it owns, the ranks sum them
+into the whole catalog, and each scores its half of the held-out examples; HR@10 is reported
+next to a popularity baseline and a "cluster oracle" ceiling.
+
+Run (one command; the ranks are spawned here, CPU and gloo)::
+
+    python examples/train_sharded.py                 # 2 ranks, about a minute on 2 cores
+    python examples/train_sharded.py --quick         # seconds-long smoke run
+    python examples/train_sharded.py --nproc 4 --pipeline prefetch
+
+On GPUs, launch it with torchrun (one process per GPU; NCCL and CUDA are picked up from the
+environment torchrun sets)::
+
+    torchrun --nproc_per_node 8 examples/train_sharded.py
+
+Writes ``<out-dir>/train_sharded.png`` (loss and HR@10 curves) and ``train_sharded.json``
+(the metrics, the table counters summed over ranks and per rank); ``main()`` returns the same
+metrics on rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.distributed.types import LazyAwaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_next_item import (DENSE_LR, OUT_DIR, TOP_K, Config, CountSketch,  # noqa: E402
+                             NextItemModel, SessionWorld, build_collection, evaluation_steps,
+                             in_batch_loss, plot, popularity_hit_rate, print_summary, to_kjt)
+
+#: Each rank takes the single-process run's batch (256), so a step sees twice the examples
+#: and 2000 steps reach the HR@10 its 3000 do.
+FULL = Config(steps=2000, batch=256, eval_every=250, eval_examples=2000, items=20_000,
+              clusters=200, users=50_000, cache_rows=4096)
+QUICK = Config(steps=120, batch=128, eval_every=40, eval_examples=500, items=2000,
+               clusters=40, users=5000, cache_rows=1024)
+DEFAULT_NPROC = 2
+PIPELINES = ("sparse_dist", "prefetch")
+
+
+# -- batches -----------------------------------------------------------------------------------
+@dataclass
+class Batch(Pipelineable):
+    """One rank's training batch: the features, the target ids and their log-Q correction."""
+
+    features: KeyedJaggedTensor
+    target_ids: torch.Tensor
+    log_q: torch.Tensor
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        return Batch(self.features.to(device=device, non_blocking=non_blocking),
+                     self.target_ids.to(device=device, non_blocking=non_blocking),
+                     self.log_q.to(device=device, non_blocking=non_blocking))
+
+    def record_stream(self, stream) -> None:
+        self.features.record_stream(stream)
+        self.target_ids.record_stream(stream)
+        self.log_q.record_stream(stream)
+
+    def pin_memory(self) -> "Batch":
+        return Batch(self.features.pin_memory(), self.target_ids.pin_memory(),
+                     self.log_q.pin_memory())
+
+
+def batches(world: SessionWorld, cfg: Config, rng: np.random.Generator, sketch: CountSketch,
+            count: int) -> Iterator[Batch]:
+    """``count`` training batches of this rank (on the host; the pipeline moves them). The
+    sketch counts every target as its batch is drawn, and the log-Q of a batch's targets is
+    read right after."""
+    for _ in range(count):
+        part = world.sample(cfg.batch, cfg.max_history, rng)
+        target_ids = torch.from_numpy(part["target"])
+        sketch.add(target_ids.to(sketch.counts.device))
+        log_q = torch.log(sketch[target_ids.to(sketch.counts.device)] / sketch.total).cpu()
+        yield Batch(to_kjt(part, torch.device("cpu")), target_ids, log_q)
+
+
+# -- model -------------------------------------------------------------------------------------
+class LookedUp(torch.nn.Module):
+    """Stands where ``NextItemModel`` keeps its collection: the embeddings reach the tower
+    already looked up (by the sharded collection, outside). A sharded collection returns a
+    lazy awaitable of its dict, which is resolved here (``"target" in emb`` needs the dict)."""
+
+    def forward(self, emb):
+        return emb.wait() if isinstance(emb, LazyAwaitable) else emb
+
+
+class NextItemLoss(torch.nn.Module):
+    """``train_next_item``'s tower and loss over embeddings looked up elsewhere. It holds no
+    sharded module, so TorchRec's pipeline treats it as one opaque call when it traces the
+    model (the tower's shape arithmetic is not traceable)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.model = NextItemModel(LookedUp(), dim)
+
+    def forward(self, emb, target_ids: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        out = self.model(emb)
+        return in_batch_loss(out["query"], out["target"], target_ids, log_q)
+
+
+class ShardedNextItem(torch.nn.Module):
+    """Top-level model: the (to be sharded) collection, then the tower and loss. Its forward
+    takes a :class:`Batch` and returns ``(loss, loss.detach())``, as TorchRec's pipelines
+    expect; the collection reads ``batch.features`` only, so the pipeline can run its input
+    distribution a batch ahead."""
+
+    def __init__(self, ec: torch.nn.Module, dim: int):
+        super().__init__()
+        self.ec = ec
+        self.head = NextItemLoss(dim)
+
+    def forward(self, batch: Batch):
+        loss = self.head(self.ec(batch.features), batch.target_ids, batch.log_q)
+        return loss, loss.detach()
+
+    def query(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """[B, dim] queries of a KJT with ``user`` and ``history`` (eval)."""
+        return self.head.model(self.ec(kjt))["query"]
+
+
+def shard(model: ShardedNextItem, cfg: Config, device: torch.device):
+    """Plan with TorchRec's planner and dynemb's estimators, then shard with
+    ``DistributedModelParallel``."""
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+    from torchrec.distributed.types import PipelineType, ShardingEnv
+
+    from dynemb.planner import dynemb_constraints, make_planner
+    from dynemb.sharding import DynamicEmbCollectionSharder
+    world_size = dist.get_world_size()
+    sharders = [DynamicEmbCollectionSharder()]
+    topology = Topology(world_size=world_size, compute_device=device.type,
+                        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    # ids per example: a history of 2..max_history items and one target; one user
+    history = (2 + cfg.max_history) / 2
+    constraints = dynemb_constraints(model, {
+        "items": ParameterConstraints(pooling_factors=[history, 1.0]),
+        "users": ParameterConstraints(pooling_factors=[1.0])})
+    planner = make_planner(topology, constraints, batch_size=cfg.batch,
+                           pipeline_type=PipelineType.TRAIN_SPARSE_DIST, log_footprint=False)
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    if dist.get_rank() == 0:
+        for name, ps in plan.plan["ec"].items():
+            print(f"plan: table {name!r} {ps.sharding_type} over ranks {ps.ranks}, kernel "
+                  f"{ps.compute_kernel}", flush=True)
+    return DistributedModelParallel(
+        model, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD), device=device,
+        plan=plan, sharders=sharders)
+
+
+def combined_optimizer(dmp):
+    """The tables' fused optimizer (applied inside backward; ``step`` does nothing) next to
+    Adam for the dense parameters."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    parts = [dmp.fused_optimizer]
+    if dense:
+        parts.append(KeyedOptimizerWrapper(dense, lambda ps: torch.optim.Adam(ps, lr=DENSE_LR)))
+    return CombinedOptimizer(parts)
+
+
+def make_pipeline(kind: str, dmp, optimizer, device: torch.device):
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from dynemb.pipeline import PrefetchTrainPipelineSparseDist
+    cls = TrainPipelineSparseDist if kind == "sparse_dist" else PrefetchTrainPipelineSparseDist
+    return cls(dmp, optimizer, device)
+
+
+# -- evaluation --------------------------------------------------------------------------------
+@torch.no_grad()
+def catalog_rows(model: ShardedNextItem, catalog: torch.Tensor):
+    """``(rows [N, dim], stored [N])`` of every catalog item, wherever its owner keeps it:
+    each rank reads the rows it owns (others come back not found, as zeros), and the ranks
+    sum them (each id has one owner)."""
+    rows, stored = model.ec.read_rows("items", catalog)
+    rows = torch.where(stored[:, None], rows.float(), 0.0)
+    stored = stored.to(torch.int32)
+    dist.all_reduce(rows)
+    dist.all_reduce(stored)
+    return rows, stored > 0
+
+
+@torch.no_grad()
+def sharded_hit_rate(dmp, examples: Dict[str, np.ndarray], catalog: torch.Tensor,
+                     device: torch.device, chunks: int = 2) -> float:
+    """HR@10 over the whole catalog (as ``train_next_item.hit_rate``): every rank scores its
+    share of the held-out examples in the same number of eval forwards (they are
+    collectives), and the hits are summed over the ranks."""
+    model: ShardedNextItem = dmp.module
+    was_training = dmp.training
+    dmp.eval()
+    rows, stored = catalog_rows(model, catalog)
+    unstored = torch.where(stored, 0.0, float("-inf"))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mine = np.array_split(np.arange(len(examples["user"])), world_size)[rank]
+    hits = torch.zeros((), dtype=torch.int64, device=device)
+    for index in np.array_split(mine, chunks):
+        part = {k: v[index] for k, v in examples.items()}
+        query = model.query(to_kjt(part, device, features=["user", "history"]))
+        scores = query @ rows.T + unstored                                   # [n, N]
+        truth = torch.from_numpy(part["target_index"]).to(device)
+        rank_of_truth = (scores > scores.gather(1, truth[:, None])).sum(1)
+        hits += ((rank_of_truth < TOP_K) & stored[truth]).sum()
+    dist.all_reduce(hits)
+    dmp.train(was_training)
+    return int(hits) / len(examples["user"])
+
+
+def summed_stats(dmp) -> Dict[str, Any]:
+    """Each table's counters summed over the ranks (one gather), and each rank's own."""
+    mine = dmp.module.ec.stats()
+    everyone: List[Dict[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine)
+    total: Dict[str, Any] = {}
+    for name in mine:
+        merged: Dict[str, Any] = {}
+        for key, value in mine[name].items():
+            if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+                merged[key] = sum(int(r[name][key]) for r in everyone)
+            elif key == "load_factor":
+                merged[key] = float(np.mean([r[name][key] for r in everyone]))
+            else:
+                merged[key] = value
+        total[name] = merged
+    return {"total": total, "per_rank": everyone}
+
+
+# -- training ----------------------------------------------------------------------------------
+def train(cfg: Config, device: torch.device, seed: int, out_dir: Path,
+          pipeline_kind: str) -> Optional[Dict[str, Any]]:
+    from tqdm import tqdm
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)          # the same MLP start on every rank
+    world = SessionWorld(cfg.items, cfg.clusters, cfg.users, seed)
+    train_rng = np.random.default_rng([seed + 1, rank])       # each rank its own stream
+    held_out = world.sample(cfg.eval_examples, cfg.max_history, np.random.default_rng(seed + 2))
+    catalog = torch.from_numpy(world.item_ids).to(device)
+    sketch = CountSketch(device)
+
+    model = ShardedNextItem(build_collection(cfg, torch.device("meta"), seed), cfg.dim)
+    dmp = shard(model, cfg, device)
+    optimizer = combined_optimizer(dmp)
+    pipeline = make_pipeline(pipeline_kind, dmp, optimizer, device)
+    ec = dmp.module.ec
+    if rank == 0:
+        modes = ", ".join(f"{n} {m.name}" for n, m in ec.storage_modes().items())
+        print(f"{world_size} ranks ({device.type}, {dist.get_backend()}), "
+              f"{type(pipeline).__name__}; {cfg.items} items in {cfg.clusters} hidden "
+              f"clusters, {cfg.users} users; tables: {modes} (items cache: {cfg.cache_rows} rows "
+              f"per rank); batch {cfg.batch} per rank, {cfg.steps} steps", flush=True)
+
+    losses: List[float] = []
+    curve = [(0, sharded_hit_rate(dmp, held_out, catalog, device))]
+    cache_rates: List[float] = []
+    eval_inserts = 0
+    window_start = summed_stats(dmp)["total"]["items"]
+    eval_at = sorted(evaluation_steps(cfg.steps, cfg.eval_every))
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.steps, desc="train", mininterval=0.5, dynamic_ncols=True,
+               disable=rank != 0)
+    done = 0
+    for stop in eval_at:
+        # one pipeline run per evaluation window: it drains at the window's end, so the eval
+        # forwards below run on the plain (detached) model with nothing in flight
+        it = batches(world, cfg, train_rng, sketch, stop - done)
+        while True:
+            try:
+                loss = pipeline.progress(it)     # what the model returns second
+            except StopIteration:
+                break
+            losses.append(float(loss))
+            bar.update()
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", hr10=f"{curve[-1][1]:.3f}")
+        done = stop
+        pipeline.detach()
+        now = summed_stats(dmp)["total"]["items"]
+        hits = now["hits"] - window_start["hits"]
+        cache_rates.append(hits / max(1, hits + now["misses"] - window_start["misses"]))
+        curve.append((stop, sharded_hit_rate(dmp, held_out, catalog, device)))
+        window_start = summed_stats(dmp)["total"]["items"]
+        eval_inserts += window_start["inserts"] - now["inserts"]   # eval mode stores nothing
+        pipeline.attach()    # the next window's first progress() rewrites the model again
+        if rank == 0:
+            tqdm.write(f"step {stop:5d}  loss {np.mean(losses[-(stop - (curve[-2][0])):]):.3f}  "
+                       f"HR@{TOP_K} {curve[-1][1]:.3f}  items cache hit rate "
+                       f"{cache_rates[-1]:.3f}")
+    bar.close()
+    seconds = time.perf_counter() - start
+
+    # the loss curve averaged over ranks; popularity from every rank's stream
+    all_losses = [None] * world_size
+    dist.all_gather_object(all_losses, losses)
+    mean_losses = np.mean(np.asarray(all_losses, dtype=np.float64), axis=0).tolist()
+    dist.all_reduce(sketch.counts)
+    total = torch.tensor(sketch.total, dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    sketch.total = int(total)
+    stats = summed_stats(dmp)
+    if rank != 0:
+        return None
+    window = max(1, min(100, len(mean_losses) // 5))
+    metrics: Dict[str, Any] = {
+        "world_size": world_size,
+        "backend": dist.get_backend(),
+        "device": device.type,
+        "pipeline": type(pipeline).__name__,
+        "batch_per_rank": cfg.batch,
+        "steps": cfg.steps,
+        "seconds": seconds,
+        "losses": mean_losses,
+        "initial_loss": float(np.mean(mean_losses[:window])),
+        "final_loss": float(np.mean(mean_losses[-window:])),
+        "hr10": curve[-1][1],
+        "hr10_curve": curve,
+        "hr10_popularity": popularity_hit_rate(sketch, held_out, catalog),
+        "hr10_oracle": world.oracle_hit_rate(held_out),
+        "hr10_random": TOP_K / cfg.items,
+        "cache_hit_rate": cache_rates[-1],
+        "eval_inserts": eval_inserts,
+        "stats": stats["total"],
+        "stats_per_rank": stats["per_rank"],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics["plot"] = str(plot(metrics, out_dir / "train_sharded.png"))
+    metrics["json"] = str(out_dir / "train_sharded.json")
+    Path(metrics["json"]).write_text(json.dumps(metrics, indent=1, default=_jsonable))
+    print(f"\n{world_size} ranks, {type(pipeline).__name__}, batch {cfg.batch} per rank; "
+          f"loss averaged over ranks, table counters summed over ranks")
+    print_summary(metrics)
+    return metrics
+
+
+def _jsonable(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+# -- processes ---------------------------------------------------------------------------------
+def run_rank(args: argparse.Namespace, cfg: Config) -> Optional[Dict[str, Any]]:
+    """Join the process group this process belongs to (from the environment torchrun or
+    :func:`spawn_ranks` set) and train."""
+    use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # (spawn_ranks sets it before the ranks start; under torchrun it still reaches numba's
+        # thread pool, which starts later)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # small dense ops: extra intra-op threads only add OpenMP barrier waits, and the
+        # ranks share the cores
+        torch.set_num_threads(1)
+    quiet_torchrec()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    try:
+        return train(cfg, device, args.seed, args.out_dir, args.pipeline)
+    finally:
+        dist.destroy_process_group()
+
+
+def quiet_torchrec() -> None:
+    """Hide TorchRec's and torch's notices about their own internals (planner defaults, a
+    deprecated DDP argument TorchRec passes, a tracing helper), printed once per rank."""
+    for name in ("torchrec.distributed.planner", "torch.fx._symbolic_trace"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.")
+
+
+def _spawned(rank: int, world_size: int, args: argparse.Namespace, cfg: Config) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    run_rank(args, cfg)
+
+
+def spawn_ranks(args: argparse.Namespace, cfg: Config) -> Dict[str, Any]:
+    """Start ``args.nproc`` CPU ranks on this machine (gloo) and return rank 0's metrics."""
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Passive OpenMP waits (inherited by the ranks): numba's and torch's thread pools of
+    # several processes otherwise spin against each other on a small machine.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_WAIT_POLICY="PASSIVE")
+    mp.spawn(_spawned, args=(args.nproc, args, cfg), nprocs=args.nproc, join=True)
+    return json.loads((args.out_dir / "train_sharded.json").read_text())
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, help="training steps (default 2000; quick 120)")
+    parser.add_argument("--quick", action="store_true", help="small catalog, seconds-long run")
+    parser.add_argument("--nproc", type=int, default=DEFAULT_NPROC,
+                        help=f"CPU ranks to spawn (default {DEFAULT_NPROC}); ignored under "
+                             f"torchrun")
+    parser.add_argument("--pipeline", choices=PIPELINES, default="sparse_dist",
+                        help="TorchRec's TrainPipelineSparseDist (default) or dynemb's "
+                             "PrefetchTrainPipelineSparseDist")
+    parser.add_argument("--device", choices=["auto", "cpu"], default="auto",
+                        help="under torchrun: CUDA with NCCL when there is a GPU (auto), or "
+                             "force CPU and gloo; spawned ranks always run on CPU")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=OUT_DIR,
+                        help=f"where the plot and metrics go (default {OUT_DIR})")
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be >= 1")
+    if args.nproc < 1:
+        parser.error("--nproc must be >= 1")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
+    """Train on the ranks of a torchrun launch, or spawn ``--nproc`` CPU ranks; returns the
+    metrics (on rank 0 / in the spawning process)."""
+    args = parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    if args.steps is not None:
+        cfg = dataclasses.replace(cfg, steps=args.steps)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # launched by torchrun
+        return run_rank(args, cfg)
+    args.device = "cpu"
+    return spawn_ranks(args, cfg)
+
+
+if __name__ == "__main__":
+    main()
