@@ -1,5 +1,9 @@
 """CPU fused optimizer kernel: one pass over each touched row and its state (``prange`` over
-rows; slots are unique, so no two iterations write the same row)."""
+rows; slots are unique, so no two iterations write the same row).
+
+``reassoc`` lets numba vectorise row-wise AdaGrad's per-row sum of squares (a serial float32
+loop otherwise: 1.07 -> 0.47 ms for 13k rows of dim 64, 1.74 -> 0.92 ms at dim 128, on 2
+cores); only the summation order changes."""
 from numba import float32, njit, prange
 
 from .optim_common import (OPT_ADAGRAD, OPT_ADAM, OPT_ROWWISE_ADAGRAD, OPT_SGD, adagrad_element,
@@ -7,7 +11,7 @@ from .optim_common import (OPT_ADAGRAD, OPT_ADAM, OPT_ROWWISE_ADAGRAD, OPT_SGD, 
                            sgd_element)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath={"reassoc"})
 def fused_update_cpu(weights, slots, grads, kind, dim, lr, eps, beta1, beta2, weight_decay,
                      bias1, bias2, acc0):
     """Update ``weights[slots[i]]`` [W] float32 with ``grads[i]`` [dim]; ``slots[i] < 0`` skips.
@@ -38,9 +42,13 @@ def fused_update_cpu(weights, slots, grads, kind, dim, lr, eps, beta1, beta2, we
                 weights[s, dim + j] = acc - acc0
         elif kind == OPT_ROWWISE_ADAGRAD:
             sum_sq = float32(0.0)
-            for j in range(dim):
-                g = rowwise_grad(grads[i, j], weights[s, j], weight_decay)
-                sum_sq += g * g
+            if weight_decay == 0:
+                for j in range(dim):
+                    sum_sq += grads[i, j] * grads[i, j]
+            else:
+                for j in range(dim):
+                    g = rowwise_grad(grads[i, j], weights[s, j], weight_decay)
+                    sum_sq += g * g
             acc, multiplier, correction = rowwise_adagrad_scale(
                 weights[s, dim] + acc0, sum_sq, dim, lr, eps, weight_decay)
             weights[s, dim] = acc - acc0
