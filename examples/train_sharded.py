@@ -393,7 +393,9 @@ def run_rank(args: argparse.Namespace, cfg: Config) -> Optional[Dict[str, Any]]:
     quiet_torchrec()
     dist.init_process_group("nccl" if use_cuda else "gloo")
     try:
-        return train(cfg, device, args.seed, args.out_dir, args.pipeline)
+        result = train(cfg, device, args.seed, args.out_dir, args.pipeline)
+        dist.barrier()  # rank 0 writes the results last; nobody tears down before it is done
+        return result
     finally:
         dist.destroy_process_group()
 
@@ -410,6 +412,12 @@ def _spawned(rank: int, world_size: int, args: argparse.Namespace, cfg: Config) 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     run_rank(args, cfg)
+    # The work is done and written. Skip the interpreter's teardown: destroying the C++
+    # thread pools of torch, gloo and numba's OpenMP at exit intermittently aborts a rank
+    # ("terminate called without an active exception"), which would fail the whole run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(args: argparse.Namespace, cfg: Config) -> Dict[str, Any]:
