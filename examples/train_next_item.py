@@ -352,8 +352,22 @@ def train(cfg: Config, device: torch.device, seed: int, out_dir: Path) -> Dict[s
     bar.close()
     seconds = time.perf_counter() - start
 
+    metrics = run_metrics(cfg, seconds, losses, curve, sketch, held_out, catalog, world,
+                          cache_rates, eval_inserts)
+    metrics["stats"] = ec.stats()
+    metrics["plot"] = str(plot(metrics, out_dir / "train_next_item.png"))
+    metrics["json"] = str(out_dir / "train_next_item.json")
+    Path(metrics["json"]).write_text(json.dumps(metrics, indent=1))
+    print_summary(metrics)
+    return metrics
+
+
+def run_metrics(cfg: Config, seconds: float, losses: List[float], curve, sketch, held_out,
+                catalog, world, cache_rates: List[float], eval_inserts: int) -> Dict[str, object]:
+    """The metrics a training run reports: loss (first vs last steps), the HR@10 curve next
+    to the popularity, cluster-oracle and random baselines, cache hit rate, eval inserts."""
     window = max(1, min(100, len(losses) // 5))
-    metrics: Dict[str, object] = {
+    return {
         "steps": cfg.steps,
         "seconds": seconds,
         "losses": losses,
@@ -366,13 +380,7 @@ def train(cfg: Config, device: torch.device, seed: int, out_dir: Path) -> Dict[s
         "hr10_random": TOP_K / cfg.items,
         "cache_hit_rate": cache_rates[-1],
         "eval_inserts": eval_inserts,
-        "stats": ec.stats(),
     }
-    metrics["plot"] = str(plot(metrics, out_dir / "train_next_item.png"))
-    metrics["json"] = str(out_dir / "train_next_item.json")
-    Path(metrics["json"]).write_text(json.dumps(metrics, indent=1))
-    print_summary(metrics)
-    return metrics
 
 
 def evaluation_steps(steps: int, every: int) -> set:

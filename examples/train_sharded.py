@@ -60,7 +60,7 @@ from torchrec.streamable import Pipelineable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_next_item import (DENSE_LR, OUT_DIR, TOP_K, Config, CountSketch,  # noqa: E402
                              NextItemModel, SessionWorld, build_collection, evaluation_steps,
-                             in_batch_loss, plot, popularity_hit_rate, print_summary, to_kjt)
+                             in_batch_loss, plot, print_summary, run_metrics, to_kjt)
 
 #: Each rank takes the single-process run's batch (256), so a step sees twice the examples
 #: and 2000 steps reach the HR@10 its 3000 do.
@@ -335,25 +335,14 @@ def train(cfg: Config, device: torch.device, seed: int, out_dir: Path,
     stats = summed_stats(dmp)
     if rank != 0:
         return None
-    window = max(1, min(100, len(mean_losses) // 5))
     metrics: Dict[str, Any] = {
         "world_size": world_size,
         "backend": dist.get_backend(),
         "device": device.type,
         "pipeline": type(pipeline).__name__,
         "batch_per_rank": cfg.batch,
-        "steps": cfg.steps,
-        "seconds": seconds,
-        "losses": mean_losses,
-        "initial_loss": float(np.mean(mean_losses[:window])),
-        "final_loss": float(np.mean(mean_losses[-window:])),
-        "hr10": curve[-1][1],
-        "hr10_curve": curve,
-        "hr10_popularity": popularity_hit_rate(sketch, held_out, catalog),
-        "hr10_oracle": world.oracle_hit_rate(held_out),
-        "hr10_random": TOP_K / cfg.items,
-        "cache_hit_rate": cache_rates[-1],
-        "eval_inserts": eval_inserts,
+        **run_metrics(cfg, seconds, mean_losses, curve, sketch, held_out, catalog, world,
+                      cache_rates, eval_inserts),
         "stats": stats["total"],
         "stats_per_rank": stats["per_rank"],
     }
