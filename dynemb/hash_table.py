@@ -310,7 +310,18 @@ class ScoredHashTable:
         self._backend.add_refcounts(self._refcnt, slots, 1)
 
     def release(self, slots: torch.Tensor) -> None:
-        """Drop the pins taken by :meth:`retain` or ``find_or_insert(pin=True)``; -1 skipped."""
+        """Drop the pins taken by :meth:`retain` or ``find_or_insert(pin=True)``; -1 skipped.
+
+        Unchecked, but a count never goes below zero: a release without a pin to drop is
+        ignored, so a slot pinned afterwards stays protected by that pin.
+
+        Example::
+
+            >>> slots = table.find_or_insert(torch.tensor([7]), pin=True).slots
+            >>> table.release(slots); table.release(slots)   # the second one is a no-op
+            >>> table.pinned_count()
+            0
+        """
         self._backend.add_refcounts(self._refcnt, slots, -1)
 
     def _check_live_slots(self, slots, name) -> None:

@@ -123,9 +123,22 @@ def erase_kernel(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, k
 
 @cuda.jit
 def add_refcounts_kernel(refcnt, slots, delta):
+    """``refcnt[slots[i]] += delta``, never below zero (see ``add_refcounts_cpu``)."""
     i = cuda.grid(1)
-    if i < slots.size and slots[i] >= 0:
-        cuda.atomic.add(refcnt, slots[i], delta)
+    if i >= slots.size or slots[i] < 0:
+        return
+    s = slots[i]
+    if delta >= 0:
+        cuda.atomic.add(refcnt, s, delta)
+        return
+    # atomic.sub could pass zero under a concurrent release; the CAS stops at zero.
+    old = refcnt[s]
+    while old > 0:
+        new = old + delta if old + delta > 0 else 0
+        seen = cuda.atomic.cas(refcnt, s, old, new)
+        if seen == old:
+            return
+        old = seen
 
 
 @cuda.jit

@@ -202,3 +202,18 @@ def test_growth_below_max_capacity_never_evicts(make_table, to_dev):
         assert not bool(result.evicted.any())
     assert table.size() == 600
     assert bool((table.find(keys) >= 0).all())
+
+
+def test_release_never_drops_a_reference_count_below_zero(make_table, to_dev):
+    table = make_table(4, policy=ScorePolicy.LRU)
+    insert_each(table, to_dev, [1, 2, 3, 4])         # LRU scores 1..4: key 1 goes first
+    slot = table.find(to_dev([1]))
+    table.retain(slot)
+    table.release(to_dev([slot.item()] * 3))         # one more release than pins, twice over
+    table.release(slot)
+    assert table.pinned_count() == 0
+    table.retain(slot)                               # one pin must protect it again
+    assert table.pinned_count() == 1
+    assert evicted_keys(table.find_or_insert(to_dev([5]))) == [2]
+    table.release(slot)
+    assert evicted_keys(table.find_or_insert(to_dev([6]))) == [1]
