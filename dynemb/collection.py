@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import collections
-from typing import Any, Deque, Dict, List, Mapping, Optional, Union
+import math
+from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig, data_type_to_dtype
@@ -11,6 +12,7 @@ from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from dynemb.dynamic_table import DynamicTable, TableBatch
+from dynemb.initializers import table_identity
 from dynemb.optimizers import OptimizerConfig, clip_gradients
 from dynemb.options import DynamicEmbTableOptions, StorageMode, choose_storage_mode
 from dynemb.prefetch import PrefetchState
@@ -76,7 +78,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         self._validate = validate_inputs
         self._weights_are_counts = weights_are_counts
         self.tables: Dict[str, DynamicTable] = {}
-        for table_id, config in enumerate(self._configs):
+        for config in self._configs:
             state_dim = self._optimizer_config.state_dim(config.embedding_dim)
             layout = choose_storage_mode(
                 options[config.name], name=config.name, num_embeddings=config.num_embeddings,
@@ -85,10 +87,14 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             if self._device.type == "meta":
                 continue
             self.tables[config.name] = DynamicTable(
-                config.name, table_id, config.embedding_dim, layout, options[config.name],
+                config.name, table_identity(config.name), config.embedding_dim, layout,
+                options[config.name],
                 self._optimizer_config, self._device, backend)
         self._table_of_feature = {f: c.name for c in self._configs for f in c.feature_names}
         self._queue: Deque[PrefetchState] = collections.deque()
+        # batches looked up by training forwards whose backward has not run: pinned until
+        # their backward or the next training forward (see forward)
+        self._awaiting_backward: List[Tuple[str, TableBatch]] = []
         self._steps = {name: 0 for name in self.tables}
         self._fused_optimizer = DynamicEmbFusedOptimizer(self, self._optimizer_config.learning_rate)
         self._prefetch_stream = (torch.cuda.Stream(device=self._device)
@@ -164,7 +170,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         raises ``TableFullError``.
         """
         if self._prefetch_stream is None:
-            state = self._prefetch_now(kjt)
+            state = self._prefetch_now(kjt, self.training)
         else:
             # the input is ready on the calling stream (TorchRec's prefetch pipeline calls
             # from its own); table updates of earlier steps run on the forward stream
@@ -173,7 +179,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             if forward_stream is not None and forward_stream != current:
                 self._prefetch_stream.wait_stream(forward_stream)
             with torch.cuda.stream(self._prefetch_stream):
-                state = self._prefetch_now(kjt)
+                state = self._prefetch_now(kjt, self.training)
                 state.ready = torch.cuda.Event()
                 state.ready.record(self._prefetch_stream)
             for tensor in kjt.values(), kjt.lengths():
@@ -181,7 +187,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         self._queue.append(state)
         return state
 
-    def _prefetch_now(self, kjt: KeyedJaggedTensor) -> PrefetchState:
+    def _prefetch_now(self, kjt: KeyedJaggedTensor, training: bool) -> PrefetchState:
         if self._device.type == "meta":
             raise RuntimeError("this DynamicEmbCollection is on the meta device and holds no "
                                "rows: shard it (DistributedModelParallel with "
@@ -191,15 +197,15 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         try:
             for name, table in self.tables.items():
                 keys, _, occurrences = per_table[name]
-                batches[name] = table.prefetch(keys, self.training, occurrences=occurrences)
+                batches[name] = table.prefetch(keys, training, occurrences=occurrences)
         except Exception:
             for name, batch in batches.items():
                 self.tables[name].release(batch)
             raise
         features = {name: per_table[name][1] for name in self.tables}
         lengths = {f: jt.lengths() for f, jt in per_table["__jt__"].items()}
-        return PrefetchState(batches, features, tuple(kjt.keys()), self.training,
-                             lengths=lengths, values=kjt.values())
+        return PrefetchState(batches, features, tuple(kjt.keys()), training,
+                             lengths=lengths, values=kjt.values(), all_lengths=kjt.lengths())
 
     def _split_by_table(self, kjt: KeyedJaggedTensor):
         """Validate, then concatenate each table's feature values (int64)."""
@@ -236,12 +242,21 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        """Embeddings of ``kjt`` per feature; consumes the oldest prefetched state, or
-        prefetches inline when none is queued."""
-        if self._queue and self._queue[0].training == self.training:
+        """Embeddings of ``kjt`` per feature.
+
+        A training forward with autograd on consumes the oldest prefetched state (or
+        prefetches inline when none is queued) and its rows stay pinned until its backward or
+        the next training forward, whichever comes first. In eval mode or under
+        ``torch.no_grad()`` the lookup is read-only: nothing is inserted, rescored or
+        updated, unseen ids get the eval initializer, and queued training batches are left
+        for the training forward they were prefetched for."""
+        trains = self.training and torch.is_grad_enabled()
+        if trains:
+            self._check_lr()
+        if self._queue and self._queue[0].training == trains:
             state = self._queue.popleft()
         else:  # nothing queued, or queued for the other mode (e.g. an eval between steps)
-            state = self._prefetch_now(kjt)
+            state = self._prefetch_now(kjt, trains)
         try:
             self._check_state_matches(state, kjt)
         except ValueError:
@@ -253,30 +268,35 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             for batch in state.batches.values():  # made on the prefetch stream, used here
                 for tensor in batch.tensors():
                     tensor.record_stream(stream)
-        track_grad = state.training and torch.is_grad_enabled()
+        if trains:
+            # the previous step's lookups end their pins now, after this batch pinned its
+            # own rows: a lookup whose backward never comes (a table unused by the loss, an
+            # output dropped, an exception) cannot hold rows for ever
+            earlier, self._awaiting_backward = self._awaiting_backward, []
         out: Dict[str, JaggedTensor] = {}
         for name, table in self.tables.items():
             batch = state.batches[name]
-            if track_grad:
+            batch.consumed = True
+            if trains:
                 anchor = torch.empty(0, device=self._device, requires_grad=True)
                 unique_rows = _DynamicLookup.apply(anchor, self, name, batch)
+                self._awaiting_backward.append((name, batch))
             else:
                 unique_rows = table.lookup(batch)
                 table.release(batch)
             rows = unique_rows.index_select(0, batch.inverse)
-            if track_grad and self._optimizer_config.max_gradient is not None:
+            if trains and self._optimizer_config.max_gradient is not None:
                 # fbgemm clips each output's gradient before the per-row sum
                 rows.register_hook(self._clip)
             offset = 0
             for feature, count in state.features[name]:
                 values = rows[offset:offset + count]
                 offset += count
-                out_name = feature
-                jt_ids = None
-                if self._need_indices:
-                    jt_ids = kjt[feature].values()
-                out[out_name] = JaggedTensor(values=values, lengths=state.lengths[feature],
-                                             weights=jt_ids)
+                jt_ids = kjt[feature].values() if self._need_indices else None
+                out[feature] = JaggedTensor(values=values, lengths=state.lengths[feature],
+                                            weights=jt_ids)
+        if trains:
+            self._release(earlier)
         return {f: out[f] for f in state.feature_order}
 
     def _check_state_matches(self, state: PrefetchState, kjt: KeyedJaggedTensor) -> None:
@@ -286,29 +306,70 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
                              f"of prefetch")
         expected = sum(n for feats in state.features.values() for _, n in feats)
         values = kjt.values()
-        same = values.numel() == expected and (
-            values is state.values or not self._validate or torch.equal(values, state.values))
-        if not same:
+        if values.numel() != expected or not self._same(values, state.values):
             raise ValueError(f"forward got other ids ({values.numel()}) than the oldest "
                              f"prefetched batch ({expected}); call forward in the order of "
                              f"prefetch")
+        lengths = kjt.lengths()
+        if lengths.shape != state.all_lengths.shape or not self._same(lengths,
+                                                                      state.all_lengths):
+            raise ValueError("forward got the ids of the oldest prefetched batch but other "
+                             "lengths; call forward with the KeyedJaggedTensor given to prefetch")
+
+    def _same(self, got: torch.Tensor, expected: torch.Tensor) -> bool:
+        """Equal tensors of equal shape. On CUDA without input validation the comparison is
+        asserted on the device (an error surfaces at the next sync) instead of stalling it."""
+        if got is expected:
+            return True
+        if self._validate or got.device.type != "cuda":
+            return torch.equal(got, expected.to(got.device))
+        torch._assert_async((got == expected).all(),
+                            "forward got other ids or lengths than the oldest prefetched batch")
+        return True
 
     def _drop(self, state: PrefetchState) -> None:
         for name, batch in state.batches.items():
             self.tables[name].release(batch)
 
     def clear_prefetched(self) -> None:
-        """Drop every queued prefetch and release its pins."""
+        """Drop every queued prefetch, and end the pins of looked-up batches whose backward
+        has not run (such a backward still updates the rows that are still stored)."""
         while self._queue:
             self._drop(self._queue.popleft())
+        self._release(self._awaiting_backward)
+        self._awaiting_backward = []
+
+    def _release(self, looked_up: List[Tuple[str, TableBatch]]) -> None:
+        for name, batch in looked_up:
+            self.tables[name].release(batch)
+
+    def train(self, mode: bool = True) -> "DynamicEmbCollection":
+        """``nn.Module.train``; leaving training also ends the pins of looked-up batches
+        whose backward has not run."""
+        if not mode:
+            self._release(self._awaiting_backward)
+            self._awaiting_backward = []
+        return super().train(mode)
 
     def _clip(self, grads: torch.Tensor) -> torch.Tensor:
         return clip_gradients(grads, self._optimizer_config)
 
+    def _check_lr(self) -> float:
+        given = self._fused_optimizer.param_groups[0]["lr"]
+        try:
+            lr = float(given)
+        except (TypeError, ValueError):
+            lr = math.nan
+        if isinstance(given, bool) or not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"fused_optimizer.param_groups[0]['lr'] must be a finite number "
+                             f">= 0, got {given!r}; nothing was updated")
+        return lr
+
     def _apply_gradients(self, name: str, batch: TableBatch, grads: torch.Tensor) -> None:
-        self._steps[name] += 1
-        self.tables[name].apply_gradients(batch, grads, lr=self._fused_optimizer.lr,
-                                          step=self._steps[name])
+        lr = self._check_lr()  # read here: a scheduler may change it after the forward
+        if not batch.applied:
+            self._steps[name] += 1
+        self.tables[name].apply_gradients(batch, grads, lr=lr, step=self._steps[name])
 
     def extra_repr(self) -> str:
         return ", ".join(repr(t) for t in self.tables.values())

@@ -17,6 +17,7 @@ COUNTER_NAMES = (
     "loads",              # CACHE: missed rows read back from the backing store
     "admission_rejects",  # distinct keys per batch refused by admission (not stored)
     "store_evictions",    # CACHE: rows the backing store itself evicted (its capacity is full)
+    "dropped_updates",    # rows a late backward could not update: evicted after its pins ended
 )
 _INDEX = {name: i for i, name in enumerate(COUNTER_NAMES)}
 

@@ -58,6 +58,8 @@ class TableBatch:
     fallback: Optional[torch.Tensor] = None
     buffer: Optional[torch.Tensor] = None
     pinned: bool = False
+    consumed: bool = False  # a forward looked it up (else: queued by prefetch)
+    applied: bool = False   # its backward ran
 
     @property
     def num_keys(self) -> int:
@@ -221,11 +223,10 @@ class DynamicTable:
         except TableFullError as err:
             if err.remap is not None:
                 self._apply_remap(tier, err.remap)
-            where = "the cache" if self.mode is StorageMode.CACHE else f"the {self.mode.value} table"
             raise TableFullError(
-                f"table {self.name!r}: {err.failed_keys.numel()} keys found no slot in {where} "
-                f"({tier.hash.capacity} rows, {tier.hash.pinned_count()} pinned by "
-                f"{len(self._held)} prefetched batches not yet consumed); prefetch fewer "
+                f"table {self.name!r}: {err.failed_keys.numel()} keys found no slot in "
+                f"{self._tier_name(tier)} ({tier.hash.capacity} rows, "
+                f"{tier.hash.pinned_count()} pinned by {self._pin_holders()}); prefetch fewer "
                 f"batches ahead, raise the device budget, or use an evicting score_strategy. "
                 f"Nothing was inserted.", err.failed_keys, err.remap) from None
         if result.remap is not None:
@@ -233,6 +234,22 @@ class DynamicTable:
         if on_failure == "defer":
             self._deferred.record(result.failed)
         return result
+
+    def _tier_name(self, tier: _Tier) -> str:
+        if tier is self.host_tier:
+            return "the host tier"
+        return "the cache" if self.mode is StorageMode.CACHE else f"the {self.mode.value} table"
+
+    def _pin_holders(self) -> str:
+        """Who holds the pins, for error messages: queued prefetches, looked-up batches whose
+        backward has not run yet, and this very batch."""
+        queued = sum(1 for b in self._held if not b.consumed)
+        looked_up = len(self._held) - queued
+        if not self._held:
+            return "no other batch: this batch alone has more keys than its buckets hold"
+        return (f"{queued} prefetched batches not yet consumed by forward and {looked_up} "
+                f"looked-up batches waiting for their backward (their pins end at their "
+                f"backward or at the next training forward)")
 
     def _apply_remap(self, tier: _Tier, remap: torch.Tensor) -> None:
         tier.flat.remap(remap, tier.hash.capacity)
@@ -380,27 +397,54 @@ class DynamicTable:
     # -- backward ----------------------------------------------------------------------------
     def apply_gradients(self, batch: TableBatch, grads: torch.Tensor, *, lr: float,
                         step: int) -> None:
-        """Fused optimizer update of the batch's rows with ``grads`` [U, dim], then unpin."""
+        """Fused optimizer update of the batch's rows with ``grads`` [U, dim], then unpin.
+
+        Once per batch: a second call raises (it would apply the update twice). A batch whose
+        pins already ended (released before its backward) updates only the rows still stored under its
+        keys; rows evicted since are counted in ``dropped_updates``, never written to another
+        key's row."""
+        if batch.applied:
+            raise RuntimeError(
+                f"table {self.name!r}: the backward of this lookup already ran and applied its "
+                f"update; a second backward through the same forward (retain_graph=True) would "
+                f"apply it twice. Sum the losses and call backward once, or run a new forward")
+        batch.applied = True
         grads = grads.to(torch.float32).contiguous()
         if batch.mode is StorageMode.DEFAULT:
             self._update_tiers(batch, grads, lr, step)
         else:
-            fused_update(self.tier.flat.weights, batch.slots, grads, dim=self.dim,
+            slots = batch.slots if batch.pinned else self._still_stored(self.tier, batch.slots,
+                                                                         batch.keys)
+            fused_update(self.tier.flat.weights, slots, grads, dim=self.dim,
                          config=self.optimizer, lr=lr, step=step, backend=self.backend)
         self.release(batch)
 
+    def _still_stored(self, tier: _Tier, slots: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``slots`` where they still hold ``keys``, else -1 (counted as dropped updates).
+        No host sync: one gather and a compare."""
+        kept = (slots >= 0) & (tier.hash.keys_at(slots) == keys.to(tier.device))
+        self.counters.add("dropped_updates", ((slots >= 0) & ~kept).sum().to(self.device))
+        return torch.where(kept, slots, -1)
+
     def _update_tiers(self, batch: TableBatch, grads, lr, step) -> None:
-        """DEFAULT: update the forward buffer, then write its rows back to their tiers."""
-        on_host = (batch.host_slots >= 0).to(self.device)
-        stored = on_host | (batch.slots >= 0)
+        """DEFAULT: gather the rows as they are now (another lookup's backward may have
+        updated them since this forward), update them, write them back to their tiers."""
+        dev_slots, host_slots = batch.slots, batch.host_slots
+        if not batch.pinned:
+            dev_slots = self._still_stored(self.tier, dev_slots, batch.keys)
+            host_slots = self._still_stored(self.host_tier, host_slots, batch.keys)
+        on_host = (host_slots >= 0).to(self.device)
+        stored = on_host | (dev_slots >= 0)
         local = torch.where(stored, torch.arange(stored.numel(), device=self.device), -1)
-        buffer = batch.buffer.contiguous()
+        buffer = torch.where(on_host[:, None],
+                             self._gather(self.host_tier, host_slots).to(self.device),
+                             self._gather(self.tier, dev_slots)).contiguous()
         fused_update(buffer, local, grads, dim=self.dim, config=self.optimizer, lr=lr, step=step,
                      backend=self.backend)
-        on_dev = batch.slots >= 0
-        self.tier.flat.weights.index_copy_(0, batch.slots[on_dev], buffer[on_dev])
-        host_pick = batch.host_slots >= 0
-        self.host_tier.flat.weights.index_copy_(0, batch.host_slots[host_pick],
+        on_dev = dev_slots >= 0
+        self.tier.flat.weights.index_copy_(0, dev_slots[on_dev], buffer[on_dev])
+        host_pick = host_slots >= 0
+        self.host_tier.flat.weights.index_copy_(0, host_slots[host_pick],
                                                 buffer[on_host].cpu())
 
     def release(self, batch: TableBatch) -> None:

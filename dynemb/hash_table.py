@@ -120,6 +120,12 @@ class ScoredHashTable:
         check_index_tensor(slots, "slots", self.device)
         return torch.where(slots >= 0, self._scores[slots.clamp(min=0)], 0)
 
+    def keys_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """Keys stored at ``slots`` (``EMPTY_KEY`` for -1 entries and free slots); no host
+        sync, no checks beyond the dtype: for slot indices this table returned."""
+        keys = self._keys[slots.clamp(min=0)]
+        return torch.where(slots >= 0, keys, EMPTY_KEY)
+
     def pinned_count(self) -> int:
         """Number of slots with a reference count above zero."""
         return int((self._refcnt > 0).sum().item())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -99,3 +100,19 @@ class Initializer:
         backend_for_device(weights.device, backend).init_rows_at(
             weights, slots, keys, mask, int(dim), int(seed), int(table_id),
             _KIND_CODES[self.kind], float(p0), float(p1), float(self.low), float(self.high))
+
+
+def table_identity(name: str) -> int:
+    """The ``table_id`` a table's initial rows are drawn with: a stable 63-bit hash of its
+    name, so two tables of a model (in one module or several) start from different rows for
+    the same id, while a table keeps its rows whatever its position, rank or storage mode.
+
+    Example::
+
+        >>> table_identity("items") == table_identity("items") != table_identity("users")
+        True
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a table name must be a non-empty str, got {name!r}")
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)

@@ -29,6 +29,7 @@ class PrefetchState:
     ready: Optional[torch.cuda.Event] = None
     lengths: Dict[str, torch.Tensor] = field(default_factory=dict)
     values: Optional[torch.Tensor] = None  # the input ids, to match forward's input
+    all_lengths: Optional[torch.Tensor] = None  # the input lengths, likewise
 
     @property
     def table_names(self) -> List[str]:

@@ -162,12 +162,12 @@ def test_eval_forward_leaves_a_queued_training_batch_alone():
     assert stored(ec, [1, 2, 7]) == [True, True, False]
 
 
-def test_forward_without_grad_releases_pins():
+def test_forward_without_grad_releases_pins_and_inserts_nothing():
     ec = make()
     with torch.no_grad():
         ec(kjt([1, 2, 3]))
     assert ec.tables["t"].tier.hash.pinned_count() == 0
-    assert stored(ec, [1, 2, 3]) == [True] * 3
+    assert stored(ec, [1, 2, 3]) == [False] * 3
 
 
 def test_clear_prefetched_drops_pins():

@@ -182,4 +182,6 @@ def test_adam_matches_sparse_adam(mode):
     ids = torch.arange(NUM_IDS)
     for name, emb in ref.items():
         rows, found = dyn.read_rows(name, ids)
-        torch.testing.assert_close(rows[found], emb.weight.detach()[found], rtol=1e-4, atol=1e-5)
+        # Adam's step m / sqrt(v) is ill-conditioned where a gradient sums to about zero:
+        # float32 rounding in another order moves such an element by up to a few 1e-5
+        torch.testing.assert_close(rows[found], emb.weight.detach()[found], rtol=1e-4, atol=5e-5)
