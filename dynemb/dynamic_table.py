@@ -369,16 +369,18 @@ class DynamicTable:
             admitted = self._admit(batch, present)
             dev_keys = torch.where(admitted, dev_keys, EMPTY_KEY)
             host_keys = torch.where(admitted.cpu(), host_keys, EMPTY_KEY)
-        dev = self._claim(self.tier, dev_keys, batch.counts, batch)
-        self._initialize(self.tier, dev, dev_keys)
-        batch.slots = dev.slots
+        # The host tier first: a failure there leaves nothing to undo, while a failure on the
+        # device (which, on CUDA, records its failures instead of raising) undoes the host
+        # claim. Rows are initialized only once both claims stand.
+        host = self._claim(self.host_tier, host_keys, batch.counts, batch)
         try:
-            host = self._claim(self.host_tier, host_keys, batch.counts, batch)
+            dev = self._claim(self.tier, dev_keys, batch.counts, batch)
         except TableFullError:
-            self.tier.hash.release(dev.slots)  # device inserts stay, with initialized rows
+            self.host_tier.hash.undo(host)
             raise
+        self._initialize(self.tier, dev, dev_keys)
         self._initialize(self.host_tier, host, host_keys)
-        batch.host_slots, batch.pinned = host.slots, True
+        batch.slots, batch.host_slots, batch.pinned = dev.slots, host.slots, True
         self._held.append(batch)
         for result in (dev, host):
             self._count_claim(batch, result)

@@ -82,6 +82,7 @@ class ScoredHashTable:
         self.grow_at_load_factor = grow_at_load_factor
         self.max_capacity = max_capacity
         self._clock = 0
+        self._undoable: Optional[torch.Tensor] = None  # slots of the call undo() may revert
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -149,6 +150,7 @@ class ScoredHashTable:
             self._backend.find(self._keys, self.num_buckets, self.bucket_size, keys, out)
             return out
         ukeys, inverse, counts, given = self._dedup(keys, scores, assume_unique=False)
+        self._undoable = None
         self._clock += 1
         slots = torch.empty_like(ukeys)
         self._lookup_update(ukeys, counts, given, pin=False, slots=slots,
@@ -175,6 +177,7 @@ class ScoredHashTable:
 
         The caller must write back the rows of ``result.evicted`` slots (their old keys are in
         ``previous_keys``) before overwriting them, and apply ``result.remap`` if the table grew.
+        With ``pin``, :meth:`undo` can revert the call.
         """
         if assume_unique:
             check_index_tensor(keys, "keys", self.device)
@@ -190,6 +193,7 @@ class ScoredHashTable:
             check_same_length(keys, "keys", counts, "counts")
         ukeys, inverse, dedup_counts, given = self._dedup(keys, scores, assume_unique)
         counts = dedup_counts if counts is None else counts
+        self._undoable = None
         remap = self._grow_for(ukeys) if self.grow_at_load_factor is not None else None
         while True:
             attempt = self._find_or_insert_once(ukeys, counts, given)
@@ -215,9 +219,34 @@ class ScoredHashTable:
             remap = _compose(remap, self.grow(new_capacity))
         if not pin:
             self._backend.add_refcounts(self._refcnt, slots, -1)
+        self._undoable = slots if pin else None
         inserted = ~hit & (slots >= 0)
         return FindOrInsertResult(ukeys, inverse, slots, inserted, prev_keys, prev_scores, failed,
                                   remap)
+
+    def undo(self, result: FindOrInsertResult) -> None:
+        """Revert this table's latest ``find_or_insert(..., pin=True)`` from its ``result``.
+
+        Keys, scores, size, clock and the call's pins are as they were before it; evicted keys
+        are back in their slots (their rows are the caller's to keep intact). A growth during
+        the call stays: the table keeps its new capacity. For a caller that claimed keys and
+        then has to give the batch up (e.g. another table refused its share). Only the latest
+        pinned call, only once, and only before any other scoring call or growth.
+
+        Example::
+
+            >>> result = table.find_or_insert(torch.tensor([3, 4]), pin=True)
+            >>> table.undo(result)
+            >>> table.find(torch.tensor([3, 4])).tolist()
+            [-1, -1]
+        """
+        if not isinstance(result, FindOrInsertResult) or result.slots is not self._undoable:
+            raise ValueError("undo takes the result of this table's latest "
+                             "find_or_insert(pin=True), once, before any other scoring call or "
+                             "growth")
+        self._undoable = None
+        hit = (result.slots >= 0) & ~result.inserted
+        self._rollback(result.slots, hit, result.previous_keys, result.previous_scores)
 
     @staticmethod
     def _evicted_any(slots, hit, prev_keys) -> bool:
@@ -374,6 +403,7 @@ class ScoredHashTable:
             raise ValueError(f"new_capacity {new_capacity} cannot hold the {self.size()} keys "
                              f"({lost} found their bucket full); the table is unchanged")
         self._keys, self._scores, self._refcnt = keys, scores, refcnt
+        self._undoable = None
         return remap
 
     def _next_capacity(self, needed: int) -> Optional[int]:

@@ -217,3 +217,19 @@ def test_release_never_drops_a_reference_count_below_zero(make_table, to_dev):
     assert evicted_keys(table.find_or_insert(to_dev([5]))) == [2]
     table.release(slot)
     assert evicted_keys(table.find_or_insert(to_dev([6]))) == [1]
+
+
+def test_undo_reverts_the_latest_pinned_find_or_insert(make_table, to_dev):
+    table = make_table(4, policy=ScorePolicy.LFU)
+    table.find_or_insert(to_dev([1, 1, 2, 3, 3, 3]))          # counts 2, 1, 3; one slot free
+    before = snapshot(table)
+    result = table.find_or_insert(to_dev([1, 7, 8]), pin=True)  # hit, insert, evict 2
+    assert evicted_keys(result) == [2]
+    table.undo(result)
+    assert snapshot(table) == before
+    with pytest.raises(ValueError, match="latest"):
+        table.undo(result)                                     # only once
+    stale = table.find_or_insert(to_dev([9]), pin=True)
+    table.find_or_insert(to_dev([1]))
+    with pytest.raises(ValueError, match="latest"):
+        table.undo(stale)                                      # another call came after it

@@ -1,0 +1,64 @@
+"""DynamicTable behaviour across its tiers: a failed DEFAULT claim undoes both tiers."""
+import pytest
+import torch
+from torchrec import EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
+                    OptimizerConfig, OptimizerType, ScorePolicy, StorageMode, TableFullError)
+
+DIM = 4
+SGD = OptimizerConfig(OptimizerType.SGD, learning_rate=0.5)
+INIT = Initializer(InitializerKind.UNIFORM, low=-0.1, high=0.1)
+
+
+def make(num_embeddings, **options):
+    tables = [EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=num_embeddings,
+                              feature_names=["f"])]
+    return DynamicEmbCollection(tables, table_options=DynamicEmbTableOptions(
+        initializer=INIT, **options), optimizer=SGD)
+
+
+def train_step(ec, ids):
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    out = ec(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()])))
+    out["f"].values().sum().backward()
+
+
+# -- DEFAULT: a claim that fails in either tier leaves both unchanged --------------------------
+def _tier_state(hash_table):
+    ex = hash_table.export()
+    return (sorted(zip(ex.keys.tolist(), ex.slots.tolist(), ex.scores.tolist())),
+            hash_table.size(), hash_table.clock, hash_table.pinned_count())
+
+
+def _snapshot(ec, keys):
+    table = ec.tables["t"]
+    stats = {k: v for k, v in ec.stats()["t"].items() if k not in ("lookups", "unique_keys")}
+    rows, found = ec.read_rows("t", torch.tensor(keys), with_state=True)
+    return (stats, rows.tolist(), found.tolist(), _tier_state(table.tier.hash),
+            _tier_state(table.host_tier.hash))
+
+
+@pytest.mark.parametrize("full_tier", ["host", "device"])
+def test_default_no_eviction_failure_leaves_both_tiers_unchanged(full_tier):
+    # 4 device rows and 4 host rows, one bucket each: the fifth key of a tier finds no slot.
+    ec = make(8, caching=False, local_hbm_for_values=4 * DIM * 4, bucket_size=4,
+              score_strategy=ScorePolicy.NO_EVICTION)
+    table = ec.tables["t"]
+    assert table.mode is StorageMode.DEFAULT and table.host_tier.hash.capacity == 4
+    candidates = torch.arange(1, 200)
+    to_device = table._routes_to_device(candidates)
+    dev, host = candidates[to_device].tolist(), candidates[~to_device].tolist()
+    train_step(ec, [dev[0], host[0]])
+    if full_tier == "host":
+        batch = dev[1:3] + host[1:5]     # the device takes 2, the host tier 3 of its 4
+    else:
+        batch = dev[1:5] + host[1:3]     # the host tier takes 2, the device 3 of its 4
+    keys = dev[:5] + host[:5]
+    before = _snapshot(ec, keys)
+    with pytest.raises(TableFullError, match="Nothing was inserted"):
+        train_step(ec, batch)
+    assert _snapshot(ec, keys) == before
+    train_step(ec, [dev[1], host[1]])   # the table keeps working
+    assert ec.stats()["t"]["rows_device"] == 2 and ec.stats()["t"]["rows_backing"] == 2
