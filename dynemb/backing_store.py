@@ -43,9 +43,12 @@ class BackingStore(Protocol):
 class HostBackingStore:
     """A :class:`BackingStore` in host memory: a CPU ``ScoredHashTable`` plus a ``FlatTable``.
 
-    It grows by doubling from ``initial_capacity`` up to ``max_capacity``; past that the score
-    policy evicts (and ``insert`` reports how many). Rows come back on the caller's device;
-    on CUDA they travel through pinned buffers.
+    It grows by doubling from ``initial_capacity`` up to ``max_capacity`` slots (before its
+    load passes 0.75, or when a bucket is full); past that the score policy evicts (and
+    ``insert`` reports how many). Give it room: keys spread unevenly over 128-slot buckets, so
+    at ``max_capacity`` a bucket may overflow well before every slot is used (see
+    :func:`default_store_slots`). Rows come back on the caller's device; on CUDA they travel
+    through pinned buffers.
 
     Example::
 
@@ -100,6 +103,53 @@ class HostBackingStore:
     def capacity(self) -> int:
         return self._table.capacity
 
+    @property
+    def max_capacity(self) -> Optional[int]:
+        """Most slots it grows to (None: unbounded)."""
+        return self._table.max_capacity
+
     def __repr__(self) -> str:
         return (f"HostBackingStore(width={self.width}, size={self.size()}, "
                 f"capacity={self.capacity})")
+
+
+#: Slots the default store starts with, in buckets of this size.
+DEFAULT_STORE_INITIAL_SLOTS = 1 << 12
+DEFAULT_STORE_BUCKET_SIZE = 128
+#: Slots per table row the default store may grow to. A store with one slot per row forgets
+#: rows before it holds them all: with 128-slot buckets the fullest bucket overflows at about
+#: 96% load. With two it grows before passing 75% load and never needs to evict below
+#: ``max_capacity`` rows.
+DEFAULT_STORE_HEADROOM = 2
+
+
+def default_store_slots(max_rows: int) -> int:
+    """Most slots the default store of a CACHE table of ``max_rows`` rows grows to: twice the
+    rows in whole buckets, at least the initial slots. Each slot costs a row of the store
+    (embedding and optimizer state) plus 20 bytes of hash metadata.
+
+    Example::
+
+        >>> default_store_slots(20_096)
+        40192
+    """
+    slots = DEFAULT_STORE_HEADROOM * max_rows
+    return max(DEFAULT_STORE_INITIAL_SLOTS,
+               slots // DEFAULT_STORE_BUCKET_SIZE * DEFAULT_STORE_BUCKET_SIZE)
+
+
+def default_store(max_rows: int):
+    """The store factory of a CACHE table of ``max_rows`` rows whose options name none: a
+    :class:`HostBackingStore` growing from 4096 slots to :func:`default_store_slots`.
+
+    Example::
+
+        >>> store = default_store(20_096)(4, torch.float32, torch.device("cpu"))
+        >>> store.capacity, store.max_capacity
+        (4096, 40192)
+    """
+    def build(width: int, dtype: torch.dtype, device: torch.device) -> HostBackingStore:
+        return HostBackingStore(width, dtype, device,
+                                initial_capacity=DEFAULT_STORE_INITIAL_SLOTS,
+                                max_capacity=default_store_slots(max_rows))
+    return build

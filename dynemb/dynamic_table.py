@@ -20,7 +20,7 @@ import torch
 
 from dynemb.admission import AdmissionCounter
 from dynemb.backends import backend_for_device
-from dynemb.backing_store import BackingStore, HostBackingStore
+from dynemb.backing_store import BackingStore, default_store
 from dynemb.counters import TableCounters
 from dynemb.dedup import unique_keys
 from dynemb.flat_table import FlatTable
@@ -149,7 +149,7 @@ class DynamicTable:
             self.host_tier = _Tier(layout, host_rows, self.state_dim, dim, options,
                                    torch.device("cpu"), None, False)
         elif layout.mode is StorageMode.CACHE:
-            factory = options.backing_store or _default_store(layout)
+            factory = options.backing_store or default_store(layout.max_capacity)
             self.store = factory(self.width, layout.dtype, self.device)
             if not isinstance(self.store, BackingStore) or self.store.width != self.width:
                 raise TypeError(f"table {name!r}: backing_store must build a BackingStore of "
@@ -503,10 +503,3 @@ class DynamicTable:
         return (f"DynamicTable({self.name!r}, dim={self.dim}, mode={self.mode.name}, "
                 f"device_capacity={self.tier.hash.capacity}, optimizer={self.optimizer.type.name})")
 
-
-def _default_store(layout: TableLayout):
-    def build(width: int, dtype: torch.dtype, device: torch.device) -> HostBackingStore:
-        initial = 1 << 12
-        return HostBackingStore(width, dtype, device, initial_capacity=initial,
-                                max_capacity=max(layout.max_capacity, initial))
-    return build

@@ -44,6 +44,7 @@ from torchrec.distributed.planner.types import (ParameterConstraints, SharderDat
 from torchrec.distributed.types import CacheParams, PipelineType, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingConfig, data_type_to_dtype
 
+from dynemb.backing_store import default_store_slots
 from dynemb.collection import DynamicEmbCollection
 from dynemb.counters import COUNTER_NAMES
 from dynemb.dynamic_table import DynamicTable
@@ -74,10 +75,6 @@ HASH_TABLE_FIXED_BYTES = 8
 # the device, plus that count's host mirror.
 TABLE_FIXED_DEVICE_BYTES = 8 * len(COUNTER_NAMES) + 8
 TABLE_FIXED_HOST_BYTES = 8
-# The default CACHE store (HostBackingStore) starts with 4096 rows in 128-slot buckets and
-# doubles up to the table's max_capacity (rounded down to whole buckets).
-STORE_INITIAL_ROWS = 1 << 12
-STORE_BUCKET = 128
 ADMISSION_BUCKET = 128
 # Embeddings leave a dynamic table as float32, whatever the stored dtype.
 OUTPUT_BYTES_PER_VALUE = 4
@@ -226,8 +223,8 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
         host_rows = -(-host_rows // bucket) * bucket
         host_hash = _hash_bytes(host_rows)
     elif layout.mode is StorageMode.CACHE:
-        if options.backing_store is None:
-            host_rows = max(STORE_INITIAL_ROWS, layout.max_capacity // STORE_BUCKET * STORE_BUCKET)
+        if options.backing_store is None:  # the default store, at the most slots it grows to
+            host_rows = default_store_slots(layout.max_capacity)
             host_hash = _hash_bytes(host_rows)
         else:  # a user store: count the rows it must hold, not its own structures
             host_rows, host_exact = layout.max_capacity, False

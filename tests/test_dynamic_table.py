@@ -62,3 +62,17 @@ def test_default_no_eviction_failure_leaves_both_tiers_unchanged(full_tier):
     assert _snapshot(ec, keys) == before
     train_step(ec, [dev[1], host[1]])   # the table keeps working
     assert ec.stats()["t"]["rows_device"] == 2 and ec.stats()["t"]["rows_backing"] == 2
+
+
+# -- CACHE: the default store holds every row the table may have ---------------------------------
+def test_cache_filled_to_max_capacity_loses_no_row():
+    ec = make(20_000, caching=True, local_hbm_for_values=1024 * DIM * 4)
+    table = ec.tables["t"]
+    assert table.mode is StorageMode.CACHE and table.layout.max_capacity == 20_096
+    keys = torch.arange(table.layout.max_capacity) * 2654435761 + 12345
+    for chunk in keys.split(256):
+        train_step(ec, chunk)
+    stats = ec.stats()["t"]
+    assert stats["store_evictions"] == 0
+    assert stats["rows_device"] + stats["rows_backing"] == keys.numel()
+    assert bool(ec.read_rows("t", keys)[1].all())

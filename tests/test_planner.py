@@ -53,11 +53,13 @@ def _rank_collection(config, options, optimizer, world):
 
 
 def _fill_store(table):
-    """Write back rows until the CACHE store has grown to its largest size."""
-    n = table.layout.max_capacity
-    for start in range(0, n, 4096):
-        keys = torch.arange(start, min(n, start + 4096)) * 7 + 1
+    """Write back rows until the CACHE store has grown to its largest size (it keeps room
+    for twice the table's rows)."""
+    start = 0
+    while table.store.capacity < table.store.max_capacity:
+        keys = torch.arange(start, start + 4096) * 7 + 1
         table.store.insert(keys, torch.zeros(keys.numel(), table.width))
+        start += 4096
 
 
 def _close(estimate, actual, rel=0.05):
@@ -334,9 +336,9 @@ def test_hand_computed_cache_fp16_sgd_prefetch_pipeline():
     assert fp.values_bytes == 512 * 4 * 2 and fp.optimizer_bytes == 0
     assert fp.hash_bytes == 512 * 20 + 8
     assert fp.admission_bytes == 512 * 20 + 8             # 1000 / 2 ranks -> 4 buckets of 128
-    # the store holds the rank's 5000 rows, rounded to 40 buckets of 128 = 5120
-    assert fp.host_rows == 5120
-    assert fp.host_bytes == 5120 * 4 * 2 + 5120 * 20 + 8 + 8
+    # the store has room for twice the rank's 5000 rows (rounded to 40 buckets of 128 = 5120)
+    assert fp.host_rows == 10_240
+    assert fp.host_bytes == 10_240 * 4 * 2 + 10_240 * 20 + 8 + 8
     ids = 100 * 2 + 100 * 1                               # per rank and batch
     assert fp.input_bytes == ids * 8 and fp.prefetch_bytes == ids * 8
     assert fp.output_bytes == ids * 4 * 4                 # float32 out, not fp16
