@@ -1,8 +1,10 @@
 """Backing stores: where a CACHE-mode table keeps every row the device cache does not hold.
 
-A store maps int64 keys to rows of ``width`` values (embedding then optimizer state). Any
-object with the four methods of :class:`BackingStore` works (a parameter server client, an
-SSD table...); :class:`HostBackingStore` keeps the rows in host memory.
+A store maps int64 keys to rows of ``width`` values (embedding then optimizer state) and
+keeps each row's score, so that a row coming back to the device cache resumes its score (an
+LFU count, a STEP insertion step) instead of starting over. Any object with the four methods
+of :class:`BackingStore` works (a parameter server client, an SSD table...);
+:class:`HostBackingStore` keeps the rows in host memory.
 """
 from __future__ import annotations
 
@@ -13,16 +15,20 @@ import torch
 from dynemb.flat_table import FlatTable
 from dynemb.hash_table import ScoredHashTable
 from dynemb.types import ScorePolicy
+from dynemb.validation import check_index_tensor
 
 
 @runtime_checkable
 class BackingStore(Protocol):
     """What a CACHE-mode table needs from its store. Keys are 1-D int64 and unique per call.
 
-    - ``find(keys) -> (rows [N, width], found [N] bool)``: rows of stored keys (rows of
-      missing keys are unspecified).
-    - ``insert(keys, rows) -> int``: insert or overwrite; returns how many other keys the
-      store evicted to make room (0 for a store that never forgets).
+    - ``find(keys) -> (rows [N, width], found [N] bool, scores [N] int64)``: rows and scores
+      of stored keys (those of missing keys are unspecified).
+    - ``insert(keys, rows, scores) -> int``: insert or overwrite rows with their scores
+      (int64, the device table's score of each row when it was evicted: larger is more worth
+      keeping, see :class:`~dynemb.ScorePolicy`); returns how many other keys the store
+      evicted to make room (0 for a store that never forgets). A store that must forget
+      should forget the lowest scores first.
     - ``export(start, batch) -> (keys, rows, next_start)``: iterate over everything stored;
       start at 0 and stop when ``next_start`` is ``None``.
     - ``size() -> int``: keys stored.
@@ -30,9 +36,9 @@ class BackingStore(Protocol):
 
     width: int
 
-    def find(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]: ...
+    def find(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
-    def insert(self, keys: torch.Tensor, rows: torch.Tensor) -> int: ...
+    def insert(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> int: ...
 
     def export(self, start: int, batch: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[int]]:
         ...
@@ -44,8 +50,8 @@ class HostBackingStore:
     """A :class:`BackingStore` in host memory: a CPU ``ScoredHashTable`` plus a ``FlatTable``.
 
     It grows by doubling from ``initial_capacity`` up to ``max_capacity`` slots (before its
-    load passes 0.75, or when a bucket is full); past that the score policy evicts (and
-    ``insert`` reports how many). Give it room: keys spread unevenly over 128-slot buckets, so
+    load passes 0.75, or when a bucket is full); past that it evicts the lowest of the scores
+    its rows were inserted with (and ``insert`` reports how many). Give it room: keys spread unevenly over 128-slot buckets, so
     at ``max_capacity`` a bucket may overflow well before every slot is used (see
     :func:`default_store_slots`). Rows come back on the caller's device; on CUDA they travel
     through pinned buffers.
@@ -53,37 +59,44 @@ class HostBackingStore:
     Example::
 
         >>> store = HostBackingStore(width=4, dtype=torch.float32, device=torch.device("cpu"))
-        >>> store.insert(torch.tensor([7, 9]), torch.ones(2, 4))
+        >>> store.insert(torch.tensor([7, 9]), torch.ones(2, 4), scores=torch.tensor([3, 5]))
         0
-        >>> rows, found = store.find(torch.tensor([9, 8]))
-        >>> found.tolist()
-        [True, False]
+        >>> rows, found, scores = store.find(torch.tensor([9, 8]))
+        >>> found.tolist(), scores[0].item()
+        ([True, False], 5)
     """
 
     def __init__(self, width: int, dtype: torch.dtype, device: torch.device, *,
-                 initial_capacity: int = 1 << 12, max_capacity: Optional[int] = None,
-                 policy: ScorePolicy = ScorePolicy.LRU):
+                 initial_capacity: int = 1 << 12, max_capacity: Optional[int] = None):
         bucket = min(128, initial_capacity)
         self.width = width
         self.device = torch.device(device)
-        self._table = ScoredHashTable(initial_capacity, bucket_size=bucket, policy=policy,
-                                      grow_at_load_factor=0.75, max_capacity=max_capacity)
+        # CUSTOMIZED: the store ranks rows by the scores the device table gave them.
+        self._table = ScoredHashTable(initial_capacity, bucket_size=bucket,
+                                      policy=ScorePolicy.CUSTOMIZED, grow_at_load_factor=0.75,
+                                      max_capacity=max_capacity)
         self._rows = FlatTable(initial_capacity, width, dtype=dtype)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu")
 
-    def find(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def find(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         slots = self._table.find(self._to_host(keys))
         found = slots >= 0
         rows = self._rows.weights.index_select(0, slots.clamp(min=0))
-        return rows.to(self.device), found.to(self.device)
+        scores = self._table.scores_at(slots)
+        return rows.to(self.device), found.to(self.device), scores.to(self.device)
 
-    def insert(self, keys: torch.Tensor, rows: torch.Tensor) -> int:
+    def insert(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> int:
         if rows.shape != (keys.numel(), self.width):
             raise ValueError(f"rows must have shape [{keys.numel()}, {self.width}], got "
                              f"{tuple(rows.shape)}")
-        result = self._table.find_or_insert(self._to_host(keys), assume_unique=True)
+        check_index_tensor(scores, "scores", scores.device)
+        if scores.shape != keys.shape:
+            raise ValueError(f"scores must have shape {tuple(keys.shape)}, got "
+                             f"{tuple(scores.shape)}")
+        result = self._table.find_or_insert(self._to_host(keys), self._to_host(scores),
+                                            assume_unique=True)
         if result.remap is not None:
             self._rows.remap(result.remap, self._table.capacity)
         self._rows.weights.index_copy_(0, result.slots, self._to_host(rows).to(

@@ -271,21 +271,24 @@ class DynamicTable:
         self.counters.add_many(hits=hits, misses=unique - hits, inserts=new, evictions=evicted)
 
     def _write_back_and_load(self, keys, slots, inserted, result) -> None:
-        """CACHE: save the evicted rows to the store, then fill the new slots from it (or from
-        the initializer for keys it has never seen)."""
+        """CACHE: save the evicted rows to the store with their scores, then fill the new slots
+        from it, scores included (or from the initializer for keys it has never seen)."""
         evicted = result.evicted
         if bool(evicted.any()):
             ev_slots = slots[evicted]
             rows = self.tier.flat.weights.index_select(0, ev_slots)
-            dropped = self.store.insert(result.previous_keys[evicted], rows)
+            dropped = self.store.insert(result.previous_keys[evicted], rows,
+                                        result.previous_scores[evicted])
             self.counters.add("write_backs", ev_slots.numel())
             self.counters.add("store_evictions", dropped)
         if not bool(inserted.any()):
             return
         new_keys, new_slots = keys[inserted], slots[inserted]
-        rows, found = self.store.find(new_keys)
+        rows, found, scores = self.store.find(new_keys)
         if bool(found.any()):
-            self.tier.flat.weights.index_copy_(0, new_slots[found], rows[found])
+            loaded = new_slots[found]
+            self.tier.flat.weights.index_copy_(0, loaded, rows[found])
+            self.tier.hash.restore_scores(loaded, scores[found])
             self.counters.add("loads", found.sum())
         self.tier.flat.initialize_where(new_slots, new_keys, ~found, self.options.initializer,
                                         seed=self.options.seed, table_id=self.table_id)
@@ -302,7 +305,7 @@ class DynamicTable:
         self.counters.add("misses", batch.num_unique.sum() - found.sum())
         batch.fallback = self._eval_rows(batch.keys)
         if self.store is not None:
-            rows, stored = self.store.find(batch.keys)
+            rows, stored, _ = self.store.find(batch.keys)
             batch.fallback = torch.where(stored[:, None], rows[:, :self.dim].float(),
                                          batch.fallback)
 
@@ -469,7 +472,7 @@ class DynamicTable:
         rows = torch.zeros(keys.numel(), width, dtype=self.layout.dtype, device=self.device)
         found = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
         if self.store is not None:
-            stored_rows, stored = self.store.find(keys)
+            stored_rows, stored, _ = self.store.find(keys)
             rows[stored] = stored_rows[stored][:, :width]
             found |= stored
         for tier in (self.host_tier, self.tier):  # the device tier is authoritative: last

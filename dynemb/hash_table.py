@@ -248,6 +248,35 @@ class ScoredHashTable:
         hit = (result.slots >= 0) & ~result.inserted
         self._rollback(result.slots, hit, result.previous_keys, result.previous_scores)
 
+    def restore_scores(self, slots: torch.Tensor, scores: torch.Tensor) -> None:
+        """Give keys that came back to the table the scores they had when they left it.
+
+        ``slots`` [N] (distinct, live) hold keys just re-inserted, ``scores`` [N] (int64) what
+        those keys scored when they were evicted (``previous_scores``, e.g. kept by a backing
+        store). By policy: LFU adds them to the new counts, STEP takes back the original
+        insertion steps, LRU and CUSTOMIZED keep the new scores (the latest use, the caller's
+        score), NO_EVICTION has none.
+
+        Example::
+
+            >>> table = ScoredHashTable(16, policy=ScorePolicy.LFU)
+            >>> slots = table.find_or_insert(torch.tensor([7])).slots     # count 1
+            >>> table.restore_scores(slots, torch.tensor([5]))            # it had 5 before
+            >>> table.scores_at(slots).tolist()
+            [6]
+        """
+        self._check_live_slots(slots, "slots")
+        check_index_tensor(scores, "scores", self.device)
+        if scores.shape != slots.shape:
+            raise ValueError(f"scores has shape {tuple(scores.shape)} but slots has "
+                             f"{tuple(slots.shape)}")
+        if torch.unique(slots).numel() != slots.numel():
+            raise ValueError("slots must be distinct (one score per key)")
+        if self.policy is ScorePolicy.LFU:
+            self._scores.index_add_(0, slots, scores)
+        elif self.policy is ScorePolicy.STEP:
+            self._scores.index_copy_(0, slots, scores)
+
     @staticmethod
     def _evicted_any(slots, hit, prev_keys) -> bool:
         inserted = ~hit & (slots >= 0)

@@ -237,9 +237,9 @@ class RecordingStore(HostBackingStore):
         super().__init__(width, dtype, device, initial_capacity=128)
         self.inserted = []
 
-    def insert(self, keys, rows):
+    def insert(self, keys, rows, scores):
         self.inserted.extend(keys.tolist())
-        return super().insert(keys, rows)
+        return super().insert(keys, rows, scores)
 
 
 def test_cache_writes_back_to_a_custom_store_and_reloads():
@@ -266,9 +266,9 @@ def test_host_backing_store_round_trip_and_growth():
     store = HostBackingStore(3, torch.float32, torch.device("cpu"), initial_capacity=128)
     keys = torch.arange(1000) * 7919
     rows = torch.randn(1000, 3)
-    assert store.insert(keys, rows) == 0
+    assert store.insert(keys, rows, torch.zeros(1000, dtype=torch.int64)) == 0
     assert store.size() == 1000 and store.capacity >= 1024
-    got, found = store.find(torch.cat([keys[:5], torch.tensor([-5])]))
+    got, found, _ = store.find(torch.cat([keys[:5], torch.tensor([-5])]))
     assert found.tolist() == [True] * 5 + [False]
     torch.testing.assert_close(got[:5], rows[:5])
     exported, start = {}, 0

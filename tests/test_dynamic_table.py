@@ -1,4 +1,5 @@
-"""DynamicTable behaviour across its tiers: a failed DEFAULT claim undoes both tiers."""
+"""DynamicTable behaviour across its tiers: a failed DEFAULT claim undoes both tiers; the
+CACHE store holds every row the table may have, and rows keep their scores through it."""
 import pytest
 import torch
 from torchrec import EmbeddingConfig
@@ -76,3 +77,44 @@ def test_cache_filled_to_max_capacity_loses_no_row():
     assert stats["store_evictions"] == 0
     assert stats["rows_device"] + stats["rows_backing"] == keys.numel()
     assert bool(ec.read_rows("t", keys)[1].all())
+
+
+# -- CACHE: a row's score travels with it through the store --------------------------------------
+def _one_bucket_cache(policy):
+    ec = make(1024, caching=True, local_hbm_for_values=4 * DIM * 4, bucket_size=4,
+              score_strategy=policy)
+    assert ec.tables["t"].tier.hash.capacity == 4
+    return ec
+
+
+def _device_scores(ec):
+    exported = ec.tables["t"].tier.hash.export()
+    return dict(zip(exported.keys.tolist(), exported.scores.tolist()))
+
+
+def _store_scores(ec, ids):
+    _, found, scores = ec.tables["t"].store.find(torch.tensor(ids))
+    return {k: s for k, f, s in zip(ids, found.tolist(), scores.tolist()) if f}
+
+
+def test_lfu_count_survives_the_store():
+    ec = _one_bucket_cache(ScorePolicy.LFU)
+    for key, count in ((1, 6), (2, 7), (3, 8), (4, 9), (5, 10)):
+        train_step(ec, [key] * count)    # the fifth evicts key 1 with its count of 6
+    assert _device_scores(ec) == {2: 7, 3: 8, 4: 9, 5: 10} and _store_scores(ec, [1]) == {1: 6}
+    train_step(ec, [1, 9, 9, 9])         # 1 comes back (6 + 1), 9 is new (3): 2 and 3 leave
+    assert _device_scores(ec) == {1: 7, 9: 3, 4: 9, 5: 10}
+    assert _store_scores(ec, [2, 3]) == {2: 7, 3: 8}
+    train_step(ec, [10])                 # the true counts pick 9, not the reloaded key
+    assert _device_scores(ec) == {1: 7, 10: 1, 4: 9, 5: 10}
+    assert ec.stats()["t"]["loads"] == 1
+
+
+def test_step_insertion_age_survives_the_store():
+    ec = _one_bucket_cache(ScorePolicy.STEP)
+    for key in (1, 2, 3, 4, 5):          # steps 1..5: the fifth evicts key 1
+        train_step(ec, [key])
+    train_step(ec, [1])                  # step 6: 1 comes back, inserted at step 1; 2 leaves
+    assert _device_scores(ec) == {1: 1, 3: 3, 4: 4, 5: 5}
+    train_step(ec, [6])                  # step 7: the oldest is 1 again
+    assert _device_scores(ec) == {6: 7, 3: 3, 4: 4, 5: 5}

@@ -233,3 +233,32 @@ def test_undo_reverts_the_latest_pinned_find_or_insert(make_table, to_dev):
     table.find_or_insert(to_dev([1]))
     with pytest.raises(ValueError, match="latest"):
         table.undo(stale)                                      # another call came after it
+
+
+@pytest.mark.parametrize("policy, expected", [
+    (ScorePolicy.LFU, {7: 2 + 5, 8: 1 + 0}),   # counts add up
+    (ScorePolicy.STEP, {7: 5, 8: 0}),          # the original insertion step comes back
+    (ScorePolicy.LRU, {7: 1, 8: 1}),           # the latest use stays
+    (ScorePolicy.NO_EVICTION, {7: 0, 8: 0}),
+])
+def test_restore_scores_merges_by_policy(make_table, to_dev, policy, expected):
+    table = make_table(8, policy=policy)
+    result = table.find_or_insert(to_dev([7, 7, 8]))
+    table.restore_scores(result.slots, to_dev([5 if k == 7 else 0 for k in result.keys.tolist()]))
+    scores = dict(zip(table.export().keys.tolist(), table.export().scores.tolist()))
+    assert scores == expected
+
+
+def test_restore_scores_validates(make_table, to_dev):
+    table = make_table(8, policy=ScorePolicy.LFU)
+    slots = table.find_or_insert(to_dev([7, 8])).slots
+    before = snapshot(table)
+    free = next(s for s in range(8) if s not in slots.tolist())
+    for bad_slots, bad_scores, match in [
+        (slots[:1].repeat(2), to_dev([1, 1]), "distinct"),
+        (to_dev([free]), to_dev([1]), "holds no key"),
+        (slots, to_dev([1]), "shape"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            table.restore_scores(bad_slots, bad_scores)
+    assert snapshot(table) == before

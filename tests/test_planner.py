@@ -58,7 +58,8 @@ def _fill_store(table):
     start = 0
     while table.store.capacity < table.store.max_capacity:
         keys = torch.arange(start, start + 4096) * 7 + 1
-        table.store.insert(keys, torch.zeros(keys.numel(), table.width))
+        table.store.insert(keys, torch.zeros(keys.numel(), table.width),
+                           torch.zeros(keys.numel(), dtype=torch.int64))
         start += 4096
 
 
