@@ -14,7 +14,7 @@ import numba
 import numpy as np
 import torch
 
-from dynemb.kernels import init_cpu, optim_cpu, table_cpu
+from dynemb.kernels import init_cpu, optim_cpu, round_cpu, table_cpu
 from dynemb.kernels.constants import EMPTY_KEY, cuda_simulator_enabled
 
 _THREADS_PER_BLOCK = 256
@@ -106,6 +106,12 @@ class CpuBackend:
         optim_cpu.fused_update_cpu(self._np(weights), self._np(slots), self._np(grads), kind, dim,
                                    *_f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
 
+    def round_rows(self, src, out, keys, seed, table_id, step, fmt, stochastic):
+        """float32 ``src`` [N, D] rounded into float16 / bfloat16 ``out`` [N, D]; see
+        ``round_cpu.round_rows_cpu``."""
+        round_cpu.round_rows_cpu(*_bit_views(src, out, self._np), self._np(keys), seed,
+                                 table_id, step, fmt, stochastic)
+
 
 class CudaBackend:
     """numba-cuda kernels on CUDA tensors, launched on torch's current stream.
@@ -118,12 +124,13 @@ class CudaBackend:
     def __init__(self):
         from numba import cuda
 
-        from dynemb.kernels import init_cuda, optim_cuda, table_cuda
+        from dynemb.kernels import init_cuda, optim_cuda, round_cuda, table_cuda
 
         self._cuda = cuda
         self._table = table_cuda
         self._init = init_cuda
         self._optim = optim_cuda
+        self._round = round_cuda
         self._simulated = cuda_simulator_enabled()
 
     def check_device(self, device: torch.device) -> None:
@@ -225,6 +232,18 @@ class CudaBackend:
         self._launch(self._optim.fused_update_kernel, slots.numel() * self._optim.WARP,
                      a(weights), a(slots), a(grads), kind, dim,
                      *_f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
+
+    def round_rows(self, src, out, keys, seed, table_id, step, fmt, stochastic):
+        """float32 ``src`` [N, D] rounded into float16 / bfloat16 ``out`` [N, D]; one thread
+        per element."""
+        self._launch(self._round.round_rows_kernel, src.numel(), *_bit_views(src, out, self._arr),
+                     self._arr(keys), seed, table_id, step, fmt, stochastic)
+
+
+def _bit_views(src, out, convert):
+    """float32 ``src`` as int32 and 16-bit ``out`` as int16 arrays (bfloat16 has no numpy
+    dtype; the kernels round on bit patterns)."""
+    return convert(src.view(torch.int32)), convert(out.view(torch.int16))
 
 
 def _f32(*values):

@@ -82,7 +82,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             state_dim = self._optimizer_config.state_dim(config.embedding_dim)
             layout = choose_storage_mode(
                 options[config.name], name=config.name, num_embeddings=config.num_embeddings,
-                width=config.embedding_dim + state_dim,
+                width=config.embedding_dim + state_dim, state_dim=state_dim,
                 config_dtype=data_type_to_dtype(config.data_type), world_size=world_size)
             if self._device.type == "meta":
                 continue

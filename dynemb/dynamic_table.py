@@ -23,7 +23,7 @@ from dynemb.backends import backend_for_device
 from dynemb.backing_store import BackingStore, default_store
 from dynemb.counters import TableCounters
 from dynemb.dedup import unique_keys
-from dynemb.flat_table import FlatTable
+from dynemb.flat_table import FlatTable, RowLayout
 from dynemb.hash_table import ScoredHashTable
 from dynemb.kernels.table_cpu import claim_summary_cpu
 from dynemb.optimizers import OptimizerConfig, fused_update
@@ -135,7 +135,8 @@ class DynamicTable:
         self.device = torch.device(device)
         self.backend = backend
         self.state_dim = optimizer.state_dim(dim)
-        self.width = dim + self.state_dim
+        self.row_layout = RowLayout(dim, self.state_dim, layout.dtype)
+        self.width = self.row_layout.width  # physical columns of a row, as stores hold them
         self.mode = layout.mode
         self._cpu_kernels = backend_for_device(self.device, backend).name == "cpu"
         grow = layout.mode is StorageMode.HBM_DIRECT and layout.init_capacity < layout.max_capacity
@@ -420,8 +421,7 @@ class DynamicTable:
         else:
             slots = batch.slots if batch.pinned else self._still_stored(self.tier, batch.slots,
                                                                          batch.keys)
-            fused_update(self.tier.flat.weights, slots, grads, dim=self.dim,
-                         config=self.optimizer, lr=lr, step=step, backend=self.backend)
+            self._fused_update(self.tier.flat.weights, slots, grads, batch.keys, lr, step)
         self.release(batch)
 
     def _still_stored(self, tier: _Tier, slots: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -444,13 +444,20 @@ class DynamicTable:
         buffer = torch.where(on_host[:, None],
                              self._gather(self.host_tier, host_slots).to(self.device),
                              self._gather(self.tier, dev_slots)).contiguous()
-        fused_update(buffer, local, grads, dim=self.dim, config=self.optimizer, lr=lr, step=step,
-                     backend=self.backend)
+        self._fused_update(buffer, local, grads, batch.keys, lr, step)
         on_dev = dev_slots >= 0
         self.tier.flat.weights.index_copy_(0, dev_slots[on_dev], buffer[on_dev])
         host_pick = host_slots >= 0
         self.host_tier.flat.weights.index_copy_(0, host_slots[host_pick],
                                                 buffer[on_host].cpu())
+
+    def _fused_update(self, weights, slots, grads, keys, lr, step) -> None:
+        """The optimizer step of ``weights[slots[i]]``, the row of ``keys[i]`` (float16 /
+        bfloat16 rows round with noise drawn from the key, so every storage mode agrees)."""
+        fused_update(weights, slots, grads, dim=self.dim, config=self.optimizer, lr=lr,
+                     step=step, backend=self.backend, keys=keys, seed=self.options.seed,
+                     table_id=self.table_id,
+                     stochastic_rounding=self.options.stochastic_rounding)
 
     def release(self, batch: TableBatch) -> None:
         """Drop the batch's pins (once)."""
@@ -466,7 +473,10 @@ class DynamicTable:
     # -- direct reads ------------------------------------------------------------------------
     def read_rows(self, keys: torch.Tensor, *, with_state: bool = False):
         """Current rows of ``keys`` wherever they live (device, host tier or store), without
-        touching scores, pins or counters. Returns ``(rows [N, dim or width], found [N])``."""
+        touching scores, pins or counters. Returns ``(rows, found [N])``: rows [N, dim] in the
+        table dtype, or ``with_state`` the logical rows ``[N, dim + state_dim]`` (float32 for
+        float16 / bfloat16 tables: the embedding upcast, then the float32 optimizer state;
+        see :meth:`~dynemb.flat_table.RowLayout.to_logical`)."""
         check_keys(keys, self.device)
         width = self.width if with_state else self.dim
         rows = torch.zeros(keys.numel(), width, dtype=self.layout.dtype, device=self.device)
@@ -482,7 +492,7 @@ class DynamicTable:
             hit = slots >= 0
             rows[hit] = tier.flat.weights[slots[hit].to(tier.device)][:, :width].to(self.device)
             found |= hit
-        return rows, found
+        return (self.row_layout.to_logical(rows) if with_state else rows), found
 
     # -- observability -----------------------------------------------------------------------
     def stats(self) -> Dict[str, object]:

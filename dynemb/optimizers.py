@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from dynemb.backends import backend_for_device
-from dynemb.kernels import optim_common
+from dynemb.flat_table import RowLayout
+from dynemb.kernels import optim_common, round_common
 
 if TYPE_CHECKING:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -209,16 +210,19 @@ _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def fused_update(weights: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor, *, dim: int,
-                 config: OptimizerConfig, lr: float, step: int, backend=None) -> None:
+                 config: OptimizerConfig, lr: float, step: int, backend=None,
+                 keys: Optional[torch.Tensor] = None, seed: int = 0, table_id: int = 0,
+                 stochastic_rounding: bool = True) -> None:
     """Apply one optimizer step to the rows at ``slots``, in place.
 
-    For each ``i`` with ``slots[i] >= 0``, row ``weights[slots[i]]`` (columns ``[0, dim)`` the
-    embedding, ``[dim, dim + config.state_dim(dim))`` the optimizer state) takes the gradient
-    ``grads[i]``; the row and its state are read and written in one kernel pass.
+    For each ``i`` with ``slots[i] >= 0``, row ``weights[slots[i]]`` (laid out as
+    :class:`~dynemb.flat_table.RowLayout` says: the embedding, then the optimizer state)
+    takes the gradient ``grads[i]``.
 
     Args:
-        weights: [C, W] float32, float16 or bfloat16, ``W >= dim + state_dim``. Math is in
-            float32; results are stored in the weights' dtype (state included).
+        weights: [C, W] float32, float16 or bfloat16, ``W >= RowLayout(dim, state_dim,
+            dtype).width``. Math is in float32 and the optimizer state is float32 whatever
+            the dtype; the embedding is stored in the weights' dtype.
         slots: [U] int64 rows to update, unique; entries < 0 are skipped.
         grads: [U, dim] the summed gradient of each row (float32; other float dtypes are
             converted), already clipped if clipping is on (see :func:`clip_gradients`).
@@ -228,10 +232,16 @@ def fused_update(weights: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor
         step: 1-based global step (Adam's bias correction ``1 - beta^step``).
         backend: None picks it from ``weights.device``; "cpu" or "cuda" (under the CUDA
             simulator the "cuda" backend runs on CPU tensors).
+        keys: [U] int64, the key of each row: float16 / bfloat16 weights with
+            ``stochastic_rounding`` need them (the rounding noise follows the key, not the
+            slot); float32 weights ignore them, as they do ``seed`` and ``table_id``.
+        seed, table_id: with ``keys``, ``step`` and the column, fix the rounding noise.
+        stochastic_rounding: round the updated float16 / bfloat16 embedding stochastically
+            (unbiased, see :func:`round_rows`); False rounds to nearest.
 
     Note:
-        float32 weights are updated in place by the kernel. float16 / bfloat16 rows are
-        gathered to float32, updated, rounded to nearest and scattered back.
+        float32 weights are updated in place by one kernel. float16 / bfloat16 rows are
+        gathered, widened to float32, updated by the same kernel, rounded and scattered back.
 
     Example::
 
@@ -241,15 +251,20 @@ def fused_update(weights: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor
         ...              lr=0.5, step=1)
         >>> w[2]
         tensor([-0.5000, -0.5000])
+        >>> h = torch.zeros(4, 2, dtype=torch.float16)
+        >>> fused_update(h, torch.tensor([2]), torch.full((1, 2), 1e-4), dim=2, config=cfg,
+        ...              lr=1.0, step=1, keys=torch.tensor([7]))
     """
     if not isinstance(config, OptimizerConfig):
         raise TypeError(f"config must be an OptimizerConfig, got {type(config).__name__}")
-    width = dim + config.state_dim(dim)
+    state_dim = config.state_dim(dim)
     _check_number(lr, "lr")
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise ValueError(f"step must be an int >= 1, got {step!r}")
-    _check_inputs(weights, slots, grads, dim, width)
+    _check_inputs(weights, slots, grads, dim, state_dim)
     chosen = backend_for_device(weights.device, backend)
+    if weights.dtype != torch.float32:
+        _check_rounding_inputs(keys, slots.numel(), weights.device, stochastic_rounding)
     if not slots.numel():
         return
     grads = grads.to(torch.float32).contiguous()
@@ -260,23 +275,88 @@ def fused_update(weights: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor
     if weights.dtype == torch.float32:
         chosen.fused_update(weights, slots.contiguous(), grads, *args)
         return
+    layout = RowLayout(dim, state_dim, weights.dtype)
     live = slots >= 0
     slots, grads = slots[live], grads[live]
-    rows = weights.index_select(0, slots).to(torch.float32)
+    rows = weights.index_select(0, slots)
+    logical = layout.to_logical(rows).contiguous()
     local = torch.arange(slots.numel(), dtype=torch.int64, device=slots.device)
-    chosen.fused_update(rows, local, grads, *args)
-    weights.index_copy_(0, slots, rows.to(weights.dtype))
+    chosen.fused_update(logical, local, grads, *args)
+    row_keys = keys[live] if keys is not None else torch.zeros_like(slots)
+    layout.embeddings(rows).copy_(round_rows(
+        logical[:, :dim], weights.dtype, keys=row_keys, step=int(step), seed=seed,
+        table_id=table_id, stochastic=stochastic_rounding, backend=chosen.name))
+    layout.state(rows).copy_(logical[:, dim:])
+    weights.index_copy_(0, slots, rows)
 
 
-def _check_inputs(weights, slots, grads, dim, width) -> None:
+def round_rows(values: torch.Tensor, dtype: torch.dtype, *, keys: torch.Tensor, step: int,
+               seed: int = 0, table_id: int = 0, stochastic: bool = True,
+               backend=None) -> torch.Tensor:
+    """``values`` [N, D] float32 rounded to ``dtype`` (float16 or bfloat16).
+
+    Stochastic rounding rounds each value to one of its two neighbours in ``dtype``, the
+    upper one with probability ``(value - lower) / (upper - lower)``: the expected result is
+    ``value``, so small updates are kept on average instead of always rounded away. The
+    random bits of element ``(i, j)`` depend only on ``(seed, table_id, keys[i], step, j)``.
+    ``stochastic=False`` rounds to nearest (ties to even), like ``values.to(dtype)``.
+    Values exactly representable in ``dtype`` are returned exactly; NaN and inf are kept;
+    finite values beyond ``dtype``'s range round to inf.
+
+    Example::
+
+        >>> x = torch.full((1, 10000), 1.0 + 2 ** -12)  # 1/4 of the way from 1.0 to 1.0 + 2^-10
+        >>> up = round_rows(x, torch.float16, keys=torch.tensor([5]), step=1) > 1.0
+        >>> round(up.float().mean().item(), 2)
+        0.25
+        >>> round_rows(x, torch.float16, keys=torch.tensor([5]), step=1, stochastic=False).max()
+        tensor(1., dtype=torch.float16)
+    """
+    if dtype not in _ROUNDED_FORMATS:
+        raise ValueError(f"dtype must be one of {tuple(_ROUNDED_FORMATS)}, got {dtype}")
+    if values.dim() != 2:
+        raise ValueError(f"values must be 2-D, got shape {tuple(values.shape)}")
+    _check_rounding_inputs(keys, values.shape[0], values.device, stochastic)
+    chosen = backend_for_device(values.device, backend)
+    src = values.to(torch.float32).contiguous()
+    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+    if src.numel():
+        chosen.round_rows(src, out, keys.contiguous(), int(seed), int(table_id), int(step),
+                          _ROUNDED_FORMATS[dtype], bool(stochastic))
+    return out
+
+
+_ROUNDED_FORMATS = {torch.float16: round_common.FMT_FLOAT16,
+                    torch.bfloat16: round_common.FMT_BFLOAT16}
+
+
+def _check_rounding_inputs(keys, rows: int, device: torch.device, stochastic) -> None:
+    if not isinstance(stochastic, bool):
+        raise TypeError(f"stochastic_rounding must be a bool, got {stochastic!r}")
+    if keys is None:
+        if stochastic:
+            raise ValueError("keys are needed to round float16 / bfloat16 rows "
+                             "stochastically (pass stochastic_rounding=False to round to "
+                             "nearest)")
+        return
+    if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or (
+            tuple(keys.shape) != (rows,)):
+        got = f"{keys.dtype} {tuple(keys.shape)}" if isinstance(keys, torch.Tensor) else keys
+        raise ValueError(f"keys must be an int64 tensor of shape ({rows},), got {got}")
+    if keys.device != device:
+        raise ValueError(f"keys are on {keys.device} but the rows on {device}")
+
+
+def _check_inputs(weights, slots, grads, dim, state_dim) -> None:
     for t, name in ((weights, "weights"), (slots, "slots"), (grads, "grads")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if weights.dtype not in _WEIGHT_DTYPES:
         raise TypeError(f"weights must have a dtype in {_WEIGHT_DTYPES}, got {weights.dtype}")
+    width = RowLayout(dim, state_dim, weights.dtype).width
     if weights.dim() != 2 or weights.shape[1] < width:
-        raise ValueError(f"weights must be [C, W] with W >= {width} (dim + state), got "
-                         f"{tuple(weights.shape)}")
+        raise ValueError(f"weights must be [C, W] with W >= {width} (RowLayout(dim, state, "
+                         f"{weights.dtype}).width), got {tuple(weights.shape)}")
     if not weights.is_contiguous():
         raise ValueError("weights must be contiguous")
     if slots.dtype != torch.int64 or slots.dim() != 1:

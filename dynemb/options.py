@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
+from dynemb.flat_table import RowLayout
 from dynemb.initializers import Initializer, InitializerKind
 from dynemb.kernels.constants import MAX_BUCKET_SIZE
 from dynemb.types import ScorePolicy
@@ -68,7 +69,8 @@ class FrequencyAdmission:
 
 
 #: Builds a table's backing store: ``factory(width, dtype, device)`` where ``width`` is the
-#: embedding dim plus the optimizer state dim (see :mod:`dynemb.backing_store`).
+#: physical row width, :attr:`dynemb.flat_table.RowLayout.width` (the embedding dim plus the
+#: optimizer state dim for float32 tables; see :mod:`dynemb.backing_store`).
 BackingStoreFactory = Callable[[int, torch.dtype, torch.device], "object"]
 
 
@@ -77,7 +79,9 @@ class DynamicEmbTableOptions:
     """How one dynamic table stores, grows, evicts and initializes its rows.
 
     Capacities count rows. Memory budgets count bytes of values plus optimizer state
-    (``capacity * (dim + optimizer_state_dim) * dtype size``).
+    (``capacity * row_bytes``, :attr:`dynemb.flat_table.RowLayout.row_bytes`: for float32
+    ``(dim + optimizer_state_dim) * 4``; for float16 / bfloat16, whose optimizer state is
+    float32, ``dim * 2 + optimizer_state_dim * 4``, dim rounded up to even when there is state).
 
     Args:
         caching: when the table does not fit the device budget, use the device as a cache of a
@@ -100,6 +104,12 @@ class DynamicEmbTableOptions:
             :class:`dynemb.backing_store.HostBackingStore`).
         seed: seed of the initializers (with the table's index, it fixes every initial row).
         sharding: how a sharded table picks each key's rank (:class:`ShardingScheme`).
+        stochastic_rounding: float16 / bfloat16 tables round each updated embedding value up
+            or down at random with the probabilities that make the rounding unbiased (as
+            fbgemm does), so updates smaller than the dtype's spacing still move the rows on
+            average. The random bits depend only on (seed, table, key, step, column): every
+            storage mode and rank count gives the same rows. False: round to nearest.
+            float32 tables ignore it.
 
     Example::
 
@@ -123,10 +133,12 @@ class DynamicEmbTableOptions:
     backing_store: Optional[BackingStoreFactory] = None
     seed: int = 0
     sharding: ShardingScheme = ShardingScheme.HASH
+    stochastic_rounding: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.caching, bool):
-            raise TypeError(f"caching must be a bool, got {self.caching!r}")
+        for name in ("caching", "stochastic_rounding"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("global_hbm_for_values", "local_hbm_for_values", "init_capacity",
                      "max_capacity"):
             if getattr(self, name) is not None:
@@ -182,12 +194,22 @@ class TableLayout:
 
 
 def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embeddings: int,
-                        width: int, config_dtype: torch.dtype, world_size: int = 1) -> TableLayout:
+                        width: int, config_dtype: torch.dtype, world_size: int = 1,
+                        state_dim: int = 0) -> TableLayout:
     """Resolve a table's options into a :class:`TableLayout`; errors name the field at fault.
 
-    ``width`` is the embedding dim plus the optimizer state dim. The table goes to HBM_DIRECT
-    when ``max_capacity`` rows fit the per-rank budget; otherwise to CACHE (``caching``) or
-    DEFAULT with as many device rows as the budget holds, rounded down to whole buckets.
+    ``width`` is the embedding dim plus the optimizer state dim, ``state_dim`` the latter
+    (float32 whatever the dtype: ``row_bytes`` is :attr:`RowLayout.row_bytes`). The table
+    goes to HBM_DIRECT when ``max_capacity`` rows fit the per-rank budget; otherwise to CACHE
+    (``caching``) or DEFAULT with as many device rows as the budget holds, rounded down to
+    whole buckets.
+
+    Example::
+
+        >>> choose_storage_mode(DynamicEmbTableOptions(), name="t", num_embeddings=1000,
+        ...                     width=64 + 128, state_dim=128,
+        ...                     config_dtype=torch.float16).row_bytes  # Adam, fp16, dim 64
+        640
     """
     dtype = options.embedding_dtype or config_dtype
     if dtype not in _DTYPES:
@@ -197,7 +219,10 @@ def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embed
     bucket = options.bucket_size
     max_capacity = _round_up(options.max_capacity or num_embeddings, bucket)
     init_capacity = _round_up(options.init_capacity or max_capacity, bucket)
-    row_bytes = width * torch.empty((), dtype=dtype).element_size()
+    if not 0 <= state_dim < width:
+        raise ValueError(f"table {name!r}: state_dim must be in [0, width={width}), got "
+                         f"{state_dim}")
+    row_bytes = RowLayout(width - state_dim, state_dim, dtype).row_bytes
     budget = options.local_hbm_for_values
     if budget is None and options.global_hbm_for_values is not None:
         budget = options.global_hbm_for_values // world_size

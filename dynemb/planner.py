@@ -48,6 +48,7 @@ from dynemb.backing_store import default_store_slots
 from dynemb.collection import DynamicEmbCollection
 from dynemb.counters import COUNTER_NAMES
 from dynemb.dynamic_table import DynamicTable
+from dynemb.flat_table import RowLayout
 from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout, choose_storage_mode
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
@@ -86,12 +87,13 @@ class TableFootprint:
     """Bytes one rank spends on one row-wise sharded dynamic table.
 
     Device side: ``values_bytes`` + ``optimizer_bytes`` (the device rows, embedding columns
-    then optimizer state), ``hash_bytes`` (key, score and reference count of every slot of
-    the device hash table), ``admission_bytes`` (the admission counter's hash table),
-    ``fixed_bytes`` (counters), and the I/O of the pipeline: ``input_bytes`` (deduplicated
-    ids received for one batch, int64), ``output_bytes`` (float32 rows of one batch, one per
-    id occurrence), ``prefetch_bytes`` (CACHE mode's prefetch buffer), combined by TorchRec's
-    pipeline multipliers into ``io_bytes``.
+    then optimizer state, float32 whatever the dtype: see :class:`~dynemb.flat_table.RowLayout`),
+    ``hash_bytes`` (key, score and reference count of every slot of the device hash table),
+    ``admission_bytes`` (the admission counter's hash table), ``fixed_bytes`` (counters), and
+    the I/O of the pipeline: ``input_bytes`` (deduplicated ids received for one batch, int64),
+    ``output_bytes`` (float32 rows of one batch, one per id occurrence), ``prefetch_bytes``
+    (CACHE mode's prefetch buffer), combined by TorchRec's pipeline multipliers into
+    ``io_bytes``.
 
     Host side: the DEFAULT host tier or the CACHE backing store at its full size
     (``host_values_bytes``, ``host_optimizer_bytes``, ``host_hash_bytes``).
@@ -170,7 +172,8 @@ def rank_layout(config: EmbeddingConfig, options: DynamicEmbTableOptions,
     return choose_storage_mode(
         local_table_options(options, world_size), name=config.name,
         num_embeddings=local.num_embeddings, width=config.embedding_dim + state_dim,
-        config_dtype=data_type_to_dtype(config.data_type), world_size=world_size)
+        state_dim=state_dim, config_dtype=data_type_to_dtype(config.data_type),
+        world_size=world_size)
 
 
 def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
@@ -202,12 +205,11 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
     layout = rank_layout(config, options, optimizer, world_size)
     dim = config.embedding_dim
     state_dim = optimizer.state_dim(dim)
-    width = dim + state_dim
-    elem = layout.row_bytes // width
+    row = RowLayout(dim, state_dim, layout.dtype)
 
     device_rows = layout.device_capacity  # HBM_DIRECT: its peak after growing to max_capacity
-    values = device_rows * dim * elem
-    state = device_rows * state_dim * elem
+    values = device_rows * row.embedding_bytes
+    state = device_rows * row.state_bytes
     hash_bytes = _hash_bytes(device_rows)
     local_options = local_table_options(options, world_size)
     admission = 0
@@ -250,8 +252,8 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
         host_rows=host_rows, values_bytes=values, optimizer_bytes=state, hash_bytes=hash_bytes,
         admission_bytes=admission, fixed_bytes=TABLE_FIXED_DEVICE_BYTES,
         input_bytes=input_bytes, output_bytes=output_bytes, prefetch_bytes=prefetch_bytes,
-        io_bytes=io, host_values_bytes=host_rows * dim * elem,
-        host_optimizer_bytes=host_rows * state_dim * elem, host_hash_bytes=host_hash,
+        io_bytes=io, host_values_bytes=host_rows * row.embedding_bytes,
+        host_optimizer_bytes=host_rows * row.state_bytes, host_hash_bytes=host_hash,
         host_fixed_bytes=TABLE_FIXED_HOST_BYTES, pipeline_type=pipeline_type,
         compute_device=compute_device, host_exact=host_exact, is_inference=is_inference)
 
@@ -494,7 +496,8 @@ def measure_table(table: DynamicTable) -> AllocatedBytes:
         if root == "_held":
             out.in_flight_bytes += nbytes
         elif root in ("tier", "host_tier", "store") and tensor.dim() == 2:
-            values = nbytes * table.dim // tensor.shape[1]
+            row = table.row_layout
+            values = nbytes * row.embedding_bytes // row.row_bytes
             if host:
                 out.host_values_bytes += values
                 out.host_optimizer_bytes += nbytes - values

@@ -15,13 +15,15 @@ def kernel_signatures():
     """Name -> (kernel, numba signature) with the argument types the launchers pass."""
     from numba import types as nt
 
-    from . import init_cuda, optim_cuda, table_cuda
+    from . import init_cuda, optim_cuda, round_cuda, table_cuda
 
     i64, i32, b1, f32, f64 = nt.int64, nt.int32, nt.boolean, nt.float32, nt.float64
     k64 = nt.Array(i64, 1, "C")
     r32 = nt.Array(i32, 1, "C")
     mask = nt.Array(b1, 1, "C")
     rows = nt.Array(nt.float32, 2, "C")
+    bits32 = nt.Array(i32, 2, "C")
+    bits16 = nt.Array(nt.int16, 2, "C")
     t = table_cuda
     return {
         "find_kernel": (t.find_kernel, (k64, i64, i64, k64, k64)),
@@ -40,6 +42,8 @@ def kernel_signatures():
                                 (rows, k64, k64, mask, i64, i64, i64, i64, f64, f64, f64, f64)),
         "fused_update_kernel": (optim_cuda.fused_update_kernel,
                                 (rows, k64, rows, i64, i64) + (f32,) * 8),
+        "round_rows_kernel": (round_cuda.round_rows_kernel,
+                              (bits32, bits16, k64, i64, i64, i64, i64, b1)),
     }
 
 

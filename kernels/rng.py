@@ -34,3 +34,20 @@ def standard_normal(stream, counter):
     u1 = uniform01(stream, 2 * counter)
     u2 = uniform01(stream, 2 * counter + 1)
     return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+
+
+_UPDATE_SALT = np.int64(0x5DEECE66D)
+
+
+@njit(cache=True, inline="always")
+def update_stream(seed, table_id, key, step):
+    """The random stream of one row's update at ``step`` (e.g. its stochastic rounding).
+
+    Independent of the row's initializer stream and of where the row is stored."""
+    return mix64(row_stream(seed, table_id, key) ^ mix64(step * _GOLDEN + _UPDATE_SALT))
+
+
+@njit(cache=True, inline="always")
+def random_bits32(stream, counter):
+    """32 uniform random bits, as an int64 in ``[0, 2**32)``."""
+    return (mix64(stream + (counter + 1) * _GOLDEN) >> 32) & np.int64(0xFFFFFFFF)

@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 
+from dynemb.flat_table import RowLayout
 from dynemb.optimizers import OptimizerConfig, OptimizerType, clip_gradients, fused_update
 
 SGD, ADAM, ADAGRAD, ROWWISE = (OptimizerType.SGD, OptimizerType.ADAM, OptimizerType.ADAGRAD,
@@ -17,12 +18,13 @@ def flat(rows, config, dtype=torch.float32, device="cpu"):
     return torch.cat([rows, state], 1).to(dtype=dtype, device=device)
 
 
-def step_all(weights, slots, grads, config, backend, *, lr=None, steps=(1,)):
+def step_all(weights, slots, grads, config, backend, *, lr=None, steps=(1,), **kwargs):
     name, device = backend
     for step in steps:
         fused_update(weights, torch.as_tensor(slots, device=device), grads.to(device),
                      dim=grads.shape[1], config=config,
-                     lr=config.learning_rate if lr is None else lr, step=step, backend=name)
+                     lr=config.learning_rate if lr is None else lr, step=step, backend=name,
+                     **kwargs)
 
 
 # -- 1. Against fbgemm's CPU TBE --------------------------------------------------------------
@@ -215,13 +217,30 @@ def test_backends_agree_and_skip_negative_slots(config):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_half_weights_follow_float32(config, dtype, backend):
-    w0, slots, grads = random_case(config, dim=6)
-    want = w0.to(dtype).to(device=backend[1], dtype=torch.float32)  # same start, in float32
+    """Half rows keep a float32 state: rounding to nearest, the embedding is the float32
+    result rounded once and the state is the float32 state, bit for bit."""
+    dim = 5  # odd: the embedding is padded to 6 columns before the float32 state
+    w0, slots, grads = random_case(config, dim=dim)
+    w0[:, :dim] = w0[:, :dim].to(dtype).float()  # the same start in both
+    want = w0.to(backend[1], copy=True)
     step_all(want, slots, grads, config, backend, lr=0.1)
-    weights = w0.to(dtype=dtype, device=backend[1])
-    step_all(weights, slots, grads, config, backend, lr=0.1)
-    assert weights.dtype == dtype
-    assert torch.equal(weights, want.to(dtype))  # float32 math, rounded once
+    layout = RowLayout(dim, config.state_dim(dim), dtype)
+    weights = layout.to_physical(w0).to(backend[1])
+    step_all(weights, slots, grads, config, backend, lr=0.1, stochastic_rounding=False)
+    assert weights.dtype == dtype and weights.shape[1] == layout.width
+    assert torch.equal(layout.embeddings(weights), want[:, :dim].to(dtype))
+    assert torch.equal(layout.state(weights), want[:, dim:])
+
+
+def test_half_weights_need_keys_for_stochastic_rounding():
+    config = OptimizerConfig(ADAM)
+    weights = torch.zeros(4, RowLayout(4, 8, torch.float16).width, dtype=torch.float16)
+    with pytest.raises(ValueError, match="keys are needed"):
+        fused_update(weights, torch.tensor([1]), torch.ones(1, 4), dim=4, config=config,
+                     lr=0.1, step=1)
+    with pytest.raises(ValueError, match=r"keys must be an int64 tensor of shape \(1,\)"):
+        fused_update(weights, torch.tensor([1]), torch.ones(1, 4), dim=4, config=config,
+                     lr=0.1, step=1, keys=torch.tensor([1, 2]))
 
 
 def test_lr_and_step_take_effect(backend):

@@ -20,7 +20,7 @@ def test_every_cuda_kernel_compiles_to_ptx():
 
 
 def test_ptx_check_covers_every_kernel():
-    from dynemb.kernels import init_cuda, optim_cuda, table_cuda
+    from dynemb.kernels import init_cuda, optim_cuda, round_cuda, table_cuda
     from dynemb.kernels.ptx_check import kernel_signatures
     assert set(kernel_signatures()) == (set(table_cuda.KERNELS) | set(init_cuda.KERNELS)
-                                        | set(optim_cuda.KERNELS))
+                                        | set(optim_cuda.KERNELS) | set(round_cuda.KERNELS))

@@ -1,0 +1,306 @@
+"""float16 / bfloat16 tables: float32 optimizer state, stochastic rounding of the updated
+rows, and the same rows in every storage mode."""
+import pytest
+import torch
+from torchrec import EmbeddingConfig
+from torchrec.modules.embedding_configs import DataType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
+                    OptimizerConfig, OptimizerType, StorageMode)
+from dynemb.flat_table import RowLayout
+from dynemb.optimizers import fused_update, round_rows
+from dynemb.options import choose_storage_mode
+
+HALF = [torch.float16, torch.bfloat16]
+DATA_TYPES = {torch.float32: DataType.FP32, torch.float16: DataType.FP16,
+              torch.bfloat16: DataType.BF16}
+UNIFORM = Initializer(InitializerKind.UNIFORM, low=-0.1, high=0.1)
+SGD, ADAM, ADAGRAD, ROWWISE = (OptimizerType.SGD, OptimizerType.ADAM, OptimizerType.ADAGRAD,
+                               OptimizerType.ROWWISE_ADAGRAD)
+
+
+def make(dtype, optimizer, *, dim=16, num_embeddings=1024, **options):
+    tables = [EmbeddingConfig(name="t", embedding_dim=dim, num_embeddings=num_embeddings,
+                              feature_names=["f"], data_type=DATA_TYPES[dtype])]
+    options.setdefault("initializer", UNIFORM)
+    return DynamicEmbCollection(tables, table_options=DynamicEmbTableOptions(**options),
+                                optimizer=optimizer)
+
+
+def train(ec, batches, grad_scale=1.0, seed=0):
+    """One step per batch of ids; the gradient of each output row is a fixed random draw."""
+    gen = torch.Generator().manual_seed(seed)
+    dim = ec.tables["t"].dim
+    for ids in batches:
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        out = ec(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()])))
+        grads = torch.randn(ids.numel(), dim, generator=gen) * grad_scale
+        (out["f"].values() * grads).sum().backward()
+
+
+def rows_of(ec, keys):
+    rows, found = ec.read_rows("t", torch.as_tensor(keys, dtype=torch.int64))
+    assert found.all()
+    return rows.float()
+
+
+def state_of(ec, keys):
+    """The float32 optimizer state of ``keys``' device rows."""
+    table = ec.tables["t"]
+    return table.tier.flat.state[table.tier.hash.find(torch.as_tensor(keys))]
+
+
+# -- small updates -------------------------------------------------------------------------------
+def test_fp16_sgd_small_updates_move_the_row_by_their_sum():
+    # Rows start at 1.0, where float16's spacing is 2^-10 above and 2^-11 below: an update of
+    # lr * grad = 1e-4 is below half a spacing, so rounding to nearest never moves the row.
+    lr, steps, dim = 1e-4, 100, 64
+    one = Initializer(InitializerKind.CONSTANT, value=1.0)
+    moved = {}
+    for rounding in (True, False):
+        ec = make(torch.float16, OptimizerConfig(SGD, learning_rate=lr), dim=dim,
+                  initializer=one, stochastic_rounding=rounding)
+        for _ in range(steps):
+            out = ec(KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([7]),
+                                                         torch.tensor([1])))
+            out["f"].values().sum().backward()  # gradient 1 per element
+        moved[rounding] = 1.0 - rows_of(ec, [7])[0]
+    expected = steps * lr  # 0.01
+    # Stochastic rounding: each step's rounding error is bounded by one spacing (4.9e-4) and
+    # has mean 0, so the mean over 64 columns of 100 steps is within ~3e-4 (one std) of the
+    # exact move; 10% of it (1e-3) leaves a wide margin.
+    assert abs(moved[True].mean().item() - expected) < 0.1 * expected, moved[True]
+    assert (moved[True] > 0).all()
+    assert (moved[False] == 0).all()  # round to nearest loses every update
+
+
+# -- Adam's state ---------------------------------------------------------------------------------
+#: After 200 Adam steps (lr 1e-3, gradients ~1e-3, rows moved by ~0.1), the largest
+#: difference to float32 allowed: a few rounding spacings at |w| < 0.5 (float16 2.4e-4,
+#: bfloat16 2e-3) accumulated as a random walk. Measured: float16 6e-4, bfloat16 6e-3.
+ADAM_TOLERANCE = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_adam_tracks_float32_with_a_float32_second_moment(dtype):
+    # Gradients of 1e-3 give (1 - beta2) * g^2 ~ 1e-9, below float16's smallest subnormal
+    # (6e-8): a float16 second moment would stay 0 and each step divide m by eps.
+    optimizer = OptimizerConfig(ADAM, learning_rate=1e-3)
+    keys = list(range(8))
+    batches = [keys] * 200
+    ref = make(torch.float32, optimizer)
+    train(ref, batches, grad_scale=1e-3)
+    ec = make(dtype, optimizer)
+    train(ec, batches, grad_scale=1e-3)
+    start = UNIFORM.rows(torch.tensor(keys), 16, seed=0, table_id=0)
+    assert (rows_of(ref, keys) - start).abs().mean() > 0.05  # the rows really moved
+    error = (rows_of(ec, keys) - rows_of(ref, keys)).abs().max().item()
+    assert error < ADAM_TOLERANCE[dtype], error
+    state = state_of(ec, keys)
+    assert state.dtype == torch.float32 and state.shape == (8, 32)
+    second_moment = state[:, 16:]
+    assert (second_moment > 0).all()
+    torch.testing.assert_close(state, state_of(ref, keys), rtol=1e-6, atol=0)
+
+
+# -- every optimizer through the collection -----------------------------------------------------
+#: Largest difference to float32 after 200 steps on 8 keys (rows move by ~0.05-0.13):
+#: stochastic rounding errors add up as a random walk of ~sqrt(200) / 2 spacings.
+#: Measured max: float16 1.6e-3 (SGD) and 1.1e-3 (others); bfloat16 1.9e-2 (SGD) and
+#: 7.5e-3 (others).
+TRACK_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 4e-2}
+#: The same for the mean difference. Measured: float16 3e-4, bfloat16 2.6e-3.
+TRACK_MEAN_TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+OPTIMIZERS = [OptimizerConfig(SGD, learning_rate=0.01),
+              OptimizerConfig(ADAGRAD, learning_rate=0.01),
+              OptimizerConfig(ROWWISE, learning_rate=0.01),
+              OptimizerConfig(ADAM, learning_rate=1e-3)]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=[o.type.value for o in OPTIMIZERS])
+def test_half_training_tracks_float32(optimizer, dtype):
+    keys = list(range(8))
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 8, (12,), generator=gen) for _ in range(200)]
+    ref = make(torch.float32, optimizer)
+    train(ref, batches)
+    ec = make(dtype, optimizer)
+    train(ec, batches)
+    assert ec.tables["t"].tier.flat.weights.dtype == dtype
+    diff = (rows_of(ec, keys) - rows_of(ref, keys)).abs()
+    assert diff.max().item() < TRACK_TOLERANCE[dtype], diff.max()
+    assert diff.mean().item() < TRACK_MEAN_TOLERANCE[dtype], diff.mean()
+    if optimizer.type is not SGD:  # gradients do not depend on the rows: same state
+        state = state_of(ec, keys)
+        assert state.dtype == torch.float32
+        torch.testing.assert_close(state, state_of(ref, keys), rtol=1e-6, atol=0)
+
+
+# -- storage modes ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", HALF)
+def test_cache_and_default_rows_equal_hbm_direct_bit_for_bit(dtype):
+    optimizer = OptimizerConfig(ADAM, learning_rate=1e-2)
+    dim = 7  # odd: padded before the float32 state
+    row_bytes = RowLayout(dim, optimizer.state_dim(dim), dtype).row_bytes
+    budget = 128 * row_bytes  # one bucket of 128 device rows for 400 keys
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 400, (96,), generator=gen) for _ in range(30)]
+    results = {}
+    for mode, caching, hbm in (("hbm_direct", False, None), ("cache", True, budget),
+                               ("default", False, budget)):
+        ec = make(dtype, optimizer, dim=dim, caching=caching, local_hbm_for_values=hbm)
+        assert ec.storage_modes()["t"].value == mode
+        train(ec, batches)
+        results[mode] = ec.read_rows("t", torch.arange(400), with_state=True)
+        if mode == "cache":
+            assert ec.stats()["t"]["write_backs"] > 0 and ec.stats()["t"]["loads"] > 0
+    rows, found = results["hbm_direct"]
+    assert rows.dtype == torch.float32 and rows.shape == (400, dim + 2 * dim)
+    for mode in ("cache", "default"):
+        assert torch.equal(results[mode][1], found)
+        assert torch.equal(results[mode][0], rows), mode
+
+
+def test_read_rows_with_state_gives_the_logical_rows():
+    optimizer = OptimizerConfig(ROWWISE, learning_rate=0.1)
+    ec = make(torch.bfloat16, optimizer, dim=5)
+    train(ec, [[1, 2, 3]])
+    table = ec.tables["t"]
+    assert table.width == 6 + 2  # 5 bfloat16 columns, 1 of padding, one float32 accumulator
+    full, _ = ec.read_rows("t", torch.tensor([1, 2, 3]), with_state=True)
+    embedding, _ = ec.read_rows("t", torch.tensor([1, 2, 3]))
+    assert embedding.dtype == torch.bfloat16 and full.dtype == torch.float32
+    assert torch.equal(full[:, :5], embedding.float())
+    assert torch.equal(full[:, 5:], state_of(ec, [1, 2, 3]))
+    assert (full[:, 5] > 0).all()
+
+
+# -- memory ---------------------------------------------------------------------------------------
+def test_row_bytes_count_a_float32_state():
+    layout = RowLayout(64, 128, torch.float16)  # Adam at dim 64
+    assert (layout.width, layout.row_bytes) == (64 + 256, 64 * 2 + 128 * 4)  # 640 bytes
+    assert RowLayout(64, 128, torch.float32).row_bytes == 192 * 4  # 768 bytes
+    assert RowLayout(5, 0, torch.float16).width == 5  # no state: no padding
+    assert RowLayout(5, 1, torch.bfloat16).row_bytes == 6 * 2 + 4
+    options = DynamicEmbTableOptions(caching=True, local_hbm_for_values=128 * 640)
+    layout = choose_storage_mode(options, name="t", num_embeddings=4096, width=64 + 128,
+                                 state_dim=128, config_dtype=torch.float16)
+    assert layout.row_bytes == 640 and layout.device_capacity == 128
+
+
+def test_built_half_table_matches_the_planner():
+    from dynemb.planner import measure_allocated, table_footprint
+    optimizer = OptimizerConfig(ADAM)
+    config = EmbeddingConfig(name="t", embedding_dim=7, num_embeddings=1024,
+                             feature_names=["f"], data_type=DataType.FP16)
+    ec = DynamicEmbCollection([config], optimizer=optimizer)
+    weights = ec.tables["t"].tier.flat.weights
+    assert weights.shape == (1024, 8 + 28) and weights.is_contiguous()
+    actual = measure_allocated(ec)["t"]
+    estimate = table_footprint(config, DynamicEmbTableOptions(), optimizer)
+    assert actual.values_bytes == estimate.values_bytes == 1024 * 8 * 2
+    assert actual.optimizer_bytes == estimate.optimizer_bytes == 1024 * 14 * 4
+
+
+# -- the rounding kernel --------------------------------------------------------------------------
+def _neighbours(x, dtype):
+    """The representable values just below and above float32 ``x`` (finite, in range)."""
+    near = x.to(dtype)
+    below = torch.where(near.float() <= x, near, torch.nextafter(near, near.new_tensor(-1e30)))
+    above = torch.where(near.float() >= x, near, torch.nextafter(near, near.new_tensor(1e30)))
+    return below.float(), above.float()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("value", [1.0 + 0.3 * 2 ** -7, -3.7e-3, 1e-6, -2.5e-7, 60000.0 + 7.0])
+def test_stochastic_rounding_is_unbiased(dtype, value):
+    n = 40_000
+    x = torch.full((n // 100, 100), value)
+    got = round_rows(x, dtype, keys=torch.arange(n // 100), step=3).float()
+    below, above = _neighbours(x[:1, :1], dtype)
+    below, above = below.item(), above.item()
+    assert below < value < above
+    assert ((got == below) | (got == above)).all()
+    p = (value - below) / (above - below)
+    # the mean of n Bernoulli(p) draws: 5 standard deviations
+    tolerance = 5 * (above - below) * (p * (1 - p) / n) ** 0.5
+    assert abs(got.double().mean().item() - value) < tolerance
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_representable_values_round_to_themselves(dtype):
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2 ** 15, 2 ** 15, (64, 256), generator=gen, dtype=torch.int32)
+    values = bits.to(torch.int16).view(dtype)
+    values = torch.where(values.isnan(), torch.zeros_like(values), values)  # inf stays in
+    got = round_rows(values.float(), dtype, keys=torch.arange(64), step=1)
+    assert torch.equal(got.view(torch.int16), values.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_round_to_nearest_equals_torch(dtype):
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2 ** 31, 2 ** 31, (200, 500), generator=gen, dtype=torch.int64)
+    edges = torch.tensor([65504.0, 65519.99, 65520.0, 65535.9, 65536.0, 3.4028235e38,
+                          2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -25, 2.0 ** -126, 1e-45, 0.0,
+                          float("inf"), float("nan")])
+    x = torch.cat([bits.to(torch.int32).view(torch.float32).flatten(), edges, -edges,
+                   torch.logspace(-40, 39, 10_000)])[:, None]
+    got = round_rows(x, dtype, keys=torch.zeros(x.shape[0], dtype=torch.int64), step=1,
+                     stochastic=False)
+    want = x.to(dtype)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_stochastic_rounding_keeps_inf_and_nan_and_overflows_to_inf(dtype):
+    x = torch.tensor([[float("inf"), -float("inf"), float("nan"), 3e38, -3.4e38, 1e39]])
+    got = round_rows(x, dtype, keys=torch.tensor([1]), step=1).float()[0]
+    assert got[0] == float("inf") and got[1] == -float("inf") and got[2].isnan()
+    if dtype == torch.float16:
+        assert got[3] == float("inf") and got[4] == -float("inf")
+    assert got[5] == float("inf")
+
+
+def test_rounding_noise_follows_key_step_and_column_only():
+    x = torch.full((3, 64), 1.0 + 2 ** -12)  # a quarter of a float16 spacing above 1.0
+    keys = torch.tensor([5, 9, 5])
+    first = round_rows(x, torch.float16, keys=keys, step=4, seed=1, table_id=2)
+    again = round_rows(x[[2, 1, 0]], torch.float16, keys=keys[[2, 1, 0]], step=4, seed=1,
+                       table_id=2)
+    assert torch.equal(first, again[[2, 1, 0]])
+    assert torch.equal(first[0], first[2])  # the same key, at another position
+    assert not torch.equal(first[0], first[1])
+    for other in (dict(step=5, seed=1, table_id=2), dict(step=4, seed=2, table_id=2),
+                  dict(step=4, seed=1, table_id=3)):
+        assert not torch.equal(round_rows(x, torch.float16, keys=keys, **other), first)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_cpu_and_cuda_kernels_round_alike(dtype, stochastic):
+    from conftest import BACKENDS
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(24, 16, generator=gen) * torch.logspace(-9, 4, 16)
+    keys = torch.randint(-2 ** 62, 2 ** 62, (24,), generator=gen)
+    got = [round_rows(x.to(device), dtype, keys=keys.to(device), step=11, seed=3,
+                      table_id=1, stochastic=stochastic, backend=name).cpu()
+           for name, device in BACKENDS]
+    assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16))
+
+
+def test_fused_update_rounds_by_key_not_by_slot():
+    optimizer = OptimizerConfig(SGD)
+    grads = torch.full((2, 8), 1.0)
+    rows = {}
+    for slots in ([0, 1], [3, 2]):
+        weights = torch.ones(4, 8, dtype=torch.float16)
+        fused_update(weights, torch.tensor(slots), grads, dim=8, config=optimizer, lr=1e-4,
+                     step=1, keys=torch.tensor([10, 20]), seed=0, table_id=0)
+        rows[tuple(slots)] = weights[slots]
+    assert torch.equal(rows[0, 1], rows[3, 2])
+    assert (rows[0, 1] < 1).any()  # some columns rounded down by a whole spacing
