@@ -159,6 +159,24 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
     def pending_prefetches(self) -> int:
         return len(self._queue)
 
+    # -- nn.Module conversions ---------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        """Where ``.to()``, ``.cuda()``, ``.half()``, ``.to_empty()``... reach this module.
+
+        The tables are not parameters, so these calls could not move or convert them: any
+        that would change the device or the dtype raises instead of being ignored. Calls that
+        change nothing (``.float()``, ``.cpu()`` on CPU, ``.to(own device)``, what
+        ``DistributedModelParallel`` does) pass.
+
+        Example::
+
+            >>> ec.half()
+            Traceback (most recent call last):
+            RuntimeError: DynamicEmbCollection cannot be converted to torch.float16 ...
+        """
+        _check_conversion(fn, self._device)
+        return super()._apply(fn, recurse)
+
     # -- prefetch ----------------------------------------------------------------------------
     def prefetch(self, kjt: KeyedJaggedTensor,
                  forward_stream: Optional[torch.cuda.Stream] = None) -> PrefetchState:
@@ -452,3 +470,48 @@ def _options_by_table(table_options, names) -> Dict[str, DynamicEmbTableOptions]
             raise TypeError(f"table_options[{n!r}] must be DynamicEmbTableOptions, got {opt!r}")
         out[n] = opt
     return out
+
+
+_DEVICE_HOW = ("build it on the target device (DynamicEmbCollection(..., device=...)), or build "
+               "it on the meta device and shard it with DistributedModelParallel(..., "
+               "device=...)")
+
+
+def _check_conversion(fn, device: torch.device) -> None:
+    """Raise if ``fn`` (an ``nn.Module._apply`` function) would move or cast a float32 tensor
+    on ``device``: the tables would not follow."""
+    probe, out = _probe(fn, device)
+    if not isinstance(out, torch.Tensor):
+        return
+    if out.device != probe.device or device.type == "meta" and probe.device.type != "meta":
+        raise RuntimeError(
+            f"DynamicEmbCollection is on {device} and cannot be moved to {out.device} by "
+            f".to()/.cuda()/.cpu()/.to_empty(): its tables are hash tables, not parameters, "
+            f"and would stay where they are. Instead, {_DEVICE_HOW}")
+    if out.dtype != probe.dtype:
+        raise RuntimeError(
+            f"DynamicEmbCollection cannot be converted to {out.dtype} by .to(dtype)/.half()/"
+            f".bfloat16()/.double(): its tables are not parameters and would keep their dtype "
+            f"(forward always returns float32 embeddings). Choose the storage dtype at "
+            f"construction: DynamicEmbTableOptions(embedding_dtype=...), one of torch.float32, "
+            f"torch.float16, torch.bfloat16")
+
+
+def _probe(fn, device: torch.device):
+    """``(probe, fn(probe))`` for a float32 tensor on ``device`` (on CPU where nothing can be
+    copied out of meta, to learn where ``fn`` goes)."""
+    try:
+        probe = torch.zeros(1, device=device)
+        return probe, fn(probe)
+    except Exception as err:
+        failure = err
+    if device.type == "meta":
+        probe = torch.zeros(1)
+        try:
+            return probe, fn(probe)
+        except Exception:
+            pass
+    raise RuntimeError(
+        f"DynamicEmbCollection on {device} cannot be moved or converted by this call "
+        f"({type(failure).__name__}: {failure}); its tables are not parameters. To use another "
+        f"device, {_DEVICE_HOW}") from failure
