@@ -16,7 +16,7 @@ from dynemb.initializers import table_identity
 from dynemb.optimizers import OptimizerConfig, clip_gradients
 from dynemb.options import DynamicEmbTableOptions, StorageMode, choose_storage_mode
 from dynemb.prefetch import PrefetchState
-from dynemb.validation import check_keys, check_kjt_lengths
+from dynemb.validation import check_keys, check_kjt
 
 
 class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
@@ -227,17 +227,12 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
 
     def _split_by_table(self, kjt: KeyedJaggedTensor):
         """Validate, then concatenate each table's feature values (int64)."""
-        if not isinstance(kjt, KeyedJaggedTensor):
-            raise TypeError(f"input must be a KeyedJaggedTensor, got {type(kjt).__name__}")
+        check_kjt(kjt, self._device, check_lengths=self._validate)
         unknown = [f for f in kjt.keys() if f not in self._table_of_feature]
         if unknown:
             raise ValueError(f"features {unknown} are in no table; known features: "
                              f"{sorted(self._table_of_feature)}")
         values = kjt.values()
-        if values.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"ids must be int64 or int32, got {values.dtype}")
-        if self._validate:
-            check_kjt_lengths(kjt)
         counted = self._weights_are_counts and kjt.weights_or_none() is not None
         jts = kjt.to_dict()
         out: Dict[str, Any] = {"__jt__": jts}

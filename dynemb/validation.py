@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
 from dynemb.kernels.table_cpu import count_reserved_cpu
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
@@ -70,3 +72,50 @@ def check_kjt_lengths(kjt) -> None:
     if lengths.numel() != len(kjt.keys()) * kjt.stride():
         raise ValueError(f"lengths has {lengths.numel()} entries, expected "
                          f"{len(kjt.keys())} features x batch {kjt.stride()}")
+
+
+def check_kjt(kjt, device: torch.device, *, check_lengths: bool = True) -> None:
+    """What every input KeyedJaggedTensor must be, checked before any table changes: int64 or
+    int32 ids on ``device``, each feature once, one batch size for every feature. With
+    ``check_lengths`` also its lengths, offsets and weights (reads them on the host).
+
+    Example::
+
+        >>> check_kjt(KeyedJaggedTensor.from_lengths_sync(
+        ...     ["f", "f"], torch.tensor([1, 2]), torch.tensor([1, 1])), torch.device("cpu"))
+        Traceback (most recent call last):
+        ValueError: feature 'f' appears 2 times in the KJT's keys ['f', 'f'] ...
+    """
+    if not isinstance(kjt, KeyedJaggedTensor):
+        raise TypeError(f"input must be a KeyedJaggedTensor, got {type(kjt).__name__}")
+    values = kjt.values()
+    if values.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"ids must be int64 or int32, got {values.dtype}")
+    if not _same_device(values.device, device):
+        raise ValueError(f"the KJT's ids are on {values.device} but the tables are on {device}; "
+                         f"pass the KJT on {device} (kjt.to(torch.device({str(device)!r})))")
+    keys = list(kjt.keys())
+    duplicated = sorted({k for k in keys if keys.count(k) > 1})
+    if duplicated:
+        raise ValueError(f"feature {duplicated[0]!r} appears {keys.count(duplicated[0])} times "
+                         f"in the KJT's keys {keys}; each feature must appear once (put all its "
+                         f"ids under one key, or give each copy its own name in the table's "
+                         f"feature_names)")
+    if kjt.variable_stride_per_key():
+        raise ValueError(f"the KJT has a different batch size per feature (variable batch, "
+                         f"strides {dict(zip(keys, kjt.stride_per_key()))}); only KJTs with "
+                         f"one batch size for every feature are supported: give every feature "
+                         f"the same number of samples, with zero-length ones where it has none")
+    if check_lengths:
+        check_kjt_lengths(kjt)
+        validate_keyed_jagged_tensor(kjt)  # TorchRec's: offsets and weights agree with them
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return _indexed(a) == _indexed(b)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -283,6 +283,21 @@ def _snapshot(ec):
     return ec.stats()["t"], ec.read_rows("t", torch.arange(10))
 
 
+#: KJTs that no setting makes acceptable: checked even with validate_inputs=False
+MALFORMED = {
+    "meta_ids": (lambda: kjt([1, 2]).to(torch.device("meta")), ValueError,
+                 r"ids are on meta but the tables are on cpu"),
+    "duplicated_feature": (lambda: KeyedJaggedTensor.from_lengths_sync(
+        ["f", "f"], torch.tensor([1, 2, 5]), torch.tensor([1, 1, 1, 0])), ValueError,
+        r"feature 'f' appears 2 times in the KJT's keys \['f', 'f'\]; each feature must appear"),
+    "variable_batch": (lambda: KeyedJaggedTensor(
+        ["f", "g"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]),
+        stride_per_key_per_rank=[[2], [1]]), ValueError,
+        r"different batch size per feature .*strides \{'f': 2, 'g': 1\}.* one batch size for "
+        r"every feature are supported"),
+}
+
+
 @pytest.mark.parametrize("bad, error, match", [
     (lambda: kjt([1, 2], features=("nope",)), ValueError, "in no table"),
     (lambda: KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1.0, 2.0]),
@@ -290,9 +305,19 @@ def _snapshot(ec):
     (lambda: KeyedJaggedTensor(["f"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1])),
      ValueError, "add up to 2"),
     (lambda: kjt([1, -2**63]), ValueError, "reserved"),
-])
+    *MALFORMED.values(),
+], ids=["unknown_feature", "float_ids", "lengths", "reserved_id", *MALFORMED])
 def test_bad_input_is_rejected_before_any_change(bad, error, match):
-    ec = make()
+    _check_rejected_before_any_change(make(features=("f", "g")), bad, error, match)
+
+
+@pytest.mark.parametrize("bad, error, match", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_input_is_rejected_without_validate_inputs(bad, error, match):
+    _check_rejected_before_any_change(make(features=("f", "g"), validate_inputs=False), bad,
+                                      error, match)
+
+
+def _check_rejected_before_any_change(ec, bad, error, match):
     train_step(ec, [1, 2, 3])
     before = _snapshot(ec)
     with pytest.raises(error, match=match):
@@ -303,6 +328,17 @@ def test_bad_input_is_rejected_before_any_change(bad, error, match):
     assert after[0] == before[0]
     torch.testing.assert_close(after[1][0], before[1][0])
     assert ec.pending_prefetches == 0 and ec.tables["t"].tier.hash.pinned_count() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cpu_ids_for_a_cuda_module_are_rejected_before_any_change():
+    ec = make(device="cuda", backend="cuda")
+    out = ec(kjt(torch.tensor([1, 2], device="cuda")))
+    out["f"].values().sum().backward()
+    before = ec.stats()["t"]
+    with pytest.raises(ValueError, match=r"ids are on cpu but the tables are on cuda"):
+        ec(kjt([1, 3]))
+    assert ec.stats()["t"] == before
 
 
 def test_reserved_id_in_a_later_table_leaves_earlier_tables_unchanged():

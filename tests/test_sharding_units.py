@@ -174,6 +174,18 @@ def test_bad_input_is_rejected_on_the_sending_rank():
     floats = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1.0]), torch.tensor([1]))
     with pytest.raises(TypeError, match="ids must be int64 or int32"):
         dmp(floats)
+    meta = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="ids are on meta but the tables are on cpu"):
+        dmp(meta.to(torch.device("meta")))
+    twice = KeyedJaggedTensor.from_lengths_sync(["a", "a"], torch.tensor([1, 2]),
+                                                torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="feature 'a' appears 2 times"):
+        dmp(twice)
+    variable = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]),
+                                 lengths=torch.tensor([1, 1, 1]),
+                                 stride_per_key_per_rank=[[2], [1]])
+    with pytest.raises(ValueError, match="different batch size per feature"):
+        dmp(variable)
     assert dmp.module.dyn.stats()["t0"]["lookups"] == 0  # nothing reached the tables
 
 

@@ -105,3 +105,13 @@ def test_keys_on_the_wrong_device_are_rejected():
     table = ScoredHashTable(64)
     with pytest.raises(ValueError, match="keys is on meta but the table is on cpu"):
         table.find(torch.empty(3, dtype=torch.int64, device="meta"))
+
+
+def test_kjt_ids_on_another_device_than_the_tables_name_both_devices():
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    from dynemb.validation import check_kjt
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2]), torch.tensor([2]))
+    check_kjt(kjt, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"the KJT's ids are on cpu but the tables are on "
+                                         r"cuda:0; pass the KJT on cuda:0"):
+        check_kjt(kjt, torch.device("cuda", 0))

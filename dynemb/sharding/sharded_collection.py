@@ -32,7 +32,7 @@ from dynemb.collection import DynamicEmbCollection
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
 from dynemb.sharding.routing import RoutedIds
-from dynemb.validation import check_keys, check_kjt_lengths
+from dynemb.validation import check_keys, check_kjt
 
 SUPPORTED_SHARDING_TYPES = (ShardingType.ROW_WISE.value,)
 SUPPORTED_COMPUTE_KERNELS = (EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,)
@@ -146,14 +146,9 @@ class ShardedDynamicEmbCollection(
 
     def input_dist(self, ctx: DynamicEmbShardingContext,
                    features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"input must be a KeyedJaggedTensor, got {type(features).__name__}")
-        values = features.values()
-        if values.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"ids must be int64 or int32, got {values.dtype}")
+        # on the sending rank, before any collective
+        check_kjt(features, self.local.device, check_lengths=self._validate)
         mine = [f for f in features.keys() if f in self._features]
-        if self._validate:  # on the sending rank, before any collective
-            check_kjt_lengths(features)
         jts = features.to_dict()
         if self._validate:
             for f in mine:
