@@ -14,7 +14,8 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from dynemb.dynamic_table import DynamicTable, TableBatch
 from dynemb.initializers import table_identity
 from dynemb.optimizers import OptimizerConfig, clip_gradients
-from dynemb.options import DynamicEmbTableOptions, StorageMode, choose_storage_mode
+from dynemb.options import (DynamicEmbTableOptions, StorageMode, check_allocation,
+                             choose_storage_mode)
 from dynemb.prefetch import PrefetchState
 from dynemb.validation import check_keys, check_kjt
 
@@ -86,6 +87,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
                 config_dtype=data_type_to_dtype(config.data_type), world_size=world_size)
             if self._device.type == "meta":
                 continue
+            check_allocation(layout, options[config.name], name=config.name, device=self._device)
             self.tables[config.name] = DynamicTable(
                 config.name, table_identity(config.name), config.embedding_dim, layout,
                 options[config.name],

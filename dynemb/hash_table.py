@@ -14,6 +14,22 @@ from dynemb.validation import (check_index_tensor, check_keys, check_positive_in
 
 _ON_FAILURE = ("raise", "report", "defer")
 
+#: Most buckets of one table: a key's bucket is (32 hash bits x buckets) >> 32 in int64.
+MAX_BUCKETS = 2**31 - 1
+#: Bytes of one slot: an int64 key, an int64 score and an int32 pin count.
+SLOT_BYTES = 8 + 8 + 4
+
+
+def max_table_capacity(bucket_size: int = MAX_BUCKET_SIZE) -> int:
+    """Most slots one table with buckets of ``bucket_size`` can have.
+
+    Example::
+
+        >>> max_table_capacity(128)
+        274877906816
+    """
+    return MAX_BUCKETS * bucket_size
+
 
 class ScoredHashTable:
     """A bucketed open-addressing hash table from int64 keys to slots ``[0, capacity)``.
@@ -26,7 +42,8 @@ class ScoredHashTable:
     victims. A pinned slot (reference count > 0) is never evicted or erased.
 
     Args:
-        capacity: number of slots; a positive multiple of ``bucket_size``.
+        capacity: number of slots; a positive multiple of ``bucket_size`` (with the default
+            bucket size: a power of two below 128, else a multiple of 128).
         bucket_size: slots per bucket, a power of two <= 128 (default: 128, or ``capacity``
             when that is smaller).
         policy: the score policy.
@@ -56,6 +73,7 @@ class ScoredHashTable:
                  max_capacity: Optional[int] = None, backend: Optional[str] = None):
         check_positive_int(capacity, "capacity")
         if bucket_size is None:
+            _check_capacity_for_default_buckets(capacity)
             bucket_size = min(MAX_BUCKET_SIZE, capacity)
         check_positive_int(bucket_size, "bucket_size")
         if bucket_size > MAX_BUCKET_SIZE or bucket_size & (bucket_size - 1):
@@ -65,8 +83,9 @@ class ScoredHashTable:
             raise ValueError(f"capacity must be a multiple of bucket_size ({bucket_size}), got "
                              f"{capacity}; nearest valid: "
                              f"{max(bucket_size, capacity // bucket_size * bucket_size)}")
-        if capacity // bucket_size >= 2**31:
-            raise ValueError(f"capacity {capacity} needs >= 2**31 buckets; use larger buckets")
+        for name, rows in (("capacity", capacity), ("max_capacity", max_capacity)):
+            if rows is not None and rows > max_table_capacity(bucket_size):
+                raise ValueError(_too_many_slots(name, rows, bucket_size))
         if not isinstance(policy, ScorePolicy):
             raise TypeError(f"policy must be a ScorePolicy, got {policy!r}")
         if grow_at_load_factor is not None and not 0.0 < grow_at_load_factor <= 1.0:
@@ -472,3 +491,28 @@ def _compose(first: Optional[torch.Tensor], then: torch.Tensor) -> torch.Tensor:
     live = first >= 0
     out[live] = then[first[live]]
     return out
+
+
+def _check_capacity_for_default_buckets(capacity: int) -> None:
+    """The default bucket is the whole table below ``MAX_BUCKET_SIZE`` slots, so the capacity
+    must then be a power of two; above it, a multiple of ``MAX_BUCKET_SIZE``."""
+    if capacity < MAX_BUCKET_SIZE and capacity & (capacity - 1):
+        lower = 1 << (capacity.bit_length() - 1)
+        nearest = lower if capacity - lower < 2 * lower - capacity else 2 * lower
+        raise ValueError(f"capacity below {MAX_BUCKET_SIZE} must be a power of two (one bucket "
+                         f"then holds the whole table), or else a multiple of "
+                         f"{MAX_BUCKET_SIZE}; got {capacity}, nearest valid: {nearest}")
+    if capacity > MAX_BUCKET_SIZE and capacity % MAX_BUCKET_SIZE:
+        nearest = (capacity + MAX_BUCKET_SIZE // 2) // MAX_BUCKET_SIZE * MAX_BUCKET_SIZE
+        raise ValueError(f"capacity must be a multiple of bucket_size ({MAX_BUCKET_SIZE}) when "
+                         f"it is {MAX_BUCKET_SIZE} or more (bucket_size defaults to "
+                         f"{MAX_BUCKET_SIZE}; below that, to the capacity, a power of two); got "
+                         f"{capacity}, nearest valid: {nearest}")
+
+
+def _too_many_slots(name: str, rows: int, bucket_size: int) -> str:
+    hint = (f"use larger buckets (bucket_size up to {MAX_BUCKET_SIZE})"
+            if rows <= max_table_capacity(MAX_BUCKET_SIZE)
+            else "split the keys over several tables (shard the table over more ranks)")
+    return (f"{name} {rows} is beyond the {max_table_capacity(bucket_size)} slots one table "
+            f"can have with bucket_size {bucket_size} ({MAX_BUCKETS} buckets); {hint}")

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 from dynemb.flat_table import RowLayout
+from dynemb.hash_table import SLOT_BYTES, max_table_capacity
 from dynemb.initializers import Initializer, InitializerKind
 from dynemb.kernels.constants import MAX_BUCKET_SIZE
 from dynemb.types import ScorePolicy
@@ -219,6 +221,7 @@ def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embed
     bucket = options.bucket_size
     max_capacity = _round_up(options.max_capacity or num_embeddings, bucket)
     init_capacity = _round_up(options.init_capacity or max_capacity, bucket)
+    _check_max_capacity(options, name, max_capacity, bucket)
     if not 0 <= state_dim < width:
         raise ValueError(f"table {name!r}: state_dim must be in [0, width={width}), got "
                          f"{state_dim}")
@@ -237,7 +240,105 @@ def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embed
             f"table {name!r}: {field_name} gives {budget} bytes per rank, below one bucket "
             f"({bucket} rows x {row_bytes} bytes = {bucket * row_bytes} bytes)")
     mode = StorageMode.CACHE if options.caching else StorageMode.DEFAULT
+    if mode is StorageMode.CACHE and options.score_strategy is ScorePolicy.NO_EVICTION:
+        raise ValueError(
+            f"table {name!r}: caching=True needs an evicting score_strategy, got "
+            f"score_strategy=NO_EVICTION: the table ({max_capacity} rows x {row_bytes} bytes) "
+            f"does not fit {field_name} ({budget} bytes per rank), so the device caches "
+            f"{device_rows} rows and must evict some to load others. Use LRU, LFU or STEP, "
+            f"raise {field_name} so the whole table fits, or caching=False (rows split "
+            f"between device and host memory, nothing evicted)")
     return TableLayout(mode, dtype, bucket, device_rows, max_capacity, device_rows, row_bytes)
+
+
+def check_allocation(layout: TableLayout, options: DynamicEmbTableOptions, *, name: str,
+                     device: torch.device) -> None:
+    """Raise if the rows a table allocates up front (hash slots and rows) exceed the memory
+    of ``device``, or of the host for the DEFAULT mode's host tier, naming the options that
+    allocate less.
+
+    Example::
+
+        >>> layout = choose_storage_mode(DynamicEmbTableOptions(), name="t", width=64,
+        ...                              num_embeddings=2**36, config_dtype=torch.float32)
+        >>> check_allocation(layout, DynamicEmbTableOptions(), name="t",
+        ...                  device=torch.device("cpu"))
+        Traceback (most recent call last):
+        ValueError: table 't': the 68719476736 rows allocated up front (init_capacity, ...
+    """
+    slot = layout.row_bytes + SLOT_BYTES
+    host_rows = 0
+    if layout.mode is StorageMode.DEFAULT:
+        host_rows = _round_up(layout.max_capacity - layout.device_capacity, layout.bucket_size)
+    needs = {device: layout.init_capacity * slot}
+    host = torch.device("cpu")
+    needs[host] = needs.get(host, 0) + host_rows * slot
+    for where, nbytes in needs.items():
+        total = _memory_of(where)
+        if total is not None and nbytes > total:
+            raise ValueError(
+                f"table {name!r}: {_upfront_rows(layout, options, host_rows)} need "
+                f"{_gib(nbytes)} on {where}, which has {_gib(total)}; {_allocate_less(layout)}")
+
+
+def _upfront_rows(layout: TableLayout, options: DynamicEmbTableOptions, host_rows: int) -> str:
+    if layout.mode is StorageMode.CACHE:
+        return f"the {layout.init_capacity} device rows of the memory budget"
+    if layout.mode is StorageMode.DEFAULT:
+        return (f"the {layout.init_capacity} device rows of the memory budget and the "
+                f"{host_rows} rows of the host tier, allocated up front,")
+    if options.init_capacity is not None:
+        source = "init_capacity"
+    elif options.max_capacity is not None:
+        source = "init_capacity, which defaults to max_capacity"
+    else:
+        source = "init_capacity, which defaults to max_capacity, which defaults to num_embeddings"
+    return f"the {layout.init_capacity} rows allocated up front ({source})"
+
+
+def _allocate_less(layout: TableLayout) -> str:
+    if layout.mode is StorageMode.CACHE:
+        return "lower the memory budget (local_hbm_for_values / global_hbm_for_values)"
+    if layout.mode is StorageMode.DEFAULT:
+        return ("with caching=False the host tier holds max_capacity minus the device rows from "
+                "the start: lower max_capacity, or set caching=True (its backing store grows "
+                "as rows arrive)")
+    return (f"set init_capacity to start smaller (the table grows up to max_capacity="
+            f"{layout.max_capacity} as rows arrive), or a memory budget (local_hbm_for_values "
+            f"/ global_hbm_for_values) with caching=True to keep only the hot rows on the device "
+            f"(a backing store that grows as rows arrive holds the rest)")
+
+
+def _check_max_capacity(options, name: str, max_capacity: int, bucket: int) -> None:
+    limit = max_table_capacity(bucket)
+    if max_capacity <= limit:
+        return
+    source = " (num_embeddings, as max_capacity is not set)" if options.max_capacity is None else ""
+    buckets = (f", or a larger bucket_size (up to {MAX_BUCKET_SIZE})"
+               if max_capacity <= max_table_capacity(MAX_BUCKET_SIZE) else "")
+    raise ValueError(
+        f"table {name!r}: max_capacity {max_capacity} rows{source} is beyond the {limit} rows "
+        f"one hash table can hold with bucket_size {bucket}. num_embeddings and max_capacity "
+        f"count the rows the table keeps (beyond them the score policy evicts), not the id "
+        f"range: any int64 id works. Set a smaller max_capacity or num_embeddings{buckets}; "
+        f"to allocate less up front, set init_capacity (the table starts there and grows up "
+        f"to max_capacity) or a memory budget (local_hbm_for_values / global_hbm_for_values)")
+
+
+def _memory_of(device: torch.device) -> Optional[int]:
+    """Total bytes of ``device``'s memory (host RAM for CPU); None where unknown."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError, RuntimeError, AssertionError):
+        pass
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def _round_up(n: int, multiple: int) -> int:

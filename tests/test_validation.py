@@ -89,6 +89,15 @@ def test_bad_export_and_grow(filled):
     (dict(capacity=-8), ValueError, "capacity must be positive"),
     (dict(capacity=2.5), TypeError, "capacity must be an int"),
     (dict(capacity=1000), ValueError, r"capacity must be a multiple of bucket_size \(128\)"),
+    (dict(capacity=1000), ValueError, r"got 1000, nearest valid: 1024"),
+    (dict(capacity=3), ValueError, r"capacity below 128 must be a power of two \(one bucket "
+                                   r"then holds the whole table\), or else a multiple of 128; "
+                                   r"got 3, nearest valid: 4"),
+    (dict(capacity=100), ValueError, r"got 100, nearest valid: 128"),
+    (dict(capacity=2**40), ValueError, r"capacity 1099511627776 is beyond the 274877906816 "
+                                       r"slots one table can have with bucket_size 128"),
+    (dict(capacity=2**37, bucket_size=32), ValueError, r"use larger buckets"),
+    (dict(capacity=128, max_capacity=2**40), ValueError, r"max_capacity 1099511627776 is beyond"),
     (dict(capacity=96, bucket_size=12), ValueError, "bucket_size must be a power of two"),
     (dict(capacity=512, bucket_size=256), ValueError, "bucket_size must be a power of two <= 128"),
     (dict(capacity=64, policy="lru"), TypeError, "policy must be a ScorePolicy"),

@@ -1,0 +1,71 @@
+"""Options that cannot work are rejected at construction, with the options that would."""
+import pytest
+import torch
+from torchrec import EmbeddingConfig
+
+from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, ScorePolicy, StorageMode
+from dynemb.hash_table import max_table_capacity
+from test_collection import kjt, train_step
+
+DIM = 4
+
+
+def make(num_embeddings, device=None, **options):
+    tables = [EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=num_embeddings,
+                              feature_names=["f"])]
+    return DynamicEmbCollection(tables, device, table_options=DynamicEmbTableOptions(**options))
+
+
+def test_max_capacity_beyond_one_hash_table_names_the_capacity_options():
+    assert max_table_capacity(128) < 2**40
+    with pytest.raises(ValueError, match=(
+            r"table 't': max_capacity 1099511627776 rows \(num_embeddings, as max_capacity is "
+            r"not set\) is beyond the 274877906816 rows one hash table can hold with "
+            r"bucket_size 128\. .*not the id range.*Set a smaller max_capacity or "
+            r"num_embeddings; .*set init_capacity .* or a memory budget")):
+        make(2**40)
+    with pytest.raises(ValueError, match=r"max_capacity 1099511627776 rows is beyond"):
+        make(1024, max_capacity=2**40, init_capacity=1024)
+    with pytest.raises(ValueError, match=r"or a larger bucket_size \(up to 128\)"):
+        make(2**37, bucket_size=64, init_capacity=1024)
+
+
+def test_rows_allocated_up_front_beyond_memory_name_init_capacity_and_a_budget():
+    # 2**36 rows of (4 floats + a hash slot) are 2.3 TiB, beyond any host this runs on
+    with pytest.raises(ValueError, match=(
+            r"table 't': the 68719476736 rows allocated up front \(init_capacity, which "
+            r"defaults to max_capacity, which defaults to num_embeddings\) need 2304\.0 GiB on "
+            r"cpu, which has .* GiB; set init_capacity to start smaller .*"
+            r"local_hbm_for_values / global_hbm_for_values\) with caching=True")):
+        make(2**36)
+    with pytest.raises(ValueError, match=r"rows of the host tier, allocated up front, need .*"
+                                         r"lower max_capacity, or set caching=True"):
+        make(2**36, local_hbm_for_values=1 << 20)
+
+
+def test_the_suggested_options_work():
+    ec = make(2**36, init_capacity=1024)  # grows up to 2**36 rows as they arrive
+    train_step(ec, list(range(2000)))
+    assert ec.stats()["t"]["rows_device"] == 2000
+    cached = make(2**36, local_hbm_for_values=1 << 20, caching=True)
+    assert cached.storage_modes() == {"t": StorageMode.CACHE}
+    train_step(cached, [1, 2, 3])
+
+
+def test_meta_collection_allocates_nothing_so_is_not_checked_against_memory():
+    make(2**36, device="meta")  # each rank checks its own share when sharded
+
+
+def test_caching_with_no_eviction_is_rejected_when_the_table_resolves_to_cache():
+    with pytest.raises(ValueError, match=(
+            r"table 't': caching=True needs an evicting score_strategy, got "
+            r"score_strategy=NO_EVICTION: the table \(4096 rows x 16 bytes\) does not fit "
+            r"local_hbm_for_values \(8192 bytes per rank\), so the device caches 512 rows")):
+        make(4096, caching=True, local_hbm_for_values=8192,
+             score_strategy=ScorePolicy.NO_EVICTION)
+    fits = make(4096, caching=True, score_strategy=ScorePolicy.NO_EVICTION)
+    assert fits.storage_modes() == {"t": StorageMode.HBM_DIRECT}
+    split = make(4096, local_hbm_for_values=8192, score_strategy=ScorePolicy.NO_EVICTION)
+    assert split.storage_modes() == {"t": StorageMode.DEFAULT}
+    out = split(kjt(list(range(100))))
+    out["f"].values().sum().backward()
