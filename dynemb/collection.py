@@ -180,6 +180,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         return super()._apply(fn, recurse)
 
     # -- prefetch ----------------------------------------------------------------------------
+    @torch.compiler.disable
     def prefetch(self, kjt: KeyedJaggedTensor,
                  forward_stream: Optional[torch.cuda.Stream] = None) -> PrefetchState:
         """Resolve ``kjt``'s ids to slots ahead of ``forward`` and queue the result.
@@ -256,6 +257,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         return out
 
     # -- forward -----------------------------------------------------------------------------
+    # numba kernels and host-side bookkeeping: torch.compile runs this eagerly (graph break)
+    @torch.compiler.disable
     def forward(self, kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         """Embeddings of ``kjt`` per feature.
 

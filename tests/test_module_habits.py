@@ -1,12 +1,18 @@
 """What users do to any nn.Module, done to a DynamicEmbCollection: ``.to()``, ``.half()``,
 ``.cuda()``, ``to_empty``... raise instead of being silently ignored (the tables are not
-parameters); conversions that change nothing keep working."""
+parameters); conversions that change nothing keep working; ``torch.compile`` of a model
+holding one trains as the eager model."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torchrec import EmbeddingConfig
 
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions
-from test_collection import INIT, SGD, train_step
+from test_collection import INIT, SGD, kjt, train_step
 
 DIM = 4
 
@@ -104,3 +110,71 @@ def test_meta_collection_converts_only_to_meta():
     with pytest.raises(RuntimeError, match="cannot be converted to torch.float16"):
         ec.half()
 
+
+# -- torch.compile -----------------------------------------------------------------------------
+class PooledMLP(torch.nn.Module):
+    """Sum-pools each sample's embeddings, then a small MLP: the dense part compiles, the
+    collection runs eagerly between the graphs."""
+
+    def __init__(self, ec):
+        super().__init__()
+        self.ec = ec
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM, 8), torch.nn.ReLU(),
+                                       torch.nn.Linear(8, 1))
+
+    def forward(self, batch, labels):
+        jt = self.ec(batch)["f"]
+        lengths = jt.lengths()
+        sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        pooled = torch.zeros(lengths.numel(), DIM).index_add(0, sample, jt.values())
+        logits = self.mlp(pooled).squeeze(1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+
+
+def _train(model, batches):
+    dense_opt = torch.optim.SGD(model.mlp.parameters(), lr=0.1)
+    losses = []
+    for ids, lengths, labels in batches:
+        loss = model(kjt(ids, lengths=lengths), labels)
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def test_compiled_model_trains_like_the_eager_one():
+    _in_a_fresh_interpreter("test_module_habits", "compiled_then_eager")
+
+
+def _in_a_fresh_interpreter(module, function):
+    """torch.compile used to fail on the first call of each numba kernel in a process, which
+    earlier tests of the session have made: run the check where none has been called."""
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here)]))
+    done = subprocess.run([sys.executable, "-c", f"import {module}; {module}.{function}()"],
+                          cwd=here.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def compiled_then_eager():
+    """The default backend (inductor): it compiles this model in seconds on CPU."""
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        lengths = torch.randint(1, 4, (6,), generator=g)
+        batches.append((torch.randint(0, 40, (int(lengths.sum()),), generator=g),
+                        lengths.tolist(), torch.randint(0, 2, (6,), generator=g).float()))
+    torch.manual_seed(0)
+    compiled = PooledMLP(make())
+    torch.manual_seed(0)
+    eager = PooledMLP(make())
+    got = _train(torch.compile(compiled), batches)
+    want = _train(eager, batches)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    ids = torch.arange(40)
+    rows, found = compiled.ec.read_rows("t", ids)
+    want_rows, want_found = eager.ec.read_rows("t", ids)
+    assert torch.equal(found, want_found) and bool(found.any())
+    torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-6)
+    assert compiled.ec.stats()["t"] == eager.ec.stats()["t"]

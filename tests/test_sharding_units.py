@@ -216,3 +216,52 @@ def test_one_rank_module_on_the_cuda_kernels_matches_cpu():
         ref_rows, ref_found = ref.read_rows(t, ids)
         assert torch.equal(found, ref_found)
         torch.testing.assert_close(rows[found], ref_rows[ref_found])
+
+
+class _WithDense(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Wrap()
+        self.dense = torch.nn.Linear(4, 1)
+
+    def forward(self, kjt):
+        out = self.inner(kjt)
+        return self.dense(out["a"].values()).sum() + out["b"].values().pow(2).sum()
+
+
+def test_compiled_sharded_model_trains_like_the_eager_one():
+    from test_module_habits import _in_a_fresh_interpreter
+    _in_a_fresh_interpreter("test_sharding_units", "compiled_then_eager_sharded")
+
+
+def compiled_then_eager_sharded():
+    """torch.compile (backend aot_eager, to keep this cheap) of a DMP model: the sharded module
+    runs eagerly between the compiled graphs."""
+    from torchrec.distributed import DistributedModelParallel
+    runs = []
+    for compile_it in (True, False):
+        torch.manual_seed(0)
+        model = _WithDense()
+        plan = construct_module_sharding_plan(
+            model.inner.dyn, {t.name: row_wise(compute_kernel="customized_kernel")
+                              for t in _tables()},
+            sharder=DynamicEmbCollectionSharder(), local_size=1, world_size=1, device_type="cpu")
+        dmp = DistributedModelParallel(
+            model, env=ShardingEnv.from_process_group(ensure_single_process_group()),
+            device=torch.device("cpu"), plan=ShardingPlan({"inner.dyn": plan}),
+            sharders=[DynamicEmbCollectionSharder()])
+        step = torch.compile(dmp, backend="aot_eager") if compile_it else dmp
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(3):
+            lengths = torch.randint(0, 4, (4,), generator=g)
+            kjt = KeyedJaggedTensor.from_lengths_sync(
+                ["a", "b"], torch.randint(0, 30, (int(lengths.sum()),), generator=g), lengths)
+            loss = step(kjt)
+            loss.backward()
+            losses.append(loss.detach())
+        runs.append((torch.stack(losses), dmp.module.inner.dyn.read_rows("t0", torch.arange(30))))
+    (got, (rows, found)), (want, (want_rows, want_found)) = runs
+    torch.testing.assert_close(got, want)
+    assert torch.equal(found, want_found)
+    torch.testing.assert_close(rows, want_rows)

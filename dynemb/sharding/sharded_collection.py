@@ -141,6 +141,12 @@ class ShardedDynamicEmbCollection(
         self._table_shardings = dict(table_name_to_parameter_sharding)
 
     # -- TorchRec ShardedModule API -----------------------------------------------------------
+    # routing and the tables run numba kernels and host-side bookkeeping: torch.compile runs
+    # the whole sharded step eagerly (graph break)
+    @torch.compiler.disable
+    def forward(self, *input, **kwargs):
+        return super().forward(*input, **kwargs)
+
     def create_context(self) -> DynamicEmbShardingContext:
         return DynamicEmbShardingContext()
 
