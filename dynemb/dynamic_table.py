@@ -515,4 +515,3 @@ class DynamicTable:
     def __repr__(self) -> str:
         return (f"DynamicTable({self.name!r}, dim={self.dim}, mode={self.mode.name}, "
                 f"device_capacity={self.tier.hash.capacity}, optimizer={self.optimizer.type.name})")
-

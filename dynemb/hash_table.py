@@ -1,6 +1,7 @@
 """``ScoredHashTable``: raw int64 keys -> slots of a flat value table, with scores and pins."""
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -101,7 +102,8 @@ class ScoredHashTable:
         self.grow_at_load_factor = grow_at_load_factor
         self.max_capacity = max_capacity
         self._clock = 0
-        self._undoable: Optional[torch.Tensor] = None  # slots of the call undo() may revert
+        # the slots of the call undo() may revert, by weak reference (no memory held for it)
+        self._undoable: Optional[weakref.ref] = None
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -238,7 +240,7 @@ class ScoredHashTable:
             remap = _compose(remap, self.grow(new_capacity))
         if not pin:
             self._backend.add_refcounts(self._refcnt, slots, -1)
-        self._undoable = slots if pin else None
+        self._undoable = weakref.ref(slots) if pin else None
         inserted = ~hit & (slots >= 0)
         return FindOrInsertResult(ukeys, inverse, slots, inserted, prev_keys, prev_scores, failed,
                                   remap)
@@ -259,7 +261,8 @@ class ScoredHashTable:
             >>> table.find(torch.tensor([3, 4])).tolist()
             [-1, -1]
         """
-        if not isinstance(result, FindOrInsertResult) or result.slots is not self._undoable:
+        if not isinstance(result, FindOrInsertResult) or (
+                self._undoable is None or result.slots is not self._undoable()):
             raise ValueError("undo takes the result of this table's latest "
                              "find_or_insert(pin=True), once, before any other scoring call or "
                              "growth")

@@ -104,7 +104,7 @@ class DynamicEmbTableOptions:
         embedding_dtype: dtype of the stored rows (default: the config's ``data_type``).
         backing_store: factory of the CACHE mode's store (default: host memory,
             :class:`dynemb.backing_store.HostBackingStore`).
-        seed: seed of the initializers (with the table's index, it fixes every initial row).
+        seed: seed of the initializers (with the table's name, it fixes every initial row).
         sharding: how a sharded table picks each key's rank (:class:`ShardingScheme`).
         stochastic_rounding: float16 / bfloat16 tables round each updated embedding value up
             or down at random with the probabilities that make the rounding unbiased (as

@@ -319,9 +319,9 @@ def test_hand_computed_hbm_direct_adam():
     assert fp.input_bytes == 64 * 3 // 2 * 8              # 96 distinct ids of 192: 768
     assert fp.output_bytes == 64 * 3 * 8 * 4              # float32 rows per occurrence: 6,144
     assert fp.io_bytes == 2 * 768                         # TRAIN_SPARSE_DIST: 2 x input
-    assert fp.device_bytes == 16_384 + 32_768 + 10_248 + 88 + 1_536
+    assert fp.device_bytes == 16_384 + 32_768 + 10_248 + 96 + 1_536
     assert fp.host_bytes == 8
-    assert fp.storage() == Storage(hbm=61_024, ddr=8)
+    assert fp.storage() == Storage(hbm=61_032, ddr=8)
 
 
 def test_hand_computed_cache_fp16_sgd_prefetch_pipeline():
@@ -344,7 +344,7 @@ def test_hand_computed_cache_fp16_sgd_prefetch_pipeline():
     assert fp.input_bytes == ids * 8 and fp.prefetch_bytes == ids * 8
     assert fp.output_bytes == ids * 4 * 4                 # float32 out, not fp16
     assert fp.io_bytes == 3 * 2400 + int(7 * 2400)        # 3 x input + (1 + 6) x prefetch
-    assert fp.device_bytes == 4096 + 10_248 + 10_248 + 88 + 24_000
+    assert fp.device_bytes == 4096 + 10_248 + 10_248 + 96 + 24_000
 
 
 def test_hand_computed_default_on_cpu_topology():
@@ -356,7 +356,7 @@ def test_hand_computed_default_on_cpu_topology():
     assert (fp.device_rows, fp.host_rows) == (256, 768)
     assert fp.host_bytes == 768 * 32 + 768 * 20 + 8 + 8
     # CPU: one memory, input and output counted once (TorchRec's CPU rule)
-    assert fp.storage() == Storage(hbm=0, ddr=256 * 32 + 256 * 20 + 8 + 88 + fp.host_bytes
+    assert fp.storage() == Storage(hbm=0, ddr=256 * 32 + 256 * 20 + 8 + 96 + fp.host_bytes
                                    + 10 * 8 + 10 * 8 * 4)
 
 
