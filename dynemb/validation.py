@@ -95,11 +95,11 @@ def check_kjt(kjt, device: torch.device, *, check_lengths: bool = True) -> None:
         raise ValueError(f"the KJT's ids are on {values.device} but the tables are on {device}; "
                          f"pass the KJT on {device} (kjt.to(torch.device({str(device)!r})))")
     keys = list(kjt.keys())
-    duplicated = sorted({k for k in keys if keys.count(k) > 1})
-    if duplicated:
-        raise ValueError(f"feature {duplicated[0]!r} appears {keys.count(duplicated[0])} times "
-                         f"in the KJT's keys {keys}; each feature must appear once (put all its "
-                         f"ids under one key, or give each copy its own name in the table's "
+    if len(set(keys)) != len(keys):
+        twice = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"feature {twice!r} appears {keys.count(twice)} times in the KJT's "
+                         f"keys {keys}; each feature must appear once (put all its ids under "
+                         f"one key, or give each copy its own name in the table's "
                          f"feature_names)")
     if kjt.variable_stride_per_key():
         raise ValueError(f"the KJT has a different batch size per feature (variable batch, "
