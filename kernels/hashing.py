@@ -12,17 +12,17 @@ from .constants import EMPTY_KEY, TOMBSTONE_KEY
 _MASK31 = np.int64(0x7FFFFFFF)
 _MASK32 = np.int64(0xFFFFFFFF)
 # 0xff51afd7ed558ccd and 0xc4ceb9fe1a85ec53 (the murmur3 64-bit finalizer) as int64.
-_MIX_A = np.int64(-49064778989728563)
-_MIX_B = np.int64(-4265267296055464877)
+MIX_A = np.int64(-49064778989728563)
+MIX_B = np.int64(-4265267296055464877)
 
 
 @njit(cache=True, inline="always")
 def mix64(x):
     """Murmur3 finalizer: a bijection on 64-bit words that spreads every input bit."""
     x = x ^ ((x >> 33) & _MASK31)
-    x = x * _MIX_A
+    x = x * MIX_A
     x = x ^ ((x >> 33) & _MASK31)
-    x = x * _MIX_B
+    x = x * MIX_B
     x = x ^ ((x >> 33) & _MASK31)
     return x
 

@@ -14,30 +14,16 @@ from typing import List, Sequence, Tuple
 import torch
 
 from dynemb.backends import backend_for_device
+from dynemb.key_mixing import owner_rank_hash
 from dynemb.options import ShardingScheme
-
-# The murmur3 finalizer constants and a salt as int64: torch int64 arithmetic wraps, and
-# ``>>`` is arithmetic, so logical shifts mask the sign bits.
-_MIX_A = -49064778989728563
-_MIX_B = -4265267296055464877
-_SALT = -7046029254386353131
-_MASK31 = 0x7FFFFFFF
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ ((x >> 33) & _MASK31)
-    x = x * _MIX_A
-    x = x ^ ((x >> 33) & _MASK31)
-    x = x * _MIX_B
-    return x ^ ((x >> 33) & _MASK31)
 
 
 def owner_ranks(keys: torch.Tensor, world_size: int, scheme: ShardingScheme) -> torch.Tensor:
     """The rank (int64, in ``[0, world_size)``) that owns each key.
 
-    HASH mixes ``key + salt``, so the owner is independent of the bucket a table's own hash
-    (of ``key``) picks: the keys of one rank still spread over all buckets.
+    HASH mixes ``key + salt`` (:func:`dynemb.key_mixing.owner_rank_hash`), so the owner is
+    independent of the bucket a table's own hash (of ``key``) picks: the keys of one rank
+    still spread over all buckets.
 
     Example::
 
@@ -46,8 +32,7 @@ def owner_ranks(keys: torch.Tensor, world_size: int, scheme: ShardingScheme) -> 
     """
     if scheme is ShardingScheme.MOD:
         return torch.remainder(keys, world_size)
-    high = (_mix64(keys + _SALT) >> 32) & _MASK32
-    return (high * world_size) >> 32
+    return owner_rank_hash(keys, world_size)
 
 
 @dataclass
