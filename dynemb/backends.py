@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dynemb.kernels import init_cpu, optim_cpu, round_cpu, table_cpu
-from dynemb.kernels.constants import EMPTY_KEY, cuda_simulator_enabled
+from dynemb.kernels.constants import EMPTY_KEY, TOMBSTONE_KEY, cuda_simulator_enabled
 
 _THREADS_PER_BLOCK = 256
 _SIMULATED_THREADS_PER_BLOCK = 32
@@ -26,10 +26,20 @@ class CpuBackend:
     """``@njit`` kernels on CPU tensors (viewed as numpy arrays without copying)."""
 
     name = "cpu"
+    #: Slot failures raise at once (reading a count costs nothing on CPU); unique keys are
+    #: exact, never padded.
+    defers_failures = False
 
     def check_device(self, device: torch.device) -> None:
         if device.type != "cpu":
             raise ValueError(f"the cpu backend needs CPU tensors, got device {device}")
+
+    def claim_summary(self, slots, inserted, previous_keys):
+        """``(hits, inserts, evictions)`` of one ``find_or_insert`` result, as ints (one numba
+        pass)."""
+        placed, new, evicted = table_cpu.claim_summary_cpu(
+            self._np(slots), self._np(inserted), self._np(previous_keys))
+        return int(placed - new), int(new), int(evicted)
 
     @staticmethod
     def _np(t: torch.Tensor):
@@ -120,6 +130,9 @@ class CudaBackend:
     """
 
     name = "cuda"
+    #: Slot failures are counted on the device and reported at a later call (reading them
+    #: would stall the host); unique keys are padded with EMPTY_KEY (slot -1).
+    defers_failures = True
 
     def __init__(self):
         from numba import cuda
@@ -138,6 +151,14 @@ class CudaBackend:
         if device.type != want:
             mode = "the CUDA simulator" if self._simulated else "a GPU"
             raise ValueError(f"the cuda backend on {mode} needs {want} tensors, got {device}")
+
+    @staticmethod
+    def claim_summary(slots, inserted, previous_keys):
+        """``(hits, inserts, evictions)`` of one ``find_or_insert`` result, as 0-d device
+        tensors (no host sync)."""
+        hits = ((slots >= 0) & ~inserted).sum()
+        evicted = inserted & (previous_keys != EMPTY_KEY) & (previous_keys != TOMBSTONE_KEY)
+        return hits, inserted.sum(), evicted.sum()
 
     def _arr(self, t: torch.Tensor):
         if self._simulated:

@@ -112,6 +112,11 @@ class HostBackingStore:
     def size(self) -> int:
         return self._table.size()
 
+    def nbytes(self) -> Tuple[int, int]:
+        """``(row bytes, hash-table bytes)`` held now (optional for other stores: the table's
+        memory breakdown counts a store without it as 0 bytes)."""
+        return self._rows.weights.untyped_storage().nbytes(), self._table.nbytes()
+
     @property
     def capacity(self) -> int:
         return self._table.capacity

@@ -11,7 +11,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollectionInterface
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from dynemb.dynamic_table import DynamicTable, TableBatch
+from dynemb.tables import DynamicTable, TableBatch, build_table
 from dynemb.initializers import table_identity
 from dynemb.optimizers import OptimizerConfig, clip_gradients
 from dynemb.options import (DynamicEmbTableOptions, StorageMode, check_allocation,
@@ -88,7 +88,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             if self._device.type == "meta":
                 continue
             check_allocation(layout, options[config.name], name=config.name, device=self._device)
-            self.tables[config.name] = DynamicTable(
+            self.tables[config.name] = build_table(
                 config.name, table_identity(config.name), config.embedding_dim, layout,
                 options[config.name],
                 self._optimizer_config, self._device, backend)
@@ -152,7 +152,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
 
     def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
         """``(rows, found)``: the current rows of ``keys`` in ``table`` (see
-        :meth:`DynamicTable.read_rows`); nothing is inserted or rescored."""
+        :meth:`dynemb.tables.DynamicTable.read_rows`); nothing is inserted or rescored."""
         if table not in self.tables:
             raise KeyError(f"no table {table!r}; tables: {list(self.tables)}")
         return self.tables[table].read_rows(keys, with_state=with_state)

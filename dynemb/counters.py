@@ -51,6 +51,9 @@ class TableCounters:
         for name, amount in amounts.items():
             self.add(name, amount)
 
+    def nbytes(self) -> int:
+        return self._values.untyped_storage().nbytes()
+
     def snapshot(self) -> Dict[str, int]:
         return dict(zip(COUNTER_NAMES, self._values.tolist()))
 

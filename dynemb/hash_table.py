@@ -148,6 +148,11 @@ class ScoredHashTable:
         keys = self._keys[slots.clamp(min=0)]
         return torch.where(slots >= 0, keys, EMPTY_KEY)
 
+    def nbytes(self) -> int:
+        """Bytes of the table's arrays (keys, scores, reference counts, size)."""
+        return sum(t.untyped_storage().nbytes()
+                   for t in (self._keys, self._scores, self._refcnt, self._size))
+
     def pinned_count(self) -> int:
         """Number of slots with a reference count above zero."""
         return int((self._refcnt > 0).sum().item())

@@ -47,7 +47,8 @@ from torchrec.modules.embedding_configs import EmbeddingConfig, data_type_to_dty
 from dynemb.backing_store import default_store_slots
 from dynemb.collection import DynamicEmbCollection
 from dynemb.counters import COUNTER_NAMES
-from dynemb.dynamic_table import DynamicTable
+from dynemb.tables import DynamicTable, MemoryBreakdown
+from dynemb.tables.tiered import host_tier_rows
 from dynemb.flat_table import RowLayout
 from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout, choose_storage_mode
@@ -220,9 +221,7 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
 
     host_rows, host_hash, host_exact = 0, 0, True
     if layout.mode is StorageMode.DEFAULT:
-        bucket = layout.bucket_size
-        host_rows = max(bucket, layout.max_capacity - layout.device_capacity)
-        host_rows = -(-host_rows // bucket) * bucket
+        host_rows = host_tier_rows(layout)
         host_hash = _hash_bytes(host_rows)
     elif layout.mode is StorageMode.CACHE:
         if options.backing_store is None:  # the default store, at the most slots it grows to
@@ -417,106 +416,13 @@ def footprint_report(model: nn.Module, world_size: int, batch_size: int,
 
 
 # -- measuring built tables --------------------------------------------------------------------
-@dataclass
-class AllocatedBytes:
-    """Bytes of the tensors a built :class:`DynamicTable` holds, by category (sums of
-    ``nbytes`` of distinct storages).
-
-    ``in_flight_bytes`` are prefetched batches not yet consumed (not part of the table).
-    """
-
-    values_bytes: int = 0
-    optimizer_bytes: int = 0
-    hash_bytes: int = 0
-    admission_bytes: int = 0
-    other_bytes: int = 0
-    host_values_bytes: int = 0
-    host_optimizer_bytes: int = 0
-    host_hash_bytes: int = 0
-    host_other_bytes: int = 0
-    in_flight_bytes: int = 0
-
-    @property
-    def device_bytes(self) -> int:
-        return (self.values_bytes + self.optimizer_bytes + self.hash_bytes
-                + self.admission_bytes + self.other_bytes)
-
-    @property
-    def host_bytes(self) -> int:
-        return (self.host_values_bytes + self.host_optimizer_bytes + self.host_hash_bytes
-                + self.host_other_bytes)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.device_bytes + self.host_bytes
-
-
-def _walk_tensors(obj, path: str, seen_objects: set, out: List[Tuple[str, torch.Tensor]]):
-    """Every tensor reachable from ``obj`` through dynemb objects, lists, tuples and dicts."""
-    if isinstance(obj, torch.Tensor):
-        out.append((path, obj))
-        return
-    if id(obj) in seen_objects:
-        return
-    if isinstance(obj, (list, tuple)):
-        seen_objects.add(id(obj))
-        for i, item in enumerate(obj):
-            _walk_tensors(item, f"{path}[{i}]", seen_objects, out)
-    elif isinstance(obj, dict):
-        seen_objects.add(id(obj))
-        for key, item in obj.items():
-            _walk_tensors(item, f"{path}.{key}", seen_objects, out)
-    elif hasattr(obj, "__dict__") and (type(obj).__module__.startswith("dynemb")
-                                       or path.startswith("store")):  # a user's store too
-        seen_objects.add(id(obj))
-        for key, item in vars(obj).items():
-            _walk_tensors(item, f"{path}.{key}" if path else key, seen_objects, out)
+#: What a built table holds, by category (see :meth:`dynemb.tables.DynamicTable.memory_breakdown`).
+AllocatedBytes = MemoryBreakdown
 
 
 def measure_table(table: DynamicTable) -> AllocatedBytes:
-    """What ``table`` has allocated right now, read from its tensors.
-
-    Device-tier and host-tier/store rows are split into values and optimizer state by
-    columns; tensors under a tier's or store's hash table count as hash metadata; those of
-    prefetched batches as in flight; the rest (counters) as other.
-    """
-    found: List[Tuple[str, torch.Tensor]] = []
-    _walk_tensors(table, "", set(), found)
-    out = AllocatedBytes()
-    seen_storages = set()
-    for path, tensor in found:
-        storage = tensor.untyped_storage()
-        key = (tensor.device, storage.data_ptr(), storage.nbytes())
-        if key in seen_storages:
-            continue
-        seen_storages.add(key)
-        nbytes = storage.nbytes()
-        root = path.split(".", 1)[0].split("[", 1)[0]
-        host = root in ("host_tier", "store")
-        if root == "_held":
-            out.in_flight_bytes += nbytes
-        elif root in ("tier", "host_tier", "store") and tensor.dim() == 2:
-            row = table.row_layout
-            values = nbytes * row.embedding_bytes // row.row_bytes
-            if host:
-                out.host_values_bytes += values
-                out.host_optimizer_bytes += nbytes - values
-            else:
-                out.values_bytes += values
-                out.optimizer_bytes += nbytes - values
-        elif root in ("tier", "host_tier", "store"):
-            if host:
-                out.host_hash_bytes += nbytes
-            else:
-                out.hash_bytes += nbytes
-        elif root == "admission":
-            out.admission_bytes += nbytes
-        elif path == "_deferred._host" or (table.device.type != "cpu"
-                                           and tensor.device.type == "cpu"):
-            out.host_other_bytes += nbytes  # e.g. the host mirror of the failure count
-        else:
-            out.other_bytes += nbytes
-    return out
+    """What ``table`` has allocated right now (its own :meth:`memory_breakdown`)."""
+    return table.memory_breakdown()
 
 
 def format_allocated(allocated: Mapping[str, AllocatedBytes]) -> str:

@@ -6,14 +6,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from dynemb.dynamic_table import TableBatch
+from dynemb.tables import TableBatch
 from dynemb.options import StorageMode
 
 
 @dataclass
 class PrefetchState:
     """One prefetched batch: per table, its unique keys, inverse indices, slots, counts and
-    storage mode (:class:`~dynemb.dynamic_table.TableBatch`), plus how to cut the table's
+    storage mode (:class:`~dynemb.tables.TableBatch`), plus how to cut the table's
     rows back into features.
 
     ``values`` are the input ids (forward checks its input against them). ``features`` lists,

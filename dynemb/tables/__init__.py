@@ -1,0 +1,53 @@
+"""One dynamic table on one rank, one class per storage mode.
+
+=============  ==================================  =========================================
+mode           class                               where rows are written back
+=============  ==================================  =========================================
+HBM_DIRECT     :class:`HbmDirectTable`             nowhere: the device tier is the table
+CACHE          :class:`CacheTable`                 ``cache.py``: evicted rows go to the
+                                                   backing store in prefetch
+DEFAULT        :class:`TieredTable`                ``tiered.py``: updated rows go back to
+                                                   their (device or host) tier in backward
+=============  ==================================  =========================================
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Type
+
+import torch
+
+from dynemb.optimizers import OptimizerConfig
+from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
+from dynemb.tables.base import DynamicTable
+from dynemb.tables.batch import TableBatch
+from dynemb.tables.cache import CacheTable
+from dynemb.tables.hbm_direct import HbmDirectTable
+from dynemb.tables.memory import MemoryBreakdown
+from dynemb.tables.tiered import TieredTable
+
+TABLE_CLASSES: Dict[StorageMode, Type[DynamicTable]] = {
+    StorageMode.HBM_DIRECT: HbmDirectTable,
+    StorageMode.CACHE: CacheTable,
+    StorageMode.DEFAULT: TieredTable,
+}
+
+
+def build_table(name: str, table_id: int, dim: int, layout: TableLayout,
+                options: DynamicEmbTableOptions, optimizer: OptimizerConfig,
+                device: torch.device, backend: Optional[str] = None) -> DynamicTable:
+    """The table of ``layout.mode`` (see :data:`TABLE_CLASSES`).
+
+    Example::
+
+        >>> layout = choose_storage_mode(DynamicEmbTableOptions(), name="t",
+        ...                              num_embeddings=1024, width=8, config_dtype=torch.float32)
+        >>> type(build_table("t", 0, 8, layout, DynamicEmbTableOptions(), OptimizerConfig(),
+        ...                  torch.device("cpu"))).__name__
+        'HbmDirectTable'
+    """
+    return TABLE_CLASSES[layout.mode](name, table_id, dim, layout, options, optimizer, device,
+                                      backend)
+
+
+__all__ = ["DynamicTable", "HbmDirectTable", "CacheTable", "TieredTable", "TableBatch",
+           "MemoryBreakdown", "TABLE_CLASSES", "build_table"]

@@ -1,0 +1,312 @@
+"""``DynamicTable``: what every storage mode shares (one table on one rank).
+
+The life of a batch, whatever the mode:
+
+- ``prefetch(keys, training)`` -> :class:`TableBatch`: dedup, count, then the mode's
+  ``_resolve`` (HBM_DIRECT and CACHE find or insert and pin here; DEFAULT waits for forward);
+- ``lookup(batch)`` -> one float32 row per unique key;
+- ``apply_gradients(batch, grads, lr, step)``: the fused optimizer update, once, then unpin.
+
+Subclasses (one per :class:`~dynemb.options.StorageMode`, see :func:`dynemb.tables.build_table`)
+say where rows live and move. Shapes follow the unique keys; on CUDA they are padded to the
+input length (``EMPTY_KEY`` entries, slot -1) so the hot path never reads a size on the host.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from dynemb.admission import AdmissionCounter
+from dynemb.backends import backend_for_device
+from dynemb.counters import TableCounters
+from dynemb.dedup import unique_keys
+from dynemb.flat_table import RowLayout
+from dynemb.optimizers import OptimizerConfig, fused_update
+from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
+from dynemb.tables.batch import TableBatch
+from dynemb.tables.memory import MemoryBreakdown, storage_bytes
+from dynemb.tables.tier import DeferredFailures, Tier
+from dynemb.types import EMPTY_KEY, TableFullError
+from dynemb.validation import check_keys
+
+
+class DynamicTable:
+    """The shared part of the storage-mode classes; built by
+    :func:`dynemb.tables.build_table` (through :class:`~dynemb.DynamicEmbCollection`)."""
+
+    mode: StorageMode
+
+    def __init__(self, name: str, table_id: int, dim: int, layout: TableLayout,
+                 options: DynamicEmbTableOptions, optimizer: OptimizerConfig,
+                 device: torch.device, backend: Optional[str] = None):
+        if layout.mode is not self.mode:
+            raise ValueError(f"{type(self).__name__} stores {self.mode.name} tables, the layout "
+                             f"of {name!r} is {layout.mode.name}")
+        self.name = name
+        self.table_id = table_id
+        self.dim = dim
+        self.layout = layout
+        self.options = options
+        self.optimizer = optimizer
+        self.device = torch.device(device)
+        self.backend = backend
+        self.kernels = backend_for_device(self.device, backend)
+        self.state_dim = optimizer.state_dim(dim)
+        self.row_layout = RowLayout(dim, self.state_dim, layout.dtype)
+        self.width = self.row_layout.width  # physical columns of a row, as stores hold them
+        self.tier = Tier(layout, layout.init_capacity, dim, self.state_dim, options, self.device,
+                         backend, grow=self._grows)
+        self.admission = (AdmissionCounter(options.admission, self.device, backend)
+                          if options.admission is not None else None)
+        self.counters = TableCounters(self.device)
+        self._held: List[TableBatch] = []
+        self._deferred = DeferredFailures(self.device)
+
+    _grows = False  # the device tier doubles up to max_capacity (HBM_DIRECT only)
+
+    # -- what a mode provides ------------------------------------------------------------------
+    def _resolve(self, batch: TableBatch) -> None:
+        """Prefetch's part of the mode: find or insert (training) or find (eval) and pin."""
+        raise NotImplementedError
+
+    def lookup(self, batch: TableBatch) -> torch.Tensor:
+        """[U, dim] float32 rows of the batch's unique keys."""
+        raise NotImplementedError
+
+    def _update(self, batch: TableBatch, grads: torch.Tensor, lr: float, step: int) -> None:
+        """Apply the optimizer step ``grads`` [U, dim] to the batch's rows."""
+        raise NotImplementedError
+
+    def _row_sources(self) -> Iterable[Tuple[str, object]]:
+        """Where rows live besides the device tier, for ``read_rows``: ("tier", Tier) or
+        ("store", BackingStore) pairs, least authoritative first."""
+        return ()
+
+    def _rows_backing(self) -> int:
+        """Rows held outside the device tier."""
+        return 0
+
+    def _host_memory(self) -> MemoryBreakdown:
+        """Bytes of the host tier or backing store."""
+        return MemoryBreakdown()
+
+    # -- prefetch ------------------------------------------------------------------------------
+    def prefetch(self, keys: torch.Tensor, training: bool,
+                 occurrences: Optional[torch.Tensor] = None) -> TableBatch:
+        """Dedup ``keys`` [N] and resolve them as the mode does at prefetch.
+
+        ``occurrences`` [N] (int64), when given, says how many times each entry of ``keys``
+        stands for (ids deduplicated upstream); counts and counters use it."""
+        self._deferred.check(self.name)
+        unique = unique_keys(keys, self.backend)
+        counts = unique.counts
+        if occurrences is not None:
+            counts = torch.zeros_like(counts).index_add_(0, unique.inverse, occurrences)
+        batch = TableBatch(self.name, self.mode, training, unique.keys, unique.inverse,
+                           counts, unique.num_unique)
+        self.counters.add("lookups", keys.numel() if occurrences is None else occurrences.sum())
+        self.counters.add("unique_keys", unique.num_unique.sum())
+        self._resolve(batch)
+        return batch
+
+    def _hold(self, batch: TableBatch) -> None:
+        batch.pinned = True
+        self._held.append(batch)
+
+    def _admit(self, batch: TableBatch, present: torch.Tensor) -> torch.Tensor:
+        """Keys allowed a row: those already stored and those reaching the threshold. The rest
+        get the initializer's row in ``batch.fallback``."""
+        valid = batch.keys != EMPTY_KEY
+        admitted = present | self.admission.admit(batch.keys, batch.counts, valid & ~present)
+        self.counters.add("admission_rejects", (valid & ~admitted).sum())
+        batch.fallback = self.options.initializer.rows(
+            batch.keys, self.dim, seed=self.options.seed, table_id=self.table_id,
+            backend=self.backend)
+        return admitted
+
+    def _claim(self, tier: Tier, keys: torch.Tensor, counts: torch.Tensor):
+        """find_or_insert with pins; growth remaps the rows and every held batch. Backends
+        that must not wait for the device record failures for a later call instead."""
+        on_failure = "defer" if tier.kernels.defers_failures else "raise"
+        try:
+            result = tier.hash.find_or_insert(keys, pin=True, assume_unique=True,
+                                              counts=counts.to(tier.device), on_failure=on_failure)
+        except TableFullError as err:
+            if err.remap is not None:
+                self._apply_remap(tier, err.remap)
+            raise TableFullError(
+                f"table {self.name!r}: {err.failed_keys.numel()} keys found no slot in "
+                f"{self._tier_name(tier)} ({tier.hash.capacity} rows, "
+                f"{tier.hash.pinned_count()} pinned by {self._pin_holders()}); prefetch fewer "
+                f"batches ahead, raise the device budget, or use an evicting score_strategy. "
+                f"Nothing was inserted.", err.failed_keys, err.remap) from None
+        if result.remap is not None:
+            self._apply_remap(tier, result.remap)
+        if on_failure == "defer":
+            self._deferred.record(result.failed)
+        return result
+
+    def _tier_name(self, tier: Tier) -> str:
+        return "the cache" if self.mode is StorageMode.CACHE else f"the {self.mode.value} table"
+
+    def _pin_holders(self) -> str:
+        """Who holds the pins, for error messages: queued prefetches and looked-up batches
+        whose backward has not run yet."""
+        queued = sum(1 for b in self._held if not b.consumed)
+        looked_up = len(self._held) - queued
+        if not self._held:
+            return "no other batch: this batch alone has more keys than its buckets hold"
+        return (f"{queued} prefetched batches not yet consumed by forward and {looked_up} "
+                f"looked-up batches waiting for their backward (their pins end at their "
+                f"backward or at the next training forward)")
+
+    def _apply_remap(self, tier: Tier, remap: torch.Tensor) -> None:
+        tier.flat.remap(remap, tier.hash.capacity)
+        if tier is not self.tier:
+            return
+        for held in self._held:
+            if held.slots is not None:
+                held.slots = torch.where(held.slots >= 0, remap[held.slots.clamp(min=0)], -1)
+
+    def _count_claim(self, tier: Tier, batch: TableBatch, result, *, misses: bool = True):
+        """Add one claim's hits, inserts and evictions (and misses) to the counters; returns
+        the hits."""
+        hits, inserts, evictions = tier.kernels.claim_summary(
+            result.slots, result.inserted, result.previous_keys)
+        counts = dict(hits=hits, inserts=inserts, evictions=evictions)
+        if misses:
+            counts["misses"] = self._unique_count(batch) - hits
+        self.counters.add_many(**counts)
+        return hits
+
+    def _unique_count(self, batch: TableBatch):
+        """Distinct keys of the batch: an int where keys are exact, else a device count."""
+        if self.kernels.defers_failures:  # padded keys: count on the device
+            return batch.num_unique.sum()
+        return batch.keys.numel()
+
+    def _initialize(self, tier: Tier, result, keys: torch.Tensor) -> None:
+        tier.flat.initialize_where(result.slots, keys, result.inserted, self.options.initializer,
+                                   seed=self.options.seed, table_id=self.table_id)
+
+    def _eval_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.options.eval_initializer.rows(keys, self.dim, seed=self.options.seed,
+                                                  table_id=self.table_id, backend=self.backend)
+
+    def _with_fallback(self, rows, stored, fallback):
+        if fallback is not None:
+            return torch.where(stored[:, None], rows, fallback)
+        if self.kernels.defers_failures:
+            return rows * stored[:, None]  # padding and unplaced keys read zeros
+        return rows  # exact unique keys, and failures raise: all are stored
+
+    # -- backward ------------------------------------------------------------------------------
+    def apply_gradients(self, batch: TableBatch, grads: torch.Tensor, *, lr: float,
+                        step: int) -> None:
+        """Fused optimizer update of the batch's rows with ``grads`` [U, dim], then unpin.
+
+        Once per batch: a second call raises (it would apply the update twice). A batch whose
+        pins already ended (released before its backward) updates only the rows still stored
+        under its keys; rows evicted since are counted in ``dropped_updates``, never written to
+        another key's row."""
+        if batch.applied:
+            raise RuntimeError(
+                f"table {self.name!r}: the backward of this lookup already ran and applied its "
+                f"update; a second backward through the same forward (retain_graph=True) would "
+                f"apply it twice. Sum the losses and call backward once, or run a new forward")
+        batch.applied = True
+        self._update(batch, grads.to(torch.float32).contiguous(), lr, step)
+        self.release(batch)
+
+    def _live_slots(self, tier: Tier, slots: torch.Tensor, batch: TableBatch) -> torch.Tensor:
+        """``slots`` if the batch is still pinned; else only those still holding the batch's
+        keys (the others count as dropped updates). No host sync."""
+        if batch.pinned:
+            return slots
+        kept = tier.still_stored(slots, batch.keys)
+        self.counters.add("dropped_updates", ((slots >= 0) & ~kept).sum().to(self.device))
+        return torch.where(kept, slots, -1)
+
+    def _fused_update(self, weights, slots, grads, keys, lr, step) -> None:
+        """The optimizer step of ``weights[slots[i]]``, the row of ``keys[i]`` (float16 /
+        bfloat16 rows round with noise drawn from the key, so every storage mode agrees)."""
+        fused_update(weights, slots, grads, dim=self.dim, config=self.optimizer, lr=lr,
+                     step=step, backend=self.backend, keys=keys, seed=self.options.seed,
+                     table_id=self.table_id,
+                     stochastic_rounding=self.options.stochastic_rounding)
+
+    def release(self, batch: TableBatch) -> None:
+        """Drop the batch's pins (once)."""
+        if not batch.pinned:
+            return
+        if batch.slots is not None:
+            self.tier.hash.release(batch.slots)
+        self._release_more(batch)
+        batch.pinned = False
+        self._held = [b for b in self._held if b is not batch]
+
+    def _release_more(self, batch: TableBatch) -> None:
+        """Pins a mode holds besides the device tier's."""
+
+    # -- direct reads --------------------------------------------------------------------------
+    def read_rows(self, keys: torch.Tensor, *, with_state: bool = False):
+        """Current rows of ``keys`` wherever they live (device, host tier or store), without
+        touching scores, pins or counters. Returns ``(rows, found [N])``: rows [N, dim] in the
+        table dtype, or ``with_state`` the logical rows ``[N, dim + state_dim]`` (float32 for
+        float16 / bfloat16 tables: the embedding upcast, then the float32 optimizer state;
+        see :meth:`~dynemb.flat_table.RowLayout.to_logical`)."""
+        check_keys(keys, self.device)
+        width = self.width if with_state else self.dim
+        rows = torch.zeros(keys.numel(), width, dtype=self.layout.dtype, device=self.device)
+        found = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
+        for kind, source in (*self._row_sources(), ("tier", self.tier)):  # device tier last
+            if kind == "store":
+                stored_rows, hit, _ = source.find(keys)
+                rows[hit] = stored_rows[hit][:, :width]
+            else:
+                slots = source.hash.find(keys.to(source.device)).to(self.device)
+                hit = slots >= 0
+                rows[hit] = source.flat.weights[slots[hit].to(source.device)][:, :width].to(
+                    self.device)
+            found |= hit
+        return (self.row_layout.to_logical(rows) if with_state else rows), found
+
+    # -- observability -------------------------------------------------------------------------
+    def stats(self) -> Dict[str, object]:
+        """Counters plus current sizes (reads the device once)."""
+        out: Dict[str, object] = dict(self.counters.snapshot())
+        rows_device = self.tier.hash.size()
+        out["storage_mode"] = self.mode.value
+        out["rows_device"] = rows_device
+        out["device_capacity"] = self.tier.hash.capacity
+        out["load_factor"] = rows_device / self.tier.hash.capacity
+        out["rows_backing"] = self._rows_backing()
+        out["admission_pending"] = 0 if self.admission is None else self.admission.size()
+        return out
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """The bytes this table holds right now, by category (what the planner's estimate is
+        checked against). Rows split into values and optimizer state by the row layout."""
+        out = self._host_memory()
+        values, state = tier_row_bytes(self.tier, self.row_layout)
+        out.values_bytes += values
+        out.optimizer_bytes += state
+        out.hash_bytes += self.tier.hash.nbytes()
+        if self.admission is not None:
+            out.admission_bytes += self.admission.table.nbytes()
+        out.other_bytes += self.counters.nbytes() + storage_bytes([self._deferred.total])
+        out.host_other_bytes += storage_bytes([self._deferred.host])
+        out.in_flight_bytes += storage_bytes(t for b in self._held for t in b.tensors())
+        return out
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.name!r}, dim={self.dim}, "
+                f"device_capacity={self.tier.hash.capacity}, optimizer={self.optimizer.type.name})")
+
+
+def tier_row_bytes(tier: Tier, row: RowLayout) -> Tuple[int, int]:
+    """(value bytes, optimizer-state bytes) of a tier's flat table."""
+    nbytes = storage_bytes([tier.flat.weights])
+    values = nbytes * row.embedding_bytes // row.row_bytes
+    return values, nbytes - values

@@ -1,0 +1,90 @@
+"""CACHE: the device tier caches the hot rows of a backing store that holds every row.
+
+Where rows move (all in prefetch, so forward and backward are those of HBM_DIRECT):
+
+- **write-back**: a key inserted into a full bucket evicts the lowest-score unpinned slot;
+  the evicted row (embedding + optimizer state) and its score go to the store
+  (:meth:`CacheTable._write_back`);
+- **load**: a key inserted into the cache takes its row and score from the store when the
+  store has it, else the initializer's row (:meth:`CacheTable._load`);
+- eval reads a key missing from the cache from the store, without loading it.
+The store is inclusive: it may keep a stale copy of a cached row; the cached row wins, and is
+written back when evicted.
+"""
+from __future__ import annotations
+
+import torch
+
+from dynemb.backing_store import BackingStore, default_store
+from dynemb.options import StorageMode
+from dynemb.tables.hbm_direct import HbmDirectTable
+from dynemb.tables.memory import MemoryBreakdown
+
+
+class CacheTable(HbmDirectTable):
+    """See the module docstring. ``store`` is the table's :class:`BackingStore`."""
+
+    mode = StorageMode.CACHE
+    _grows = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        factory = self.options.backing_store or default_store(self.layout.max_capacity)
+        self.store = factory(self.width, self.layout.dtype, self.device)
+        if not isinstance(self.store, BackingStore) or self.store.width != self.width:
+            raise TypeError(f"table {self.name!r}: backing_store must build a BackingStore of "
+                            f"width {self.width}, got {self.store!r}")
+
+    def _present(self, keys: torch.Tensor) -> torch.Tensor:
+        return super()._present(keys) | self.store.find(keys)[1]
+
+    def _fill_new_rows(self, keys: torch.Tensor, result) -> None:
+        self._write_back(result)
+        self._load(keys, result)
+
+    def _write_back(self, result) -> None:
+        """Evicted rows go to the store with their scores."""
+        evicted = result.evicted
+        if not bool(evicted.any()):
+            return
+        slots = result.slots[evicted]
+        rows = self.tier.flat.weights.index_select(0, slots)
+        dropped = self.store.insert(result.previous_keys[evicted], rows,
+                                    result.previous_scores[evicted])
+        self.counters.add("write_backs", slots.numel())
+        self.counters.add("store_evictions", dropped)
+
+    def _load(self, keys: torch.Tensor, result) -> None:
+        """New slots take the store's row and score, or the initializer's row."""
+        inserted = result.inserted
+        if not bool(inserted.any()):
+            return
+        new_keys, new_slots = keys[inserted], result.slots[inserted]
+        rows, found, scores = self.store.find(new_keys)
+        if bool(found.any()):
+            loaded = new_slots[found]
+            self.tier.flat.weights.index_copy_(0, loaded, rows[found])
+            self.tier.hash.restore_scores(loaded, scores[found])
+            self.counters.add("loads", found.sum())
+        self.tier.flat.initialize_where(new_slots, new_keys, ~found, self.options.initializer,
+                                        seed=self.options.seed, table_id=self.table_id)
+
+    def _eval_fallback(self, keys: torch.Tensor) -> torch.Tensor:
+        rows, stored, _ = self.store.find(keys)
+        return torch.where(stored[:, None], rows[:, :self.dim].float(), self._eval_rows(keys))
+
+    def _row_sources(self):
+        return (("store", self.store),)
+
+    def _rows_backing(self) -> int:
+        return self.store.size()
+
+    def _host_memory(self) -> MemoryBreakdown:
+        """The default store's bytes; a user store that cannot tell counts 0."""
+        nbytes = getattr(self.store, "nbytes", None)
+        if nbytes is None:
+            return MemoryBreakdown()
+        rows, hash_bytes = nbytes()
+        values = rows * self.row_layout.embedding_bytes // self.row_layout.row_bytes
+        return MemoryBreakdown(host_values_bytes=values, host_optimizer_bytes=rows - values,
+                               host_hash_bytes=hash_bytes)

@@ -1,0 +1,85 @@
+"""HBM_DIRECT: the whole table lives in one device tier (hash table + flat table).
+
+- prefetch (training): find or insert every key (admission first), evict by score when a
+  bucket is full (the evicted row is simply dropped: the table is the only copy), initialize
+  new rows, pin the slots. Eval: find only, unseen keys read the eval initializer.
+- forward: gather the embedding columns by slot.
+- backward: the fused optimizer updates the rows in place.
+The device tier doubles (up to ``max_capacity``) when ``init_capacity`` starts it smaller.
+"""
+from __future__ import annotations
+
+import torch
+
+from dynemb.options import StorageMode
+from dynemb.tables.base import DynamicTable
+from dynemb.tables.batch import TableBatch
+from dynemb.types import EMPTY_KEY
+
+
+class HbmDirectTable(DynamicTable):
+    """See the module docstring.
+
+    Example::
+
+        >>> table = build_table("t", 0, 8, layout, DynamicEmbTableOptions(), OptimizerConfig(),
+        ...                     torch.device("cpu"))            # an HBM_DIRECT layout
+        >>> batch = table.prefetch(torch.tensor([7, 9, 7]), training=True)
+        >>> table.lookup(batch).shape                            # one row per unique key
+        torch.Size([2, 8])
+    """
+
+    mode = StorageMode.HBM_DIRECT
+
+    @property
+    def _grows(self) -> bool:
+        return self.layout.init_capacity < self.layout.max_capacity
+
+    def _resolve(self, batch: TableBatch) -> None:
+        if batch.training:
+            self._resolve_training(batch)
+        else:
+            self._resolve_eval(batch)
+
+    def _resolve_training(self, batch: TableBatch) -> None:
+        claim = batch.keys
+        if self.admission is not None:
+            admitted = self._admit(batch, self._present(batch.keys))
+            claim = torch.where(admitted, batch.keys, EMPTY_KEY)
+        result = self._claim(self.tier, claim, batch.counts)
+        batch.slots = result.slots
+        self._hold(batch)
+        self._count_claim(self.tier, batch, result)
+        self._fill_new_rows(batch.keys, result)
+
+    def _present(self, keys: torch.Tensor) -> torch.Tensor:
+        """[U] bool: the key is stored already (admission lets stored keys through)."""
+        return self.tier.hash.find(keys, allow_padding=True) >= 0
+
+    def _fill_new_rows(self, keys: torch.Tensor, result) -> None:
+        """Rows of keys inserted by this claim start from the initializer."""
+        self._initialize(self.tier, result, keys)
+
+    def _resolve_eval(self, batch: TableBatch) -> None:
+        """Find without inserting or rescoring; found slots stay pinned until forward."""
+        slots = self.tier.hash.find(batch.keys, allow_padding=True)
+        self.tier.hash.retain(slots)
+        batch.slots = slots
+        self._hold(batch)
+        found = slots >= 0
+        self.counters.add("hits", found.sum())
+        self.counters.add("misses", batch.num_unique.sum() - found.sum())
+        batch.fallback = self._eval_fallback(batch.keys)
+
+    def _eval_fallback(self, keys: torch.Tensor) -> torch.Tensor:
+        return self._eval_rows(keys)
+
+    def lookup(self, batch: TableBatch) -> torch.Tensor:
+        # read the embedding columns only, not the optimizer state behind them
+        embeddings = self.tier.flat.weights[:, :self.dim]
+        rows = embeddings.index_select(0, batch.slots.clamp(min=0)).float()
+        return self._with_fallback(rows, batch.slots >= 0, batch.fallback)
+
+    def _update(self, batch: TableBatch, grads: torch.Tensor, lr: float, step: int) -> None:
+        slots = self._live_slots(self.tier, batch.slots, batch)
+        self._fused_update(self.tier.flat.weights, slots, grads, batch.keys, lr, step)

@@ -1,0 +1,61 @@
+"""``MemoryBreakdown``: the bytes a built table holds, by category."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Iterable
+
+import torch
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes of the tensors one table holds right now, by category (distinct storages).
+
+    ``in_flight_bytes`` are batches still pinned (prefetched or awaiting backward): they come
+    and go with the steps and are not part of the table.
+
+    Example::
+
+        >>> table.memory_breakdown().device_bytes  # values + state + hash + admission + other
+    """
+
+    values_bytes: int = 0
+    optimizer_bytes: int = 0
+    hash_bytes: int = 0
+    admission_bytes: int = 0
+    other_bytes: int = 0
+    host_values_bytes: int = 0
+    host_optimizer_bytes: int = 0
+    host_hash_bytes: int = 0
+    host_other_bytes: int = 0
+    in_flight_bytes: int = 0
+
+    @property
+    def device_bytes(self) -> int:
+        return (self.values_bytes + self.optimizer_bytes + self.hash_bytes
+                + self.admission_bytes + self.other_bytes)
+
+    @property
+    def host_bytes(self) -> int:
+        return (self.host_values_bytes + self.host_optimizer_bytes + self.host_hash_bytes
+                + self.host_other_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.device_bytes + self.host_bytes
+
+    def __add__(self, other: "MemoryBreakdown") -> "MemoryBreakdown":
+        return MemoryBreakdown(*(getattr(self, f.name) + getattr(other, f.name)
+                                 for f in fields(self)))
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr(), storage.nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total

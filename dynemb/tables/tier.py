@@ -1,0 +1,75 @@
+"""The building blocks every storage mode shares: a :class:`Tier` (a hash table and the flat
+table of its rows) and :class:`DeferredFailures` (slot failures reported without a sync)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from dynemb.backends import backend_for_device
+from dynemb.flat_table import FlatTable
+from dynemb.hash_table import ScoredHashTable
+from dynemb.options import DynamicEmbTableOptions, TableLayout
+from dynemb.types import TableFullError
+
+
+class Tier:
+    """A hash table (key -> slot) and the flat table of its rows (row = slot).
+
+    ``grow``: the hash table doubles, up to ``layout.max_capacity``, once it passes
+    ``options.max_load_factor`` (HBM_DIRECT tables that start below their maximum).
+    """
+
+    def __init__(self, layout: TableLayout, capacity: int, dim: int, state_dim: int,
+                 options: DynamicEmbTableOptions, device: torch.device, backend: Optional[str],
+                 *, grow: bool = False):
+        self.device = torch.device(device)
+        self.kernels = backend_for_device(self.device, backend)
+        self.hash = ScoredHashTable(
+            capacity, bucket_size=layout.bucket_size, policy=options.score_strategy,
+            device=self.device, backend=backend,
+            grow_at_load_factor=options.max_load_factor if grow else None,
+            max_capacity=layout.max_capacity if grow else None)
+        self.flat = FlatTable(capacity, dim, optimizer_state_dim=state_dim, dtype=layout.dtype,
+                              device=self.device, backend=backend)
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Whole rows (embedding and state) at ``slots`` [U]; -1 entries read row 0."""
+        return self.flat.weights.index_select(0, slots.clamp(min=0))
+
+    def still_stored(self, slots: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """[U] bool: ``slots[i] >= 0`` and it still holds ``keys[i]`` (no host sync)."""
+        return (slots >= 0) & (self.hash.keys_at(slots) == keys.to(self.device))
+
+
+class DeferredFailures:
+    """Keys that found no slot on the sync-free (CUDA) path, reported at a later call.
+
+    The count is copied to pinned host memory behind an event; a later ``check`` raises once
+    the copy has landed, without ever waiting for the device.
+    """
+
+    def __init__(self, device: torch.device):
+        self.total = torch.zeros(1, dtype=torch.int64, device=device)
+        self._on_gpu = device.type == "cuda"
+        self.host = torch.zeros(1, dtype=torch.int64, pin_memory=self._on_gpu)
+        self._event = None
+
+    def record(self, failed: torch.Tensor) -> None:
+        self.total += failed.sum()
+        self.host.copy_(self.total, non_blocking=self._on_gpu)
+        if self._on_gpu:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def check(self, table: str) -> None:
+        if self._event is not None and not self._event.query():
+            return
+        count = int(self.host[0])
+        if count:
+            self.total.zero_()
+            self.host.zero_()
+            raise TableFullError(
+                f"table {table!r}: {count} keys of earlier batches found no slot (buckets full "
+                f"of pinned rows or NO_EVICTION) and were served zeros without being trained",
+                torch.empty(0, dtype=torch.int64), None)
