@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from dynemb.key_mixing import routes_to_first
 from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable, tier_row_bytes
 from dynemb.tables.batch import TableBatch
 from dynemb.tables.memory import MemoryBreakdown, storage_bytes
 from dynemb.tables.tier import Tier
 from dynemb.types import EMPTY_KEY, TableFullError
-
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads keys over the tiers
-
 
 class TieredTable(DynamicTable):
     """See the module docstring. ``host_tier`` holds the rows the hash sends to the host."""
@@ -42,7 +40,8 @@ class TieredTable(DynamicTable):
     def lookup(self, batch: TableBatch) -> torch.Tensor:
         keys = batch.keys
         valid = keys != EMPTY_KEY
-        on_device = valid & self._routes_to_device(keys)
+        on_device = valid & routes_to_first(
+            keys, self.tier.hash.capacity, self.tier.hash.capacity + self.host_tier.hash.capacity)
         dev_keys = torch.where(on_device, keys, EMPTY_KEY)
         host_keys = torch.where(valid & ~on_device, keys, EMPTY_KEY).cpu()
         if batch.training:
@@ -96,12 +95,6 @@ class TieredTable(DynamicTable):
         hits = (self._count_claim(self.tier, batch, dev, misses=False)
                 + self._count_claim(self.host_tier, batch, host, misses=False))
         self.counters.add("misses", self._unique_count(batch) - hits)
-
-    def _routes_to_device(self, keys: torch.Tensor) -> torch.Tensor:
-        mixed = keys * _GOLDEN
-        mixed = (mixed ^ (mixed >> 31)) & 0x7FFFFFFFFFFFFFFF
-        total = self.tier.hash.capacity + self.host_tier.hash.capacity
-        return mixed % total < self.tier.hash.capacity
 
     # -- backward ------------------------------------------------------------------------------
     def _update(self, batch: TableBatch, grads: torch.Tensor, lr: float, step: int) -> None:
