@@ -9,7 +9,8 @@
 - :mod:`dynemb.sharding`: the row-wise sharder for TorchRec's DistributedModelParallel.
 """
 from dynemb.backing_store import BackingStore, HostBackingStore
-from dynemb.collection import DynamicEmbCollection, DynamicEmbFusedOptimizer
+from dynemb.collection import DynamicEmbCollection
+from dynemb.fused_optimizer import DynamicEmbFusedOptimizer
 from dynemb.flat_table import FlatTable
 from dynemb.hash_table import ScoredHashTable
 from dynemb.initializers import Initializer, InitializerKind

@@ -8,15 +8,19 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig, data_type_to_dtype
 from torchrec.modules.embedding_modules import EmbeddingCollectionInterface
-from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from dynemb.tables import DynamicTable, TableBatch, build_table
+from dynemb.collection_config import check_configs, options_by_table
+from dynemb.fused_optimizer import DynamicEmbFusedOptimizer
 from dynemb.initializers import table_identity
+from dynemb.jagged import cut_by_feature
+from dynemb.module_conversion import check_conversion
 from dynemb.optimizers import OptimizerConfig, clip_gradients
 from dynemb.options import (DynamicEmbTableOptions, StorageMode, check_allocation,
                              choose_storage_mode)
 from dynemb.prefetch import PrefetchState
+from dynemb.tables import DynamicTable, TableBatch, build_table
 from dynemb.validation import check_keys, check_kjt
 
 
@@ -39,11 +43,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         validate_inputs: check each KJT (features, dtype, lengths, reserved ids) before any
             table changes. On CUDA this reads the lengths on the host; turn it off for a
             sync-free step once inputs are trusted.
-        world_size: ranks the global memory budgets are split over.
-        backend: "cpu" or "cuda" to override the kernels picked by device.
-        weights_are_counts: read the KJT's weights as how many times each id occurred (the
-            sharded module feeds its shards deduplicated ids this way, so frequency-based
-            admission, LFU scores and the lookup counters still count every occurrence).
+        backend: "cpu" or "cuda" to override the kernels picked by device (e.g. "cuda" to
+            run the CUDA kernels under numba's simulator).
 
     On ``device="meta"`` no table is allocated: the module only describes its tables, for
     :class:`~dynemb.sharding.DynamicEmbCollectionSharder` to build them on each rank.
@@ -60,31 +61,34 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         torch.Size([2, 8])
     """
 
+    #: Read the KJT's weights as how many times each id occurred: the sharded module feeds
+    #: its shards deduplicated ids this way, so admission, LFU scores and the lookup counters
+    #: still count every occurrence (see :mod:`dynemb.sharding.local_collection`).
+    _weights_are_counts = False
+
     def __init__(self, tables: List[EmbeddingConfig], device: Optional[torch.device] = None, *,
                  table_options: Union[DynamicEmbTableOptions,
                                       Mapping[str, DynamicEmbTableOptions], None] = None,
                  optimizer: Optional[OptimizerConfig] = None, need_indices: bool = False,
-                 validate_inputs: bool = True, world_size: int = 1,
-                 backend: Optional[str] = None, weights_are_counts: bool = False):
+                 validate_inputs: bool = True, backend: Optional[str] = None):
         super().__init__()
-        self._configs = _check_configs(tables)
+        self._configs = check_configs(tables)
         self._device = torch.device(device if device is not None else "cpu")
         self._optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
         if not isinstance(self._optimizer_config, OptimizerConfig):
             raise TypeError(f"optimizer must be an OptimizerConfig, got {optimizer!r}")
-        options = _options_by_table(table_options, [c.name for c in self._configs])
+        options = options_by_table(table_options, [c.name for c in self._configs])
         self._table_options = options
         self._backend = backend
         self._need_indices = need_indices
         self._validate = validate_inputs
-        self._weights_are_counts = weights_are_counts
         self.tables: Dict[str, DynamicTable] = {}
         for config in self._configs:
             state_dim = self._optimizer_config.state_dim(config.embedding_dim)
             layout = choose_storage_mode(
                 options[config.name], name=config.name, num_embeddings=config.num_embeddings,
                 width=config.embedding_dim + state_dim, state_dim=state_dim,
-                config_dtype=data_type_to_dtype(config.data_type), world_size=world_size)
+                config_dtype=data_type_to_dtype(config.data_type))
             if self._device.type == "meta":
                 continue
             check_allocation(layout, options[config.name], name=config.name, device=self._device)
@@ -98,7 +102,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         # their backward or the next training forward (see forward)
         self._awaiting_backward: List[Tuple[str, TableBatch]] = []
         self._steps = {name: 0 for name in self.tables}
-        self._fused_optimizer = DynamicEmbFusedOptimizer(self, self._optimizer_config.learning_rate)
+        self._fused_optimizer = DynamicEmbFusedOptimizer(self._optimizer_config.learning_rate)
         self._prefetch_stream = (torch.cuda.Stream(device=self._device)
                                  if self._device.type == "cuda" else None)
 
@@ -176,7 +180,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             Traceback (most recent call last):
             RuntimeError: DynamicEmbCollection cannot be converted to torch.float16 ...
         """
-        _check_conversion(fn, self._device)
+        check_conversion(fn, self._device)
         return super()._apply(fn, recurse)
 
     # -- prefetch ----------------------------------------------------------------------------
@@ -306,13 +310,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             if trains and self._optimizer_config.max_gradient is not None:
                 # fbgemm clips each output's gradient before the per-row sum
                 rows.register_hook(self._clip)
-            offset = 0
-            for feature, count in state.features[name]:
-                values = rows[offset:offset + count]
-                offset += count
-                jt_ids = kjt[feature].values() if self._need_indices else None
-                out[feature] = JaggedTensor(values=values, lengths=state.lengths[feature],
-                                            weights=jt_ids)
+            segments = state.features[name]
+            ids = {f: kjt[f].values() for f, _ in segments} if self._need_indices else None
+            out.update(cut_by_feature(rows, segments, state.lengths, ids))
         if trains:
             self._release(earlier)
         return {f: out[f] for f in state.feature_order}
@@ -405,113 +405,3 @@ class _DynamicLookup(torch.autograd.Function):
     def backward(ctx, grad_rows):
         ctx.module._apply_gradients(ctx.name, ctx.batch, grad_rows)
         return None, None, None, None
-
-
-class DynamicEmbFusedOptimizer(FusedOptimizer):
-    """The optimizer object of a :class:`DynamicEmbCollection`, TorchRec style: updates happen
-    in backward, so ``step`` and ``zero_grad`` do nothing; ``param_groups[0]["lr"]`` is the
-    learning rate used by the next backward (LR schedulers work on it).
-
-    Example::
-
-        >>> ec.fused_optimizer.param_groups[0]["lr"] = 0.01
-    """
-
-    def __init__(self, module: DynamicEmbCollection, lr: float):
-        super().__init__({}, {}, [{"params": [], "lr": lr}])
-
-    @property
-    def lr(self) -> float:
-        return float(self.param_groups[0]["lr"])
-
-    def step(self, closure: Any = None) -> None:
-        return None
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        return None
-
-
-def _check_configs(tables) -> List[EmbeddingConfig]:
-    if not isinstance(tables, (list, tuple)) or not tables:
-        raise ValueError("tables must be a non-empty list of EmbeddingConfig")
-    seen, features = set(), {}
-    for config in tables:
-        if not isinstance(config, EmbeddingConfig):
-            raise TypeError(f"tables must hold EmbeddingConfig, got {type(config).__name__}")
-        if not config.name or config.name in seen:
-            raise ValueError(f"table names must be unique and non-empty, got {config.name!r}")
-        seen.add(config.name)
-        if config.embedding_dim <= 0:
-            raise ValueError(f"table {config.name!r}: embedding_dim must be positive, got "
-                             f"{config.embedding_dim}")
-        if not config.feature_names:
-            config.feature_names = [config.name]
-        for f in config.feature_names:
-            if f in features:
-                raise ValueError(f"feature {f!r} is in tables {features[f]!r} and "
-                                 f"{config.name!r}; a feature reads one table")
-            features[f] = config.name
-    return list(tables)
-
-
-def _options_by_table(table_options, names) -> Dict[str, DynamicEmbTableOptions]:
-    if table_options is None or isinstance(table_options, DynamicEmbTableOptions):
-        return {n: table_options or DynamicEmbTableOptions() for n in names}
-    if not isinstance(table_options, Mapping):
-        raise TypeError("table_options must be DynamicEmbTableOptions or a dict of them by "
-                        f"table name, got {type(table_options).__name__}")
-    unknown = sorted(set(table_options) - set(names))
-    if unknown:
-        raise ValueError(f"table_options names unknown tables {unknown}; tables: {names}")
-    out = {}
-    for n in names:
-        opt = table_options.get(n, DynamicEmbTableOptions())
-        if not isinstance(opt, DynamicEmbTableOptions):
-            raise TypeError(f"table_options[{n!r}] must be DynamicEmbTableOptions, got {opt!r}")
-        out[n] = opt
-    return out
-
-
-_DEVICE_HOW = ("build it on the target device (DynamicEmbCollection(..., device=...)), or build "
-               "it on the meta device and shard it with DistributedModelParallel(..., "
-               "device=...)")
-
-
-def _check_conversion(fn, device: torch.device) -> None:
-    """Raise if ``fn`` (an ``nn.Module._apply`` function) would move or cast a float32 tensor
-    on ``device``: the tables would not follow."""
-    probe, out = _probe(fn, device)
-    if not isinstance(out, torch.Tensor):
-        return
-    if out.device != probe.device or device.type == "meta" and probe.device.type != "meta":
-        raise RuntimeError(
-            f"DynamicEmbCollection is on {device} and cannot be moved to {out.device} by "
-            f".to()/.cuda()/.cpu()/.to_empty(): its tables are hash tables, not parameters, "
-            f"and would stay where they are. Instead, {_DEVICE_HOW}")
-    if out.dtype != probe.dtype:
-        raise RuntimeError(
-            f"DynamicEmbCollection cannot be converted to {out.dtype} by .to(dtype)/.half()/"
-            f".bfloat16()/.double(): its tables are not parameters and would keep their dtype "
-            f"(forward always returns float32 embeddings). Choose the storage dtype at "
-            f"construction: DynamicEmbTableOptions(embedding_dtype=...), one of torch.float32, "
-            f"torch.float16, torch.bfloat16")
-
-
-def _probe(fn, device: torch.device):
-    """``(probe, fn(probe))`` for a float32 tensor on ``device`` (on CPU where nothing can be
-    copied out of meta, to learn where ``fn`` goes)."""
-    try:
-        probe = torch.zeros(1, device=device)
-        return probe, fn(probe)
-    except Exception as err:
-        failure = err
-    if device.type == "meta":
-        probe = torch.zeros(1)
-        try:
-            return probe, fn(probe)
-        except Exception:
-            pass
-    raise RuntimeError(
-        f"DynamicEmbCollection on {device} cannot be moved or converted by this call "
-        f"({type(failure).__name__}: {failure}); its tables are not parameters. To use another "
-        f"device, {_DEVICE_HOW}") from failure

@@ -49,7 +49,7 @@ def _rank_collection(config, options, optimizer, world):
     return DynamicEmbCollection(
         [local_table_config(config, world)], "cpu",
         table_options={config.name: local_table_options(options, world)},
-        optimizer=optimizer, world_size=world)
+        optimizer=optimizer)
 
 
 def _fill_store(table):

@@ -29,6 +29,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from dynemb.collection import DynamicEmbCollection
+from dynemb.jagged import cut_by_feature
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
 from dynemb.sharding.routing import RoutedIds
@@ -74,15 +75,18 @@ class DynamicEmbOutputAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
     def _wait_impl(self) -> Dict[str, JaggedTensor]:
         out: Dict[str, JaggedTensor] = {}
         for awaitable, routing in zip(self._awaitables, self._ctx.routings):
-            rows = awaitable.wait()
-            offset = 0
-            for feature, count in routing.segments:
-                out[feature] = JaggedTensor(
-                    values=rows[offset:offset + count],
-                    lengths=self._ctx.feature_lengths[feature],
-                    weights=self._ctx.feature_ids[feature] if self._need_indices else None)
-                offset += count
+            ids = self._ctx.feature_ids if self._need_indices else None
+            out.update(cut_by_feature(awaitable.wait(), routing.segments,
+                                      self._ctx.feature_lengths, ids))
         return {f: out[f] for f in self._ctx.feature_order if f in out}
+
+
+class LocalShardCollection(DynamicEmbCollection):
+    """One rank's share of the tables: a :class:`DynamicEmbCollection` fed deduplicated ids
+    whose KJT weights count their occurrences (so admission, LFU scores and the counters see
+    every occurrence)."""
+
+    _weights_are_counts = True
 
 
 class ShardedDynamicEmbCollection(
@@ -117,12 +121,12 @@ class ShardedDynamicEmbCollection(
         self._need_indices = module.need_indices()
         options = module.table_options
         device = torch.device(device if device is not None else "cpu")
-        self.local = DynamicEmbCollection(
+        self.local = LocalShardCollection(
             [local_table_config(c, self._world_size) for c in configs], device,
             table_options={c.name: local_table_options(options[c.name], self._world_size)
                            for c in configs},
             optimizer=module.optimizer_config, validate_inputs=False,  # checked at input dist
-            world_size=self._world_size, backend=module.backend, weights_are_counts=True)
+            backend=module.backend)
         self._validate = module.validate_inputs
         self._features = {f for c in configs for f in c.feature_names}
         self._group_tables: List[List[str]] = []

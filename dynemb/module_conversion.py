@@ -1,0 +1,50 @@
+"""What ``nn.Module`` conversions (``.to()``, ``.half()``, ``.cuda()``...) may do to a module
+whose tables are not parameters: nothing, or raise."""
+from __future__ import annotations
+
+import torch
+
+
+_DEVICE_HOW = ("build it on the target device (DynamicEmbCollection(..., device=...)), or build "
+               "it on the meta device and shard it with DistributedModelParallel(..., "
+               "device=...)")
+
+
+def check_conversion(fn, device: torch.device) -> None:
+    """Raise if ``fn`` (an ``nn.Module._apply`` function) would move or cast a float32 tensor
+    on ``device``: the tables would not follow."""
+    probe, out = _probe(fn, device)
+    if not isinstance(out, torch.Tensor):
+        return
+    if out.device != probe.device or device.type == "meta" and probe.device.type != "meta":
+        raise RuntimeError(
+            f"DynamicEmbCollection is on {device} and cannot be moved to {out.device} by "
+            f".to()/.cuda()/.cpu()/.to_empty(): its tables are hash tables, not parameters, "
+            f"and would stay where they are. Instead, {_DEVICE_HOW}")
+    if out.dtype != probe.dtype:
+        raise RuntimeError(
+            f"DynamicEmbCollection cannot be converted to {out.dtype} by .to(dtype)/.half()/"
+            f".bfloat16()/.double(): its tables are not parameters and would keep their dtype "
+            f"(forward always returns float32 embeddings). Choose the storage dtype at "
+            f"construction: DynamicEmbTableOptions(embedding_dtype=...), one of torch.float32, "
+            f"torch.float16, torch.bfloat16")
+
+
+def _probe(fn, device: torch.device):
+    """``(probe, fn(probe))`` for a float32 tensor on ``device`` (on CPU where nothing can be
+    copied out of meta, to learn where ``fn`` goes)."""
+    try:
+        probe = torch.zeros(1, device=device)
+        return probe, fn(probe)
+    except Exception as err:
+        failure = err
+    if device.type == "meta":
+        probe = torch.zeros(1)
+        try:
+            return probe, fn(probe)
+        except Exception:
+            pass
+    raise RuntimeError(
+        f"DynamicEmbCollection on {device} cannot be moved or converted by this call "
+        f"({type(failure).__name__}: {failure}); its tables are not parameters. To use another "
+        f"device, {_DEVICE_HOW}") from failure
