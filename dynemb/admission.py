@@ -5,7 +5,7 @@ import torch
 
 from dynemb.hash_table import ScoredHashTable
 from dynemb.options import FrequencyAdmission
-from dynemb.types import EMPTY_KEY, ScorePolicy
+from dynemb.types import EMPTY_KEY, MAX_BUCKET_SIZE, ScorePolicy
 
 
 class AdmissionCounter:
@@ -22,10 +22,9 @@ class AdmissionCounter:
     """
 
     def __init__(self, config: FrequencyAdmission, device: torch.device, backend=None):
-        capacity = max(128, -(-config.counter_capacity // 128) * 128)
         self.threshold = config.threshold
-        self.table = ScoredHashTable(capacity, policy=ScorePolicy.LFU, device=device,
-                                     backend=backend)
+        self.table = ScoredHashTable(counter_slots(config), policy=ScorePolicy.LFU,
+                                     device=device, backend=backend)
 
     def admit(self, keys: torch.Tensor, counts: torch.Tensor,
               candidates: torch.Tensor) -> torch.Tensor:
@@ -40,3 +39,16 @@ class AdmissionCounter:
 
     def size(self) -> int:
         return self.table.size()
+
+
+def counter_slots(config: FrequencyAdmission) -> int:
+    """Slots of the counter table: ``counter_capacity`` rounded up to whole buckets of
+    ``MAX_BUCKET_SIZE`` (the table's default bucket size).
+
+    Example::
+
+        >>> counter_slots(FrequencyAdmission(counter_capacity=200))
+        256
+    """
+    buckets = max(1, -(-config.counter_capacity // MAX_BUCKET_SIZE))
+    return buckets * MAX_BUCKET_SIZE

@@ -14,7 +14,7 @@ import torch
 
 from dynemb.flat_table import FlatTable
 from dynemb.hash_table import ScoredHashTable
-from dynemb.types import ScorePolicy
+from dynemb.types import MAX_BUCKET_SIZE, ScorePolicy
 from dynemb.validation import check_index_tensor
 
 
@@ -51,10 +51,10 @@ class HostBackingStore:
 
     It grows by doubling from ``initial_capacity`` up to ``max_capacity`` slots (before its
     load passes 0.75, or when a bucket is full); past that it evicts the lowest of the scores
-    its rows were inserted with (and ``insert`` reports how many). Give it room: keys spread unevenly over 128-slot buckets, so
-    at ``max_capacity`` a bucket may overflow well before every slot is used (see
-    :func:`default_store_slots`). Rows come back on the caller's device; on CUDA they travel
-    through pinned buffers.
+    its rows were inserted with (and ``insert`` reports how many). Give it room: keys spread
+    unevenly over buckets of ``MAX_BUCKET_SIZE`` slots, so at ``max_capacity`` a bucket may
+    overflow well before every slot is used (see :func:`default_store_slots`). Rows come back
+    on the caller's device; on CUDA they travel through pinned buffers.
 
     Example::
 
@@ -68,7 +68,7 @@ class HostBackingStore:
 
     def __init__(self, width: int, dtype: torch.dtype, device: torch.device, *,
                  initial_capacity: int = 1 << 12, max_capacity: Optional[int] = None):
-        bucket = min(128, initial_capacity)
+        bucket = min(MAX_BUCKET_SIZE, initial_capacity)
         self.width = width
         self.device = torch.device(device)
         # CUSTOMIZED: the store ranks rows by the scores the device table gave them.
@@ -133,7 +133,7 @@ class HostBackingStore:
 
 #: Slots the default store starts with, in buckets of this size.
 DEFAULT_STORE_INITIAL_SLOTS = 1 << 12
-DEFAULT_STORE_BUCKET_SIZE = 128
+DEFAULT_STORE_BUCKET_SIZE = MAX_BUCKET_SIZE
 #: Slots per table row the default store may grow to. A store with one slot per row forgets
 #: rows before it holds them all: with 128-slot buckets the fullest bucket overflows at about
 #: 96% load. With two it grows before passing 75% load and never needs to evict below

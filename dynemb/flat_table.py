@@ -8,9 +8,8 @@ from typing import Optional
 import torch
 
 from dynemb.initializers import Initializer
-from dynemb.validation import check_index_tensor, check_positive_int, check_slots
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from dynemb.types import SUPPORTED_DTYPES
+from dynemb.validation import check_index_tensor, check_int, check_slots
 
 
 @dataclass(frozen=True)
@@ -40,12 +39,10 @@ class RowLayout:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        check_positive_int(self.dim, "dim")
-        if isinstance(self.state_dim, bool) or not isinstance(self.state_dim, int) or (
-                self.state_dim < 0):
-            raise ValueError(f"optimizer_state_dim must be an int >= 0, got {self.state_dim!r}")
-        if self.dtype not in _DTYPES:
-            raise TypeError(f"dtype must be one of {_DTYPES}, got {self.dtype}")
+        check_int(self.dim, "dim")
+        check_int(self.state_dim, "optimizer_state_dim", minimum=0)
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype}")
 
     @property
     def _split(self) -> bool:
@@ -134,7 +131,7 @@ class FlatTable:
 
     def __init__(self, capacity: int, dim: int, *, optimizer_state_dim: int = 0,
                  dtype: torch.dtype = torch.float32, device=None, backend: Optional[str] = None):
-        check_positive_int(capacity, "capacity")
+        check_int(capacity, "capacity")
         self.layout = RowLayout(dim, optimizer_state_dim, dtype)
         self.dim = dim
         self.optimizer_state_dim = optimizer_state_dim

@@ -7,10 +7,9 @@ from typing import Optional
 import torch
 
 from dynemb.backends import backend_for_device
-from dynemb.kernels.constants import MAX_BUCKET_SIZE
-from dynemb.types import (EMPTY_KEY, TOMBSTONE_KEY, EraseResult, ExportBatch, FindOrInsertResult,
-                          ScorePolicy, TableFullError)
-from dynemb.validation import (check_index_tensor, check_keys, check_positive_int,
+from dynemb.types import (EMPTY_KEY, MAX_BUCKET_SIZE, TOMBSTONE_KEY, EraseResult, ExportBatch,
+                          FindOrInsertResult, ScorePolicy, TableFullError)
+from dynemb.validation import (check_bucket_size, check_index_tensor, check_int, check_keys,
                                check_same_length, check_slots)
 
 _ON_FAILURE = ("raise", "report", "defer")
@@ -44,9 +43,9 @@ class ScoredHashTable:
 
     Args:
         capacity: number of slots; a positive multiple of ``bucket_size`` (with the default
-            bucket size: a power of two below 128, else a multiple of 128).
-        bucket_size: slots per bucket, a power of two <= 128 (default: 128, or ``capacity``
-            when that is smaller).
+            bucket size: a power of two below ``MAX_BUCKET_SIZE`` (128), else a multiple of it).
+        bucket_size: slots per bucket, a power of two <= ``MAX_BUCKET_SIZE`` (default:
+            ``MAX_BUCKET_SIZE``, or ``capacity`` when that is smaller).
         policy: the score policy.
         device: where the table lives; picks the CPU or CUDA kernels.
         grow_at_load_factor: grow (doubling) before an insert would pass this load factor, or
@@ -72,14 +71,11 @@ class ScoredHashTable:
                  policy: ScorePolicy = ScorePolicy.LRU, device=None,
                  grow_at_load_factor: Optional[float] = None,
                  max_capacity: Optional[int] = None, backend: Optional[str] = None):
-        check_positive_int(capacity, "capacity")
+        check_int(capacity, "capacity")
         if bucket_size is None:
             _check_capacity_for_default_buckets(capacity)
             bucket_size = min(MAX_BUCKET_SIZE, capacity)
-        check_positive_int(bucket_size, "bucket_size")
-        if bucket_size > MAX_BUCKET_SIZE or bucket_size & (bucket_size - 1):
-            raise ValueError(f"bucket_size must be a power of two <= {MAX_BUCKET_SIZE}, "
-                             f"got {bucket_size}")
+        check_bucket_size(bucket_size)
         if capacity % bucket_size:
             raise ValueError(f"capacity must be a multiple of bucket_size ({bucket_size}), got "
                              f"{capacity}; nearest valid: "
@@ -92,7 +88,7 @@ class ScoredHashTable:
         if grow_at_load_factor is not None and not 0.0 < grow_at_load_factor <= 1.0:
             raise ValueError(f"grow_at_load_factor must be in (0, 1], got {grow_at_load_factor}")
         if max_capacity is not None:
-            check_positive_int(max_capacity, "max_capacity")
+            check_int(max_capacity, "max_capacity")
             if max_capacity < capacity:
                 raise ValueError(f"max_capacity ({max_capacity}) is below capacity ({capacity})")
         self.device = torch.device(device if device is not None else "cpu")
@@ -435,7 +431,7 @@ class ScoredHashTable:
         """
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= self.capacity:
             raise ValueError(f"start must be an int in [0, {self.capacity}], got {start!r}")
-        batch = self.capacity - start if batch is None else check_positive_int(batch, "batch")
+        batch = self.capacity - start if batch is None else check_int(batch, "batch")
         end = min(self.capacity, start + batch)
         keys, slots, scores = self._backend.export(self._keys, self._scores, start, end)
         return ExportBatch(keys, slots, scores, end)
@@ -444,7 +440,7 @@ class ScoredHashTable:
         """Rehash into ``new_capacity`` slots; returns ``remap`` [old capacity] (old -> new slot,
         -1 for empty slots). Scores and pins move with their keys; apply ``remap`` to any slot
         index you hold and move value rows with it. On failure the table is unchanged."""
-        check_positive_int(new_capacity, "new_capacity")
+        check_int(new_capacity, "new_capacity")
         if new_capacity <= self.capacity or new_capacity % self.bucket_size:
             raise ValueError(f"new_capacity must be a multiple of {self.bucket_size} above the "
                              f"current capacity {self.capacity}, got {new_capacity}")

@@ -27,6 +27,8 @@ import torch
 from dynemb.backends import backend_for_device
 from dynemb.flat_table import RowLayout
 from dynemb.kernels import optim_common, round_common
+from dynemb.types import SUPPORTED_DTYPES
+from dynemb.validation import check_int
 
 if TYPE_CHECKING:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -118,8 +120,7 @@ class OptimizerConfig:
     def state_dim(self, dim: int) -> int:
         """Optimizer state columns per row of width ``dim``: SGD 0, ADAM 2*dim (m then v),
         ADAGRAD dim, ROWWISE_ADAGRAD 1."""
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        check_int(dim, "dim")
         return {OptimizerType.SGD: 0, OptimizerType.ADAM: 2 * dim,
                 OptimizerType.ADAGRAD: dim, OptimizerType.ROWWISE_ADAGRAD: 1}[self.type]
 
@@ -206,9 +207,6 @@ def clip_gradients(grads: torch.Tensor, config: OptimizerConfig) -> torch.Tensor
     return grads.clamp(-config.max_gradient, config.max_gradient)
 
 
-_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def fused_update(weights: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor, *, dim: int,
                  config: OptimizerConfig, lr: float, step: int, backend=None,
                  keys: Optional[torch.Tensor] = None, seed: int = 0, table_id: int = 0,
@@ -259,8 +257,7 @@ def fused_update(weights: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor
         raise TypeError(f"config must be an OptimizerConfig, got {type(config).__name__}")
     state_dim = config.state_dim(dim)
     _check_number(lr, "lr")
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
-        raise ValueError(f"step must be an int >= 1, got {step!r}")
+    check_int(step, "step")
     _check_inputs(weights, slots, grads, dim, state_dim)
     chosen = backend_for_device(weights.device, backend)
     if weights.dtype != torch.float32:
@@ -351,8 +348,8 @@ def _check_inputs(weights, slots, grads, dim, state_dim) -> None:
     for t, name in ((weights, "weights"), (slots, "slots"), (grads, "grads")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if weights.dtype not in _WEIGHT_DTYPES:
-        raise TypeError(f"weights must have a dtype in {_WEIGHT_DTYPES}, got {weights.dtype}")
+    if weights.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"weights must have a dtype in {SUPPORTED_DTYPES}, got {weights.dtype}")
     width = RowLayout(dim, state_dim, weights.dtype).width
     if weights.dim() != 2 or weights.shape[1] < width:
         raise ValueError(f"weights must be [C, W] with W >= {width} (RowLayout(dim, state, "

@@ -12,10 +12,8 @@ import torch
 from dynemb.flat_table import RowLayout
 from dynemb.hash_table import SLOT_BYTES, max_table_capacity
 from dynemb.initializers import Initializer, InitializerKind
-from dynemb.kernels.constants import MAX_BUCKET_SIZE
-from dynemb.types import ScorePolicy
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from dynemb.types import MAX_BUCKET_SIZE, SUPPORTED_DTYPES, ScorePolicy
+from dynemb.validation import check_bucket_size, check_int
 
 
 class StorageMode(enum.Enum):
@@ -66,8 +64,8 @@ class FrequencyAdmission:
     counter_capacity: int = 1 << 16
 
     def __post_init__(self):
-        _check_int(self.threshold, "admission.threshold", minimum=1)
-        _check_int(self.counter_capacity, "admission.counter_capacity", minimum=1)
+        check_int(self.threshold, "admission.threshold")
+        check_int(self.counter_capacity, "admission.counter_capacity")
 
 
 #: Builds a table's backing store: ``factory(width, dtype, device)`` where ``width`` is the
@@ -96,7 +94,7 @@ class DynamicEmbTableOptions:
             beyond it the score policy evicts.
         max_load_factor: grow (doubling, up to ``max_capacity``) once the table would be
             fuller than this.
-        bucket_size: hash-table bucket size, a power of two <= 128.
+        bucket_size: hash-table bucket size, a power of two <= ``MAX_BUCKET_SIZE`` (128).
         score_strategy: eviction order, a :class:`ScorePolicy` (LRU is the timestamp policy).
         initializer: start value of new rows in training.
         eval_initializer: value returned for unseen keys in eval mode (nothing is stored).
@@ -144,14 +142,11 @@ class DynamicEmbTableOptions:
         for name in ("global_hbm_for_values", "local_hbm_for_values", "init_capacity",
                      "max_capacity"):
             if getattr(self, name) is not None:
-                _check_int(getattr(self, name), name, minimum=1)
+                check_int(getattr(self, name), name)
         f = self.max_load_factor
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
             raise ValueError(f"max_load_factor must be in (0, 1], got {f!r}")
-        _check_int(self.bucket_size, "bucket_size", minimum=1)
-        if self.bucket_size > MAX_BUCKET_SIZE or self.bucket_size & (self.bucket_size - 1):
-            raise ValueError(f"bucket_size must be a power of two <= {MAX_BUCKET_SIZE}, got "
-                             f"{self.bucket_size}")
+        check_bucket_size(self.bucket_size)
         if not isinstance(self.score_strategy, ScorePolicy):
             raise TypeError(f"score_strategy must be a ScorePolicy, got {self.score_strategy!r}")
         if self.score_strategy is ScorePolicy.CUSTOMIZED:
@@ -163,12 +158,12 @@ class DynamicEmbTableOptions:
         if self.admission is not None and not isinstance(self.admission, FrequencyAdmission):
             raise TypeError(f"admission must be a FrequencyAdmission or None, got "
                             f"{self.admission!r}")
-        if self.embedding_dtype is not None and self.embedding_dtype not in _DTYPES:
-            raise ValueError(f"embedding_dtype must be one of {_DTYPES}, got "
+        if self.embedding_dtype is not None and self.embedding_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"embedding_dtype must be one of {SUPPORTED_DTYPES}, got "
                              f"{self.embedding_dtype}")
         if self.backing_store is not None and not callable(self.backing_store):
             raise TypeError("backing_store must be a factory (width, dtype, device) -> store")
-        _check_int(self.seed, "seed", minimum=0)
+        check_int(self.seed, "seed", minimum=0)
         if not isinstance(self.sharding, ShardingScheme):
             raise TypeError(f"sharding must be a ShardingScheme, got {self.sharding!r}")
         if (self.init_capacity is not None and self.max_capacity is not None
@@ -214,10 +209,10 @@ def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embed
         640
     """
     dtype = options.embedding_dtype or config_dtype
-    if dtype not in _DTYPES:
+    if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"table {name!r}: data_type {dtype} is not supported; use one of "
-                         f"{_DTYPES} (or set embedding_dtype)")
-    _check_int(num_embeddings, f"table {name!r}: num_embeddings", minimum=1)
+                         f"{SUPPORTED_DTYPES} (or set embedding_dtype)")
+    check_int(num_embeddings, f"table {name!r}: num_embeddings")
     bucket = options.bucket_size
     max_capacity = _round_up(options.max_capacity or num_embeddings, bucket)
     init_capacity = _round_up(options.init_capacity or max_capacity, bucket)
@@ -343,10 +338,3 @@ def _gib(n: int) -> str:
 
 def _round_up(n: int, multiple: int) -> int:
     return max(multiple, math.ceil(n / multiple) * multiple)
-
-
-def _check_int(value, name: str, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -1,4 +1,4 @@
-"""Public enums and result types of the hash table."""
+"""Public enums, result types and limits of the hash table."""
 from __future__ import annotations
 
 import enum
@@ -12,6 +12,13 @@ from dynemb.kernels import constants
 EMPTY_KEY = int(constants.EMPTY_KEY)
 TOMBSTONE_KEY = int(constants.TOMBSTONE_KEY)
 RESERVED_KEYS = (EMPTY_KEY, TOMBSTONE_KEY)
+
+#: Largest bucket of a hash table (slots; buckets are powers of two up to it): the CUDA insert
+#: kernel tracks the slots of a bucket in two 64-bit masks.
+MAX_BUCKET_SIZE = constants.MAX_BUCKET_SIZE
+
+#: dtypes a table's rows can have (optimizer state is float32 whatever the row dtype).
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class ScorePolicy(enum.Enum):

@@ -6,7 +6,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
 from dynemb.kernels.table_cpu import count_reserved_cpu
-from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
+from dynemb.types import EMPTY_KEY, MAX_BUCKET_SIZE, TOMBSTONE_KEY
 
 
 def check_index_tensor(t, name: str, device: torch.device) -> None:
@@ -45,12 +45,39 @@ def check_same_length(a: torch.Tensor, name_a: str, b: torch.Tensor, name_b: str
         raise ValueError(f"{name_b} has shape {tuple(b.shape)} but {name_a} has {tuple(a.shape)}")
 
 
-def check_positive_int(value, name: str) -> int:
+def check_int(value, name: str, *, minimum: int = 1) -> int:
+    """``value`` must be an int (not a bool) >= ``minimum``; returns it.
+
+    Example::
+
+        >>> check_int(0, "seed", minimum=0)
+        0
+        >>> check_int(0, "capacity")
+        Traceback (most recent call last):
+        ValueError: capacity must be positive, got 0
+    """
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        bound = "positive" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
     return value
+
+
+def check_bucket_size(bucket_size, name: str = "bucket_size") -> int:
+    """``bucket_size`` must be a power of two <= ``MAX_BUCKET_SIZE``; returns it.
+
+    Example::
+
+        >>> check_bucket_size(96)
+        Traceback (most recent call last):
+        ValueError: bucket_size must be a power of two <= 128, got 96
+    """
+    check_int(bucket_size, name)
+    if bucket_size > MAX_BUCKET_SIZE or bucket_size & (bucket_size - 1):
+        raise ValueError(f"{name} must be a power of two <= {MAX_BUCKET_SIZE}, got "
+                         f"{bucket_size}")
+    return bucket_size
 
 
 def check_slots(slots, name: str, device: torch.device, capacity: int) -> None:
