@@ -10,7 +10,6 @@ from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, I
                     OptimizerConfig, OptimizerType, StorageMode)
 from dynemb.flat_table import RowLayout
 from dynemb.optimizers import fused_update, round_rows
-from dynemb.options import choose_storage_mode
 
 HALF = [torch.float16, torch.bfloat16]
 DATA_TYPES = {torch.float32: DataType.FP32, torch.float16: DataType.FP16,
@@ -178,18 +177,6 @@ def test_read_rows_with_state_gives_the_logical_rows():
 
 
 # -- memory ---------------------------------------------------------------------------------------
-def test_row_bytes_count_a_float32_state():
-    layout = RowLayout(64, 128, torch.float16)  # Adam at dim 64
-    assert (layout.width, layout.row_bytes) == (64 + 256, 64 * 2 + 128 * 4)  # 640 bytes
-    assert RowLayout(64, 128, torch.float32).row_bytes == 192 * 4  # 768 bytes
-    assert RowLayout(5, 0, torch.float16).width == 5  # no state: no padding
-    assert RowLayout(5, 1, torch.bfloat16).row_bytes == 6 * 2 + 4
-    options = DynamicEmbTableOptions(caching=True, local_hbm_for_values=128 * 640)
-    layout = choose_storage_mode(options, name="t", num_embeddings=4096, width=64 + 128,
-                                 state_dim=128, config_dtype=torch.float16)
-    assert layout.row_bytes == 640 and layout.device_capacity == 128
-
-
 def test_built_half_table_matches_the_planner():
     from dynemb.planner import measure_allocated, table_footprint
     optimizer = OptimizerConfig(ADAM)

@@ -1,10 +1,12 @@
-"""Options that cannot work are rejected at construction, with the options that would."""
+"""How options resolve to a storage mode and layout; options that cannot work are rejected
+at construction, with the options that would."""
 import pytest
 import torch
 from torchrec import EmbeddingConfig
 
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, ScorePolicy, StorageMode
 from dynemb.hash_table import max_table_capacity
+from dynemb.options import choose_storage_mode
 from test_collection import kjt, train_step
 
 DIM = 4
@@ -16,6 +18,47 @@ def make(num_embeddings, device=None, **options):
     return DynamicEmbCollection(tables, device, table_options=DynamicEmbTableOptions(**options))
 
 
+# -- storage mode and layout ------------------------------------------------------------------
+@pytest.mark.parametrize("budget_rows, caching, mode, device_rows", [
+    (None, False, StorageMode.HBM_DIRECT, 1024),
+    (1024, False, StorageMode.HBM_DIRECT, 1024),
+    (1000, True, StorageMode.CACHE, 896),      # rounded down to whole buckets of 128
+    (300, False, StorageMode.DEFAULT, 256),
+])
+def test_storage_mode_choice(budget_rows, caching, mode, device_rows):
+    width = 8 + 1  # dim + row-wise AdaGrad state
+    budget = None if budget_rows is None else budget_rows * width * 4
+    layout = choose_storage_mode(
+        DynamicEmbTableOptions(caching=caching, local_hbm_for_values=budget), name="t",
+        num_embeddings=1000, width=width, config_dtype=torch.float32)
+    assert layout.mode is mode and layout.device_capacity == device_rows
+    assert layout.max_capacity == 1024 and layout.row_bytes == 36
+
+
+def test_global_budget_is_split_over_ranks():
+    opts = DynamicEmbTableOptions(caching=True, global_hbm_for_values=4 * 1024 * 8 * 4)
+    kw = dict(name="t", num_embeddings=4096, width=8, config_dtype=torch.float32)
+    assert choose_storage_mode(opts, **kw).mode is StorageMode.HBM_DIRECT  # 4096 rows fit
+    split = choose_storage_mode(opts, world_size=4, **kw)
+    assert split.mode is StorageMode.CACHE and split.device_capacity == 1024
+    opts = DynamicEmbTableOptions(global_hbm_for_values=4096 * 8 * 2)
+    layout = choose_storage_mode(opts, **kw, world_size=1)
+    assert layout.mode is StorageMode.DEFAULT
+    with pytest.raises(ValueError, match="data_type"):
+        choose_storage_mode(DynamicEmbTableOptions(), name="t", num_embeddings=8, width=8,
+                            config_dtype=torch.int8)
+
+
+def test_half_rows_count_a_float32_optimizer_state():
+    # Adam at dim 64 in float16: 64 half columns and 128 float32 values, 640 bytes a row
+    options = DynamicEmbTableOptions(caching=True, local_hbm_for_values=128 * 640)
+    layout = choose_storage_mode(options, name="t", num_embeddings=4096, width=64 + 128,
+                                 state_dim=128, config_dtype=torch.float16)
+    assert layout.row_bytes == 640 and layout.device_capacity == 128
+    assert layout.dtype == torch.float16 and layout.mode is StorageMode.CACHE
+
+
+# -- rejected at construction ------------------------------------------------------------------
 def test_max_capacity_beyond_one_hash_table_names_the_capacity_options():
     assert max_table_capacity(128) < 2**40
     with pytest.raises(ValueError, match=(
