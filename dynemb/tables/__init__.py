@@ -22,7 +22,7 @@ from dynemb.tables.base import DynamicTable
 from dynemb.tables.batch import TableBatch
 from dynemb.tables.cache import CacheTable
 from dynemb.tables.hbm_direct import HbmDirectTable
-from dynemb.tables.memory import MemoryBreakdown
+from dynemb.tables.memory import MemoryBreakdown, PlannedRows
 from dynemb.tables.tiered import TieredTable
 
 TABLE_CLASSES: Dict[StorageMode, Type[DynamicTable]] = {
@@ -50,4 +50,4 @@ def build_table(name: str, table_id: int, dim: int, layout: TableLayout,
 
 
 __all__ = ["DynamicTable", "HbmDirectTable", "CacheTable", "TieredTable", "TableBatch",
-           "MemoryBreakdown", "TABLE_CLASSES", "build_table"]
+           "MemoryBreakdown", "PlannedRows", "TABLE_CLASSES", "build_table"]

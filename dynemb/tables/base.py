@@ -19,13 +19,13 @@ import torch
 
 from dynemb.admission import AdmissionCounter
 from dynemb.backends import backend_for_device
-from dynemb.counters import TableCounters
+from dynemb.counters import COUNTER_NAMES, TableCounters
 from dynemb.dedup import unique_keys
 from dynemb.flat_table import RowLayout
 from dynemb.optimizers import OptimizerConfig, fused_update
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.batch import TableBatch
-from dynemb.tables.memory import MemoryBreakdown, storage_bytes
+from dynemb.tables.memory import MemoryBreakdown, PlannedRows, storage_bytes
 from dynemb.tables.tier import DeferredFailures, Tier
 from dynemb.types import EMPTY_KEY, TableFullError
 from dynemb.validation import check_keys
@@ -90,6 +90,27 @@ class DynamicTable:
     def _host_memory(self) -> MemoryBreakdown:
         """Bytes of the host tier or backing store."""
         return MemoryBreakdown()
+
+    @classmethod
+    def planned_rows(cls, layout: TableLayout, options: DynamicEmbTableOptions) -> PlannedRows:
+        """The rows a table of ``layout`` holds at its largest, before it is built."""
+        raise NotImplementedError
+
+    @staticmethod
+    def fixed_memory() -> MemoryBreakdown:
+        """Bytes every table holds whatever its size (``other_bytes`` and ``host_other_bytes``
+        of :meth:`memory_breakdown`): one int64 per counter of
+        :data:`~dynemb.counters.COUNTER_NAMES` and the int64 count of deferred slot failures
+        on the device, that count's mirror on the host.
+
+        Example::
+
+            >>> DynamicTable.fixed_memory().other_bytes
+            96
+        """
+        int64 = torch.int64.itemsize
+        return MemoryBreakdown(other_bytes=(len(COUNTER_NAMES) + 1) * int64,
+                               host_other_bytes=int64)
 
     # -- prefetch ------------------------------------------------------------------------------
     def prefetch(self, keys: torch.Tensor, training: bool,

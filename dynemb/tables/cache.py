@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.backing_store import BackingStore, default_store
-from dynemb.options import StorageMode
+from dynemb.backing_store import BackingStore, default_store, default_store_slots
+from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.hbm_direct import HbmDirectTable
-from dynemb.tables.memory import MemoryBreakdown
+from dynemb.tables.memory import MemoryBreakdown, PlannedRows
 
 
 class CacheTable(HbmDirectTable):
@@ -34,6 +34,23 @@ class CacheTable(HbmDirectTable):
         if not isinstance(self.store, BackingStore) or self.store.width != self.width:
             raise TypeError(f"table {self.name!r}: backing_store must build a BackingStore of "
                             f"width {self.width}, got {self.store!r}")
+
+    @classmethod
+    def planned_rows(cls, layout: TableLayout, options: DynamicEmbTableOptions) -> PlannedRows:
+        """The cache's rows, and the backing store at its largest: the default store's
+        :func:`~dynemb.backing_store.default_store_slots` (a row and a hash slot each), or the
+        ``max_capacity`` rows a user's store must hold (its own structures unknown).
+
+        Example::
+
+            >>> CacheTable.planned_rows(layout, options)  # 512 cached of 5000 rows
+            PlannedRows(device_rows=512, host_rows=10240, host_hash_slots=10240, host_exact=True)
+        """
+        if options.backing_store is not None:
+            return PlannedRows(layout.device_capacity, host_rows=layout.max_capacity,
+                               host_exact=False)
+        slots = default_store_slots(layout.max_capacity)
+        return PlannedRows(layout.device_capacity, host_rows=slots, host_hash_slots=slots)
 
     def _present(self, keys: torch.Tensor) -> torch.Tensor:
         return super()._present(keys) | self.store.find(keys)[1]

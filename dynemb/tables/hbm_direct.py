@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.options import StorageMode
+from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.batch import TableBatch
+from dynemb.tables.memory import PlannedRows
 from dynemb.types import EMPTY_KEY
 
 
@@ -34,6 +35,17 @@ class HbmDirectTable(DynamicTable):
     @property
     def _grows(self) -> bool:
         return self.layout.init_capacity < self.layout.max_capacity
+
+    @classmethod
+    def planned_rows(cls, layout: TableLayout, options: DynamicEmbTableOptions) -> PlannedRows:
+        """The device tier at the most it grows to, ``max_capacity`` rows; nothing on the host.
+
+        Example::
+
+            >>> HbmDirectTable.planned_rows(layout, options)  # max_capacity 512
+            PlannedRows(device_rows=512, host_rows=0, host_hash_slots=0, host_exact=True)
+        """
+        return PlannedRows(device_rows=layout.max_capacity)
 
     def _resolve(self, batch: TableBatch) -> None:
         if batch.training:

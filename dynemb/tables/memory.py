@@ -1,4 +1,5 @@
-"""``MemoryBreakdown``: the bytes a built table holds, by category."""
+"""``MemoryBreakdown``: the bytes a built table holds, by category; ``PlannedRows``: the rows a
+table of a given layout will hold at its largest."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -47,6 +48,28 @@ class MemoryBreakdown:
     def __add__(self, other: "MemoryBreakdown") -> "MemoryBreakdown":
         return MemoryBreakdown(*(getattr(self, f.name) + getattr(other, f.name)
                                  for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class PlannedRows:
+    """Rows one table holds at its largest, known from its layout before it is built (see
+    ``planned_rows`` of the table classes).
+
+    ``device_rows`` are the device tier's rows (one hash slot each); ``host_rows`` the rows of
+    the host tier or backing store, indexed by ``host_hash_slots`` hash slots. ``host_exact``
+    is False where the host side is a user's store whose own structures are unknown (its
+    rows are counted, its hash slots are not).
+
+    Example::
+
+        >>> TieredTable.planned_rows(layout, options)  # 256 of 1024 rows fit the device
+        PlannedRows(device_rows=256, host_rows=768, host_hash_slots=768, host_exact=True)
+    """
+
+    device_rows: int
+    host_rows: int = 0
+    host_hash_slots: int = 0
+    host_exact: bool = True
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from dynemb.key_mixing import routes_to_first
-from dynemb.options import StorageMode
+from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.base import DynamicTable, tier_row_bytes
 from dynemb.tables.batch import TableBatch
-from dynemb.tables.memory import MemoryBreakdown, storage_bytes
+from dynemb.tables.memory import MemoryBreakdown, PlannedRows, storage_bytes
 from dynemb.tables.tier import Tier
 from dynemb.types import EMPTY_KEY, TableFullError
 
@@ -29,6 +29,18 @@ class TieredTable(DynamicTable):
         super().__init__(*args, **kwargs)
         self.host_tier = Tier(self.layout, host_tier_rows(self.layout), self.dim,
                               self.state_dim, self.options, torch.device("cpu"), None)
+
+    @classmethod
+    def planned_rows(cls, layout: TableLayout, options: DynamicEmbTableOptions) -> PlannedRows:
+        """The device tier's rows and the host tier's (:func:`host_tier_rows`).
+
+        Example::
+
+            >>> TieredTable.planned_rows(layout, options)  # 256 of 1024 rows fit the device
+            PlannedRows(device_rows=256, host_rows=768, host_hash_slots=768, host_exact=True)
+        """
+        host = host_tier_rows(layout)
+        return PlannedRows(layout.device_capacity, host_rows=host, host_hash_slots=host)
 
     def _resolve(self, batch: TableBatch) -> None:
         """Nothing at prefetch: the tiers are looked up in forward."""
