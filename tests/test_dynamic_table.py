@@ -7,6 +7,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
                     OptimizerConfig, OptimizerType, ScorePolicy, StorageMode, TableFullError)
+from dynemb.key_mixing import routes_to_first
 
 DIM = 4
 SGD = OptimizerConfig(OptimizerType.SGD, learning_rate=0.5)
@@ -49,7 +50,7 @@ def test_default_no_eviction_failure_leaves_both_tiers_unchanged(full_tier):
     table = ec.tables["t"]
     assert table.mode is StorageMode.DEFAULT and table.host_tier.hash.capacity == 4
     candidates = torch.arange(1, 200)
-    to_device = table._routes_to_device(candidates)
+    to_device = routes_to_first(candidates, 4, 8)  # 4 device rows of 8
     dev, host = candidates[to_device].tolist(), candidates[~to_device].tolist()
     train_step(ec, [dev[0], host[0]])
     if full_tier == "host":

@@ -14,7 +14,7 @@ One step, for each group of tables with the same embedding dim:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 from torchrec.distributed.embedding import EmbeddingCollectionContext

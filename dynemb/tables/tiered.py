@@ -16,7 +16,7 @@ from dynemb.key_mixing import routes_to_first
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.base import DynamicTable, tier_row_bytes
 from dynemb.tables.batch import TableBatch
-from dynemb.tables.memory import MemoryBreakdown, PlannedRows, storage_bytes
+from dynemb.tables.memory import MemoryBreakdown, PlannedRows
 from dynemb.tables.tier import Tier
 from dynemb.types import EMPTY_KEY, TableFullError
 
