@@ -7,7 +7,7 @@ from torchrec.modules.embedding_configs import DataType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
-                    OptimizerConfig, OptimizerType, StorageMode)
+                    OptimizerConfig, OptimizerType)
 from dynemb.flat_table import RowLayout
 from dynemb.optimizers import fused_update, round_rows
 
