@@ -38,10 +38,6 @@ class DedupRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         self._dist = KJTAllToAll(pg=pg, splits=[len(self._tables)] * self._world_size)
         self.routing: Optional[RoutedIds] = None
 
-    @property
-    def table_names(self) -> List[str]:
-        return list(self._table_names)
-
     def forward(self, sparse_features: KeyedJaggedTensor
                 ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """Route ``sparse_features`` (features of other tables are ignored) and start the

@@ -112,7 +112,6 @@ class ShardedDynamicEmbCollection(
         if pg is None:
             raise ValueError("ShardedDynamicEmbCollection needs a process group in its "
                              "ShardingEnv")
-        self._env = env
         self._world_size = env.world_size
         self._module_fqn = module_fqn
         configs = module.embedding_configs()
