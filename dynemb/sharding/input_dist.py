@@ -1,7 +1,7 @@
 """Input distribution of a row-wise sharded dynamic table group: dedup, route, all-to-all."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
