@@ -32,6 +32,3 @@ def init_rows_at_kernel(weights, slots, keys, mask, dim, seed, table_id, kind, p
                                           row_stream(seed, table_id, keys[i]), j)
         else:
             weights[s, j] = 0.0
-
-
-KERNELS = {"init_rows_kernel": init_rows_kernel, "init_rows_at_kernel": init_rows_at_kernel}

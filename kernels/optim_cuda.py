@@ -68,6 +68,3 @@ def fused_update_kernel(weights, slots, grads, kind, dim, lr, eps, beta1, beta2,
             w, acc = adagrad_element(weights[s, j], weights[s, dim + j] + acc0, g, lr, eps)
             weights[s, j] = w
             weights[s, dim + j] = acc - acc0
-
-
-KERNELS = {"fused_update_kernel": fused_update_kernel}

@@ -6,16 +6,35 @@ NVVM/NVRTC wheels (the ``cu13`` extra) and must run without ``NUMBA_ENABLE_CUDAS
 Usage: ``python -m dynemb.kernels.ptx_check [--cc 9.0]``
 """
 import argparse
+import importlib
 import os
+import pkgutil
 import sys
 import time
 
 
-def kernel_signatures():
-    """Name -> (kernel, numba signature) with the argument types the launchers pass."""
-    from numba import types as nt
+def cuda_kernels():
+    """Name -> dispatcher of every ``@cuda.jit`` kernel defined in a ``*_cuda`` module of this
+    package, found by introspection (a new kernel is picked up without being listed)."""
+    from numba.cuda.dispatcher import CUDADispatcher
 
-    from . import init_cuda, optim_cuda, round_cuda, table_cuda
+    package = sys.modules[__package__]
+    found = {}
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if not info.name.endswith("_cuda"):
+            continue
+        module = importlib.import_module(f"{__package__}.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, CUDADispatcher) and obj.py_func.__module__ == module.__name__:
+                if name in found:
+                    raise RuntimeError(f"two CUDA kernels are named {name!r}")
+                found[name] = obj
+    return found
+
+
+def launch_signatures():
+    """Kernel name -> the numba argument types its launcher (``dynemb.backends``) passes."""
+    from numba import types as nt
 
     i64, i32, b1, f32, f64 = nt.int64, nt.int32, nt.boolean, nt.float32, nt.float64
     k64 = nt.Array(i64, 1, "C")
@@ -24,27 +43,32 @@ def kernel_signatures():
     rows = nt.Array(nt.float32, 2, "C")
     bits32 = nt.Array(i32, 2, "C")
     bits16 = nt.Array(nt.int16, 2, "C")
-    t = table_cuda
     return {
-        "find_kernel": (t.find_kernel, (k64, i64, i64, k64, k64)),
-        "lookup_update_kernel": (t.lookup_update_kernel,
-                                 (k64, k64, r32, i64, i64, k64, k64, k64, i64, i64, b1, k64, k64)),
-        "insert_missing_kernel": (t.insert_missing_kernel,
-                                  (k64, k64, r32, k64, i64, i64, k64, k64, k64, i64, i64, b1, k64,
-                                   k64, k64, mask)),
-        "erase_kernel": (t.erase_kernel, (k64, k64, r32, k64, i64, i64, k64, mask, mask)),
-        "add_refcounts_kernel": (t.add_refcounts_kernel, (r32, k64, i64)),
-        "export_kernel": (t.export_kernel, (k64, k64, i64, i64, k64, k64, k64, k64)),
-        "rehash_kernel": (t.rehash_kernel, (k64, k64, r32, k64, k64, r32, i64, i64, k64, k64)),
-        "init_rows_kernel": (init_cuda.init_rows_kernel,
-                             (rows, k64, i64, i64, i64, f64, f64, f64, f64)),
-        "init_rows_at_kernel": (init_cuda.init_rows_at_kernel,
-                                (rows, k64, k64, mask, i64, i64, i64, i64, f64, f64, f64, f64)),
-        "fused_update_kernel": (optim_cuda.fused_update_kernel,
-                                (rows, k64, rows, i64, i64) + (f32,) * 8),
-        "round_rows_kernel": (round_cuda.round_rows_kernel,
-                              (bits32, bits16, k64, i64, i64, i64, i64, b1)),
+        "find_kernel": (k64, i64, i64, k64, k64),
+        "lookup_update_kernel": (k64, k64, r32, i64, i64, k64, k64, k64, i64, i64, b1, k64, k64),
+        "insert_missing_kernel": (k64, k64, r32, k64, i64, i64, k64, k64, k64, i64, i64, b1, k64,
+                                  k64, k64, mask),
+        "erase_kernel": (k64, k64, r32, k64, i64, i64, k64, mask, mask),
+        "add_refcounts_kernel": (r32, k64, i64),
+        "export_kernel": (k64, k64, i64, i64, k64, k64, k64, k64),
+        "rehash_kernel": (k64, k64, r32, k64, k64, r32, i64, i64, k64, k64),
+        "init_rows_kernel": (rows, k64, i64, i64, i64, f64, f64, f64, f64),
+        "init_rows_at_kernel": (rows, k64, k64, mask, i64, i64, i64, i64, f64, f64, f64, f64),
+        "fused_update_kernel": (rows, k64, rows, i64, i64) + (f32,) * 8,
+        "round_rows_kernel": (bits32, bits16, k64, i64, i64, i64, i64, b1),
     }
+
+
+def kernel_signatures():
+    """Name -> (kernel, numba signature) of every CUDA kernel; raises if a kernel has no
+    signature in :func:`launch_signatures` or a signature names no kernel."""
+    kernels, signatures = cuda_kernels(), launch_signatures()
+    unsigned = sorted(set(kernels) - set(signatures))
+    stale = sorted(set(signatures) - set(kernels))
+    if unsigned or stale:
+        raise RuntimeError(f"launch_signatures() is out of date: kernels without a signature "
+                           f"{unsigned}, signatures without a kernel {stale}")
+    return {name: (kernels[name], signatures[name]) for name in sorted(kernels)}
 
 
 def compile_all(cc=(9, 0)):

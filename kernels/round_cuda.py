@@ -15,6 +15,3 @@ def round_rows_kernel(src, out, keys, seed, table_id, step, fmt, stochastic):
         j = t - i * dim
         stream = update_stream(seed, table_id, keys[i], step)
         out[i, j] = round_bits(src[i, j], random_bits32(stream, j), fmt, stochastic)
-
-
-KERNELS = {"round_rows_kernel": round_rows_kernel}

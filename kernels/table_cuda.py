@@ -174,15 +174,3 @@ def rehash_kernel(old_keys, old_scores, old_refcnt, new_keys, new_scores, new_re
             remap[old] = s
             return
     cuda.atomic.add(lost, 0, 1)
-
-
-#: Every kernel above with the argument types it is launched with (for the PTX check).
-KERNELS = {
-    "find_kernel": find_kernel,
-    "lookup_update_kernel": lookup_update_kernel,
-    "insert_missing_kernel": insert_missing_kernel,
-    "erase_kernel": erase_kernel,
-    "add_refcounts_kernel": add_refcounts_kernel,
-    "export_kernel": export_kernel,
-    "rehash_kernel": rehash_kernel,
-}
