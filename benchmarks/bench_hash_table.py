@@ -269,9 +269,8 @@ def time_serial_find(sc: Scenario, queries: torch.Tensor, expected: torch.Tensor
     """Timings of the backend's single-threaded find kernel (no argument checks)."""
     table = sc.table
     out = torch.empty_like(queries)
-    times, _ = time_calls(lambda: table._backend.find(
-        table._keys, table.num_buckets, table.bucket_size, queries, out, parallel=False),
-        sc.repeats)
+    times, _ = time_calls(
+        lambda: table._backend.find(table._arrays, queries, out, parallel=False), sc.repeats)
     check(torch.equal(out, expected), f"{op}: serial find kernel returned wrong slots")
     return times
 

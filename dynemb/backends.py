@@ -1,9 +1,17 @@
 """Pick the CPU or CUDA kernels for a tensor's device and launch them on torch tensors.
 
-Both backends expose the same methods over torch tensors; ``ScoredHashTable`` and the
-initializers only talk to this interface. The CUDA backend also runs under numba's simulator
-(``NUMBA_ENABLE_CUDASIM=1``), where it takes CPU tensors: that is how CI exercises the CUDA
-kernels without a GPU.
+Both backends implement :class:`~dynemb.kernel_backend.KernelBackend` over torch tensors;
+``ScoredHashTable``, the initializers and the optimizers only talk to that interface. The
+CUDA backend also runs under numba's simulator (``NUMBA_ENABLE_CUDASIM=1``), where it takes
+CPU tensors: that is how CI exercises the CUDA kernels without a GPU.
+
+Example::
+
+    >>> backend = backend_for_device(torch.device("cpu"))
+    >>> table = TableArrays.empty(128, 128, torch.device("cpu"))
+    >>> out = torch.empty(1, dtype=torch.int64)
+    >>> backend.find(table, torch.tensor([7]), out); out.tolist()
+    [-1]
 """
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ import numba
 import numpy as np
 import torch
 
+from dynemb.kernel_backend import KernelBackend, TableArrays
 from dynemb.kernels import init_cpu, optim_cpu, round_cpu, table_cpu
 from dynemb.kernels.constants import EMPTY_KEY, TOMBSTONE_KEY, cuda_simulator_enabled
 
@@ -45,33 +54,29 @@ class CpuBackend:
     def _np(t: torch.Tensor):
         return t.numpy()
 
-    def find(self, tbl_keys, num_buckets, bucket_size, keys, out_slots, parallel=None):
+    def find(self, table: TableArrays, keys, out_slots, parallel=None):
         if parallel is None:  # threads only pay off with more than one and a real batch
             parallel = numba.get_num_threads() > 1 and keys.numel() >= _MIN_PARALLEL_KEYS
         kernel = table_cpu.find_cpu if parallel else table_cpu.find_serial_cpu
-        kernel(self._np(tbl_keys), num_buckets, bucket_size, self._np(keys), self._np(out_slots))
+        kernel(self._np(table.keys), table.num_buckets, table.bucket_size, self._np(keys),
+               self._np(out_slots))
 
-    def lookup_update(self, tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, ukeys,
-                      counts, given, policy, clock, pin, out_slots, out_prev_scores):
+    def lookup_update(self, table: TableArrays, ukeys, counts, given, policy, clock, pin,
+                      out_slots, out_prev_scores):
         n = self._np
-        table_cpu.lookup_update_cpu(n(tbl_keys), n(tbl_scores), n(refcnt), num_buckets,
-                                    bucket_size, n(ukeys), n(counts), n(given), policy, clock,
-                                    pin, n(out_slots), n(out_prev_scores))
+        table_cpu.lookup_update_cpu(*_probe_args(table, n), n(ukeys), n(counts), n(given),
+                                    policy, clock, pin, n(out_slots), n(out_prev_scores))
 
-    def insert_missing(self, tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, ukeys,
-                       counts, given, policy, clock, allow_evict, slots, prev_keys, prev_scores,
-                       failed):
+    def insert_missing(self, table: TableArrays, ukeys, counts, given, policy, clock,
+                       allow_evict, slots, out_prev_keys, out_prev_scores, out_failed):
         n = self._np
-        table_cpu.insert_missing_cpu(n(tbl_keys), n(tbl_scores), n(refcnt), n(size), num_buckets,
-                                     bucket_size, n(ukeys), n(counts), n(given), policy, clock,
-                                     allow_evict, n(slots), n(prev_keys), n(prev_scores),
-                                     n(failed), numba.get_num_threads())
+        table_cpu.insert_missing_cpu(*_claim_args(table, n), n(ukeys), n(counts), n(given),
+                                     policy, clock, allow_evict, n(slots), n(out_prev_keys),
+                                     n(out_prev_scores), n(out_failed), numba.get_num_threads())
 
-    def erase(self, tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, keys,
-              out_erased, out_pinned):
+    def erase(self, table: TableArrays, keys, out_erased, out_pinned):
         n = self._np
-        table_cpu.erase_cpu(n(tbl_keys), n(tbl_scores), n(refcnt), n(size), num_buckets,
-                            bucket_size, n(keys), n(out_erased), n(out_pinned))
+        table_cpu.erase_cpu(*_claim_args(table, n), n(keys), n(out_erased), n(out_pinned))
 
     def dedup(self, keys):
         """(unique keys in first-occurrence order, inverse, counts)."""
@@ -83,22 +88,18 @@ class CpuBackend:
                                 inverse.numpy(), counts.numpy())
         return unique[:u], inverse, counts[:u]
 
-    def add_refcounts(self, refcnt, slots, delta):
-        table_cpu.add_refcounts_cpu(self._np(refcnt), self._np(slots), delta)
+    def add_refcounts(self, table: TableArrays, slots, delta):
+        table_cpu.add_refcounts_cpu(self._np(table.refcnt), self._np(slots), delta)
 
-    def export(self, tbl_keys, tbl_scores, start, end) -> Tuple[torch.Tensor, ...]:
+    def export(self, table: TableArrays, start, end) -> Tuple[torch.Tensor, ...]:
         n = end - start
         keys, slots, scores = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-        count = table_cpu.export_cpu(self._np(tbl_keys), self._np(tbl_scores), start, end,
+        count = table_cpu.export_cpu(self._np(table.keys), self._np(table.scores), start, end,
                                      keys.numpy(), slots.numpy(), scores.numpy())
         return keys[:count], slots[:count], scores[:count]
 
-    def rehash(self, old_keys, old_scores, old_refcnt, new_keys, new_scores, new_refcnt,
-               new_num_buckets, bucket_size, remap) -> int:
-        n = self._np
-        return int(table_cpu.rehash_cpu(n(old_keys), n(old_scores), n(old_refcnt), n(new_keys),
-                                        n(new_scores), n(new_refcnt), new_num_buckets,
-                                        bucket_size, n(remap)))
+    def rehash(self, old: TableArrays, new: TableArrays, remap) -> int:
+        return int(table_cpu.rehash_cpu(*_rehash_args(old, new, self._np), self._np(remap)))
 
     def init_rows(self, out, keys, seed, table_id, kind, p0, p1, low, high):
         init_cpu.init_rows_cpu(self._np(out), self._np(keys), seed, table_id, kind, p0, p1, low,
@@ -177,61 +178,55 @@ class CudaBackend:
         stream = self._cuda.external_stream(torch.cuda.current_stream().cuda_stream)
         kernel[blocks, _THREADS_PER_BLOCK, stream](*args)
 
-    def find(self, tbl_keys, num_buckets, bucket_size, keys, out_slots, parallel=None):
+    def find(self, table: TableArrays, keys, out_slots, parallel=None):
         a = self._arr
-        self._launch(self._table.find_kernel, keys.numel(), a(tbl_keys), num_buckets,
-                     bucket_size, a(keys), a(out_slots))
+        self._launch(self._table.find_kernel, keys.numel(), a(table.keys), table.num_buckets,
+                     table.bucket_size, a(keys), a(out_slots))
 
-    def lookup_update(self, tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, ukeys,
-                      counts, given, policy, clock, pin, out_slots, out_prev_scores):
+    def lookup_update(self, table: TableArrays, ukeys, counts, given, policy, clock, pin,
+                      out_slots, out_prev_scores):
         a = self._arr
-        self._launch(self._table.lookup_update_kernel, ukeys.numel(), a(tbl_keys), a(tbl_scores),
-                     a(refcnt), num_buckets, bucket_size, a(ukeys), a(counts), a(given), policy,
-                     clock, pin, a(out_slots), a(out_prev_scores))
+        self._launch(self._table.lookup_update_kernel, ukeys.numel(), *_probe_args(table, a),
+                     a(ukeys), a(counts), a(given), policy, clock, pin, a(out_slots),
+                     a(out_prev_scores))
 
-    def insert_missing(self, tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, ukeys,
-                       counts, given, policy, clock, allow_evict, slots, prev_keys, prev_scores,
-                       failed):
+    def insert_missing(self, table: TableArrays, ukeys, counts, given, policy, clock,
+                       allow_evict, slots, out_prev_keys, out_prev_scores, out_failed):
         a = self._arr
-        self._launch(self._table.insert_missing_kernel, ukeys.numel(), a(tbl_keys),
-                     a(tbl_scores), a(refcnt), a(size), num_buckets, bucket_size, a(ukeys),
-                     a(counts), a(given), policy, clock, allow_evict, a(slots), a(prev_keys),
-                     a(prev_scores), a(failed))
+        self._launch(self._table.insert_missing_kernel, ukeys.numel(), *_claim_args(table, a),
+                     a(ukeys), a(counts), a(given), policy, clock, allow_evict, a(slots),
+                     a(out_prev_keys), a(out_prev_scores), a(out_failed))
 
-    def erase(self, tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, keys,
-              out_erased, out_pinned):
+    def erase(self, table: TableArrays, keys, out_erased, out_pinned):
         a = self._arr
-        self._launch(self._table.erase_kernel, keys.numel(), a(tbl_keys), a(tbl_scores),
-                     a(refcnt), a(size), num_buckets, bucket_size, a(keys), a(out_erased),
-                     a(out_pinned))
+        self._launch(self._table.erase_kernel, keys.numel(), *_claim_args(table, a), a(keys),
+                     a(out_erased), a(out_pinned))
 
     def dedup(self, keys):
         """(sorted unique keys, inverse, counts)."""
         return torch.unique(keys, return_inverse=True, return_counts=True)
 
-    def add_refcounts(self, refcnt, slots, delta):
-        self._launch(self._table.add_refcounts_kernel, slots.numel(), self._arr(refcnt),
+    def add_refcounts(self, table: TableArrays, slots, delta):
+        self._launch(self._table.add_refcounts_kernel, slots.numel(), self._arr(table.refcnt),
                      self._arr(slots), delta)
 
-    def export(self, tbl_keys, tbl_scores, start, end):
+    def export(self, table: TableArrays, start, end):
         n = end - start
-        dev = tbl_keys.device
+        dev = table.keys.device
         keys, slots, scores = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(3))
         counter = torch.zeros(1, dtype=torch.int64, device=dev)
         a = self._arr
-        self._launch(self._table.export_kernel, n, a(tbl_keys), a(tbl_scores), start, end,
+        self._launch(self._table.export_kernel, n, a(table.keys), a(table.scores), start, end,
                      a(counter), a(keys), a(slots), a(scores))
         count = int(counter.item())
         order = torch.argsort(slots[:count])
         return keys[:count][order], slots[:count][order], scores[:count][order]
 
-    def rehash(self, old_keys, old_scores, old_refcnt, new_keys, new_scores, new_refcnt,
-               new_num_buckets, bucket_size, remap) -> int:
-        lost = torch.zeros(1, dtype=torch.int64, device=old_keys.device)
+    def rehash(self, old: TableArrays, new: TableArrays, remap) -> int:
+        lost = torch.zeros(1, dtype=torch.int64, device=old.keys.device)
         a = self._arr
-        self._launch(self._table.rehash_kernel, old_keys.numel(), a(old_keys), a(old_scores),
-                     a(old_refcnt), a(new_keys), a(new_scores), a(new_refcnt), new_num_buckets,
-                     bucket_size, a(remap), a(lost))
+        self._launch(self._table.rehash_kernel, old.capacity, *_rehash_args(old, new, a),
+                     a(remap), a(lost))
         return int(lost.item())
 
     def init_rows(self, out, keys, seed, table_id, kind, p0, p1, low, high):
@@ -261,6 +256,25 @@ class CudaBackend:
                      self._arr(keys), seed, table_id, step, fmt, stochastic)
 
 
+def _probe_args(table: TableArrays, convert):
+    """Leading kernel arguments of the kernels that probe and rescore: keys, scores, pins
+    and the bucket geometry."""
+    return (convert(table.keys), convert(table.scores), convert(table.refcnt),
+            table.num_buckets, table.bucket_size)
+
+
+def _claim_args(table: TableArrays, convert):
+    """Leading kernel arguments of the kernels that claim or free slots (they also keep
+    ``size`` up to date)."""
+    return (convert(table.keys), convert(table.scores), convert(table.refcnt),
+            convert(table.size), table.num_buckets, table.bucket_size)
+
+
+def _rehash_args(old: TableArrays, new: TableArrays, convert):
+    return (convert(old.keys), convert(old.scores), convert(old.refcnt), convert(new.keys),
+            convert(new.scores), convert(new.refcnt), new.num_buckets, new.bucket_size)
+
+
 def _bit_views(src, out, convert):
     """float32 ``src`` as int32 and 16-bit ``out`` as int16 arrays (bfloat16 has no numpy
     dtype; the kernels round on bit patterns)."""
@@ -273,7 +287,7 @@ def _f32(*values):
 
 
 @lru_cache(maxsize=None)
-def get_backend(name: str):
+def get_backend(name: str) -> KernelBackend:
     """The backend called ``name`` ("cpu" or "cuda"), created once per process."""
     if name == "cpu":
         return CpuBackend()
@@ -282,7 +296,7 @@ def get_backend(name: str):
     raise ValueError(f"backend must be 'cpu' or 'cuda', got {name!r}")
 
 
-def backend_for_device(device: torch.device, backend: str | None = None):
+def backend_for_device(device: torch.device, backend: str | None = None) -> KernelBackend:
     """The backend for ``device``; ``backend`` overrides it (e.g. "cuda" under the simulator)."""
     chosen = get_backend(backend or ("cuda" if device.type == "cuda" else "cpu"))
     chosen.check_device(device)

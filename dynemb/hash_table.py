@@ -7,28 +7,14 @@ from typing import Optional
 import torch
 
 from dynemb.backends import backend_for_device
-from dynemb.types import (EMPTY_KEY, MAX_BUCKET_SIZE, TOMBSTONE_KEY, EraseResult, ExportBatch,
-                          FindOrInsertResult, ScorePolicy, TableFullError)
-from dynemb.validation import (check_bucket_size, check_index_tensor, check_int, check_keys,
-                               check_same_length, check_slots)
+from dynemb.kernel_backend import TableArrays
+from dynemb.hash_table_checks import (MAX_BUCKETS, SLOT_BYTES, check_claim_arguments,
+                                      check_scores, check_table_arguments, max_table_capacity)
+from dynemb.types import (EMPTY_KEY, TOMBSTONE_KEY, EraseResult, ExportBatch, FindOrInsertResult,
+                          ScorePolicy, TableFullError)
+from dynemb.validation import check_index_tensor, check_int, check_keys, check_slots
 
-_ON_FAILURE = ("raise", "report", "defer")
-
-#: Most buckets of one table: a key's bucket is (32 hash bits x buckets) >> 32 in int64.
-MAX_BUCKETS = 2**31 - 1
-#: Bytes of one slot: an int64 key, an int64 score and an int32 pin count.
-SLOT_BYTES = 8 + 8 + 4
-
-
-def max_table_capacity(bucket_size: int = MAX_BUCKET_SIZE) -> int:
-    """Most slots one table with buckets of ``bucket_size`` can have.
-
-    Example::
-
-        >>> max_table_capacity(128)
-        274877906816
-    """
-    return MAX_BUCKETS * bucket_size
+__all__ = ["MAX_BUCKETS", "SLOT_BYTES", "ScoredHashTable", "max_table_capacity"]
 
 
 class ScoredHashTable:
@@ -71,26 +57,8 @@ class ScoredHashTable:
                  policy: ScorePolicy = ScorePolicy.LRU, device=None,
                  grow_at_load_factor: Optional[float] = None,
                  max_capacity: Optional[int] = None, backend: Optional[str] = None):
-        check_int(capacity, "capacity")
-        if bucket_size is None:
-            _check_capacity_for_default_buckets(capacity)
-            bucket_size = min(MAX_BUCKET_SIZE, capacity)
-        check_bucket_size(bucket_size)
-        if capacity % bucket_size:
-            raise ValueError(f"capacity must be a multiple of bucket_size ({bucket_size}), got "
-                             f"{capacity}; nearest valid: "
-                             f"{max(bucket_size, capacity // bucket_size * bucket_size)}")
-        for name, rows in (("capacity", capacity), ("max_capacity", max_capacity)):
-            if rows is not None and rows > max_table_capacity(bucket_size):
-                raise ValueError(_too_many_slots(name, rows, bucket_size))
-        if not isinstance(policy, ScorePolicy):
-            raise TypeError(f"policy must be a ScorePolicy, got {policy!r}")
-        if grow_at_load_factor is not None and not 0.0 < grow_at_load_factor <= 1.0:
-            raise ValueError(f"grow_at_load_factor must be in (0, 1], got {grow_at_load_factor}")
-        if max_capacity is not None:
-            check_int(max_capacity, "max_capacity")
-            if max_capacity < capacity:
-                raise ValueError(f"max_capacity ({max_capacity}) is below capacity ({capacity})")
+        bucket_size = check_table_arguments(capacity, bucket_size, policy, grow_at_load_factor,
+                                            max_capacity)
         self.device = torch.device(device if device is not None else "cpu")
         self._backend = backend_for_device(self.device, backend)
         self.policy = policy
@@ -100,26 +68,17 @@ class ScoredHashTable:
         self._clock = 0
         # the slots of the call undo() may revert, by weak reference (no memory held for it)
         self._undoable: Optional[weakref.ref] = None
-        self._allocate(capacity)
-
-    def _allocate(self, capacity: int) -> None:
-        self._keys, self._scores, self._refcnt = self._empty_arrays(capacity)
-        self._size = torch.zeros(1, dtype=torch.int64, device=self.device)
-
-    def _empty_arrays(self, capacity: int):
-        dev = self.device
-        return (torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=dev),
-                torch.zeros(capacity, dtype=torch.int64, device=dev),
-                torch.zeros(capacity, dtype=torch.int32, device=dev))
+        # what the kernels take; replaced as a whole by grow()
+        self._arrays = TableArrays.empty(capacity, bucket_size, self.device)
 
     # -- sizes -------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return self._keys.numel()
+        return self._arrays.capacity
 
     @property
     def num_buckets(self) -> int:
-        return self.capacity // self.bucket_size
+        return self._arrays.num_buckets
 
     @property
     def clock(self) -> int:
@@ -128,7 +87,7 @@ class ScoredHashTable:
 
     def size(self) -> int:
         """Number of live keys (synchronizes with the device on CUDA)."""
-        return int(self._size.item())
+        return int(self._arrays.size.item())
 
     def load_factor(self) -> float:
         return self.size() / self.capacity
@@ -136,22 +95,21 @@ class ScoredHashTable:
     def scores_at(self, slots: torch.Tensor) -> torch.Tensor:
         """Current scores of ``slots`` (-1 entries give 0)."""
         check_index_tensor(slots, "slots", self.device)
-        return torch.where(slots >= 0, self._scores[slots.clamp(min=0)], 0)
+        return torch.where(slots >= 0, self._arrays.scores[slots.clamp(min=0)], 0)
 
     def keys_at(self, slots: torch.Tensor) -> torch.Tensor:
         """Keys stored at ``slots`` (``EMPTY_KEY`` for -1 entries and free slots); no host
         sync, no checks beyond the dtype: for slot indices this table returned."""
-        keys = self._keys[slots.clamp(min=0)]
+        keys = self._arrays.keys[slots.clamp(min=0)]
         return torch.where(slots >= 0, keys, EMPTY_KEY)
 
     def nbytes(self) -> int:
         """Bytes of the table's arrays (keys, scores, reference counts, size)."""
-        return sum(t.untyped_storage().nbytes()
-                   for t in (self._keys, self._scores, self._refcnt, self._size))
+        return self._arrays.nbytes()
 
     def pinned_count(self) -> int:
         """Number of slots with a reference count above zero."""
-        return int((self._refcnt > 0).sum().item())
+        return int((self._arrays.refcnt > 0).sum().item())
 
     # -- lookups -----------------------------------------------------------------------------
     def find(self, keys: torch.Tensor, *, update_scores: bool = False,
@@ -166,10 +124,10 @@ class ScoredHashTable:
             check_index_tensor(keys, "keys", self.device)
         else:
             check_keys(keys, self.device)
-        self._check_scores(keys, scores, required=update_scores)
+        check_scores(self.policy, self.device, keys, scores, required=update_scores)
         out = torch.empty_like(keys)
         if not update_scores:
-            self._backend.find(self._keys, self.num_buckets, self.bucket_size, keys, out)
+            self._backend.find(self._arrays, keys, out)
             return out
         ukeys, inverse, counts, given = self._dedup(keys, scores, assume_unique=False)
         self._undoable = None
@@ -201,18 +159,8 @@ class ScoredHashTable:
         ``previous_keys``) before overwriting them, and apply ``result.remap`` if the table grew.
         With ``pin``, :meth:`undo` can revert the call.
         """
-        if assume_unique:
-            check_index_tensor(keys, "keys", self.device)
-        else:
-            check_keys(keys, self.device)
-        self._check_scores(keys, scores, required=self.policy is ScorePolicy.CUSTOMIZED)
-        if on_failure not in _ON_FAILURE:
-            raise ValueError(f"on_failure must be one of {_ON_FAILURE}, got {on_failure!r}")
-        if counts is not None:
-            if not assume_unique:
-                raise ValueError("counts is only taken with assume_unique=True")
-            check_index_tensor(counts, "counts", self.device)
-            check_same_length(keys, "keys", counts, "counts")
+        check_claim_arguments(self.policy, self.device, keys, scores, on_failure=on_failure,
+                              assume_unique=assume_unique, counts=counts)
         ukeys, inverse, dedup_counts, given = self._dedup(keys, scores, assume_unique)
         counts = dedup_counts if counts is None else counts
         self._undoable = None
@@ -240,7 +188,7 @@ class ScoredHashTable:
                     ukeys[failed], remap)
             remap = _compose(remap, self.grow(new_capacity))
         if not pin:
-            self._backend.add_refcounts(self._refcnt, slots, -1)
+            self._backend.add_refcounts(self._arrays, slots, -1)
         self._undoable = weakref.ref(slots) if pin else None
         inserted = ~hit & (slots >= 0)
         return FindOrInsertResult(ukeys, inverse, slots, inserted, prev_keys, prev_scores, failed,
@@ -296,9 +244,9 @@ class ScoredHashTable:
         if torch.unique(slots).numel() != slots.numel():
             raise ValueError("slots must be distinct (one score per key)")
         if self.policy is ScorePolicy.LFU:
-            self._scores.index_add_(0, slots, scores)
+            self._arrays.scores.index_add_(0, slots, scores)
         elif self.policy is ScorePolicy.STEP:
-            self._scores.index_copy_(0, slots, scores)
+            self._arrays.scores.index_copy_(0, slots, scores)
 
     @staticmethod
     def _evicted_any(slots, hit, prev_keys) -> bool:
@@ -314,14 +262,12 @@ class ScoredHashTable:
         prev_keys = torch.empty_like(ukeys)
         failed = torch.empty(ukeys.shape, dtype=torch.bool, device=self.device)
         self._backend.insert_missing(
-            self._keys, self._scores, self._refcnt, self._size, self.num_buckets,
-            self.bucket_size, ukeys, counts, given, self.policy.code, self._clock,
+            self._arrays, ukeys, counts, given, self.policy.code, self._clock,
             self.policy is not ScorePolicy.NO_EVICTION, slots, prev_keys, prev_scores, failed)
         return slots, hit, prev_keys, prev_scores, failed
 
     def _lookup_update(self, ukeys, counts, given, *, pin, slots, prev_scores) -> None:
-        self._backend.lookup_update(self._keys, self._scores, self._refcnt, self.num_buckets,
-                                    self.bucket_size, ukeys, counts, given, self.policy.code,
+        self._backend.lookup_update(self._arrays, ukeys, counts, given, self.policy.code,
                                     self._clock, pin, slots, prev_scores)
 
     def _rollback(self, slots, hit, prev_keys, prev_scores) -> None:
@@ -330,10 +276,11 @@ class ScoredHashTable:
         inserted = placed & ~hit
         ins_slots = slots[inserted]
         restored = prev_keys[inserted]
-        self._keys[ins_slots] = restored
-        self._size -= (restored == EMPTY_KEY).sum() + (restored == TOMBSTONE_KEY).sum()
-        self._scores[slots[placed]] = prev_scores[placed]
-        self._backend.add_refcounts(self._refcnt, slots, -1)
+        arrays = self._arrays
+        arrays.keys[ins_slots] = restored
+        arrays.size.sub_((restored == EMPTY_KEY).sum() + (restored == TOMBSTONE_KEY).sum())
+        arrays.scores[slots[placed]] = prev_scores[placed]
+        self._backend.add_refcounts(arrays, slots, -1)
         self._clock -= 1
 
     def _dedup(self, keys, scores, assume_unique):
@@ -349,18 +296,6 @@ class ScoredHashTable:
                 0, inverse, scores, reduce="amax")
         return ukeys, inverse, counts, given
 
-    def _check_scores(self, keys, scores, required: bool) -> None:
-        custom = self.policy is ScorePolicy.CUSTOMIZED
-        if scores is None:
-            if custom and required:
-                raise ValueError("scores are required by the CUSTOMIZED policy")
-            return
-        if not custom:
-            raise ValueError(f"scores are only used by the CUSTOMIZED policy, this table uses "
-                             f"{self.policy.name}")
-        check_index_tensor(scores, "scores", self.device)
-        check_same_length(keys, "keys", scores, "scores")
-
     # -- removal and pins --------------------------------------------------------------------
     def erase(self, keys: torch.Tensor, *, allow_padding: bool = False) -> EraseResult:
         """Remove ``keys``; pinned keys are kept and flagged in ``pinned``. With
@@ -371,30 +306,29 @@ class ScoredHashTable:
             check_keys(keys, self.device)
         erased = torch.zeros(keys.shape, dtype=torch.bool, device=self.device)
         pinned = torch.zeros_like(erased)
-        self._backend.erase(self._keys, self._scores, self._refcnt, self._size, self.num_buckets,
-                            self.bucket_size, keys, erased, pinned)
+        self._backend.erase(self._arrays, keys, erased, pinned)
         return EraseResult(erased, pinned)
 
     def pin(self, slots: torch.Tensor) -> None:
         """Add one reference to each slot (duplicates add one each); pinned slots stay put."""
         self._check_live_slots(slots, "slots")
-        self._backend.add_refcounts(self._refcnt, slots, 1)
+        self._backend.add_refcounts(self._arrays, slots, 1)
 
     def unpin(self, slots: torch.Tensor) -> None:
         """Drop one reference per entry of ``slots``; more than were added is an error."""
         self._check_live_slots(slots, "slots")
         if slots.numel():
             drops = torch.bincount(slots, minlength=self.capacity)
-            over = drops > self._refcnt.to(torch.int64)
+            over = drops > self._arrays.refcnt.to(torch.int64)
             if bool(over.any()):
                 s = int(over.nonzero()[0].item())
                 raise ValueError(f"slots unpins slot {s} {int(drops[s])} times but it holds "
-                                 f"{int(self._refcnt[s])} pins")
-        self._backend.add_refcounts(self._refcnt, slots, -1)
+                                 f"{int(self._arrays.refcnt[s])} pins")
+        self._backend.add_refcounts(self._arrays, slots, -1)
 
     def retain(self, slots: torch.Tensor) -> None:
         """:meth:`pin` for slots this table returned, without checks or host sync; -1 skipped."""
-        self._backend.add_refcounts(self._refcnt, slots, 1)
+        self._backend.add_refcounts(self._arrays, slots, 1)
 
     def release(self, slots: torch.Tensor) -> None:
         """Drop the pins taken by :meth:`retain` or ``find_or_insert(pin=True)``; -1 skipped.
@@ -409,11 +343,11 @@ class ScoredHashTable:
             >>> table.pinned_count()
             0
         """
-        self._backend.add_refcounts(self._refcnt, slots, -1)
+        self._backend.add_refcounts(self._arrays, slots, -1)
 
     def _check_live_slots(self, slots, name) -> None:
         check_slots(slots, name, self.device, self.capacity)
-        stored = self._keys[slots]
+        stored = self._arrays.keys[slots]
         empty = (stored == EMPTY_KEY) | (stored == TOMBSTONE_KEY)
         if bool(empty.any()):
             raise ValueError(f"{name} names slot {int(slots[empty][0])}, which holds no key")
@@ -433,7 +367,7 @@ class ScoredHashTable:
             raise ValueError(f"start must be an int in [0, {self.capacity}], got {start!r}")
         batch = self.capacity - start if batch is None else check_int(batch, "batch")
         end = min(self.capacity, start + batch)
-        keys, slots, scores = self._backend.export(self._keys, self._scores, start, end)
+        keys, slots, scores = self._backend.export(self._arrays, start, end)
         return ExportBatch(keys, slots, scores, end)
 
     def grow(self, new_capacity: int) -> torch.Tensor:
@@ -447,14 +381,14 @@ class ScoredHashTable:
         if self.max_capacity is not None and new_capacity > self.max_capacity:
             raise ValueError(f"new_capacity {new_capacity} exceeds max_capacity "
                              f"{self.max_capacity}")
-        keys, scores, refcnt = self._empty_arrays(new_capacity)
+        grown = TableArrays.empty(new_capacity, self.bucket_size, self.device,
+                                  size=self._arrays.size)
         remap = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
-        lost = self._backend.rehash(self._keys, self._scores, self._refcnt, keys, scores, refcnt,
-                                    new_capacity // self.bucket_size, self.bucket_size, remap)
+        lost = self._backend.rehash(self._arrays, grown, remap)
         if lost:
             raise ValueError(f"new_capacity {new_capacity} cannot hold the {self.size()} keys "
                              f"({lost} found their bucket full); the table is unchanged")
-        self._keys, self._scores, self._refcnt = keys, scores, refcnt
+        self._arrays = grown
         self._undoable = None
         return remap
 
@@ -474,7 +408,7 @@ class ScoredHashTable:
     def _grow_for(self, ukeys) -> Optional[torch.Tensor]:
         """Grow before inserting if the missing keys would pass ``grow_at_load_factor``."""
         probe = torch.empty_like(ukeys)
-        self._backend.find(self._keys, self.num_buckets, self.bucket_size, ukeys, probe)
+        self._backend.find(self._arrays, ukeys, probe)
         after = self.size() + int((probe < 0).sum())
         if after <= self.grow_at_load_factor * self.capacity:
             return None
@@ -495,28 +429,3 @@ def _compose(first: Optional[torch.Tensor], then: torch.Tensor) -> torch.Tensor:
     live = first >= 0
     out[live] = then[first[live]]
     return out
-
-
-def _check_capacity_for_default_buckets(capacity: int) -> None:
-    """The default bucket is the whole table below ``MAX_BUCKET_SIZE`` slots, so the capacity
-    must then be a power of two; above it, a multiple of ``MAX_BUCKET_SIZE``."""
-    if capacity < MAX_BUCKET_SIZE and capacity & (capacity - 1):
-        lower = 1 << (capacity.bit_length() - 1)
-        nearest = lower if capacity - lower < 2 * lower - capacity else 2 * lower
-        raise ValueError(f"capacity below {MAX_BUCKET_SIZE} must be a power of two (one bucket "
-                         f"then holds the whole table), or else a multiple of "
-                         f"{MAX_BUCKET_SIZE}; got {capacity}, nearest valid: {nearest}")
-    if capacity > MAX_BUCKET_SIZE and capacity % MAX_BUCKET_SIZE:
-        nearest = (capacity + MAX_BUCKET_SIZE // 2) // MAX_BUCKET_SIZE * MAX_BUCKET_SIZE
-        raise ValueError(f"capacity must be a multiple of bucket_size ({MAX_BUCKET_SIZE}) when "
-                         f"it is {MAX_BUCKET_SIZE} or more (bucket_size defaults to "
-                         f"{MAX_BUCKET_SIZE}; below that, to the capacity, a power of two); got "
-                         f"{capacity}, nearest valid: {nearest}")
-
-
-def _too_many_slots(name: str, rows: int, bucket_size: int) -> str:
-    hint = (f"use larger buckets (bucket_size up to {MAX_BUCKET_SIZE})"
-            if rows <= max_table_capacity(MAX_BUCKET_SIZE)
-            else "split the keys over several tables (shard the table over more ranks)")
-    return (f"{name} {rows} is beyond the {max_table_capacity(bucket_size)} slots one table "
-            f"can have with bucket_size {bucket_size} ({MAX_BUCKETS} buckets); {hint}")
