@@ -1,4 +1,5 @@
-"""HostBackingStore: rows keep their scores, and a full store forgets the lowest scores first."""
+"""HostBackingStore: rows keep their scores, the store grows, and a full store forgets the
+lowest scores first."""
 import pytest
 import torch
 
@@ -47,3 +48,23 @@ def test_insert_rejects_bad_scores(scores, error):
     with pytest.raises(error, match="scores"):
         store.insert(keys(1, 2), torch.zeros(2, 2), scores)
     assert store.size() == 0
+
+
+def test_round_trip_export_and_growth():
+    store = HostBackingStore(3, torch.float32, CPU, initial_capacity=128)
+    many = torch.arange(1000) * 7919
+    rows = torch.randn(1000, 3, generator=torch.Generator().manual_seed(0))
+    assert store.insert(many, rows, torch.zeros(1000, dtype=torch.int64)) == 0
+    assert store.size() == 1000 and store.capacity >= 1024
+    got, found, _ = store.find(torch.cat([many[:5], keys(-5)]))
+    assert found.tolist() == [True] * 5 + [False]
+    torch.testing.assert_close(got[:5], rows[:5])
+    exported, start = {}, 0
+    while start is not None:
+        k, r, start = store.export(start, 300)
+        for key, row in zip(k.tolist(), r):
+            assert key not in exported  # each key once
+            exported[key] = row
+    assert set(exported) == set(many.tolist())
+    for i in (0, 517, 999):
+        torch.testing.assert_close(exported[many[i].item()], rows[i])

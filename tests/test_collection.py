@@ -8,6 +8,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, FrequencyAdmission,
                     HostBackingStore, Initializer, InitializerKind, OptimizerConfig,
                     OptimizerType, ScorePolicy, StorageMode, TableFullError)
+from key_reference import initial_rows
+
+#: table_identity("t"), pinned in test_initializers.py: new rows of table "t" start from it
+TABLE_T_ID = 6256752092847567818
 
 DIM = 4
 SGD = OptimizerConfig(OptimizerType.SGD, learning_rate=0.5)
@@ -36,10 +40,9 @@ def train_step(ec, ids, **kw):
     return out
 
 
-def init_rows(ec, ids, table="t"):
-    t = ec.tables[table]
-    return t.options.initializer.rows(torch.as_tensor(ids), t.dim, seed=t.options.seed,
-                                      table_id=t.table_id)
+def init_rows(ids, seed=0):
+    """The rows INIT starts ``ids`` of table "t" from (the Python reference)."""
+    return torch.tensor(initial_rows(INIT, ids, DIM, seed=seed, table_id=TABLE_T_ID))
 
 
 def stored(ec, ids, table="t"):
@@ -50,18 +53,27 @@ def stored(ec, ids, table="t"):
 def test_admission_stores_a_key_on_its_threshold_th_sighting():
     ec = make(DynamicEmbTableOptions(initializer=INIT, admission=FrequencyAdmission(threshold=3)))
     out = train_step(ec, [10, 20])  # first sighting of both: refused, initializer rows
-    torch.testing.assert_close(out["f"].values(), init_rows(ec, [10, 20]))
+    torch.testing.assert_close(out["f"].values(), init_rows([10, 20]))
     assert stored(ec, [10, 20]) == [False, False]
     train_step(ec, [10])  # second sighting: still refused, its gradient is dropped
     assert stored(ec, [10]) == [False]
     out = train_step(ec, [10, 30, 30, 30])  # 10: third sighting; 30: three in one batch
-    torch.testing.assert_close(out["f"].values(), init_rows(ec, [10, 30, 30, 30]))
+    torch.testing.assert_close(out["f"].values(), init_rows([10, 30, 30, 30]))
     assert stored(ec, [10, 20, 30]) == [True, False, True]
     rows, _ = ec.read_rows("t", torch.tensor([10, 30]))
-    expected = init_rows(ec, [10, 30]) - 0.5 * torch.tensor([[1.0], [3.0]])
+    expected = init_rows([10, 30]) - 0.5 * torch.tensor([[1.0], [3.0]])
     torch.testing.assert_close(rows, expected)
     s = ec.stats()["t"]
     assert s["admission_rejects"] == 3 and s["inserts"] == 2 and s["rows_device"] == 2
+
+
+def test_new_rows_start_from_the_table_seed_and_name():
+    ec = make(DynamicEmbTableOptions(initializer=INIT, seed=5))
+    out = train_step(ec, [3, -(2**62), 3])
+    torch.testing.assert_close(out["f"].values(), init_rows([3, -(2**62), 3], seed=5))
+    rows, _ = ec.read_rows("t", torch.tensor([3, -(2**62)]))
+    torch.testing.assert_close(rows, init_rows([3, -(2**62)], seed=5) - 0.5 * torch.tensor(
+        [[2.0], [1.0]]))
 
 
 # -- eviction order per score strategy -------------------------------------------------------
@@ -183,7 +195,7 @@ def test_shared_table_gives_one_row_per_id_across_features():
     out = train_step(ec, [7, 8, 7], features=("a", "b"), lengths=[2, 1])
     torch.testing.assert_close(out["a"].values()[0], out["b"].values()[0])
     rows, _ = ec.read_rows("t", torch.tensor([7, 8]))
-    expected = init_rows(ec, [7, 8]) - 0.5 * torch.tensor([[2.0], [1.0]])
+    expected = init_rows([7, 8]) - 0.5 * torch.tensor([[2.0], [1.0]])
     torch.testing.assert_close(rows, expected)
 
 
@@ -258,24 +270,8 @@ def test_cache_writes_back_to_a_custom_store_and_reloads():
     assert len(stores[0].inserted) == 2 and set(stores[0].inserted) <= {1, 2, 3, 4}
     victim = stores[0].inserted[0]
     out = train_step(ec, [victim])  # reloaded with its trained value
-    torch.testing.assert_close(out["f"].values()[0], init_rows(ec, [victim])[0] - 0.5)
+    torch.testing.assert_close(out["f"].values()[0], init_rows([victim])[0] - 0.5)
     assert ec.stats()["t"]["loads"] == 1
-
-
-def test_host_backing_store_round_trip_and_growth():
-    store = HostBackingStore(3, torch.float32, torch.device("cpu"), initial_capacity=128)
-    keys = torch.arange(1000) * 7919
-    rows = torch.randn(1000, 3)
-    assert store.insert(keys, rows, torch.zeros(1000, dtype=torch.int64)) == 0
-    assert store.size() == 1000 and store.capacity >= 1024
-    got, found, _ = store.find(torch.cat([keys[:5], torch.tensor([-5])]))
-    assert found.tolist() == [True] * 5 + [False]
-    torch.testing.assert_close(got[:5], rows[:5])
-    exported, start = {}, 0
-    while start is not None:
-        k, r, start = store.export(start, 300)
-        exported.update(zip(k.tolist(), r))
-    assert set(exported) == set(keys.tolist())
 
 
 # -- bad input: clear error, nothing changed ---------------------------------------------------
