@@ -1,5 +1,6 @@
 """Owner ranks and tier placement are part of the data layout: pin them to values computed
-with Python ints (explicit 64-bit wraparound), independently of torch and numba."""
+with Python ints (explicit 64-bit wraparound, tests/key_reference.py), independently of
+torch and numba."""
 import numpy as np
 import pytest
 import torch
@@ -9,6 +10,8 @@ from dynemb.key_mixing import (OWNER_RANK_SALT, mix_keys, owner_rank_hash, reduc
                                routes_to_first)
 from dynemb.options import ShardingScheme
 from dynemb.sharding import owner_ranks
+from key_reference import GOLDEN, fmix64, owner_hash, signed
+from key_reference import routes_to_first as py_first
 
 KEYS = [0, 1, 2, 3, 7, 42, -1, -3, 2**62 + 3, -(2**63) + 2, 2**63 - 1, 123456789]
 MIX = [0, -5451962507482445012, 4233148493373801447, 815575690806614222, 8360697188923789789,
@@ -23,31 +26,9 @@ OWNER_OF_7 = [4, 6, 6, 2, 0, 1, 1, 1, 2, 4, 5, 3]
 FIRST_OF_1024_2048 = [True, False, False, False, False, True] + [False] * 6
 FIRST_OF_384_1408 = [True] + [False] * 11
 
-_M64 = (1 << 64) - 1
 
-
-def _signed(x: int) -> int:
-    x &= _M64
-    return x - (1 << 64) if x >> 63 else x
-
-
-def _py_mix(x: int) -> int:
-    """murmur3 fmix64 on an unsigned 64-bit word."""
-    x &= _M64
-    x ^= x >> 33
-    x = (x * 0xFF51AFD7ED558CCD) & _M64
-    x ^= x >> 33
-    x = (x * 0xC4CEB9FE1A85EC53) & _M64
-    return _signed(x ^ (x >> 33))
-
-
-def _py_owner(key: int, world: int) -> int:
-    return (((_py_mix(key + 0x9E3779B97F4A7C15) & _M64) >> 32) * world) >> 32
-
-
-def _py_first(key: int, first: int, total: int) -> bool:
-    m = _signed(key * 0x9E3779B97F4A7C15)
-    return ((m ^ (m >> 31)) & ((1 << 63) - 1)) % total < first
+def _py_mix(key: int) -> int:
+    return signed(fmix64(key))
 
 
 def test_mix_keys_pinned():
@@ -70,19 +51,19 @@ def test_tier_placement_pinned():
 
 def test_pinned_values_are_the_python_int_reference():
     assert [_py_mix(k) for k in KEYS] == MIX
-    assert [_py_mix(k + 0x9E3779B97F4A7C15) for k in KEYS] == MIX_OWNER_SALT
-    assert [_py_owner(k, 4) for k in KEYS] == OWNER_OF_4
-    assert [_py_owner(k, 7) for k in KEYS] == OWNER_OF_7
-    assert [_py_first(k, 1024, 2048) for k in KEYS] == FIRST_OF_1024_2048
-    assert [_py_first(k, 384, 1408) for k in KEYS] == FIRST_OF_384_1408
+    assert [_py_mix(k + GOLDEN) for k in KEYS] == MIX_OWNER_SALT
+    assert [owner_hash(k, 4) for k in KEYS] == OWNER_OF_4
+    assert [owner_hash(k, 7) for k in KEYS] == OWNER_OF_7
+    assert [py_first(k, 1024, 2048) for k in KEYS] == FIRST_OF_1024_2048
+    assert [py_first(k, 384, 1408) for k in KEYS] == FIRST_OF_384_1408
 
 
 @pytest.mark.parametrize("world", [1, 3, 8])
 def test_random_keys_match_the_python_int_reference(world):
     keys = torch.randint(-(2**63), 2**63 - 1, (500,), generator=torch.Generator().manual_seed(5))
-    assert owner_rank_hash(keys, world).tolist() == [_py_owner(k, world) for k in keys.tolist()]
+    assert owner_rank_hash(keys, world).tolist() == [owner_hash(k, world) for k in keys.tolist()]
     assert routes_to_first(keys, 640, 2176).tolist() == [
-        _py_first(k, 640, 2176) for k in keys.tolist()]
+        py_first(k, 640, 2176) for k in keys.tolist()]
 
 
 def test_unsalted_mix_is_the_bucket_hash():
