@@ -1,92 +1,17 @@
-"""Pieces of the row-wise sharding, checked by hand and against a pure-Python model; and the
-sharded module on a one-rank gloo world in this process (bad plans, need_indices)."""
+"""ShardedDynamicEmbCollection on a one-rank gloo world in this process: plan checks, bad
+input rejected on the sending rank, indices and foreign features, the CUDA kernels, and
+torch.compile. Multi-rank training against TorchRec is in tests/test_sharded.py."""
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torchrec import EmbeddingConfig
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, FrequencyAdmission,
-                    OptimizerConfig, OptimizerType)
-from dynemb.options import ShardingScheme
-from dynemb.sharding import DynamicEmbCollectionSharder, owner_ranks
-from dynemb.sharding.plan_rows import local_table_options, rows_per_rank
-from dynemb.sharding.routing import route_unique
+from dynemb import DynamicEmbCollection, OptimizerConfig, OptimizerType
+from dynemb.sharding import DynamicEmbCollectionSharder
 from dynemb.sharding.sharded_collection import check_plan
 from tests.torchrec_twin import ensure_single_process_group
-
-
-def test_owner_ranks_mod_by_hand():
-    keys = torch.tensor([0, 1, 2, 5, -1, -6, 2**62 + 3])
-    assert owner_ranks(keys, 3, ShardingScheme.MOD).tolist() == [0, 1, 2, 2, 2, 0, (2**62 + 3) % 3]
-
-
-def test_owner_ranks_hash_is_balanced_where_mod_is_not():
-    even = torch.arange(0, 200_000, 2)  # ids sharing a stride with the world size
-    assert torch.bincount(owner_ranks(even, 2, ShardingScheme.MOD), minlength=2).tolist() == [
-        100_000, 0]
-    counts = torch.bincount(owner_ranks(even, 2, ShardingScheme.HASH), minlength=2)
-    assert abs(int(counts[0]) - 50_000) < 1_000
-    for world in (3, 8):
-        counts = torch.bincount(owner_ranks(even, world, ShardingScheme.HASH), minlength=world)
-        assert counts.min() > 0.95 * even.numel() / world
-
-
-def test_owner_ranks_hash_independent_of_the_bucket_hash():
-    # keys of one rank still spread over every bucket of its hash table
-    from dynemb.kernels.hashing import mix64
-    import numpy as np
-    keys = torch.arange(100_000)
-    mine = keys[owner_ranks(keys, 2, ShardingScheme.HASH) == 0]
-    buckets = [((int(mix64(np.int64(k))) >> 32) & 0xFFFFFFFF) * 64 >> 32 for k in mine.tolist()]
-    counts = torch.bincount(torch.tensor(buckets), minlength=64)
-    assert counts.min() > 0.8 * mine.numel() / 64
-
-
-def _route_model(ids_per_table, schemes, world):
-    """Pure-Python model: per (rank, table) the distinct ids in first-seen order."""
-    sent = [[[] for _ in ids_per_table] for _ in range(world)]
-    counts = [[[] for _ in ids_per_table] for _ in range(world)]
-    for t, (ids, scheme) in enumerate(zip(ids_per_table, schemes)):
-        for k in ids:
-            r = int(owner_ranks(torch.tensor([k]), world, scheme))
-            if k in sent[r][t]:
-                counts[r][t][sent[r][t].index(k)] += 1
-            else:
-                sent[r][t].append(k)
-                counts[r][t].append(1)
-    return sent, counts
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(-50, 50), max_size=30), min_size=1, max_size=3),
-       st.integers(1, 4), st.sampled_from(list(ShardingScheme)))
-def test_route_unique_matches_model(ids_per_table, world, scheme):
-    tensors = [torch.tensor(ids, dtype=torch.int64) for ids in ids_per_table]
-    segments = [(f"f{t}", len(ids)) for t, ids in enumerate(ids_per_table)]
-    routed = route_unique(tensors, [scheme] * len(tensors), world, segments)
-    sent, counts = _route_model(ids_per_table, [scheme] * len(tensors), world)
-    expected_values = [k for r in range(world) for t in range(len(tensors)) for k in sent[r][t]]
-    expected_counts = [c for r in range(world) for t in range(len(tensors)) for c in counts[r][t]]
-    assert routed.values.tolist() == expected_values
-    assert routed.counts.tolist() == expected_counts
-    assert routed.lengths.tolist() == [len(sent[r][t]) for r in range(world)
-                                       for t in range(len(tensors))]
-    # every occurrence gathers its own id back
-    assert routed.values[routed.gather].tolist() == [k for ids in ids_per_table for k in ids]
-
-
-def test_local_table_options_split_global_rows():
-    opts = DynamicEmbTableOptions(init_capacity=1000, max_capacity=4001,
-                                  admission=FrequencyAdmission(threshold=2, counter_capacity=300))
-    local = local_table_options(opts, 4)
-    assert (local.init_capacity, local.max_capacity) == (250, 1001)
-    assert local.admission.counter_capacity == 75 and local.admission.threshold == 2
-    assert local_table_options(DynamicEmbTableOptions(), 4).max_capacity is None
-    assert rows_per_rank(1, 8) == 1
 
 
 def _tables():
@@ -231,7 +156,8 @@ class _WithDense(torch.nn.Module):
 
 def test_compiled_sharded_model_trains_like_the_eager_one():
     from test_module_habits import _in_a_fresh_interpreter
-    _in_a_fresh_interpreter("test_sharding_units", "compiled_then_eager_sharded")
+    _in_a_fresh_interpreter("test_sharding_sharded_collection",
+                            "compiled_then_eager_sharded")
 
 
 def compiled_then_eager_sharded():
