@@ -1,12 +1,12 @@
 """DynamicEmbCollection behaviour: admission, eviction order per score strategy, eval mode,
-queued prefetches, shared tables, empty input, counters, custom stores, bad input."""
+queued prefetches, shared tables, empty input, counters, bad input."""
 import pytest
 import torch
 from torchrec import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, FrequencyAdmission,
-                    HostBackingStore, Initializer, InitializerKind, OptimizerConfig,
+                    Initializer, InitializerKind, OptimizerConfig,
                     OptimizerType, ScorePolicy, StorageMode, TableFullError)
 from key_reference import initial_rows
 
@@ -239,39 +239,6 @@ def test_counters_hand_computed():
     assert (s["lookups"], s["unique_keys"], s["hits"], s["misses"], s["inserts"]) == (5, 4, 1, 3, 3)
     assert s["rows_device"] == 3 and s["evictions"] == 0
     assert s["storage_mode"] == "hbm_direct" and 0 < s["load_factor"] < 0.01
-
-
-# -- CACHE with a custom store ---------------------------------------------------------------
-class RecordingStore(HostBackingStore):
-    """The in-memory store, recording what it is asked."""
-
-    def __init__(self, width, dtype, device):
-        super().__init__(width, dtype, device, initial_capacity=128)
-        self.inserted = []
-
-    def insert(self, keys, rows, scores):
-        self.inserted.extend(keys.tolist())
-        return super().insert(keys, rows, scores)
-
-
-def test_cache_writes_back_to_a_custom_store_and_reloads():
-    stores = []
-
-    def factory(width, dtype, device):
-        stores.append(RecordingStore(width, dtype, device))
-        return stores[-1]
-
-    opts = DynamicEmbTableOptions(initializer=INIT, caching=True, bucket_size=4,
-                                  local_hbm_for_values=4 * DIM * 4, backing_store=factory)
-    ec = make(opts)
-    assert ec.storage_modes() == {"t": StorageMode.CACHE}
-    train_step(ec, [1, 2, 3, 4])
-    train_step(ec, [5, 6])      # evicts two of 1..4 to the store
-    assert len(stores[0].inserted) == 2 and set(stores[0].inserted) <= {1, 2, 3, 4}
-    victim = stores[0].inserted[0]
-    out = train_step(ec, [victim])  # reloaded with its trained value
-    torch.testing.assert_close(out["f"].values()[0], init_rows([victim])[0] - 0.5)
-    assert ec.stats()["t"]["loads"] == 1
 
 
 # -- bad input: clear error, nothing changed ---------------------------------------------------

@@ -1,17 +1,18 @@
-"""DynamicTable behaviour across its tiers: a failed DEFAULT claim undoes both tiers; the
-CACHE store holds every row the table may have, and rows keep their scores through it."""
-import pytest
+"""CACHE (CacheTable): evicted rows are written back to the store and reloaded trained; the
+default store holds every row the table may have; rows keep their scores through it."""
 import torch
 from torchrec import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
-                    OptimizerConfig, OptimizerType, ScorePolicy, StorageMode, TableFullError)
-from dynemb.key_mixing import routes_to_first
+from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, HostBackingStore, Initializer,
+                    InitializerKind, OptimizerConfig, OptimizerType, ScorePolicy, StorageMode)
+from key_reference import initial_rows
 
 DIM = 4
 SGD = OptimizerConfig(OptimizerType.SGD, learning_rate=0.5)
 INIT = Initializer(InitializerKind.UNIFORM, low=-0.1, high=0.1)
+#: table_identity("t"), pinned in test_initializers.py
+TABLE_T_ID = 6256752092847567818
 
 
 def make(num_embeddings, **options):
@@ -22,48 +23,45 @@ def make(num_embeddings, **options):
 
 
 def train_step(ec, ids):
+    """One step whose loss is the sum of all embeddings: each row moves by -lr per use."""
     ids = torch.as_tensor(ids, dtype=torch.int64)
     out = ec(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()])))
     out["f"].values().sum().backward()
+    return out["f"].values()
 
 
-# -- DEFAULT: a claim that fails in either tier leaves both unchanged --------------------------
-def _tier_state(hash_table):
-    ex = hash_table.export()
-    return (sorted(zip(ex.keys.tolist(), ex.slots.tolist(), ex.scores.tolist())),
-            hash_table.size(), hash_table.clock, hash_table.pinned_count())
+# -- write-back and load -----------------------------------------------------------------------
+class RecordingStore(HostBackingStore):
+    """The in-memory store, recording what it is asked."""
+
+    def __init__(self, width, dtype, device):
+        super().__init__(width, dtype, device, initial_capacity=128)
+        self.inserted = []
+
+    def insert(self, keys, rows, scores):
+        self.inserted.extend(keys.tolist())
+        return super().insert(keys, rows, scores)
 
 
-def _snapshot(ec, keys):
-    table = ec.tables["t"]
-    stats = {k: v for k, v in ec.stats()["t"].items() if k not in ("lookups", "unique_keys")}
-    rows, found = ec.read_rows("t", torch.tensor(keys), with_state=True)
-    return (stats, rows.tolist(), found.tolist(), _tier_state(table.tier.hash),
-            _tier_state(table.host_tier.hash))
+def test_evicted_rows_go_to_a_custom_store_and_come_back_trained():
+    stores = []
 
+    def factory(width, dtype, device):
+        stores.append(RecordingStore(width, dtype, device))
+        return stores[-1]
 
-@pytest.mark.parametrize("full_tier", ["host", "device"])
-def test_default_no_eviction_failure_leaves_both_tiers_unchanged(full_tier):
-    # 4 device rows and 4 host rows, one bucket each: the fifth key of a tier finds no slot.
-    ec = make(8, caching=False, local_hbm_for_values=4 * DIM * 4, bucket_size=4,
-              score_strategy=ScorePolicy.NO_EVICTION)
-    table = ec.tables["t"]
-    assert table.mode is StorageMode.DEFAULT and table.host_tier.hash.capacity == 4
-    candidates = torch.arange(1, 200)
-    to_device = routes_to_first(candidates, 4, 8)  # 4 device rows of 8
-    dev, host = candidates[to_device].tolist(), candidates[~to_device].tolist()
-    train_step(ec, [dev[0], host[0]])
-    if full_tier == "host":
-        batch = dev[1:3] + host[1:5]     # the device takes 2, the host tier 3 of its 4
-    else:
-        batch = dev[1:5] + host[1:3]     # the host tier takes 2, the device 3 of its 4
-    keys = dev[:5] + host[:5]
-    before = _snapshot(ec, keys)
-    with pytest.raises(TableFullError, match="Nothing was inserted"):
-        train_step(ec, batch)
-    assert _snapshot(ec, keys) == before
-    train_step(ec, [dev[1], host[1]])   # the table keeps working
-    assert ec.stats()["t"]["rows_device"] == 2 and ec.stats()["t"]["rows_backing"] == 2
+    ec = make(1024, caching=True, bucket_size=4, local_hbm_for_values=4 * DIM * 4,
+              backing_store=factory)
+    assert ec.storage_modes() == {"t": StorageMode.CACHE}
+    train_step(ec, [1, 2, 3, 4])
+    train_step(ec, [5, 6])      # evicts two of 1..4 to the store
+    assert len(stores[0].inserted) == 2 and set(stores[0].inserted) <= {1, 2, 3, 4}
+    victim = stores[0].inserted[0]
+    out = train_step(ec, [victim])  # reloaded with its trained value
+    start = torch.tensor(initial_rows(INIT, [victim], DIM, seed=0, table_id=TABLE_T_ID))
+    torch.testing.assert_close(out[0], start[0] - 0.5)
+    # the reload evicted a third row
+    assert ec.stats()["t"]["loads"] == 1 and ec.stats()["t"]["write_backs"] == 3
 
 
 # -- CACHE: the default store holds every row the table may have ---------------------------------
