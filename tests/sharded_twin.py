@@ -108,8 +108,7 @@ def table_options(s: Scenario, opt_config, cache_scale: int = 1):
 
 def make_batches(s: Scenario, world_size: int):
     """``[step][rank] -> {feature: (lengths, values)}``."""
-    from dynemb.options import ShardingScheme
-    from dynemb.sharding import owner_ranks
+    from tests.key_reference import owner
     g = torch.Generator().manual_seed(s.seed)
     steps = []
     for step in range(s.steps):
@@ -121,9 +120,8 @@ def make_batches(s: Scenario, world_size: int):
                 lengths = torch.randint(0, 4, (b,), generator=g)
                 values = torch.randint(0, NUM_IDS, (int(lengths.sum()),), generator=g)
                 if step == s.lonely_step and TABLE_OF[f] == "t1":
-                    owners = owner_ranks(torch.arange(NUM_IDS), world_size,
-                                         ShardingScheme(s.sharding))
-                    pool = (owners == 0).nonzero().squeeze(1)
+                    pool = torch.tensor([k for k in range(NUM_IDS)
+                                         if owner(k, world_size, s.sharding) == 0])
                     values = pool[torch.randint(0, pool.numel(), (values.numel(),),
                                                 generator=g)]
                 d[f] = (lengths, values)
