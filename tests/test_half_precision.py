@@ -1,5 +1,6 @@
-"""float16 / bfloat16 tables: float32 optimizer state, stochastic rounding of the updated
-rows, and the same rows in every storage mode."""
+"""float16 / bfloat16 tables in a DynamicEmbCollection: float32 optimizer state, stochastic
+rounding of the updated rows, and the same rows in every storage mode. The rounding itself is
+tested in test_optimizers.py, the row layout in test_flat_table.py."""
 import pytest
 import torch
 from torchrec import EmbeddingConfig
@@ -9,7 +10,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
                     OptimizerConfig, OptimizerType)
 from dynemb.flat_table import RowLayout
-from dynemb.optimizers import fused_update, round_rows
 
 HALF = [torch.float16, torch.bfloat16]
 DATA_TYPES = {torch.float32: DataType.FP32, torch.float16: DataType.FP16,
@@ -189,105 +189,3 @@ def test_built_half_table_matches_the_planner():
     estimate = table_footprint(config, DynamicEmbTableOptions(), optimizer)
     assert actual.values_bytes == estimate.values_bytes == 1024 * 8 * 2
     assert actual.optimizer_bytes == estimate.optimizer_bytes == 1024 * 14 * 4
-
-
-# -- the rounding kernel --------------------------------------------------------------------------
-def _neighbours(x, dtype):
-    """The representable values just below and above float32 ``x`` (finite, in range)."""
-    near = x.to(dtype)
-    below = torch.where(near.float() <= x, near, torch.nextafter(near, near.new_tensor(-1e30)))
-    above = torch.where(near.float() >= x, near, torch.nextafter(near, near.new_tensor(1e30)))
-    return below.float(), above.float()
-
-
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("value", [1.0 + 0.3 * 2 ** -7, -3.7e-3, 1e-6, -2.5e-7, 60000.0 + 7.0])
-def test_stochastic_rounding_is_unbiased(dtype, value):
-    n = 40_000
-    x = torch.full((n // 100, 100), value)
-    got = round_rows(x, dtype, keys=torch.arange(n // 100), step=3).float()
-    below, above = _neighbours(x[:1, :1], dtype)
-    below, above = below.item(), above.item()
-    assert below < value < above
-    assert ((got == below) | (got == above)).all()
-    p = (value - below) / (above - below)
-    # the mean of n Bernoulli(p) draws: 5 standard deviations
-    tolerance = 5 * (above - below) * (p * (1 - p) / n) ** 0.5
-    assert abs(got.double().mean().item() - value) < tolerance
-
-
-@pytest.mark.parametrize("dtype", HALF)
-def test_representable_values_round_to_themselves(dtype):
-    gen = torch.Generator().manual_seed(0)
-    bits = torch.randint(-2 ** 15, 2 ** 15, (64, 256), generator=gen, dtype=torch.int32)
-    values = bits.to(torch.int16).view(dtype)
-    values = torch.where(values.isnan(), torch.zeros_like(values), values)  # inf stays in
-    got = round_rows(values.float(), dtype, keys=torch.arange(64), step=1)
-    assert torch.equal(got.view(torch.int16), values.view(torch.int16))
-
-
-@pytest.mark.parametrize("dtype", HALF)
-def test_round_to_nearest_equals_torch(dtype):
-    gen = torch.Generator().manual_seed(0)
-    bits = torch.randint(-2 ** 31, 2 ** 31, (200, 500), generator=gen, dtype=torch.int64)
-    edges = torch.tensor([65504.0, 65519.99, 65520.0, 65535.9, 65536.0, 3.4028235e38,
-                          2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -25, 2.0 ** -126, 1e-45, 0.0,
-                          float("inf"), float("nan")])
-    x = torch.cat([bits.to(torch.int32).view(torch.float32).flatten(), edges, -edges,
-                   torch.logspace(-40, 39, 10_000)])[:, None]
-    got = round_rows(x, dtype, keys=torch.zeros(x.shape[0], dtype=torch.int64), step=1,
-                     stochastic=False)
-    want = x.to(dtype)
-    nan = want.isnan()
-    assert torch.equal(got.isnan(), nan)
-    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
-
-
-@pytest.mark.parametrize("dtype", HALF)
-def test_stochastic_rounding_keeps_inf_and_nan_and_overflows_to_inf(dtype):
-    x = torch.tensor([[float("inf"), -float("inf"), float("nan"), 3e38, -3.4e38, 1e39]])
-    got = round_rows(x, dtype, keys=torch.tensor([1]), step=1).float()[0]
-    assert got[0] == float("inf") and got[1] == -float("inf") and got[2].isnan()
-    if dtype == torch.float16:
-        assert got[3] == float("inf") and got[4] == -float("inf")
-    assert got[5] == float("inf")
-
-
-def test_rounding_noise_follows_key_step_and_column_only():
-    x = torch.full((3, 64), 1.0 + 2 ** -12)  # a quarter of a float16 spacing above 1.0
-    keys = torch.tensor([5, 9, 5])
-    first = round_rows(x, torch.float16, keys=keys, step=4, seed=1, table_id=2)
-    again = round_rows(x[[2, 1, 0]], torch.float16, keys=keys[[2, 1, 0]], step=4, seed=1,
-                       table_id=2)
-    assert torch.equal(first, again[[2, 1, 0]])
-    assert torch.equal(first[0], first[2])  # the same key, at another position
-    assert not torch.equal(first[0], first[1])
-    for other in (dict(step=5, seed=1, table_id=2), dict(step=4, seed=2, table_id=2),
-                  dict(step=4, seed=1, table_id=3)):
-        assert not torch.equal(round_rows(x, torch.float16, keys=keys, **other), first)
-
-
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("stochastic", [True, False])
-def test_cpu_and_cuda_kernels_round_alike(dtype, stochastic):
-    from conftest import BACKENDS
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(24, 16, generator=gen) * torch.logspace(-9, 4, 16)
-    keys = torch.randint(-2 ** 62, 2 ** 62, (24,), generator=gen)
-    got = [round_rows(x.to(device), dtype, keys=keys.to(device), step=11, seed=3,
-                      table_id=1, stochastic=stochastic, backend=name).cpu()
-           for name, device in BACKENDS]
-    assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16))
-
-
-def test_fused_update_rounds_by_key_not_by_slot():
-    optimizer = OptimizerConfig(SGD)
-    grads = torch.full((2, 8), 1.0)
-    rows = {}
-    for slots in ([0, 1], [3, 2]):
-        weights = torch.ones(4, 8, dtype=torch.float16)
-        fused_update(weights, torch.tensor(slots), grads, dim=8, config=optimizer, lr=1e-4,
-                     step=1, keys=torch.tensor([10, 20]), seed=0, table_id=0)
-        rows[tuple(slots)] = weights[slots]
-    assert torch.equal(rows[0, 1], rows[3, 2])
-    assert (rows[0, 1] < 1).any()  # some columns rounded down by a whole spacing
