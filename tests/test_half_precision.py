@@ -10,11 +10,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
                     OptimizerConfig, OptimizerType)
 from dynemb.flat_table import RowLayout
+from key_reference import initial_rows
 
 HALF = [torch.float16, torch.bfloat16]
 DATA_TYPES = {torch.float32: DataType.FP32, torch.float16: DataType.FP16,
               torch.bfloat16: DataType.BF16}
 UNIFORM = Initializer(InitializerKind.UNIFORM, low=-0.1, high=0.1)
+#: table_identity("t"), pinned in test_initializers.py
+TABLE_T_ID = 6256752092847567818
 SGD, ADAM, ADAGRAD, ROWWISE = (OptimizerType.SGD, OptimizerType.ADAM, OptimizerType.ADAGRAD,
                                OptimizerType.ROWWISE_ADAGRAD)
 
@@ -75,9 +78,10 @@ def test_fp16_sgd_small_updates_move_the_row_by_their_sum():
 
 
 # -- Adam's state ---------------------------------------------------------------------------------
-#: After 200 Adam steps (lr 1e-3, gradients ~1e-3, rows moved by ~0.1), the largest
-#: difference to float32 allowed: a few rounding spacings at |w| < 0.5 (float16 2.4e-4,
-#: bfloat16 2e-3) accumulated as a random walk. Measured: float16 6e-4, bfloat16 6e-3.
+#: After 200 Adam steps (lr 1e-3, gradients ~1e-3: rows move by 0.012 on average, 0.04 at
+#: most), the largest difference to float32 allowed: a few rounding spacings at |w| < 0.5
+#: (float16 2.4e-4, bfloat16 2e-3) accumulated as a random walk. Measured: float16 1e-3,
+#: bfloat16 7.5e-3.
 ADAM_TOLERANCE = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
@@ -92,10 +96,12 @@ def test_half_adam_tracks_float32_with_a_float32_second_moment(dtype):
     train(ref, batches, grad_scale=1e-3)
     ec = make(dtype, optimizer)
     train(ec, batches, grad_scale=1e-3)
-    start = UNIFORM.rows(torch.tensor(keys), 16, seed=0, table_id=0)
-    assert (rows_of(ref, keys) - start).abs().mean() > 0.05  # the rows really moved
-    error = (rows_of(ec, keys) - rows_of(ref, keys)).abs().max().item()
-    assert error < ADAM_TOLERANCE[dtype], error
+    start = torch.tensor(initial_rows(UNIFORM, keys, 16, seed=0, table_id=TABLE_T_ID))
+    moved = (rows_of(ref, keys) - start).abs().mean().item()
+    assert moved > 0.005, moved  # the rows really moved
+    error = (rows_of(ec, keys) - rows_of(ref, keys)).abs()
+    assert error.max().item() < ADAM_TOLERANCE[dtype], error.max()
+    assert error.mean().item() < 0.25 * moved  # measured: float16 1.4%, bfloat16 12%
     state = state_of(ec, keys)
     assert state.dtype == torch.float32 and state.shape == (8, 32)
     second_moment = state[:, 16:]
