@@ -1,0 +1,53 @@
+"""What every storage mode shares (DynamicTable), through the simplest one (HBM_DIRECT):
+prefetch counts, one update per batch, held batches across growth, what a table holds."""
+import pytest
+import torch
+
+from dynemb.tables import DynamicTable
+from table_builder import DIM, build, start_rows
+
+
+def test_prefetch_dedups_and_counts_occurrences():
+    table = build()
+    batch = table.prefetch(torch.tensor([5, 7, 5]), training=True,
+                           occurrences=torch.tensor([2, 1, 3]))
+    assert batch.keys.tolist() == [5, 7] and batch.inverse.tolist() == [0, 1, 0]
+    assert batch.counts.tolist() == [5, 1]
+    table.prefetch(torch.tensor([7, 7]), training=True)
+    stats = table.stats()
+    assert (stats["lookups"], stats["unique_keys"], stats["inserts"], stats["hits"]) == (
+        8, 3, 2, 1)
+
+
+def test_a_batch_updates_its_rows_once_then_lets_them_go():
+    table = build()
+    batch = table.prefetch(torch.tensor([1, 2, 1]), training=True)
+    torch.testing.assert_close(table.lookup(batch), start_rows([1, 2]))
+    assert table.tier.hash.pinned_count() == 2
+    table.apply_gradients(batch, torch.tensor([[2.0] * DIM, [1.0] * DIM]), lr=0.5, step=1)
+    assert table.tier.hash.pinned_count() == 0
+    expected = start_rows([1, 2]) - 0.5 * torch.tensor([[2.0], [1.0]])
+    with pytest.raises(RuntimeError, match="already ran"):
+        table.apply_gradients(batch, torch.ones(2, DIM), lr=0.5, step=2)
+    rows, found = table.read_rows(torch.tensor([1, 2, 3]))
+    assert found.tolist() == [True, True, False]
+    torch.testing.assert_close(rows[:2], expected)
+
+
+def test_a_held_batch_follows_its_rows_when_a_later_prefetch_grows_the_table():
+    table = build(init_capacity=8, max_capacity=128, bucket_size=8)
+    first = table.prefetch(torch.tensor([100, 101, 102]), training=True)
+    table.prefetch(torch.arange(40), training=True)      # grows the table under ``first``
+    assert table.tier.hash.capacity > 8
+    torch.testing.assert_close(table.lookup(first), start_rows([100, 101, 102]))
+    table.apply_gradients(first, torch.ones(3, DIM), lr=0.5, step=1)
+    rows, _ = table.read_rows(torch.tensor([100, 101, 102, 0]))
+    torch.testing.assert_close(rows, torch.cat([start_rows([100, 101, 102]) - 0.5,
+                                                start_rows([0])]))
+
+
+def test_fixed_memory_is_what_a_built_table_holds_besides_its_rows():
+    table = build()
+    fixed, held = DynamicTable.fixed_memory(), table.memory_breakdown()
+    assert (held.other_bytes, held.host_other_bytes) == (fixed.other_bytes,
+                                                         fixed.host_other_bytes)
