@@ -1,0 +1,46 @@
+"""check_configs and options_by_table: bad table configs and options fail naming the table."""
+import pytest
+from torchrec import EmbeddingConfig
+
+from dynemb import DynamicEmbTableOptions, ScorePolicy
+from dynemb.collection_config import check_configs, options_by_table
+
+
+def config(name, features=None, dim=4):
+    return EmbeddingConfig(name=name, embedding_dim=dim, num_embeddings=16,
+                           feature_names=list(features) if features is not None else [])
+
+
+def test_a_table_without_features_reads_the_feature_named_after_it():
+    (c,) = check_configs([config("users")])
+    assert c.feature_names == ["users"]
+
+
+@pytest.mark.parametrize("tables, error, match", [
+    ([], ValueError, "non-empty list"),
+    ("t", ValueError, "non-empty list"),
+    ([object()], TypeError, "EmbeddingConfig"),
+    ([config("t"), config("t")], ValueError, "unique"),
+    ([config("a", ["f"]), config("b", ["f"])], ValueError, "feature 'f' is in tables 'a' and 'b'"),
+])
+def test_bad_configs_are_rejected(tables, error, match):
+    with pytest.raises(error, match=match):
+        check_configs(tables)
+
+
+def test_one_options_object_serves_every_table_and_a_dict_fills_in_defaults():
+    lfu = DynamicEmbTableOptions(score_strategy=ScorePolicy.LFU)
+    assert options_by_table(lfu, ["a", "b"]) == {"a": lfu, "b": lfu}
+    out = options_by_table({"b": lfu}, ["a", "b"])
+    assert out["a"] == DynamicEmbTableOptions() and out["b"] is lfu
+    assert options_by_table(None, ["a"]) == {"a": DynamicEmbTableOptions()}
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"c": DynamicEmbTableOptions()}, ValueError, r"unknown tables \['c'\]"),
+    ({"a": "lru"}, TypeError, r"table_options\['a'\]"),
+    (["a"], TypeError, "dict of them by table name"),
+])
+def test_bad_options_name_the_table(options, error, match):
+    with pytest.raises(error, match=match):
+        options_by_table(options, ["a", "b"])
