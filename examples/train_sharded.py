@@ -42,7 +42,6 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import sys
 import time
 import warnings
@@ -58,6 +57,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spawn import run_in_process_group, run_on_ranks  # noqa: E402
 from train_next_item import (DENSE_LR, OUT_DIR, TOP_K, Config, CountSketch,  # noqa: E402
                              NextItemModel, SessionWorld, build_collection, evaluation_steps,
                              in_batch_loss, plot, print_summary, run_metrics, to_kjt)
@@ -263,10 +263,9 @@ def summed_stats(dmp) -> Dict[str, Any]:
 
 
 # -- training ----------------------------------------------------------------------------------
-def train(cfg: Config, device: torch.device, seed: int, out_dir: Path,
-          pipeline_kind: str) -> Optional[Dict[str, Any]]:
+def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: int,
+          out_dir: Path, pipeline_kind: str) -> Optional[Dict[str, Any]]:
     from tqdm import tqdm
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)          # the same MLP start on every rank
     world = SessionWorld(cfg.items, cfg.clusters, cfg.users, seed)
     train_rng = np.random.default_rng([seed + 1, rank])       # each rank its own stream
@@ -363,30 +362,27 @@ def _jsonable(value):
 
 
 # -- processes ---------------------------------------------------------------------------------
-def run_rank(args: argparse.Namespace, cfg: Config) -> Optional[Dict[str, Any]]:
-    """Join the process group this process belongs to (from the environment torchrun or
-    :func:`spawn_ranks` set) and train."""
-    use_cuda = torch.cuda.is_available() and args.device != "cpu"
-    if use_cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        # (spawn_ranks sets it before the ranks start; under torchrun it still reaches numba's
-        # thread pool, which starts later)
+def rank_device(args: argparse.Namespace) -> torch.device:
+    """This rank's GPU (``LOCAL_RANK``) when there is one and ``--device`` allows it, else
+    the CPU."""
+    if torch.cuda.is_available() and args.device != "cpu":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def train_rank(rank: int, world_size: int, args: argparse.Namespace,
+               cfg: Config) -> Optional[Dict[str, Any]]:
+    """Train on this rank of a joined process group; rank 0 returns the metrics."""
+    device = rank_device(args)
+    if device.type == "cpu":
+        # (spawned ranks have it from birth; under torchrun it still reaches numba's thread
+        # pool, which starts later)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # small dense ops: extra intra-op threads only add OpenMP barrier waits, and the
         # ranks share the cores
         torch.set_num_threads(1)
     quiet_torchrec()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    try:
-        result = train(cfg, device, args.seed, args.out_dir, args.pipeline)
-        dist.barrier()  # rank 0 writes the results last; nobody tears down before it is done
-        return result
-    finally:
-        dist.destroy_process_group()
+    return train(rank, world_size, cfg, device, args.seed, args.out_dir, args.pipeline)
 
 
 def quiet_torchrec() -> None:
@@ -395,32 +391,6 @@ def quiet_torchrec() -> None:
     for name in ("torchrec.distributed.planner", "torch.fx._symbolic_trace"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.")
-
-
-def _spawned(rank: int, world_size: int, args: argparse.Namespace, cfg: Config) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    run_rank(args, cfg)
-    # The work is done and written. Skip the interpreter's teardown: destroying the C++
-    # thread pools of torch, gloo and numba's OpenMP at exit intermittently aborts a rank
-    # ("terminate called without an active exception"), which would fail the whole run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def spawn_ranks(args: argparse.Namespace, cfg: Config) -> Dict[str, Any]:
-    """Start ``args.nproc`` CPU ranks on this machine (gloo) and return rank 0's metrics."""
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # Passive OpenMP waits (inherited by the ranks): numba's and torch's thread pools of
-    # several processes otherwise spin against each other on a small machine.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_WAIT_POLICY="PASSIVE")
-    mp.spawn(_spawned, args=(args.nproc, args, cfg), nprocs=args.nproc, join=True)
-    return json.loads((args.out_dir / "train_sharded.json").read_text())
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -455,9 +425,9 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, steps=args.steps)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # launched by torchrun
-        return run_rank(args, cfg)
+        return run_in_process_group(train_rank, args, cfg, device=rank_device(args))
     args.device = "cpu"
-    return spawn_ranks(args, cfg)
+    return run_on_ranks(args.nproc, train_rank, args, cfg)[0]
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ keys for it. Worlds are spawned once per module; scenarios share them.
 import numpy as np
 import pytest
 
-from tests.distributed import run_on_ranks
+from examples.spawn import run_on_ranks
 from tests.key_reference import owner
 from tests.sharded_twin import FEATURES, NUM_IDS, Scenario, run_scenarios
 
