@@ -18,11 +18,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import json
 import math
 import os
-import pstats
-import resource
 import statistics
 import sys
 import time
@@ -36,12 +33,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import dynemb
-from benchmarks.bench_hash_table import BenchmarkError, check, git_state, machine_info
+from benchmarks.common import (add_run_options, check, config_of, fill_defaults,
+                               format_optional, git_state, load_before_run, machine_info,
+                               new_parser, paired_ratios, peak_rss_gib, percentile,
+                               profile_tables, pyplot, report_stem, run_command, save_figure,
+                               verdict, write_report, zipf_ranks)
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig, OptimizerType,
                     StorageMode)
 from dynemb.counters import COUNTER_NAMES
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FILE_STEM = "collection_cpu"
 TABLE, FEATURE = "t0", "f0"
 #: HBM_DIRECT's max_capacity holds the distinct ids at this load factor.
@@ -79,17 +79,6 @@ class Workload:
     @property
     def num_distinct(self) -> int:
         return self.sorted_ids.numel()
-
-
-def zipf_ranks(rng: np.random.Generator, n: int, a: float, id_space: int) -> np.ndarray:
-    """``n`` Zipf(``a``) ranks (1 = most frequent) truncated to ``[1, id_space]`` by rejection."""
-    parts, got = [], 0
-    while got < n:
-        draw = rng.zipf(a, size=int((n - got) * 1.8) + 64)
-        draw = draw[draw <= id_space]
-        parts.append(draw)
-        got += draw.size
-    return np.concatenate(parts)[:n]
 
 
 def make_workload(cfg: argparse.Namespace) -> Workload:
@@ -408,10 +397,6 @@ def batch_of(method: Method, wl: Workload, i: int):
     return make_kjt(wl.dense[i] if method.dense_ids else wl.raw[i], wl.lengths)
 
 
-def percentile(values: List[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
-
-
 def run_config(cfg, wl: Workload, dim: int, opt_name: str, progress: tqdm) -> List[Row]:
     """Warm up, then time every method on each batch in turn (the order rotates per step, so
     background load and cache effects fall on all of them alike)."""
@@ -516,32 +501,6 @@ def profile_dynemb(cfg, wl: Workload, progress: tqdm) -> List[dict]:
     return out
 
 
-def profile_tables(prof: cProfile.Profile, steps: int, limit: int = 30) -> dict:
-    """``functions``: the library's functions (dynemb/, kernels/; a numba kernel is the call of
-    its dispatcher) by cumulative ms per step; ``torch_ops``: own ms per step of the torch
-    calls each library function makes."""
-    root = str(Path(__file__).resolve().parent.parent) + "/"
-
-    def ours(path: str) -> bool:
-        return path.startswith(root + "dynemb/") or path.startswith(root + "kernels/")
-
-    functions, torch_ops = [], {}
-    for (path, line, func), (_, calls, own, cum, callers) in pstats.Stats(prof).stats.items():
-        if ours(path):
-            functions.append({"function": f"{path[len(root):]}:{line}({func})",
-                              "calls_per_step": calls / steps, "cum_ms": cum / steps * 1e3,
-                              "own_ms": own / steps * 1e3})
-        elif path == "~":  # a builtin: charge its own time to the library functions calling it
-            for (c_path, c_line, c_func), c_stats in callers.items():
-                if ours(c_path):
-                    key = f"{func} <- {c_path[len(root):]}:{c_line}({c_func})"
-                    torch_ops[key] = torch_ops.get(key, 0.0) + c_stats[2] / steps * 1e3
-    functions.sort(key=lambda r: -r["cum_ms"])
-    ops = sorted(({"call": k, "own_ms": v} for k, v in torch_ops.items()),
-                 key=lambda r: -r["own_ms"])
-    return {"functions": functions[:limit], "torch_ops": ops[:limit]}
-
-
 # -- report ----------------------------------------------------------------------------------
 def comparisons(rows: List[Row]) -> List[dict]:
     """Per configuration, the target ratios of median step times, plus the median (p10, p90)
@@ -560,11 +519,8 @@ def comparisons(rows: List[Row]) -> List[dict]:
         for name, (num, den) in pairs.items():
             if num not in by or den not in by:
                 continue
-            paired = [a / b for a, b in zip(by[num].step_ms, by[den].step_ms)]
             entry[name] = by[num].median_ms / by[den].median_ms
-            entry[name + "_paired"] = {"median": statistics.median(paired),
-                                       "p10": percentile(paired, 10),
-                                       "p90": percentile(paired, 90)}
+            entry[name + "_paired"] = paired_ratios(by[num].step_ms, by[den].step_ms)
         out.append(entry)
     return out
 
@@ -596,13 +552,13 @@ def format_table(rows: List[Row], comps: List[dict]) -> str:
         torch_ratio = c.get("hbm_vs_static_torch")
         lines.append(f"{c['dim']:>4} {c['optimizer']:<5} {c['hbm_vs_static']:>10.2f} "
                      f"{c['mc_vs_hbm']:>8.2f} {c['cache_vs_hbm']:>9.2f} "
-                     f"{'-' if torch_ratio is None else format(torch_ratio, '.2f'):>16} "
+                     f"{format_optional(torch_ratio, '.2f', '-'):>16} "
                      f"{c['cache_hit_rate']:>14.3f}")
     return "\n".join(lines)
 
 
 def format_targets(results: List[dict]) -> str:
-    return "\n".join(f"{'PASS' if t['passed'] else 'FAIL'}: {t['target']} (dim {t['dim']}, "
+    return "\n".join(f"{verdict(t['passed'])}: {t['target']} (dim {t['dim']}, "
                      f"{t['optimizer']}): {t['value']:.2f}" for t in results)
 
 
@@ -630,26 +586,15 @@ NOTES = [
 ]
 
 
-def write_outputs(report: dict, out_dir: Path, stem: str) -> List[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
-    plot(report["rows"], report["comparisons"], png_path)
-    return [json_path, png_path]
-
-
-def plot(rows: List[dict], comps: List[dict], path: Path) -> None:
+def plot(report: dict, path: Path) -> None:
     """Left: median step time per method and configuration (p10-p90 whiskers). Right: the
     target ratios with their thresholds."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    rows, comps = report["rows"], report["comparisons"]
     groups = list(dict.fromkeys((r["dim"], r["optimizer"]) for r in rows))
     methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in rows)]
     value = {(r["dim"], r["optimizer"], r["method"]): r for r in rows}
-    fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(15, 5.2),
-                                       gridspec_kw={"width_ratios": [2.2, 1]})
+    fig, (ax, ax_ratio) = pyplot().subplots(1, 2, figsize=(15, 5.2),
+                                            gridspec_kw={"width_ratios": [2.2, 1]})
     width = 0.8 / len(methods)
     x = np.arange(len(groups))
     for i, m in enumerate(methods):
@@ -686,15 +631,12 @@ def plot(rows: List[dict], comps: List[dict], path: Path) -> None:
     ax_ratio.set_title("ratios")
     ax_ratio.grid(axis="y", alpha=0.3)
     ax_ratio.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # -- command line ----------------------------------------------------------------------------
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--dims", type=int, nargs="+", help="embedding dims (default: 64 128)")
     parser.add_argument("--optimizers", nargs="+", choices=["sgd", "adam"],
                         default=["sgd", "adam"])
@@ -710,18 +652,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also cProfile this many HBM_DIRECT and CACHE steps (first dim "
                              "and optimizer) and report dynemb's heaviest functions")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--quick", action="store_true",
-                        help=f"tiny smoke run (dim 16, batch 128); writes {FILE_STEM}_quick.*")
+    add_run_options(parser, f"tiny smoke run (dim 16, batch 128); writes {FILE_STEM}_quick.*")
     cfg = parser.parse_args(argv)
     quick = {"dims": [16], "batch": 128, "length": 20, "warmup": 2, "steps": 3,
              "cache_fraction": 0.5}
     full = {"dims": [64, 128], "batch": 4096, "length": 20, "warmup": 6, "steps": 36,
             "cache_fraction": 0.1}
-    for name, default in (quick if cfg.quick else full).items():
-        if getattr(cfg, name) is None:
-            setattr(cfg, name, default)
+    fill_defaults(cfg, quick, full)
     if min(cfg.batch, cfg.length, cfg.steps, cfg.warmup + 1, *cfg.dims) < 1:
         parser.error("--batch, --length, --steps and --dims must be positive, --warmup >= 0")
     if not 0.0 < cfg.cache_fraction < 1.0:
@@ -742,21 +679,10 @@ def check_cache_fits(cfg, wl: Workload) -> None:
           f"({CACHE_HEADROOM}x); raise --cache-fraction or --warmup/--steps (more distinct ids)")
 
 
-def warn_if_busy(load: Tuple[float, float, float]) -> None:
-    """Other processes make every method slower, the dynamic tables' parallel numba kernels
-    most (their threads wait for each other): say so before the numbers are taken."""
-    cores = len(os.sched_getaffinity(0))
-    if load[0] > 0.5 * cores:
-        print(f"warning: load average {load[0]:.1f} on {cores} cores before the run; other "
-              f"processes will slow every method down, unevenly (see benchmarks/README.md)",
-              file=sys.stderr)
-
-
 def main(argv: Optional[List[str]] = None) -> dict:
     """Run the benchmark, print the tables and targets, write JSON and PNG; returns the report."""
     cfg = parse_args(argv)
-    start, git, load_start = time.perf_counter(), git_state(), os.getloadavg()
-    warn_if_busy(load_start)
+    start, git, load_start = time.perf_counter(), git_state(), load_before_run()
     wl = make_workload(cfg)
     check_cache_fits(cfg, wl)
     bucket = DynamicEmbTableOptions().bucket_size
@@ -771,13 +697,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
             profile = profile_dynemb(cfg, wl, progress)
     comps = comparisons(rows)
     goals = targets(comps)
-    machine = machine_info(git)
+    machine = machine_info(git, packages=("torchrec", "fbgemm_gpu"))
     machine.update({"loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-                    "torch_threads": torch.get_num_threads(),
-                    "torchrec": _version("torchrec"), "fbgemm_gpu": _version("fbgemm_gpu")})
+                    "torch_threads": torch.get_num_threads()})
     report = {
         "machine": machine,
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()},
+        "config": config_of(cfg),
         "workload": {"num_distinct": wl.num_distinct, "ids_per_batch": cfg.batch * cfg.length,
                      "unique_per_batch": wl.unique_per_batch,
                      "hbm_direct_capacity": hbm_capacity(wl.num_distinct, bucket),
@@ -788,7 +713,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "targets": goals,
         "profile": profile,
         "runtime_s": time.perf_counter() - start,
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "peak_rss_gib": peak_rss_gib(),
     }
     print(format_table(rows, comps))
     print()
@@ -800,22 +725,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
             print(f"  cum {f['cum_ms']:7.2f}  own {f['own_ms']:7.2f}  {f['function']}")
         for op in p["torch_ops"][:10]:
             print(f"  torch {op['own_ms']:7.2f}  {op['call']}")
-    stem = FILE_STEM + ("_quick" if cfg.quick else "")
-    for path in write_outputs(report, cfg.out_dir, stem):
-        print(f"wrote {path}")
+    write_report(report, cfg.out_dir, report_stem(FILE_STEM, cfg.quick), plot)
     print(f"run time {report['runtime_s']:.0f} s, peak RSS {report['peak_rss_gib']:.1f} GiB")
     return report
 
 
-def _version(module: str) -> Optional[str]:
-    try:
-        return getattr(__import__(module), "__version__", None)
-    except ImportError:
-        return None
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except BenchmarkError as err:
-        sys.exit(f"benchmark refused to report a broken run: {err}")
+    run_command(main)

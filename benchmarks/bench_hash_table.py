@@ -15,15 +15,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import gc
-import json
-import os
-import platform
-import resource
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,10 +28,12 @@ import torch
 from tqdm import tqdm
 
 import dynemb
+from benchmarks.common import (ALL_THREADS, add_run_options, check, config_of, fill_defaults,
+                               format_optional, git_state, machine_info, new_parser,
+                               peak_rss_gib, pyplot, report_stem, run_command, save_figure,
+                               verdict, write_report)
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FILE_STEM = "hash_table_cpu"
-ALL_THREADS = numba.config.NUMBA_NUM_THREADS
 #: Keys per fill call: at most 2^20 and an eighth of the capacity, so that no bucket receives
 #: more keys in one call than it has slots (keys of one call never evict each other).
 FILL_CHUNK = 1 << 20
@@ -59,16 +54,6 @@ OP_HELP = {
 }
 TARGET_CAPACITY_LOG2 = 22
 TARGET_LOAD = 0.5
-
-
-class BenchmarkError(RuntimeError):
-    """A timed operation returned a wrong result: the run is not reported."""
-
-
-def check(condition, message: str) -> None:
-    """Raise :class:`BenchmarkError` with ``message`` unless ``condition`` holds."""
-    if not bool(condition):
-        raise BenchmarkError(message)
 
 
 @dataclass
@@ -413,9 +398,6 @@ def comparisons(rows: List[Row]) -> List[dict]:
 
 def format_table(comps: List[dict]) -> str:
     """Readable text table of :func:`comparisons`."""
-    def num(x, spec):
-        return "n/a" if x is None else format(x, spec)
-
     header = (f"{'capacity':>8} {'load':>5} {'op':<13} {'impl':<20} {'thr':>3} {'keys':>8} "
               f"{'Mkeys/s':>8} {'dict':>7} {'x dict':>7} {'sorted':>7} {'x sorted':>8} "
               f"{'evicted':>8}")
@@ -425,9 +407,11 @@ def format_table(comps: List[dict]) -> str:
         lines.append(
             f"{'2^' + str(c['capacity_log2']):>8} {load:>5} {c['op']:<13} {c['impl']:<20} "
             f"{c['threads']:>3} {c['keys']:>8} {c['mkeys_per_s']:>8.2f} "
-            f"{num(c['dict_mkeys_per_s'], '7.2f'):>7} {num(c['vs_dict'], '7.1f'):>7} "
-            f"{num(c['searchsorted_mkeys_per_s'], '7.2f'):>7} "
-            f"{num(c['vs_searchsorted'], '8.1f'):>8} {num(c['evicted'], 'd'):>8}")
+            f"{format_optional(c['dict_mkeys_per_s'], '7.2f'):>7} "
+            f"{format_optional(c['vs_dict'], '7.1f'):>7} "
+            f"{format_optional(c['searchsorted_mkeys_per_s'], '7.2f'):>7} "
+            f"{format_optional(c['vs_searchsorted'], '8.1f'):>8} "
+            f"{format_optional(c['evicted'], 'd'):>8}")
     return "\n".join(lines)
 
 
@@ -461,47 +445,9 @@ def format_targets(results: List[dict]) -> str:
     where = f"capacity 2^{TARGET_CAPACITY_LOG2}, load {TARGET_LOAD}, one thread"
     lines = []
     for t in results:
-        verdict = "SKIP" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
-        value = "not measured" if t["value"] is None else f"{t['value']:.2f}"
-        lines.append(f"{verdict}: {t['target']} ({where}): {value}")
+        value = format_optional(t["value"], ".2f", "not measured")
+        lines.append(f"{verdict(t['passed'])}: {t['target']} ({where}): {value}")
     return "\n".join(lines)
-
-
-def machine_info(git: Optional[dict]) -> dict:
-    """What the numbers were measured on (``git``: :func:`git_state` from the start of the run)."""
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "processor": platform.processor(), "cpu_model": model, "machine": platform.machine(),
-        "nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
-        "numba_threads": ALL_THREADS, "numba_threading_layer": numba.threading_layer(),
-        "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS",
-                                                "NUMBA_NUM_THREADS", "NUMBA_THREADING_LAYER")},
-        "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
-        "python": platform.python_version(), "torch": torch.__version__,
-        "numba": numba.__version__, "numpy": np.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git": git,
-    }
-
-
-def git_state() -> Optional[dict]:
-    """Commit of the checkout and whether the library sources differ from it (None: no git)."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-
-    try:
-        return {"commit": git("rev-parse", "HEAD"),
-                "library_modified": bool(git("status", "--porcelain", "dynemb", "kernels"))}
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 NOTES = [
@@ -521,27 +467,15 @@ NOTES = [
 ]
 
 
-def write_outputs(report: dict, out_dir: Path, stem: str) -> List[Path]:
-    """``<stem>.json`` (the report) and ``<stem>.png`` (its plot) under ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
-    plot(report["rows"], png_path)
-    return [json_path, png_path]
-
-
-def plot(rows: List[dict], path: Path) -> None:
+def plot(report: dict, path: Path) -> None:
     """Grouped bars of keys/s (log scale) per (op, load), one panel per capacity."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    rows = report["rows"]
     series = sorted({(r["impl"], r["threads"]) for r in rows},
                     key=lambda s: (["dynemb", "dynemb-serial-kernel", "searchsorted",
                                     "dict"].index(s[0]), s[1]))
     capacities = sorted({r["capacity_log2"] for r in rows})
-    fig, axes = plt.subplots(len(capacities), 1, figsize=(14, 4.2 * len(capacities)),
-                             squeeze=False)
+    fig, axes = pyplot().subplots(len(capacities), 1, figsize=(14, 4.2 * len(capacities)),
+                                  squeeze=False)
     for ax, capacity_log2 in zip(axes[:, 0], capacities):
         mine = [r for r in rows if r["capacity_log2"] == capacity_log2]
         groups = list(dict.fromkeys((r["op"], r["load_target"]) for r in mine))
@@ -561,15 +495,12 @@ def plot(rows: List[dict], path: Path) -> None:
         ax.grid(axis="y", which="both", alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=len(series), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, top=1 - 0.35 / fig.get_figheight())
 
 
 # -- command line ----------------------------------------------------------------------------
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--capacities", type=int, nargs="+", metavar="LOG2",
                         help="log2 of the table capacities (default: 20 22 24)")
     parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.75, 0.95],
@@ -578,17 +509,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="timed repeats per row (default: 5)")
     parser.add_argument("--dict-keys", type=int,
                         help="keys per timed dict call, a prefix of the batch (default: 2^18)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny smoke run (capacity 2^14, small batches); writes "
-                             f"{FILE_STEM}_quick.*")
+    add_run_options(parser, "tiny smoke run (capacity 2^14, small batches); writes "
+                            f"{FILE_STEM}_quick.*")
     cfg = parser.parse_args(argv)
     quick = {"capacities": [14], "batch": 1 << 12, "repeats": 2, "dict_keys": 1 << 10}
     full = {"capacities": [20, 22, 24], "batch": 1 << 20, "repeats": 5, "dict_keys": 1 << 18}
-    for name, default in (quick if cfg.quick else full).items():
-        if getattr(cfg, name) is None:
-            setattr(cfg, name, default)
+    fill_defaults(cfg, quick, full)
     if not all(0.0 < load < 1.0 for load in cfg.loads):
         parser.error("--loads must lie in (0, 1)")
     if min(cfg.batch, cfg.repeats, cfg.dict_keys) < 1:
@@ -605,27 +531,22 @@ def main(argv: Optional[List[str]] = None) -> dict:
     goals = targets(comps)
     report = {
         "machine": machine_info(git),
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()},
+        "config": config_of(cfg),
         "ops": OP_HELP,
         "notes": NOTES,
         "rows": [asdict(r) for r in rows],
         "comparisons": comps,
         "targets": goals,
         "runtime_s": time.perf_counter() - start,
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "peak_rss_gib": peak_rss_gib(),
     }
     print(format_table(comps))
     print()
     print(format_targets(goals))
-    stem = FILE_STEM + ("_quick" if cfg.quick else "")
-    for path in write_outputs(report, cfg.out_dir, stem):
-        print(f"wrote {path}")
+    write_report(report, cfg.out_dir, report_stem(FILE_STEM, cfg.quick), plot)
     print(f"run time {report['runtime_s']:.0f} s, peak RSS {report['peak_rss_gib']:.1f} GiB")
     return report
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BenchmarkError as err:
-        sys.exit(f"benchmark refused to report a broken run: {err}")
+    run_command(main)

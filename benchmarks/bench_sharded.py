@@ -18,14 +18,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
-import resource
-import socket
 import statistics
-import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -34,9 +29,13 @@ import numpy as np
 import torch
 from torchrec.streamable import Pipelineable
 
-from benchmarks.bench_hash_table import BenchmarkError, check, git_state, machine_info
+from benchmarks.common import (BenchmarkError, add_run_options, check, config_of,
+                               fill_defaults, git_state, load_before_run, machine_info,
+                               new_parser, paired_ratios, peak_rss_gib, percentile,
+                               profile_tables, pyplot, report_stem, run_command, save_figure,
+                               verdict, write_report, zipf_ranks)
+from examples.spawn import RankError, run_on_ranks
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FILE_STEM = "sharded_cpu"
 WORLD_SIZE = 2
 METHODS = ("dynemb", "torchrec")
@@ -73,13 +72,7 @@ def zipf_ids(rng: np.random.Generator, n: int, a: float, space: int,
     """``n`` ids in ``[0, space)``: Zipf(``a``) ranks truncated to ``space`` (by rejection),
     scattered over the id range by the fixed permutation ``perm`` (hot ids are not
     contiguous, so TorchRec's row blocks and our hash owners both see a mix)."""
-    parts, got = [], 0
-    while got < n:
-        draw = rng.zipf(a, size=int((n - got) * 1.8) + 64)
-        draw = draw[draw <= space]
-        parts.append(draw)
-        got += draw.size
-    return perm[np.concatenate(parts)[:n] - 1]
+    return perm[zipf_ranks(rng, n, a, space) - 1]
 
 
 def make_batches(cfg: Dict[str, Any], rank: int, count: int) -> List[Dict[str, np.ndarray]]:
@@ -329,6 +322,9 @@ def rank_main(rank: int, world_size: int, cfg: Dict[str, Any]) -> Dict[str, Any]
     """Every configuration on this rank: both models, pipelines stepped in turn."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from tqdm import tqdm
+    if cfg["numba_threads"]:
+        import numba
+        numba.set_num_threads(cfg["numba_threads"])
     configs = [(d, o) for d in cfg["dims"] for o in cfg["optimizers"]]
     # profiled steps: once with phase timers (both models), once under cProfile (dynemb)
     per_config = cfg["warmup"] + cfg["steps"] + 2 * cfg["profile"]
@@ -418,7 +414,6 @@ def compare(outs: Dict[str, Any], worst: Dict[str, float], where: str) -> None:
 def profile_steps(cfg, dmps, pipes, iters, worst, where, bar) -> Dict[str, Any]:
     """``cfg['profile']`` more steps of each model with phase timers on (the models still
     take turns), then as many of dynemb alone under cProfile (its heaviest functions)."""
-    from benchmarks.bench_collection import profile_tables
     n = cfg["profile"]
     timers = {m: PhaseTimers() for m in METHODS}
     step_s: Dict[str, List[float]] = {m: [] for m in METHODS}
@@ -455,65 +450,8 @@ def profile_steps(cfg, dmps, pipes, iters, worst, where, bar) -> Dict[str, Any]:
     return out
 
 
-# -- spawning --------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, cfg: Dict[str, Any], queue) -> None:
-    # Passive OpenMP waits: numba's and torch's thread pools otherwise spin against each
-    # other (and against the other rank) on a small machine.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_WAIT_POLICY="PASSIVE")
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    if cfg["numba_threads"]:
-        import numba
-        numba.set_num_threads(cfg["numba_threads"])
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, "ok", rank_main(rank, world_size, cfg)))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_ranks(cfg: Dict[str, Any], timeout: float = 1800) -> List[Dict[str, Any]]:
-    """``rank_main`` on ``WORLD_SIZE`` spawned gloo ranks; a failure on any raises."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, WORLD_SIZE, port, cfg, queue))
-             for r in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    results, errors = {}, []
-    try:
-        for _ in range(WORLD_SIZE):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-                break  # the other rank is likely stuck in a collective
-    finally:
-        for p in procs:
-            p.join(timeout=5 if errors else timeout)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise BenchmarkError("\n".join(errors))
-    return [results[r] for r in range(WORLD_SIZE)]
-
-
 # -- report ----------------------------------------------------------------------------------
-def summarize(cfg: Dict[str, Any], per_rank: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def summarize(per_rank: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per configuration: a step's time is the slower rank's (the ranks meet in the
     all-to-alls every step); medians, p10/p90, the ratio and the paired per-step ratios."""
     rows = []
@@ -522,16 +460,14 @@ def summarize(cfg: Dict[str, Any], per_rank: List[Dict[str, Any]]) -> List[Dict[
         step_ms = {m: [max(e["step_s"][m][i] for e in entries) * 1e3
                        for i in range(len(first["step_s"][m]))] for m in METHODS}
         med = {m: statistics.median(step_ms[m]) for m in METHODS}
-        paired = [a / b for a, b in zip(step_ms["dynemb"], step_ms["torchrec"])]
         ids = sum(e["ids_per_step"] for e in entries)
         rows.append({
             "dim": first["dim"], "optimizer": first["optimizer"],
             "median_ms": med,
-            "p10_ms": {m: _pct(step_ms[m], 10) for m in METHODS},
-            "p90_ms": {m: _pct(step_ms[m], 90) for m in METHODS},
+            "p10_ms": {m: percentile(step_ms[m], 10) for m in METHODS},
+            "p90_ms": {m: percentile(step_ms[m], 90) for m in METHODS},
             "ratio": med["dynemb"] / med["torchrec"],
-            "ratio_paired": {"median": statistics.median(paired), "p10": _pct(paired, 10),
-                             "p90": _pct(paired, 90)},
+            "ratio_paired": paired_ratios(step_ms["dynemb"], step_ms["torchrec"]),
             "target": TARGET, "passed": med["dynemb"] / med["torchrec"] <= TARGET,
             "ids_per_step_all_ranks": ids,
             "m_ids_per_s": {m: ids / med[m] / 1e3 for m in METHODS},
@@ -549,10 +485,6 @@ def summarize(cfg: Dict[str, Any], per_rank: List[Dict[str, Any]]) -> List[Dict[
     return rows
 
 
-def _pct(values: List[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
-
-
 def format_rows(rows: List[Dict[str, Any]]) -> str:
     head = (f"{'dim':>4} {'optimizer':<16} {'dynemb ms':>9} {'TorchRec ms':>11} {'ratio':>6} "
             f"{'paired p10-p90':>15} {'dynemb Mids/s':>13} {'TorchRec Mids/s':>15}  target")
@@ -564,7 +496,7 @@ def format_rows(rows: List[Dict[str, Any]]) -> str:
             f"{r['median_ms']['torchrec']:>11.1f} {r['ratio']:>6.2f} "
             f"{p['p10']:>7.2f}-{p['p90']:<7.2f} {r['m_ids_per_s']['dynemb']:>13.2f} "
             f"{r['m_ids_per_s']['torchrec']:>15.2f}  "
-            f"{'PASS' if r['passed'] else 'FAIL'} (<= {TARGET})")
+            f"{verdict(r['passed'])} (<= {TARGET})")
     return "\n".join(lines)
 
 
@@ -608,15 +540,12 @@ NOTES = [
 ]
 
 
-def plot(rows: List[Dict[str, Any]], path: Path) -> None:
+def plot(report: Dict[str, Any], path: Path) -> None:
     """Left: median step ms per configuration (p10-p90 whiskers). Right: the ratio against
     the target."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(12, 4.6),
-                                   gridspec_kw={"width_ratios": [1.6, 1]})
+    rows = report["rows"]
+    fig, (ax, ax_r) = pyplot().subplots(1, 2, figsize=(12, 4.6),
+                                        gridspec_kw={"width_ratios": [1.6, 1]})
     x = np.arange(len(rows))
     names = [f"dim {r['dim']}\n{r['optimizer']}" for r in rows]
     width = 0.38
@@ -640,15 +569,12 @@ def plot(rows: List[Dict[str, Any]], path: Path) -> None:
     ax_r.set_ylim(0, max(TARGET, max(r["ratio"] for r in rows)) * 1.25)
     ax_r.set_title("ratio of median step times")
     ax_r.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # -- command line ----------------------------------------------------------------------------
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--dims", type=int, nargs="+", help="embedding dims (default 64 128)")
     parser.add_argument("--optimizers", nargs="+", choices=["sgd", "rowwise_adagrad"],
                         default=["sgd", "rowwise_adagrad"])
@@ -664,18 +590,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--numba-threads", type=int, default=1,
                         help="numba threads per rank (default 1: two ranks on two cores; 0 "
                              "leaves numba's default)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--quick", action="store_true",
-                        help=f"tiny smoke run; writes {FILE_STEM}_quick.*")
+    add_run_options(parser, f"tiny smoke run; writes {FILE_STEM}_quick.*")
     args = parser.parse_args(argv)
     quick = {"dims": [16], "batch": 64, "history": 5, "items": 5000, "users": 2000,
              "warmup": 2, "steps": 3, "profile": 1}
     full = {"dims": [64, 128], "batch": 2048, "history": 20, "items": 500_000,
             "users": 200_000, "warmup": 6, "steps": 30, "profile": 6}
-    for name, default in (quick if args.quick else full).items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
+    fill_defaults(args, quick, full)
     if args.quick:
         args.optimizers = args.optimizers[:1] if args.optimizers else ["sgd"]
     if min(args.batch, args.history, args.items, args.users, args.steps, *args.dims) < 1:
@@ -690,10 +611,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the benchmark on spawned ranks, print, write JSON and PNG; returns the report."""
     args = parse_args(argv)
-    start, load_start, git = time.perf_counter(), os.getloadavg(), git_state()
-    cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    per_rank = run_ranks(cfg)
-    rows = summarize(cfg, per_rank)
+    start, load_start, git = time.perf_counter(), load_before_run(), git_state()
+    cfg = config_of(args)
+    try:
+        per_rank = run_on_ranks(WORLD_SIZE, rank_main, cfg, timeout=1800)
+    except RankError as err:
+        raise BenchmarkError(str(err)) from None
+    rows = summarize(per_rank)
     machine = dict(per_rank[0]["machine"], git=git)
     machine.update({"loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                     "world_size": WORLD_SIZE, "torch_threads_per_rank":
@@ -701,23 +625,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                     per_rank[0]["numba_threads"]})
     report = {"machine": machine, "config": cfg, "notes": NOTES, "labels": LABELS,
               "rows": rows, "runtime_s": time.perf_counter() - start,
-              "peak_rss_gib_parent": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+              "peak_rss_gib_parent": peak_rss_gib()}
     print(format_rows(rows))
     for r in rows:
         text = format_profile(r)
         if text:
             print("\n" + text)
-    stem = FILE_STEM + ("_quick" if args.quick else "")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = args.out_dir / f"{stem}.json", args.out_dir / f"{stem}.png"
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
-    plot(rows, png_path)
-    print(f"wrote {json_path} and {png_path}; run time {report['runtime_s']:.0f} s")
+    write_report(report, args.out_dir, report_stem(FILE_STEM, args.quick), plot)
+    print(f"run time {report['runtime_s']:.0f} s")
     return report
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BenchmarkError as err:
-        sys.exit(f"benchmark refused to report a broken run: {err}")
+    run_command(main)
