@@ -44,9 +44,6 @@ class ModelTable:
     entries: Dict[int, Entry] = field(default_factory=dict)
     clock: int = 0
 
-    def bucket_keys(self, bucket: int) -> List[int]:
-        return [k for k in self.entries if bucket_of(k, self.num_buckets) == bucket]
-
     def slot_range(self, key: int) -> range:
         b = bucket_of(key, self.num_buckets)
         return range(b * self.bucket_size, (b + 1) * self.bucket_size)

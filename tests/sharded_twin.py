@@ -1,4 +1,4 @@
-"""Training scenarios run on every rank of a spawned gloo world (see tests/distributed.py).
+"""Training scenarios run on every rank of a spawned gloo world (see examples/spawn.py).
 
 Each scenario trains three models on the same batches and returns what each saw:
 
@@ -262,7 +262,7 @@ class _Trainer:
 
         from dynemb.pipeline import PrefetchTrainPipelineSparseDist
         self.dmp, self.optimizer = dmp, dense_optimizer(dmp)
-        self.batches, self.loop = batches, loop
+        self.batches = batches
         self.it = iter(batches)
         cls = {"pipeline": TrainPipelineSparseDist,
                "prefetch": PrefetchTrainPipelineSparseDist}.get(loop)
@@ -341,7 +341,7 @@ def run_scenario(rank: int, world_size: int, s: Scenario) -> Dict[str, Any]:
             result["ec_losses"].append(float(ec_loss))
             result["ec_outputs"].append({f: v.numpy().copy() for f, v in ec_out.items()})
         if s.eval_every and step % s.eval_every == 0:
-            result["eval"].append(eval_probe(dmp, ref, local_batches[step]))
+            result["eval"].append(eval_probe(dmp))
 
     if s.eval_pipeline:
         result["eval_pipeline"] = run_eval_pipeline(rank, world_size, s, dmp, trainer, ref)
@@ -366,7 +366,7 @@ def run_scenario(rank: int, world_size: int, s: Scenario) -> Dict[str, Any]:
     return result
 
 
-def eval_probe(dmp, ref, batch: Batch) -> Dict[str, Any]:
+def eval_probe(dmp) -> Dict[str, Any]:
     """An eval forward (plain ``model.eval()``) on new ids: nothing is inserted or updated."""
     before = dmp.module.dyn.stats()
     dmp.eval()
