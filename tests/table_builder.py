@@ -1,8 +1,11 @@
-"""One dynamic table built directly (no collection), for the tests of dynemb/tables/."""
+"""One dynamic table built directly (no collection), or in a one-table collection, for the
+tests of dynemb/tables/."""
 import torch
+from torchrec import EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynemb import (DynamicEmbTableOptions, Initializer, InitializerKind, OptimizerConfig,
-                    OptimizerType)
+from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
+                    OptimizerConfig, OptimizerType)
 from dynemb.options import choose_storage_mode
 from dynemb.tables import build_table
 from key_reference import initial_rows
@@ -26,3 +29,20 @@ def build(num_embeddings=64, optimizer=SGD, **options):
 def start_rows(keys, seed=0):
     """The rows INIT gives ``keys`` of this table (the Python reference)."""
     return torch.tensor(initial_rows(INIT, keys, DIM, seed=seed, table_id=TABLE_ID))
+
+
+def collection(num_embeddings, initializer=INIT, **options):
+    """A collection of one table "t" read by feature "f", trained by SGD at lr 0.5."""
+    tables = [EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=num_embeddings,
+                              feature_names=["f"])]
+    return DynamicEmbCollection(tables, table_options=DynamicEmbTableOptions(
+        initializer=initializer, **options), optimizer=SGD)
+
+
+def train_step(ec, ids):
+    """One step whose loss is the sum of all embeddings: each row moves by -lr per use.
+    Returns the embeddings of ``ids``."""
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    out = ec(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()])))
+    out["f"].values().sum().backward()
+    return out["f"].values()

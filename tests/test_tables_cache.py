@@ -1,33 +1,15 @@
 """CACHE (CacheTable): evicted rows are written back to the store and reloaded trained; the
 default store holds every row the table may have; rows keep their scores through it."""
 import torch
-from torchrec import EmbeddingConfig
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, HostBackingStore, Initializer,
-                    InitializerKind, OptimizerConfig, OptimizerType, ScorePolicy, StorageMode)
+from dynemb import HostBackingStore, ScorePolicy, StorageMode
 from key_reference import initial_rows
-
-DIM = 4
-SGD = OptimizerConfig(OptimizerType.SGD, learning_rate=0.5)
-INIT = Initializer(InitializerKind.UNIFORM, low=-0.1, high=0.1)
+from table_builder import DIM, INIT, collection, train_step
 #: table_identity("t"), pinned in test_initializers.py
 TABLE_T_ID = 6256752092847567818
 
 
-def make(num_embeddings, **options):
-    tables = [EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=num_embeddings,
-                              feature_names=["f"])]
-    return DynamicEmbCollection(tables, table_options=DynamicEmbTableOptions(
-        initializer=INIT, **options), optimizer=SGD)
-
-
-def train_step(ec, ids):
-    """One step whose loss is the sum of all embeddings: each row moves by -lr per use."""
-    ids = torch.as_tensor(ids, dtype=torch.int64)
-    out = ec(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()])))
-    out["f"].values().sum().backward()
-    return out["f"].values()
+make = collection
 
 
 # -- write-back and load -----------------------------------------------------------------------

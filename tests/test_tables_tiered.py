@@ -3,30 +3,16 @@ against the Python-int reference), and a claim that fails in either tier leaves 
 unchanged."""
 import pytest
 import torch
-from torchrec import EmbeddingConfig
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
-                    OptimizerConfig, OptimizerType, ScorePolicy, StorageMode, TableFullError)
+from dynemb import Initializer, InitializerKind, ScorePolicy, StorageMode, TableFullError
 from key_reference import routes_to_first
+from table_builder import DIM, collection, train_step
 
-DIM = 4
-SGD = OptimizerConfig(OptimizerType.SGD, learning_rate=0.5)
 INIT = Initializer(InitializerKind.CONSTANT, value=1.0)
 
 
 def make(num_embeddings, **options):
-    tables = [EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=num_embeddings,
-                              feature_names=["f"])]
-    return DynamicEmbCollection(tables, table_options=DynamicEmbTableOptions(
-        initializer=INIT, **options), optimizer=SGD)
-
-
-def train_step(ec, ids):
-    ids = torch.as_tensor(ids, dtype=torch.int64)
-    out = ec(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()])))
-    out["f"].values().sum().backward()
-    return out
+    return collection(num_embeddings, initializer=INIT, **options)
 
 
 def split_by_tier(table, keys):
