@@ -51,6 +51,16 @@ DYNEMB_SHARDING_TYPE = ShardingType.ROW_WISE.value
 DYNEMB_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 
 
+def _estimate_others(torchrec_estimator: ShardEstimator, options: List[ShardingOption],
+                     sharder_data_map: Optional[SharderDataMap]) -> List[ShardingOption]:
+    """Let TorchRec's estimator estimate the options of ordinary tables; returns those of
+    dynamic tables, left to us."""
+    others = [o for o in options if not _is_dynamic(o)]
+    if others:
+        torchrec_estimator.estimate(others, sharder_data_map=sharder_data_map)
+    return [o for o in options if _is_dynamic(o)]
+
+
 def _is_dynamic(option: ShardingOption) -> bool:
     return isinstance(option.module[1], DynamicEmbCollection)
 
@@ -130,10 +140,7 @@ class DynamicEmbStorageEstimator(ShardEstimator):
 
     def estimate(self, sharding_options: List[ShardingOption],
                  sharder_data_map: Optional[SharderDataMap] = None) -> None:
-        ours = [o for o in sharding_options if _is_dynamic(o)]
-        others = [o for o in sharding_options if not _is_dynamic(o)]
-        if others:
-            self._torchrec.estimate(others, sharder_data_map=sharder_data_map)
+        ours = _estimate_others(self._torchrec, sharding_options, sharder_data_map)
         for option in ours:
             if option.sharding_type != DYNEMB_SHARDING_TYPE:
                 raise ValueError(f"dynamic table {option.name!r}: sharding type "
@@ -176,10 +183,7 @@ class DynamicEmbPerfEstimator(ShardEstimator):
 
     def estimate(self, sharding_options: List[ShardingOption],
                  sharder_data_map: Optional[SharderDataMap] = None) -> None:
-        ours = [o for o in sharding_options if _is_dynamic(o)]
-        others = [o for o in sharding_options if not _is_dynamic(o)]
-        if others:
-            self._torchrec.estimate(others, sharder_data_map=sharder_data_map)
+        ours = _estimate_others(self._torchrec, sharding_options, sharder_data_map)
         if not ours:
             return
         saved = [(o, o.compute_kernel, o.cache_params) for o in ours]
