@@ -176,6 +176,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
 
         Example::
 
+            >>> ec = DynamicEmbCollection(tables=[EmbeddingConfig(
+            ...     name="t", embedding_dim=8, num_embeddings=1024, feature_names=["f"])])
             >>> ec.half()
             Traceback (most recent call last):
             RuntimeError: DynamicEmbCollection cannot be converted to torch.float16 ...

@@ -13,7 +13,11 @@ class DynamicEmbFusedOptimizer(FusedOptimizer):
 
     Example::
 
+        >>> ec = DynamicEmbCollection(tables=[EmbeddingConfig(
+        ...     name="t", embedding_dim=8, num_embeddings=1024, feature_names=["f"])])
         >>> ec.fused_optimizer.param_groups[0]["lr"] = 0.01
+        >>> ec.fused_optimizer.lr
+        0.01
     """
 
     def __init__(self, lr: float):

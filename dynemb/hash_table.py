@@ -205,6 +205,7 @@ class ScoredHashTable:
 
         Example::
 
+            >>> table = ScoredHashTable(1024)
             >>> result = table.find_or_insert(torch.tensor([3, 4]), pin=True)
             >>> table.undo(result)
             >>> table.find(torch.tensor([3, 4])).tolist()
@@ -338,6 +339,7 @@ class ScoredHashTable:
 
         Example::
 
+            >>> table = ScoredHashTable(1024)
             >>> slots = table.find_or_insert(torch.tensor([7]), pin=True).slots
             >>> table.release(slots); table.release(slots)   # the second one is a no-op
             >>> table.pinned_count()
@@ -358,10 +360,14 @@ class ScoredHashTable:
 
         Example::
 
+            >>> table = ScoredHashTable(1024)
+            >>> _ = table.find_or_insert(torch.arange(100))
             >>> start, seen = 0, 0
             >>> while start < table.capacity:
-            ...     chunk = table.export(start, 4096)
+            ...     chunk = table.export(start, 256)
             ...     seen += chunk.keys.numel(); start = chunk.next_start
+            >>> seen
+            100
         """
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= self.capacity:
             raise ValueError(f"start must be an int in [0, {self.capacity}], got {start!r}")

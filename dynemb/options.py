@@ -57,7 +57,8 @@ class FrequencyAdmission:
 
     Example::
 
-        >>> DynamicEmbTableOptions(admission=FrequencyAdmission(threshold=3))
+        >>> DynamicEmbTableOptions(admission=FrequencyAdmission(threshold=3)).admission
+        FrequencyAdmission(threshold=3, counter_capacity=65536)
     """
 
     threshold: int = 2
@@ -113,8 +114,10 @@ class DynamicEmbTableOptions:
 
     Example::
 
-        >>> DynamicEmbTableOptions(caching=True, global_hbm_for_values=64 << 20,
-        ...                        score_strategy=ScorePolicy.LFU)
+        >>> options = DynamicEmbTableOptions(caching=True, global_hbm_for_values=64 << 20,
+        ...                                  score_strategy=ScorePolicy.LFU)
+        >>> options.caching, options.global_hbm_for_values, options.score_strategy
+        (True, 67108864, <ScorePolicy.LFU: 'lfu'>)
     """
 
     caching: bool = False

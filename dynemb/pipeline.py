@@ -17,8 +17,8 @@ class PrefetchTrainPipelineSparseDist(train_pipelines.PrefetchTrainPipelineSpars
 
     Example::
 
-        >>> pipeline = PrefetchTrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
-        >>> for _ in range(steps):
+        >>> pipeline = PrefetchTrainPipelineSparseDist(model, optimizer, torch.device("cpu"))  # doctest: +SKIP
+        >>> for _ in range(steps):  # doctest: +SKIP
         ...     loss, out = pipeline.progress(batches)
     """
 

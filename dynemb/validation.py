@@ -111,7 +111,7 @@ def check_kjt(kjt, device: torch.device, *, check_lengths: bool = True) -> None:
         >>> check_kjt(KeyedJaggedTensor.from_lengths_sync(
         ...     ["f", "f"], torch.tensor([1, 2]), torch.tensor([1, 1])), torch.device("cpu"))
         Traceback (most recent call last):
-        ValueError: feature 'f' appears 2 times in the KJT's keys ['f', 'f'] ...
+        ValueError: feature 'f' appears 2 times in the KJT's keys ['f', 'f']; each feature must appear once ...
     """
     if not isinstance(kjt, KeyedJaggedTensor):
         raise TypeError(f"input must be a KeyedJaggedTensor, got {type(kjt).__name__}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up .venv (scripts/setup.sh) and runs the whole test suite. Extra arguments go to pytest.
+# Sets up .venv (scripts/setup.sh) and runs the whole test suite and the docstring examples of
+# dynemb/ (doctests; their names come from the root conftest.py). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest tests "$@"
+exec .venv/bin/python -m pytest tests dynemb --doctest-modules "$@"

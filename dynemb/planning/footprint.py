@@ -10,9 +10,11 @@ planner counts it.
 
 Example::
 
+    >>> config = EmbeddingConfig(name="items", embedding_dim=16, num_embeddings=1024,
+    ...                          feature_names=["item"])
     >>> fp = table_footprint(config, DynamicEmbTableOptions(), OptimizerConfig(), world_size=2)
     >>> fp.storage()  # what the planner reserves for the shard
-    Storage(hbm=..., ddr=8, ssd=0)
+    Storage(hbm=43112, ddr=8, ssd=0)
 """
 from __future__ import annotations
 
@@ -66,7 +68,10 @@ class TableFootprint:
 
     Example::
 
-        >>> fp = table_footprint(config, options, optimizer, world_size=2, batch_size=64)
+        >>> config = EmbeddingConfig(name="items", embedding_dim=16, num_embeddings=1024,
+        ...                          feature_names=["item"])
+        >>> fp = table_footprint(config, DynamicEmbTableOptions(), OptimizerConfig(), world_size=2,
+        ...                      batch_size=64)
         >>> fp.device_bytes == fp.device_static_bytes + fp.io_bytes
         True
     """
@@ -147,6 +152,8 @@ def rank_layout(config: EmbeddingConfig, options: DynamicEmbTableOptions,
 
     Example::
 
+        >>> config = EmbeddingConfig(name="items", embedding_dim=16, num_embeddings=1024,
+        ...                          feature_names=["item"])
         >>> rank_layout(config, DynamicEmbTableOptions(), OptimizerConfig(), 2).mode
         <StorageMode.HBM_DIRECT: 'hbm_direct'>
     """
@@ -196,6 +203,9 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
 
     Example::
 
+        >>> from torchrec.distributed.types import PipelineType
+        >>> config = EmbeddingConfig(name="items", embedding_dim=16, num_embeddings=1024,
+        ...                          feature_names=["item"])
         >>> fp = table_footprint(config, DynamicEmbTableOptions(), OptimizerConfig(),
         ...                      world_size=2, batch_size=64,
         ...                      pipeline_type=PipelineType.TRAIN_SPARSE_DIST)
@@ -287,7 +297,10 @@ def footprints(model: nn.Module, *, world_size: int, batch_size: int,
 
     Example::
 
+        >>> model = torch.nn.Sequential(DynamicEmbCollection(tables=[EmbeddingConfig(
+        ...     name="items", embedding_dim=16, num_embeddings=1024, feature_names=["item"])]))
         >>> sum(f.device_bytes for f in footprints(model, world_size=2, batch_size=256))
+        123088
     """
     out: List[TableFootprint] = []
     for _, module in dynamic_collections(model):

@@ -6,8 +6,16 @@
 
 Example::
 
+    >>> model = torch.nn.Sequential(DynamicEmbCollection(tables=[EmbeddingConfig(
+    ...     name="items", embedding_dim=16, num_embeddings=1024, feature_names=["item"])]))
     >>> print(footprint_report(model, world_size=2, batch_size=256))
-    >>> print(format_allocated(measure_allocated(sharded_model)))
+    Dynamic embedding footprint (batch size 256 per rank)
+    ...
+    total: device 123,088 bytes (120.20 KiB), host 16 bytes (0.02 KiB), all 123,104 bytes
+    >>> print(format_allocated(measure_allocated(model)))
+    table    values  optim    hash  admit  other  device  host  in flight
+    -------  ------  -----  ------  -----  -----  ------  ----  ---------
+    0.items  65,536      0  20,488      0     96  86,120     8          0
 """
 from __future__ import annotations
 
@@ -51,7 +59,15 @@ def format_footprints(items: Sequence[TableFootprint], *, title: str = "",
 
     Example::
 
-        >>> print(format_footprints([table_footprint(config, options, optimizer)], unit="KiB"))
+        >>> from dynemb.planning.footprint import table_footprint
+        >>> config = EmbeddingConfig(name="items", embedding_dim=16, num_embeddings=1024,
+        ...                          feature_names=["item"])
+        >>> print(format_footprints([table_footprint(config, DynamicEmbTableOptions(),
+        ...                                          OptimizerConfig())], unit="KiB"))
+        Dynamic embedding footprint
+        world size 1, pipeline none (pipe I/O = input + output), compute device cuda, sizes in KiB
+        ...
+        total: device 86,120 bytes (84.10 KiB), host 8 bytes (0.01 KiB), all 86,128 bytes
     """
     if not items:
         return "no dynamic tables"
@@ -116,8 +132,13 @@ def footprint_report(model: nn.Module, world_size: int, batch_size: int,
 
     Example::
 
+        >>> from torchrec.distributed.types import PipelineType
+        >>> model = torch.nn.Sequential(DynamicEmbCollection(tables=[EmbeddingConfig(
+        ...     name="items", embedding_dim=16, num_embeddings=1024, feature_names=["item"])]))
         >>> print(footprint_report(model, world_size=2, batch_size=256,
         ...                        pipeline_type=PipelineType.TRAIN_SPARSE_DIST))
+        Dynamic embedding footprint (batch size 256 per rank)
+        ...
     """
     items = footprints(model, world_size=world_size, batch_size=batch_size,
                        pipeline_type=pipeline_type, constraints=constraints,
@@ -136,7 +157,10 @@ def measure_table(table: DynamicTable) -> AllocatedBytes:
 
     Example::
 
+        >>> collection = DynamicEmbCollection(tables=[EmbeddingConfig(
+        ...     name="items", embedding_dim=16, num_embeddings=1024, feature_names=["item"])])
         >>> measure_table(collection.tables["items"]).device_bytes
+        86120
     """
     return table.memory_breakdown()
 
@@ -148,7 +172,10 @@ def measure_allocated(module: nn.Module) -> Dict[str, AllocatedBytes]:
 
     Example::
 
+        >>> collection = DynamicEmbCollection(tables=[EmbeddingConfig(
+        ...     name="items", embedding_dim=16, num_embeddings=1024, feature_names=["item"])])
         >>> measure_allocated(collection)["items"].host_bytes
+        8
     """
     local = getattr(module, "local", None)
     if isinstance(local, DynamicEmbCollection):
@@ -168,7 +195,12 @@ def format_allocated(allocated: Mapping[str, AllocatedBytes]) -> str:
 
     Example::
 
-        >>> print(format_allocated(measure_allocated(dmp_model)))
+        >>> collection = DynamicEmbCollection(tables=[EmbeddingConfig(
+        ...     name="items", embedding_dim=16, num_embeddings=1024, feature_names=["item"])])
+        >>> print(format_allocated(measure_allocated(collection)))
+        table  values  optim    hash  admit  other  device  host  in flight
+        -----  ------  -----  ------  -----  -----  ------  ----  ---------
+        items  65,536      0  20,488      0     96  86,120     8          0
     """
     fields = ("values_bytes", "optimizer_bytes", "hash_bytes", "admission_bytes",
               "other_bytes", "device_bytes", "host_bytes", "in_flight_bytes")

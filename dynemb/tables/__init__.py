@@ -39,6 +39,7 @@ def build_table(name: str, table_id: int, dim: int, layout: TableLayout,
 
     Example::
 
+        >>> from dynemb.options import choose_storage_mode
         >>> layout = choose_storage_mode(DynamicEmbTableOptions(), name="t",
         ...                              num_embeddings=1024, width=8, config_dtype=torch.float32)
         >>> type(build_table("t", 0, 8, layout, DynamicEmbTableOptions(), OptimizerConfig(),

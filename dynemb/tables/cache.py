@@ -43,6 +43,10 @@ class CacheTable(HbmDirectTable):
 
         Example::
 
+            >>> from dynemb.options import choose_storage_mode
+            >>> options = DynamicEmbTableOptions(caching=True, global_hbm_for_values=512 * 32)
+            >>> layout = choose_storage_mode(options, name="t", num_embeddings=5000, width=8,
+            ...                              config_dtype=torch.float32)
             >>> CacheTable.planned_rows(layout, options)  # 512 cached of 5000 rows
             PlannedRows(device_rows=512, host_rows=10240, host_hash_slots=10240, host_exact=True)
         """

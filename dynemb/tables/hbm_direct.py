@@ -23,8 +23,14 @@ class HbmDirectTable(DynamicTable):
 
     Example::
 
+        >>> from dynemb.options import choose_storage_mode
+        >>> from dynemb.tables import build_table
+        >>> layout = choose_storage_mode(DynamicEmbTableOptions(), name="t", num_embeddings=1024,
+        ...                              width=8, config_dtype=torch.float32)
+        >>> layout.mode
+        <StorageMode.HBM_DIRECT: 'hbm_direct'>
         >>> table = build_table("t", 0, 8, layout, DynamicEmbTableOptions(), OptimizerConfig(),
-        ...                     torch.device("cpu"))            # an HBM_DIRECT layout
+        ...                     torch.device("cpu"))
         >>> batch = table.prefetch(torch.tensor([7, 9, 7]), training=True)
         >>> table.lookup(batch).shape                            # one row per unique key
         torch.Size([2, 8])
@@ -42,6 +48,10 @@ class HbmDirectTable(DynamicTable):
 
         Example::
 
+            >>> from dynemb.options import choose_storage_mode
+            >>> options = DynamicEmbTableOptions(max_capacity=512)
+            >>> layout = choose_storage_mode(options, name="t", num_embeddings=1000, width=8,
+            ...                              config_dtype=torch.float32)
             >>> HbmDirectTable.planned_rows(layout, options)  # max_capacity 512
             PlannedRows(device_rows=512, host_rows=0, host_hash_slots=0, host_exact=True)
         """

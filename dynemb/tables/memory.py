@@ -17,7 +17,18 @@ class MemoryBreakdown:
 
     Example::
 
-        >>> table.memory_breakdown().device_bytes  # values + state + hash + admission + other
+        >>> from dynemb.options import choose_storage_mode
+        >>> from dynemb.tables import build_table
+        >>> options = DynamicEmbTableOptions(max_capacity=512)
+        >>> layout = choose_storage_mode(options, name="t", num_embeddings=512, width=8,
+        ...                              config_dtype=torch.float32)
+        >>> table = build_table("t", 0, 8, layout, options, OptimizerConfig(), torch.device("cpu"))
+        >>> memory = table.memory_breakdown()
+        >>> memory.values_bytes                          # 512 rows of 8 float32
+        16384
+        >>> memory.device_bytes == (memory.values_bytes + memory.optimizer_bytes + memory.hash_bytes
+        ...                         + memory.admission_bytes + memory.other_bytes)
+        True
     """
 
     values_bytes: int = 0
@@ -62,6 +73,11 @@ class PlannedRows:
 
     Example::
 
+        >>> from dynemb.options import choose_storage_mode
+        >>> from dynemb.tables.tiered import TieredTable
+        >>> options = DynamicEmbTableOptions(global_hbm_for_values=256 * 32)  # 256 rows of 32 bytes
+        >>> layout = choose_storage_mode(options, name="t", num_embeddings=1024, width=8,
+        ...                              config_dtype=torch.float32)
         >>> TieredTable.planned_rows(layout, options)  # 256 of 1024 rows fit the device
         PlannedRows(device_rows=256, host_rows=768, host_hash_slots=768, host_exact=True)
     """

@@ -1,0 +1,35 @@
+"""Repository-level pytest setup, shared by ``tests/`` and the doctests of ``dynemb/``.
+
+It is not part of the package: it only gives the docstring examples the names a reader
+would have imported anyway (``torch``, the public names of :mod:`dynemb`, and TorchRec's
+``EmbeddingConfig``, ``KeyedJaggedTensor``, ``JaggedTensor``), so each example states only
+its own setup.
+
+The CUDA backend runs under numba's simulator where torch sees no GPU, exactly as in
+``tests/conftest.py`` (which repeats this, harmlessly, for runs started inside ``tests/``);
+it has to be chosen before anything imports ``numba.cuda``, hence before :mod:`dynemb`.
+"""
+import os
+
+import pytest
+import torch
+
+if os.environ.get("DYNEMB_REAL_CUDA") == "1":
+    if not torch.cuda.is_available():
+        raise pytest.UsageError("DYNEMB_REAL_CUDA=1 but torch sees no GPU")
+    os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+elif not torch.cuda.is_available():
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _doctest_names(doctest_namespace):
+    """What every docstring example may use without importing it."""
+    import dynemb
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+    doctest_namespace["torch"] = torch
+    doctest_namespace.update({name: getattr(dynemb, name) for name in dynemb.__all__})
+    doctest_namespace.update(EmbeddingConfig=EmbeddingConfig, JaggedTensor=JaggedTensor,
+                             KeyedJaggedTensor=KeyedJaggedTensor)
