@@ -188,9 +188,12 @@ class TableLayout:
     row_bytes: int
 
     @property
-    def host_capacity(self) -> int:
-        """Rows of the host tier (DEFAULT) or backing store (CACHE); 0 for HBM_DIRECT."""
-        return 0 if self.mode is StorageMode.HBM_DIRECT else self.max_capacity
+    def host_tier_rows(self) -> int:
+        """Rows of the DEFAULT mode's host tier: what the device cannot hold of
+        ``max_capacity``, in whole buckets (at least one); 0 in the other modes."""
+        if self.mode is not StorageMode.DEFAULT:
+            return 0
+        return _round_up(self.max_capacity - self.device_capacity, self.bucket_size)
 
 
 def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embeddings: int,
@@ -265,9 +268,7 @@ def check_allocation(layout: TableLayout, options: DynamicEmbTableOptions, *, na
         ValueError: table 't': the 68719476736 rows allocated up front (init_capacity, ...
     """
     slot = layout.row_bytes + SLOT_BYTES
-    host_rows = 0
-    if layout.mode is StorageMode.DEFAULT:
-        host_rows = _round_up(layout.max_capacity - layout.device_capacity, layout.bucket_size)
+    host_rows = layout.host_tier_rows
     needs = {device: layout.init_capacity * slot}
     host = torch.device("cpu")
     needs[host] = needs.get(host, 0) + host_rows * slot

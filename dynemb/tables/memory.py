@@ -73,13 +73,8 @@ class PlannedRows:
 
     Example::
 
-        >>> from dynemb.options import choose_storage_mode
-        >>> from dynemb.tables.tiered import TieredTable
-        >>> options = DynamicEmbTableOptions(global_hbm_for_values=256 * 32)  # 256 rows of 32 bytes
-        >>> layout = choose_storage_mode(options, name="t", num_embeddings=1024, width=8,
-        ...                              config_dtype=torch.float32)
-        >>> TieredTable.planned_rows(layout, options)  # 256 of 1024 rows fit the device
-        PlannedRows(device_rows=256, host_rows=768, host_hash_slots=768, host_exact=True)
+        >>> PlannedRows(device_rows=256, host_rows=768, host_hash_slots=768).host_exact
+        True
     """
 
     device_rows: int

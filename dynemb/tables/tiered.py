@@ -27,12 +27,12 @@ class TieredTable(DynamicTable):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.host_tier = Tier(self.layout, host_tier_rows(self.layout), self.dim,
+        self.host_tier = Tier(self.layout, self.layout.host_tier_rows, self.dim,
                               self.state_dim, self.options, torch.device("cpu"), None)
 
     @classmethod
     def planned_rows(cls, layout: TableLayout, options: DynamicEmbTableOptions) -> PlannedRows:
-        """The device tier's rows and the host tier's (:func:`host_tier_rows`).
+        """The device tier's rows and the host tier's (``layout.host_tier_rows``).
 
         Example::
 
@@ -44,7 +44,7 @@ class TieredTable(DynamicTable):
             >>> TieredTable.planned_rows(layout, options)  # 256 of 1024 rows fit the device
             PlannedRows(device_rows=256, host_rows=768, host_hash_slots=768, host_exact=True)
         """
-        host = host_tier_rows(layout)
+        host = layout.host_tier_rows
         return PlannedRows(layout.device_capacity, host_rows=host, host_hash_slots=host)
 
     def _resolve(self, batch: TableBatch) -> None:
@@ -144,11 +144,3 @@ class TieredTable(DynamicTable):
         values, state = tier_row_bytes(self.host_tier, self.row_layout)
         return MemoryBreakdown(host_values_bytes=values, host_optimizer_bytes=state,
                                host_hash_bytes=self.host_tier.hash.nbytes())
-
-
-def host_tier_rows(layout) -> int:
-    """Rows of the host tier: what the device tier cannot hold of ``max_capacity``, in whole
-    buckets (at least one)."""
-    bucket = layout.bucket_size
-    rows = max(bucket, layout.max_capacity - layout.device_capacity)
-    return -(-rows // bucket) * bucket
