@@ -122,6 +122,16 @@ class HostBackingStore:
         return self._table.capacity
 
     @property
+    def hash_table(self) -> ScoredHashTable:
+        """The key -> slot table (what a checkpoint saves with :attr:`row_table`)."""
+        return self._table
+
+    @property
+    def row_table(self) -> FlatTable:
+        """The rows, one per slot of :attr:`hash_table`."""
+        return self._rows
+
+    @property
     def max_capacity(self) -> Optional[int]:
         """Most slots it grows to (None: unbounded)."""
         return self._table.max_capacity

@@ -11,6 +11,8 @@ from torchrec.modules.embedding_modules import EmbeddingCollectionInterface
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from dynemb.checkpoint.module_state import NAMESPACE, collect_saved, save_tables
+from dynemb.checkpoint.table_state import SavedTable, can_restore_exactly, check_compatible, restore
 from dynemb.collection_config import check_configs, options_by_table
 from dynemb.fused_optimizer import DynamicEmbFusedOptimizer
 from dynemb.initializers import table_identity
@@ -21,6 +23,7 @@ from dynemb.options import (DynamicEmbTableOptions, StorageMode, check_allocatio
                              choose_storage_mode)
 from dynemb.prefetch import PrefetchState
 from dynemb.tables import DynamicTable, TableBatch, build_table
+from dynemb.types import TableFullError
 from dynemb.validation import check_keys, check_kjt
 
 
@@ -102,6 +105,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         # their backward or the next training forward (see forward)
         self._awaiting_backward: List[Tuple[str, TableBatch]] = []
         self._steps = {name: 0 for name in self.tables}
+        self._generation = 0  # bumped by every checkpoint load: older lookups cannot backward
         self._fused_optimizer = DynamicEmbFusedOptimizer(self._optimizer_config.learning_rate)
         self._prefetch_stream = (torch.cuda.Stream(device=self._device)
                                  if self._device.type == "cuda" else None)
@@ -184,6 +188,58 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         """
         check_conversion(fn, self._device)
         return super()._apply(fn, recurse)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    #: ``(rank, world size)`` the tables are saved as (a sharded module's shards set theirs)
+    _checkpoint_group = (0, 1)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """Every table's rows, scores, optimizer state, step and counters (see
+        :mod:`dynemb.checkpoint.module_state`): views of the tables, nothing is copied."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        save_tables(self.tables, self._steps, destination, prefix, *self._checkpoint_group)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        try:
+            saved, unexpected = collect_saved(state_dict, prefix, list(self.tables))
+        except ValueError as err:
+            error_msgs.append(str(err))
+            return
+        unexpected_keys.extend(unexpected)
+        absent = [n for n in self.tables if n not in saved]
+        missing_keys.extend(f"{prefix}{NAMESPACE}.{n}.signature" for n in absent)
+        if absent and strict:
+            return  # load_state_dict raises; nothing changed
+        try:
+            self.load_tables(saved)
+        except (ValueError, TableFullError) as err:
+            error_msgs.append(str(err))
+
+    def load_tables(self, saved: Dict[str, List[SavedTable]]) -> None:
+        """Replace the named tables' contents with their saved images, all or nothing.
+
+        Every image is checked first (a table of another dim, optimizer, dtype, storage mode
+        or score policy raises ``ValueError`` naming it, and nothing changes). Then queued
+        prefetches are dropped and pins of lookups awaiting backward end: a backward of a
+        forward run before the load raises instead of updating the loaded rows."""
+        for name, parts in saved.items():
+            if name not in self.tables:
+                raise ValueError(f"the checkpoint has table {name!r}, this module has "
+                                 f"{list(self.tables)}")
+            for part in parts:
+                check_compatible(self.tables[name], part)
+        exact = {n for n, parts in saved.items()
+                 if len(parts) == 1 and can_restore_exactly(self.tables[n], parts[0])}
+        # fallible loads (by key, into new tables) first; in-place ones cannot fail
+        restored = {n: restore(self.tables[n], parts) for n, parts in saved.items()
+                    if n not in exact}
+        self.clear_prefetched()
+        restored.update({n: restore(self.tables[n], saved[n]) for n in exact})
+        for name, table in restored.items():
+            self.tables[name] = table
+            self._steps[name] = max(p.step for p in saved[name])
+        self._generation += 1
 
     # -- prefetch ----------------------------------------------------------------------------
     @torch.compiler.disable
@@ -385,7 +441,12 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
                              f">= 0, got {given!r}; nothing was updated")
         return lr
 
-    def _apply_gradients(self, name: str, batch: TableBatch, grads: torch.Tensor) -> None:
+    def _apply_gradients(self, name: str, batch: TableBatch, grads: torch.Tensor,
+                         generation: int) -> None:
+        if generation != self._generation:
+            raise RuntimeError(
+                f"table {name!r} was loaded from a checkpoint after this forward; its "
+                f"backward would update rows that are no longer there. Run a new forward")
         lr = self._check_lr()  # read here: a scheduler may change it after the forward
         if not batch.applied:
             self._steps[name] += 1
@@ -401,9 +462,10 @@ class _DynamicLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, module: DynamicEmbCollection, name: str, batch: TableBatch):
         ctx.module, ctx.name, ctx.batch = module, name, batch
+        ctx.generation = module._generation
         return module.tables[name].lookup(batch)
 
     @staticmethod
     def backward(ctx, grad_rows):
-        ctx.module._apply_gradients(ctx.name, ctx.batch, grad_rows)
+        ctx.module._apply_gradients(ctx.name, ctx.batch, grad_rows, ctx.generation)
         return None, None, None, None

@@ -57,5 +57,11 @@ class TableCounters:
     def snapshot(self) -> Dict[str, int]:
         return dict(zip(COUNTER_NAMES, self._values.tolist()))
 
+    def load(self, values: torch.Tensor) -> None:
+        """Set every counter (values in :data:`COUNTER_NAMES` order), e.g. from a checkpoint."""
+        if values.shape != self._values.shape:
+            raise ValueError(f"expected {len(COUNTER_NAMES)} counters, got {tuple(values.shape)}")
+        self._values.copy_(values)
+
     def reset(self) -> None:
         self._values.zero_()

@@ -65,6 +65,11 @@ class DynamicTable:
 
     _grows = False  # the device tier doubles up to max_capacity (HBM_DIRECT only)
 
+    def empty_copy(self) -> "DynamicTable":
+        """A new, empty table of the same configuration (name, layout, options, device)."""
+        return type(self)(self.name, self.table_id, self.dim, self.layout, self.options,
+                          self.optimizer, self.device, self.backend)
+
     # -- what a mode provides ------------------------------------------------------------------
     def _resolve(self, batch: TableBatch) -> None:
         """Prefetch's part of the mode: find or insert (training) or find (eval) and pin."""

@@ -1,0 +1,1 @@
+"""Checkpoints of dynamic tables."""

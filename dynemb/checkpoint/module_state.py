@@ -1,0 +1,78 @@
+"""How a module's dynamic tables appear in its ``state_dict``.
+
+Each table contributes, under the module's prefix::
+
+    dynamic_tables.<table>.signature                    (the same on every rank)
+    dynamic_tables.<table>.rank<r>_of_<w>.state         step and counters of rank r
+    dynamic_tables.<table>.rank<r>_of_<w>.<tier>.layout capacity, bucket size, clock
+    dynamic_tables.<table>.rank<r>_of_<w>.<tier>.keys   slot image (see table_state)
+    dynamic_tables.<table>.rank<r>_of_<w>.<tier>.scores
+    dynamic_tables.<table>.rank<r>_of_<w>.<tier>.rows
+
+An unsharded module is ``rank0_of_1``; rank ``r`` of a sharded module saves its own share,
+so the names of one rank never collide with another's and ``torch.distributed.checkpoint``
+writes each share once. Loading accepts any set of images (one, several, or parts of them,
+as :class:`~dynemb.checkpoint.DynamicEmbLoadPlanner` reads them for another world size).
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Mapping, Tuple
+
+import torch
+
+from dynemb.checkpoint.table_state import SavedTable, capture, parse
+
+NAMESPACE = "dynamic_tables"
+_GROUP = re.compile(r"^rank(\d+)_of_(\d+)\.(.+)$")
+
+
+def group_name(rank: int, world_size: int) -> str:
+    return f"rank{rank}_of_{world_size}"
+
+
+def save_tables(tables: Mapping, steps: Mapping[str, int], destination: Dict, prefix: str,
+                rank: int = 0, world_size: int = 1) -> None:
+    """Add every table's checkpoint tensors to ``destination`` (see the module docstring)."""
+    group = group_name(rank, world_size)
+    for name, table in tables.items():
+        base = f"{prefix}{NAMESPACE}.{name}."
+        for rel, tensor in capture(table, steps[name]).items():
+            key = base + rel if rel == "signature" else f"{base}{group}.{rel}"
+            destination[key] = tensor
+
+
+def collect_saved(state_dict: Mapping[str, torch.Tensor], prefix: str,
+                  table_names: List[str]) -> Tuple[Dict[str, List[SavedTable]], List[str]]:
+    """The saved images of each table found under ``prefix`` (in rank order), and the keys
+    under ``prefix`` + ``dynamic_tables.`` that belong to no table of the module."""
+    base = f"{prefix}{NAMESPACE}."
+    grouped: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {}
+    signatures: Dict[str, torch.Tensor] = {}
+    unexpected = []
+    for key, value in state_dict.items():
+        if not key.startswith(base):
+            continue
+        table, _, rest = key[len(base):].partition(".")
+        if table not in table_names:
+            unexpected.append(key)
+            continue
+        if rest == "signature":
+            signatures[table] = value
+            continue
+        match = _GROUP.match(rest)
+        if match is None:
+            unexpected.append(key)
+            continue
+        rank, world = int(match.group(1)), int(match.group(2))
+        grouped.setdefault(table, {}).setdefault((rank, world), {})[match.group(3)] = value
+    saved: Dict[str, List[SavedTable]] = {}
+    for table, groups in grouped.items():
+        if table not in signatures:
+            raise ValueError(f"table {table!r}: the checkpoint has rows but no signature "
+                             f"({base}{table}.signature)")
+        saved[table] = [
+            parse({"signature": signatures[table], **entries}, rank=rank, world_size=world,
+                  where=f"table {table!r} ({group_name(rank, world)})")
+            for (rank, world), entries in sorted(groups.items())]
+    return saved, unexpected

@@ -1,0 +1,369 @@
+"""One table's checkpoint: what is saved, how it is checked, how it is put back.
+
+A table's state is a set of named tensors (see :func:`capture`):
+
+- ``signature``: int64 codes of what must match to load (dim, row width, dtype, optimizer,
+  storage mode, score policy);
+- ``state``: the optimizer's step, then the table's counters (:data:`COUNTER_NAMES`);
+- per tier (``device``; ``host``: the DEFAULT host tier or the CACHE backing store;
+  ``admission``: the admission counter), ``layout`` = (capacity, bucket size, clock) and the
+  tier's **slot image**: ``keys`` and ``scores`` per slot, and ``rows`` (embedding plus
+  optimizer state, the table's physical row) except for ``admission``. Free slots hold
+  ``EMPTY_KEY`` / ``TOMBSTONE_KEY``. These are views of the table's own arrays (saving
+  copies nothing); a backing store that is not a :class:`~dynemb.HostBackingStore` is saved
+  from its ``export`` (compact, capacity -1).
+
+Putting it back (:func:`restore`):
+
+- **exactly**, slot for slot, when one full image of the same layout is given (same rank
+  and world size): every key in its saved slot with its score, the clock as saved. Training
+  then continues bit for bit as if never stopped, evictions included;
+- **by key** otherwise (other world size, other capacity, or parts of several images):
+  every live entry is inserted with its saved score, never evicting (a key that finds no
+  slot is an error, nothing is lost silently). CACHE tables put every row in the backing
+  store (the cache refills from it); DEFAULT tables route each key to its tier again.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+from dynemb.backing_store import HostBackingStore
+from dynemb.counters import COUNTER_NAMES
+from dynemb.key_mixing import routes_to_first
+from dynemb.optimizers import OptimizerType
+from dynemb.options import StorageMode
+from dynemb.tables import DynamicTable
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, TableFullError
+
+#: Bumped when the meaning of saved tensors changes.
+FORMAT_VERSION = 1
+TIERS = ("device", "host", "admission")
+ROW_FIELDS = ("keys", "scores", "rows")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_OPTIMIZERS = tuple(OptimizerType)
+_MODES = tuple(StorageMode)
+_SIGNATURE_FIELDS = ("format version", "dim", "row width", "optimizer state width", "dtype",
+                     "optimizer", "storage mode", "score policy")
+#: Entries inserted per step when loading by key (bounds the temporaries).
+LOAD_CHUNK_ROWS = 1 << 20
+
+
+# -- what is saved --------------------------------------------------------------------------
+def signature(table: DynamicTable) -> torch.Tensor:
+    """int64 codes of what a checkpoint of ``table`` must share with the table it loads into
+    (see :func:`describe_mismatch`)."""
+    return torch.tensor([FORMAT_VERSION, table.dim, table.width, table.state_dim,
+                         _DTYPES.index(table.layout.dtype),
+                         _OPTIMIZERS.index(table.optimizer.type), _MODES.index(table.mode),
+                         table.options.score_strategy.code], dtype=torch.int64)
+
+
+def describe_mismatch(table: DynamicTable, saved: torch.Tensor) -> Optional[str]:
+    """None if a checkpoint of signature ``saved`` loads into ``table``, else what differs,
+    in words."""
+    mine = signature(table).tolist()
+    saved = [int(v) for v in saved.tolist()]
+    if len(saved) != len(mine) or saved[0] != FORMAT_VERSION:
+        return f"checkpoint format {saved[:1]} is not {FORMAT_VERSION}"
+    names = {4: _DTYPES, 5: [o.value for o in _OPTIMIZERS], 6: [m.value for m in _MODES]}
+    diffs = []
+    for i, (s, m) in enumerate(zip(saved, mine)):
+        if s != m:
+            show = names.get(i)
+            s_str = show[s] if show is not None and 0 <= s < len(show) else s
+            m_str = show[m] if show is not None else m
+            diffs.append(f"{_SIGNATURE_FIELDS[i]} {s_str} in the checkpoint, {m_str} here")
+    return "; ".join(diffs) or None
+
+
+@dataclasses.dataclass
+class TierParts:
+    """Where one tier of a table keeps its keys and rows."""
+
+    hash: Optional[object]            # ScoredHashTable (None for a user backing store)
+    rows: Optional[torch.Tensor]      # [capacity, width] or None (admission, user store)
+    store: Optional[object] = None    # a user BackingStore, saved through export
+
+
+def tier_parts(table: DynamicTable) -> Dict[str, TierParts]:
+    """The tiers ``table`` has, by name (see the module docstring)."""
+    parts = {"device": TierParts(table.tier.hash, table.tier.flat.weights)}
+    if table.mode is StorageMode.DEFAULT:
+        parts["host"] = TierParts(table.host_tier.hash, table.host_tier.flat.weights)
+    elif table.mode is StorageMode.CACHE:
+        store = table.store
+        if isinstance(store, HostBackingStore):
+            parts["host"] = TierParts(store.hash_table, store.row_table.weights)
+        else:
+            parts["host"] = TierParts(None, None, store)
+    if table.admission is not None:
+        parts["admission"] = TierParts(table.admission.table, None)
+    return parts
+
+
+def capture(table: DynamicTable, step: int) -> Dict[str, torch.Tensor]:
+    """The tensors of ``table``'s checkpoint by relative name (see the module docstring):
+    views of its arrays where it has them."""
+    out = {"signature": signature(table),
+           "state": torch.tensor([step, *table.counters.snapshot().values()],
+                                 dtype=torch.int64)}
+    for name, part in tier_parts(table).items():
+        if part.hash is not None:
+            keys, scores = part.hash.image()
+            out[f"{name}.layout"] = torch.tensor(
+                [part.hash.capacity, part.hash.bucket_size, part.hash.clock])
+        else:
+            keys, scores, rows = _export_store(part.store, table.width)
+            out[f"{name}.layout"] = torch.tensor([-1, 0, 0])
+            out[f"{name}.rows"] = rows
+        out[f"{name}.keys"], out[f"{name}.scores"] = keys, scores
+        if part.rows is not None:
+            out[f"{name}.rows"] = part.rows
+    return out
+
+
+def _export_store(store, width: int):
+    keys, rows, scores, start = [], [], [], 0
+    while start is not None:
+        chunk = store.export(start, LOAD_CHUNK_ROWS)
+        k, r, s, start = chunk if len(chunk) == 4 else (chunk[0], chunk[1], None, chunk[2])
+        keys.append(k.cpu())
+        rows.append(r.cpu())
+        scores.append(torch.zeros_like(k.cpu()) if s is None else s.cpu())
+    return torch.cat(keys), torch.cat(scores), torch.cat(rows).reshape(-1, width)
+
+
+# -- what is loaded -------------------------------------------------------------------------
+@dataclasses.dataclass
+class SavedTier:
+    """One tier of a saved image (or of a part of it)."""
+
+    capacity: int
+    bucket_size: int
+    clock: int
+    keys: torch.Tensor
+    scores: torch.Tensor
+    rows: Optional[torch.Tensor]
+
+    @property
+    def full_image(self) -> bool:
+        return self.capacity >= 0 and self.keys.numel() == self.capacity
+
+    def live(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Keys, scores and rows of the occupied slots."""
+        occupied = (self.keys != EMPTY_KEY) & (self.keys != TOMBSTONE_KEY)
+        if bool(occupied.all()):
+            return self.keys, self.scores, self.rows
+        return (self.keys[occupied], self.scores[occupied],
+                None if self.rows is None else self.rows[occupied])
+
+
+@dataclasses.dataclass
+class SavedTable:
+    """One saved image of a table (rank ``rank`` of ``world_size``), possibly a part of it."""
+
+    signature: torch.Tensor
+    step: int
+    counters: torch.Tensor
+    tiers: Dict[str, SavedTier]
+    rank: int = 0
+    world_size: int = 1
+
+
+def parse(entries: Dict[str, torch.Tensor], *, rank: int = 0, world_size: int = 1,
+          where: str = "") -> SavedTable:
+    """The :class:`SavedTable` of one image's tensors (as :func:`capture` names them)."""
+    missing = [n for n in ("signature", "state") if n not in entries]
+    if missing:
+        raise ValueError(f"{where}: the checkpoint lacks {missing}")
+    state = entries["state"].to(torch.int64).cpu()
+    tiers = {}
+    for name in TIERS:
+        if f"{name}.layout" not in entries:
+            continue
+        capacity, bucket, clock = (int(v) for v in entries[f"{name}.layout"].tolist())
+        fields = [f"{name}.{f}" for f in ROW_FIELDS[:2]]
+        lacking = [f for f in fields if f not in entries]
+        if lacking:
+            raise ValueError(f"{where}: the checkpoint lacks {lacking}")
+        tiers[name] = SavedTier(capacity, bucket, clock, entries[f"{name}.keys"],
+                                entries[f"{name}.scores"], entries.get(f"{name}.rows"))
+    return SavedTable(entries["signature"], int(state[0]), state[1:], tiers, rank, world_size)
+
+
+def check_compatible(table: DynamicTable, saved: SavedTable) -> None:
+    """Raise ``ValueError`` naming the table and what differs if ``saved`` cannot load into
+    ``table``."""
+    problem = describe_mismatch(table, saved.signature)
+    if problem is None:
+        expected = set(tier_parts(table))
+        if set(saved.tiers) != expected:
+            problem = (f"tiers {sorted(saved.tiers)} in the checkpoint, {sorted(expected)} "
+                       f"here (admission on in one and off in the other?)")
+    if problem is None:
+        for name, tier in saved.tiers.items():
+            if tier.rows is None and name != "admission":
+                problem = f"the checkpoint has no rows for tier {name!r}"
+            elif tier.rows is not None and tier.rows.shape[1:] != (table.width,):
+                problem = f"rows of width {tuple(tier.rows.shape[1:])} in the checkpoint"
+            elif tier.rows is not None and tier.rows.shape[0] != tier.keys.shape[0]:
+                problem = f"{tier.keys.shape[0]} keys but {tier.rows.shape[0]} rows"
+    if problem is not None:
+        raise ValueError(f"table {table.name!r}: cannot load the checkpoint: {problem}")
+
+
+def can_restore_exactly(table: DynamicTable, saved: SavedTable) -> bool:
+    """One full image whose tiers have this table's bucket sizes and a capacity each tier
+    has or can grow to."""
+    parts = tier_parts(table)
+    for name, tier in saved.tiers.items():
+        part = parts[name]
+        if part.hash is None or not tier.full_image:
+            return False
+        h = part.hash
+        if tier.bucket_size != h.bucket_size or tier.capacity % h.bucket_size:
+            return False
+        if tier.capacity != h.capacity and not (
+                h.grow_at_load_factor is not None and h.capacity < tier.capacity
+                and (h.max_capacity is None or tier.capacity <= h.max_capacity)):
+            return False
+    return True
+
+
+def restore(table: DynamicTable, saved: List[SavedTable]) -> DynamicTable:
+    """The table holding what ``saved`` holds: ``table`` itself, updated in place, when one
+    full image of its exact layout is given; else a new table of the same configuration
+    filled by key (``table`` untouched). Every part of ``saved`` must have passed
+    :func:`check_compatible`. Raises :class:`TableFullError` if the entries do not fit."""
+    if len(saved) == 1 and can_restore_exactly(table, saved[0]):
+        parts = tier_parts(table)
+        same = all(parts[n].hash.capacity == t.capacity for n, t in saved[0].tiers.items())
+        target = table if same else table.empty_copy()
+        _restore_image(target, saved[0])
+        return target
+    target = table.empty_copy()
+    clock = max((t.clock for s in saved for n, t in s.tiers.items() if n != "admission"),
+                default=0)
+    # CACHE: store rows first, cached rows (newer) overwrite them
+    for name in ("host", "device", "admission"):
+        for part in saved:
+            if name in part.tiers:
+                keys, scores, rows = part.tiers[name].live()
+                for lo in range(0, keys.numel(), LOAD_CHUNK_ROWS):
+                    hi = lo + LOAD_CHUNK_ROWS
+                    insert_entries(target, name, keys[lo:hi], scores[lo:hi],
+                                   None if rows is None else rows[lo:hi])
+    for name, part in tier_parts(target).items():
+        if part.hash is not None:
+            part.hash.set_clock(max(s.tiers[name].clock for s in saved if name in s.tiers)
+                                if name == "admission" else clock)
+    target.counters.load(torch.stack([s.counters for s in saved]).sum(0))
+    return target
+
+
+def _restore_image(table: DynamicTable, saved: SavedTable) -> None:
+    table.counters.load(saved.counters)
+    for name, part in tier_parts(table).items():
+        tier = saved.tiers[name]
+        h = part.hash
+        if h.capacity != tier.capacity:
+            remap = h.grow(tier.capacity)
+            _remap_rows(table, name, remap, tier.capacity)
+            part = tier_parts(table)[name]
+        h.load_image(tier.keys.to(h.device), tier.scores.to(h.device), tier.clock)
+        if part.rows is not None and part.rows.data_ptr() != tier.rows.data_ptr():
+            part.rows.copy_(tier.rows)
+
+
+def _remap_rows(table: DynamicTable, tier: str, remap: torch.Tensor, capacity: int) -> None:
+    """Move a tier's rows after its hash table grew."""
+    if tier == "device":
+        table.tier.flat.remap(remap, capacity)
+    elif tier == "host" and table.mode is StorageMode.DEFAULT:
+        table.host_tier.flat.remap(remap, capacity)
+    elif tier == "host":
+        table.store.row_table.remap(remap, capacity)
+
+
+def insert_entries(table: DynamicTable, tier: str, keys: torch.Tensor, scores: torch.Tensor,
+                   rows: Optional[torch.Tensor]) -> None:
+    """Insert live entries of a saved ``tier`` into ``table`` by key, with their scores,
+    evicting nothing (see the module docstring for where each mode puts them)."""
+    if keys.numel() == 0:
+        return
+    if tier == "admission":
+        h = table.admission.table
+        h.load_entries(keys.to(h.device), scores.to(h.device))
+        return
+    if table.mode is StorageMode.CACHE:
+        dropped = table.store.insert(keys.to(table.device), rows.to(table.device),
+                                     scores.to(table.device))
+        if dropped:
+            raise TableFullError(f"table {table.name!r}: the backing store evicted {dropped} "
+                                 f"rows while loading the checkpoint: it cannot hold them all",
+                                 keys[:0], None)
+        return
+    if table.mode is StorageMode.HBM_DIRECT:
+        _insert_into(table, "device", table.tier, keys, scores, rows)
+        return
+    dev_cap, host_cap = table.tier.hash.capacity, table.host_tier.hash.capacity
+    keys_dev = keys.to(table.device)
+    on_device = routes_to_first(keys_dev, dev_cap, dev_cap + host_cap).to(keys.device)
+    _insert_into(table, "device", table.tier, keys[on_device], scores[on_device],
+                 rows[on_device])
+    _insert_into(table, "host", table.host_tier, keys[~on_device], scores[~on_device],
+                 rows[~on_device])
+
+
+def _insert_into(table: DynamicTable, name: str, tier, keys, scores, rows) -> None:
+    if keys.numel() == 0:
+        return
+    try:
+        result = tier.hash.load_entries(keys.to(tier.device), scores.to(tier.device))
+    except TableFullError as err:
+        if err.remap is not None:
+            _remap_rows(table, name, err.remap, tier.hash.capacity)
+        raise TableFullError(f"table {table.name!r}: {err.failed_keys.numel()} keys of the "
+                             f"checkpoint found no free slot in its {name} tier "
+                             f"({tier.hash.capacity} rows): give the table more capacity",
+                             err.failed_keys, None) from None
+    if result.remap is not None:
+        _remap_rows(table, name, result.remap, tier.hash.capacity)
+    tier.flat.weights.index_copy_(0, result.slots, rows.to(tier.device, tier.flat.weights.dtype))
+
+
+# -- iteration ------------------------------------------------------------------------------
+def live_chunks(table: DynamicTable, chunk_rows: int) -> Iterator[Tuple[str, torch.Tensor,
+                                                                      torch.Tensor,
+                                                                      torch.Tensor]]:
+    """``(tier, keys, scores, rows)`` of every live row, at most ``chunk_rows`` slots read per
+    chunk (CACHE: store rows whose key is cached are skipped: the cached row is current)."""
+    for name, part in tier_parts(table).items():
+        if name == "admission":
+            continue
+        if part.hash is None:  # a user backing store
+            start = 0
+            while start is not None:
+                chunk = part.store.export(start, chunk_rows)
+                k, r, s, start = chunk if len(chunk) == 4 else (chunk[0], chunk[1],
+                                                                torch.zeros_like(chunk[0]),
+                                                                chunk[2])
+                yield from _skip_cached(table, name, k, s, r)
+            continue
+        keys, scores = part.hash.image()
+        for lo in range(0, part.hash.capacity, chunk_rows):
+            k, s = keys[lo:lo + chunk_rows], scores[lo:lo + chunk_rows]
+            occupied = (k != EMPTY_KEY) & (k != TOMBSTONE_KEY)
+            r = part.rows[lo:lo + chunk_rows][occupied]
+            yield from _skip_cached(table, name, k[occupied], s[occupied], r)
+
+
+def _skip_cached(table, name, keys, scores, rows) -> Iterable:
+    if table.mode is StorageMode.CACHE and name == "host" and keys.numel():
+        cached = table.tier.hash.find(keys.to(table.device)).to(keys.device) >= 0
+        keys, scores, rows = keys[~cached], scores[~cached], rows[~cached]
+    if keys.numel():
+        yield name, keys, scores, rows

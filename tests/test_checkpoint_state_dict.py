@@ -1,0 +1,161 @@
+"""``state_dict`` / ``load_state_dict`` of DynamicEmbCollection: a model saved with
+``torch.save`` and loaded into a freshly built one continues exactly as the uninterrupted
+run (outputs, losses, rows, scores, counters), in every storage mode and optimizer; bad
+checkpoints are refused with the model unchanged."""
+import pytest
+import torch
+
+from checkpoint_models import (DIM, MODES, OPTIMIZERS, all_rows, batches, model, roundtrip,
+                               train)
+from dynemb import ScorePolicy
+
+STEPS_BEFORE, STEPS_AFTER = 12, 8
+ALL_IDS = torch.arange(600) * 7919 - 1000
+
+
+def continue_both(make, before=STEPS_BEFORE, after=STEPS_AFTER):
+    """Train a model, checkpoint it, load into a fresh one; train both further."""
+    kjts = batches(before + after)
+    original = make()
+    train(original, kjts[:before])
+    state = roundtrip(original.state_dict())
+    resumed = make()
+    resumed.load_state_dict(state)
+    return original, resumed, train(original, kjts[before:]), train(resumed, kjts[before:])
+
+
+def assert_same_tables(a, b):
+    for name in a.tables:
+        rows_a, found_a = all_rows(a, name, ALL_IDS)
+        rows_b, found_b = all_rows(b, name, ALL_IDS)
+        assert torch.equal(found_a, found_b), name
+        assert torch.equal(rows_a, rows_b), name
+        assert a.stats()[name] == b.stats()[name]
+        ta, tb = a.tables[name], b.tables[name]
+        assert torch.equal(ta.tier.hash.image()[0], tb.tier.hash.image()[0])
+        assert torch.equal(ta.tier.hash.image()[1], tb.tier.hash.image()[1])
+        assert ta.tier.hash.clock == tb.tier.hash.clock
+
+
+def assert_same_run(run_a, run_b):
+    (losses_a, outs_a), (losses_b, outs_b) = run_a, run_b
+    assert torch.equal(torch.stack(losses_a), torch.stack(losses_b))
+    for oa, ob in zip(outs_a, outs_b):
+        for f in oa:
+            assert torch.equal(oa[f], ob[f])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_resumed_training_equals_the_uninterrupted_run(mode, optimizer):
+    original, resumed, run_a, run_b = continue_both(lambda: model(mode, optimizer))
+    assert_same_run(run_a, run_b)
+    assert_same_tables(original, resumed)
+    assert resumed._steps == original._steps
+
+
+@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.STEP])
+@pytest.mark.parametrize("mode", MODES)
+def test_scores_and_admission_counts_survive_the_checkpoint(mode, policy):
+    make = lambda: model(mode, "adam", policy=policy, admission=True)  # noqa: E731
+    original, resumed, run_a, run_b = continue_both(make)
+    assert_same_run(run_a, run_b)
+    assert_same_tables(original, resumed)
+    adm_a, adm_b = (m.tables["t0"].admission.table.image() for m in (original, resumed))
+    assert torch.equal(adm_a[0], adm_b[0]) and torch.equal(adm_a[1], adm_b[1])
+    assert original.stats()["t0"]["admission_rejects"] > 0
+
+
+def test_cache_rows_in_the_backing_store_are_saved_and_read_back():
+    original, resumed, *_ = continue_both(lambda: model("cache", "adagrad"), after=0)
+    stats = original.stats()["t0"]
+    assert stats["rows_backing"] > 0 and stats["write_backs"] > 0  # the store holds rows
+    store_keys = original.tables["t0"].store.hash_table.image()[0]
+    stored = store_keys[store_keys >= -1000]
+    rows_a, found_a = original.read_rows("t0", stored, with_state=True)
+    rows_b, found_b = resumed.read_rows("t0", stored, with_state=True)
+    assert bool(found_a.all()) and bool(found_b.all())
+    assert torch.equal(rows_a, rows_b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_tables_resume_bit_for_bit(dtype):
+    original, resumed, run_a, run_b = continue_both(lambda: model("default", "adam",
+                                                                  dtype=dtype))
+    assert_same_run(run_a, run_b)
+    assert_same_tables(original, resumed)
+
+
+def test_rows_pinned_by_a_queued_prefetch_are_saved_with_their_values():
+    kjts = batches(6)
+    original = model("cache", "sgd")
+    train(original, kjts[:4])
+    original.prefetch(kjts[4])  # inserts and loads kjts[4]'s rows, pinned
+    state = roundtrip(original.state_dict())
+    resumed = model("cache", "sgd")
+    resumed.load_state_dict(state)
+    assert resumed.pending_prefetches == 0
+    assert_same_run(train(original, kjts[4:]), train(resumed, kjts[4:]))
+
+
+def test_state_dict_holds_views_of_the_tables_not_copies():
+    ec = model("hbm_direct", "sgd")
+    train(ec, batches(3))
+    state = ec.state_dict()
+    rows = state["dynamic_tables.t0.rank0_of_1.device.rows"]
+    assert rows.data_ptr() == ec.tables["t0"].tier.flat.weights.data_ptr()
+
+
+def test_loading_into_a_table_of_another_dim_or_optimizer_names_it_and_changes_nothing():
+    source = model("hbm_direct", "adam", dims=(DIM, 2 * DIM))
+    train(source, batches(3))
+    state = roundtrip(source.state_dict())
+    for target, what in [(model("hbm_direct", "adam"), "dim 16 in the checkpoint, 8 here"),
+                         (model("hbm_direct", "sgd", dims=(DIM, 2 * DIM)), "optimizer adam"),
+                         (model("default", "adam", dims=(DIM, 2 * DIM)), "storage mode")]:
+        train(target, batches(2, seed=5))
+        before = {n: all_rows(target, n, ALL_IDS) for n in target.tables}
+        with pytest.raises(RuntimeError, match=what):
+            target.load_state_dict(state)
+        for n, (rows, found) in before.items():
+            after_rows, after_found = all_rows(target, n, ALL_IDS)
+            assert torch.equal(rows, after_rows) and torch.equal(found, after_found)
+
+
+def test_loading_a_half_precision_checkpoint_into_float32_is_refused():
+    state = roundtrip(model("hbm_direct", "sgd", dtype=torch.float16).state_dict())
+    with pytest.raises(RuntimeError, match="dtype torch.float16 in the checkpoint"):
+        model("hbm_direct", "sgd").load_state_dict(state)
+
+
+def test_a_missing_table_is_reported_and_nothing_loads():
+    state = roundtrip(model("hbm_direct", "sgd").state_dict())
+    for key in [k for k in state if ".t1." in k]:
+        del state[key]
+    target = model("hbm_direct", "sgd")
+    train(target, batches(2))
+    rows_before = all_rows(target, "t0", ALL_IDS)[0]
+    with pytest.raises(RuntimeError, match=r"Missing key.*dynamic_tables\.t1\.signature"):
+        target.load_state_dict(state)
+    assert torch.equal(rows_before, all_rows(target, "t0", ALL_IDS)[0])
+
+
+def test_a_backward_of_a_forward_from_before_the_load_raises():
+    ec = model("hbm_direct", "sgd")
+    kjt = batches(1)[0]
+    state = roundtrip(ec.state_dict())
+    out = ec(kjt)
+    ec.load_state_dict(state)
+    with pytest.raises(RuntimeError, match="loaded from a checkpoint after this forward"):
+        sum(jt.values().sum() for jt in out.values()).backward()
+
+
+def test_a_checkpoint_of_a_grown_table_loads_into_a_fresh_smaller_one_exactly():
+    # HBM_DIRECT starts at 64 rows and grows; the fresh model has 64: it grows to the saved
+    # capacity and takes every key at its saved slot
+    original = model("hbm_direct", "sgd")
+    train(original, batches(10))
+    assert original.tables["t0"].tier.hash.capacity > 64
+    resumed = model("hbm_direct", "sgd")
+    resumed.load_state_dict(roundtrip(original.state_dict()))
+    assert_same_tables(original, resumed)
