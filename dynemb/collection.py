@@ -23,7 +23,6 @@ from dynemb.options import (DynamicEmbTableOptions, StorageMode, check_allocatio
                              choose_storage_mode)
 from dynemb.prefetch import PrefetchState
 from dynemb.tables import DynamicTable, TableBatch, build_table
-from dynemb.types import TableFullError
 from dynemb.validation import check_keys, check_kjt
 
 
@@ -201,20 +200,20 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        # errors raise here: DistributedModelParallel's loader drops error_msgs
         try:
             saved, unexpected = collect_saved(state_dict, prefix, list(self.tables))
         except ValueError as err:
-            error_msgs.append(str(err))
-            return
+            raise RuntimeError(str(err)) from None
         unexpected_keys.extend(unexpected)
         absent = [n for n in self.tables if n not in saved]
         missing_keys.extend(f"{prefix}{NAMESPACE}.{n}.signature" for n in absent)
         if absent and strict:
-            return  # load_state_dict raises; nothing changed
+            return  # load_state_dict raises on the missing keys; nothing changed
         try:
             self.load_tables(saved)
-        except (ValueError, TableFullError) as err:
-            error_msgs.append(str(err))
+        except ValueError as err:
+            raise RuntimeError(str(err)) from None
 
     def load_tables(self, saved: Dict[str, List[SavedTable]]) -> None:
         """Replace the named tables' contents with their saved images, all or nothing.

@@ -28,11 +28,14 @@ from torchrec.distributed.types import (Awaitable, LazyAwaitable, ParameterShard
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from dynemb.checkpoint.module_state import NAMESPACE, collect_saved, save_tables
+from dynemb.checkpoint.redistribute import redistribute
+from dynemb.checkpoint.table_state import tier_parts
 from dynemb.collection import DynamicEmbCollection
 from dynemb.jagged import cut_by_feature
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
-from dynemb.sharding.routing import RoutedIds
+from dynemb.sharding.routing import RoutedIds, owner_ranks
 from dynemb.validation import check_keys, check_kjt
 
 SUPPORTED_SHARDING_TYPES = (ShardingType.ROW_WISE.value,)
@@ -88,6 +91,13 @@ class LocalShardCollection(DynamicEmbCollection):
 
     _weights_are_counts = True
 
+    # its tables are saved and loaded by the sharded module, under the sharded module's names
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        pass
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        pass
+
 
 class ShardedDynamicEmbCollection(
         ShardedEmbeddingModule[KJTList, List[torch.Tensor], Dict[str, JaggedTensor],
@@ -113,6 +123,8 @@ class ShardedDynamicEmbCollection(
             raise ValueError("ShardedDynamicEmbCollection needs a process group in its "
                              "ShardingEnv")
         self._world_size = env.world_size
+        self._rank = env.rank
+        self._pg = pg
         self._module_fqn = module_fqn
         configs = module.embedding_configs()
         check_plan(configs, table_name_to_parameter_sharding, self._world_size,
@@ -139,8 +151,10 @@ class ShardedDynamicEmbCollection(
             input_dists.append(DedupRwSparseFeaturesDist(
                 pg, [(c.name, c.feature_names, options[c.name].sharding) for c in group]))
             output_dists.append(RwSequenceEmbeddingDist(pg, len(group), device))
-        self._input_dists = torch.nn.ModuleList(input_dists)
-        self._output_dists = torch.nn.ModuleList(output_dists)
+        # plain lists, as TorchRec's sharded modules keep theirs: their buffers (world-size
+        # dependent permutations) are not model state and stay out of the state dict
+        self._input_dists: List[torch.nn.Module] = input_dists
+        self._output_dists: List[torch.nn.Module] = output_dists
         self._table_shardings = dict(table_name_to_parameter_sharding)
 
     # -- TorchRec ShardedModule API -----------------------------------------------------------
@@ -209,6 +223,44 @@ class ShardedDynamicEmbCollection(
     def _merge(dist_input: KJTList) -> KeyedJaggedTensor:
         kjts = list(dist_input)
         return kjts[0] if len(kjts) == 1 else KeyedJaggedTensor.concat(kjts)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """This rank's share of every table, named ``rank<r>_of_<world>`` under the names the
+        unsharded module uses (see :mod:`dynemb.checkpoint.module_state`)."""
+        save_tables(self.local.tables, self.local._steps, destination, prefix, self._rank,
+                    self._world_size)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """Load this rank's own saved share slot for slot when that is what it was given;
+        anything else (another world size, an unsharded checkpoint, parts of several ranks'
+        shares) is sent key by key to the keys' owners (collective: every rank loads)."""
+        names = list(self.local.tables)
+        try:
+            saved, unexpected = collect_saved(state_dict, prefix, names)
+        except ValueError as err:
+            raise RuntimeError(str(err)) from None
+        unexpected_keys.extend(unexpected)
+        absent = [n for n in names if n not in saved]
+        missing_keys.extend(f"{prefix}{NAMESPACE}.{n}.signature" for n in absent)
+        if absent and strict:
+            return
+        own = (self._rank, self._world_size)
+        if not all(len(parts) == 1 and (parts[0].rank, parts[0].world_size) == own
+                   for parts in saved.values()):
+            options = self.local.table_options
+            saved = {
+                name: [redistribute(
+                    parts, list(tier_parts(self.local.tables[name])),
+                    lambda keys, scheme=options[name].sharding: owner_ranks(
+                        keys, self._world_size, scheme),
+                    self._rank, self._world_size, self._pg)]
+                for name, parts in sorted(saved.items())}
+        try:
+            self.local.load_tables(saved)
+        except ValueError as err:
+            raise RuntimeError(str(err)) from None
 
     # -- dynemb views ------------------------------------------------------------------------
     @property

@@ -1,0 +1,95 @@
+"""torch.distributed.checkpoint of a whole DistributedModelParallel model (dense layer,
+TorchRec table with fused optimizer state, three dynamic tables in the three storage
+modes), saved on 2 and 3 spawned CPU ranks and loaded on 1, 2 and 3: each key lands on its
+new owner and training continues as the uninterrupted run does (see
+tests/checkpoint_dcp_worker.py)."""
+import numpy as np
+import pytest
+
+from examples.spawn import run_on_ranks
+from tests.checkpoint_dcp_worker import run
+
+STEPS_BEFORE, STEPS_AFTER = 6, 4
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _spawn(world, jobs):
+    results = run_on_ranks(world, run, jobs, timeout=600)
+    return [[per_rank[i] for per_rank in results] for i in range(len(jobs))]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints of 2- and 3-rank runs, and those runs continued uninterrupted."""
+    root = tmp_path_factory.mktemp("dcp")
+    out = {}
+    for world in (2, 3):
+        path = str(root / f"world{world}")
+        (result,) = _spawn(world, [("save_and_continue", (path, STEPS_BEFORE, STEPS_AFTER))])
+        out[world] = (path, result)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(saved):
+    """The checkpoints loaded on other world sizes (and the same one), then trained on."""
+    loads = {1: [2], 2: [3, 2], 3: [2]}  # new world -> saved worlds
+    out = {}
+    for world, sources in loads.items():
+        jobs = [("load_and_continue", (saved[s][0], STEPS_BEFORE, STEPS_AFTER))
+                for s in sources]
+        if world == 2:  # the same world size with DCP's default planner: in place
+            jobs.append(("load_and_continue", (saved[2][0], STEPS_BEFORE, STEPS_AFTER,
+                                               "default")))
+            jobs.append(("load_and_continue", (saved[3][0], STEPS_BEFORE, STEPS_AFTER,
+                                               "default")))
+        results = _spawn(world, jobs)
+        for source, result in zip(sources, results):
+            out[(source, world)] = result
+        if world == 2:
+            out[(2, 2, "default")], out[(3, 2, "default")] = results[-2:]
+    return out
+
+
+def _check_continuation(uninterrupted, resumed_ranks):
+    for rank_result in resumed_ranks:
+        assert "error" not in rank_result, rank_result
+    expected = uninterrupted[0]
+    got = resumed_ranks[0]
+    np.testing.assert_allclose(got["after"], expected["after"], rtol=RTOL, atol=ATOL)
+    for name, (rows, count) in expected["rows"].items():
+        got_rows, got_count = got["rows"][name]
+        np.testing.assert_array_equal(got_count, count)  # each stored key on one owner
+        np.testing.assert_allclose(got_rows, rows, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("source,target", [(2, 1), (2, 3), (3, 2), (2, 2)])
+def test_resumed_on_another_world_size_continues_as_the_uninterrupted_run(saved, resumed,
+                                                                          source, target):
+    _check_continuation(saved[source][1], resumed[(source, target)])
+
+
+def test_the_loaded_rows_are_the_saved_rows_on_their_new_owners(saved, resumed):
+    # before any further step, the rows every owner holds after 2 -> 3 equal what the
+    # 2-rank run held when it saved (read back from the 2 -> 2 load)
+    same_world = resumed[(2, 2)][0]["loaded_rows"]
+    for target in (1, 3):
+        moved = resumed[(2, target)][0]["loaded_rows"]
+        for name, (rows, count) in same_world.items():
+            np.testing.assert_array_equal(moved[name][1], count)
+            np.testing.assert_array_equal(moved[name][0], rows)
+    assert same_world["t1"][1].sum() > 0
+
+
+def test_the_same_world_size_loads_in_place_with_the_default_planner(saved, resumed):
+    _check_continuation(saved[2][1], resumed[(2, 2, "default")])
+    # exact, slot for slot: counters too
+    for rank, result in enumerate(resumed[(2, 2, "default")]):
+        assert result["stats"] == saved[2][1][rank]["stats"]
+
+
+def test_another_world_size_without_the_planner_is_a_clear_error(resumed):
+    errors = [r["error"] for r in resumed[(3, 2, "default")]]
+    for rank, error in enumerate(errors):
+        assert "Missing key in checkpoint state_dict" in error, error
+        assert f"dynamic_tables.t0.rank{rank}_of_2" in error, error
