@@ -25,15 +25,17 @@ Run (one command; the ranks are spawned here, CPU and gloo)::
     python examples/train_sharded.py                 # 2 ranks, about a minute on 2 cores
     python examples/train_sharded.py --quick         # seconds-long smoke run
     python examples/train_sharded.py --nproc 4 --pipeline prefetch
+    python examples/train_sharded.py --resume --nproc 3   # continue the last run on 3 ranks
 
 On GPUs, launch it with torchrun (one process per GPU; NCCL and CUDA are picked up from the
 environment torchrun sets)::
 
     torchrun --nproc_per_node 8 examples/train_sharded.py
 
-Writes ``<out-dir>/train_sharded.png`` (loss and HR@10 curves) and ``train_sharded.json``
-(the metrics, the table counters summed over ranks and per rank); ``main()`` returns the same
-metrics on rank 0.
+Writes ``<out-dir>/train_sharded.png`` (loss and HR@10 curves), ``train_sharded.json``
+(the metrics, the table counters summed over ranks and per rank) and ``<out-dir>/checkpoint``
+(``torch.distributed.checkpoint`` of the whole model and optimizer: ``--resume`` continues
+from it, on any number of ranks); ``main()`` returns the metrics on rank 0.
 """
 from __future__ import annotations
 
@@ -262,13 +264,44 @@ def summed_stats(dmp) -> Dict[str, Any]:
     return {"total": total, "per_rank": everyone}
 
 
+# -- checkpoints -------------------------------------------------------------------------------
+def save_checkpoint(dmp, optimizer, path: Path, step: int) -> Dict[str, Any]:
+    """The whole model (MLP, dynamic tables with their optimizer state, scores and counters)
+    and the dense optimizer, with ``torch.distributed.checkpoint``: each rank writes its own
+    share."""
+    import torch.distributed.checkpoint as dcp
+    start = time.perf_counter()
+    dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict(),
+              "progress": {"step": step, "world_size": dist.get_world_size()}},
+             checkpoint_id=str(path))
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return {"path": str(path), "step": step, "mb": size / 2 ** 20,
+            "seconds": time.perf_counter() - start}
+
+
+def load_checkpoint(dmp, optimizer, path: Path) -> Dict[str, Any]:
+    """Load a checkpoint of :func:`save_checkpoint`, saved by any number of ranks (each
+    dynamic row goes to its owner in this world); returns its progress."""
+    import torch.distributed.checkpoint as dcp
+
+    from dynemb.checkpoint import DynamicEmbLoadPlanner
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"no checkpoint at {path} (run without --resume first)")
+    state = {"model": dmp.state_dict(), "optim": optimizer.state_dict(),
+             "progress": {"step": 0, "world_size": 0}}
+    dcp.load(state, checkpoint_id=str(path), planner=DynamicEmbLoadPlanner())
+    dmp.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+    return state["progress"]
+
+
 # -- training ----------------------------------------------------------------------------------
 def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: int,
-          out_dir: Path, pipeline_kind: str) -> Optional[Dict[str, Any]]:
+          out_dir: Path, pipeline_kind: str,
+          resume: Optional[Path] = None) -> Optional[Dict[str, Any]]:
     from tqdm import tqdm
     torch.manual_seed(seed)          # the same MLP start on every rank
     world = SessionWorld(cfg.items, cfg.clusters, cfg.users, seed)
-    train_rng = np.random.default_rng([seed + 1, rank])       # each rank its own stream
     held_out = world.sample(cfg.eval_examples, cfg.max_history, np.random.default_rng(seed + 2))
     catalog = torch.from_numpy(world.item_ids).to(device)
     sketch = CountSketch(device)
@@ -278,6 +311,15 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
     optimizer = combined_optimizer(dmp)
     pipeline = make_pipeline(pipeline_kind, dmp, optimizer, device)
     ec = dmp.module.ec
+    first_step = 0
+    if resume is not None:
+        progress = load_checkpoint(dmp, optimizer, resume)
+        first_step = int(progress["step"])
+        if rank == 0:
+            print(f"resumed from {resume}: step {first_step}, saved by "
+                  f"{progress['world_size']} ranks, loaded on {world_size}", flush=True)
+    # each rank its own stream; a resumed run draws batches it has not seen
+    train_rng = np.random.default_rng([seed + 1, rank] + ([first_step] if first_step else []))
     if rank == 0:
         modes = ", ".join(f"{n} {m.name}" for n, m in ec.storage_modes().items())
         print(f"{world_size} ranks ({device.type}, {dist.get_backend()}), "
@@ -332,6 +374,7 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
     dist.all_reduce(total)
     sketch.total = int(total)
     stats = summed_stats(dmp)
+    checkpoint = save_checkpoint(dmp, optimizer, out_dir / "checkpoint", first_step + cfg.steps)
     if rank != 0:
         return None
     metrics: Dict[str, Any] = {
@@ -344,6 +387,8 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
                       cache_rates, eval_inserts),
         "stats": stats["total"],
         "stats_per_rank": stats["per_rank"],
+        "first_step": first_step,
+        "checkpoint": checkpoint,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics["plot"] = str(plot(metrics, out_dir / "train_sharded.png"))
@@ -352,6 +397,8 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
     print(f"\n{world_size} ranks, {type(pipeline).__name__}, batch {cfg.batch} per rank; "
           f"loss averaged over ranks, table counters summed over ranks")
     print_summary(metrics)
+    print(f"checkpoint of step {checkpoint['step']}: {checkpoint['path']} "
+          f"({checkpoint['mb']:.1f} MB, {checkpoint['seconds']:.2f} s); continue with --resume")
     return metrics
 
 
@@ -382,7 +429,8 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace,
         # ranks share the cores
         torch.set_num_threads(1)
     quiet_torchrec()
-    return train(rank, world_size, cfg, device, args.seed, args.out_dir, args.pipeline)
+    resume = (args.out_dir / "checkpoint") if args.resume else None
+    return train(rank, world_size, cfg, device, args.seed, args.out_dir, args.pipeline, resume)
 
 
 def quiet_torchrec() -> None:
@@ -408,7 +456,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                              "force CPU and gloo; spawned ranks always run on CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR,
-                        help=f"where the plot and metrics go (default {OUT_DIR})")
+                        help=f"where the plot, the metrics and the checkpoint go (default "
+                             f"{OUT_DIR})")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the checkpoint in --out-dir (saved by any number "
+                             "of ranks) for --steps more steps")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be >= 1")
