@@ -93,3 +93,27 @@ def test_another_world_size_without_the_planner_is_a_clear_error(resumed):
     for rank, error in enumerate(errors):
         assert "Missing key in checkpoint state_dict" in error, error
         assert f"dynamic_tables.t0.rank{rank}_of_2" in error, error
+
+
+def test_a_sharded_checkpoint_loads_into_the_unsharded_module(saved, resumed):
+    # no process group here: the whole table lands in one DynamicEmbCollection
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torchrec import EmbeddingConfig
+
+    from dynemb import DynamicEmbCollection
+    from dynemb.checkpoint import DynamicEmbLoadPlanner
+    from tests.checkpoint_dcp_worker import DIM, NUM_IDS, dynamic_options
+    opt, options = dynamic_options()
+    ec = DynamicEmbCollection([EmbeddingConfig(name=f"t{i}", embedding_dim=DIM,
+                                               num_embeddings=NUM_IDS, feature_names=[f"f{i}"])
+                               for i in range(3)], table_options=options, optimizer=opt)
+    state = {"model": {f"dyn.{k}": v for k, v in ec.state_dict().items()}}
+    dcp.load(state, checkpoint_id=saved[2][0], planner=DynamicEmbLoadPlanner())
+    ec.load_state_dict({k[len("dyn."):]: v for k, v in state["model"].items()})
+    ids = torch.arange(NUM_IDS) * 1009 - 77
+    expected = resumed[(2, 2)][0]["loaded_rows"]   # what the 2 ranks held when they saved
+    for name, (rows, count) in expected.items():
+        got, found = ec.read_rows(name, ids, with_state=True)
+        np.testing.assert_array_equal(found.numpy(), count > 0)
+        np.testing.assert_array_equal((got * found[:, None]).numpy(), rows)
