@@ -7,7 +7,7 @@ import torch
 
 from checkpoint_models import (DIM, MODES, OPTIMIZERS, all_rows, batches, model, roundtrip,
                                train)
-from dynemb import ScorePolicy
+from dynemb import ScorePolicy, TableFullError
 
 STEPS_BEFORE, STEPS_AFTER = 12, 8
 ALL_IDS = torch.arange(600) * 7919 - 1000
@@ -159,3 +159,86 @@ def test_a_checkpoint_of_a_grown_table_loads_into_a_fresh_smaller_one_exactly():
     resumed = model("hbm_direct", "sgd")
     resumed.load_state_dict(roundtrip(original.state_dict()))
     assert_same_tables(original, resumed)
+
+
+def _with_bucket(mode, bucket, **kwargs):
+    ec = model(mode, "adagrad", **kwargs)
+    return ec if bucket is None else _rebuild(ec, bucket)
+
+
+def _rebuild(ec, bucket):
+    import dataclasses
+
+    from dynemb import DynamicEmbCollection
+    options = {n: dataclasses.replace(o, bucket_size=bucket)
+               for n, o in ec.table_options.items()}
+    return DynamicEmbCollection(ec.embedding_configs(), table_options=options,
+                                optimizer=ec.optimizer_config)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_another_layout_loads_by_key_with_every_row_and_score(mode):
+    original = model(mode, "adagrad", policy=ScorePolicy.LFU)
+    train(original, batches(10))
+    target = _rebuild(model(mode, "adagrad", policy=ScorePolicy.LFU), 64)  # other buckets
+    target.load_state_dict(roundtrip(original.state_dict()))
+    for name in original.tables:
+        rows_a, found_a = all_rows(original, name, ALL_IDS)
+        rows_b, found_b = all_rows(target, name, ALL_IDS)
+        assert torch.equal(found_a, found_b) and torch.equal(rows_a, rows_b)
+    assert original.stats()["t0"]["lookups"] == target.stats()["t0"]["lookups"]
+    if mode != "cache":  # CACHE loads by key into its store, where scores are kept too
+        a, b = original.tables["t0"].tier.hash, target.tables["t0"].tier.hash
+        keys = ALL_IDS[all_rows(original, "t0", ALL_IDS)[1]]
+        in_a, in_b = a.find(keys), b.find(keys)
+        both = (in_a >= 0) & (in_b >= 0)
+        assert torch.equal(a.scores_at(in_a[both]), b.scores_at(in_b[both]))
+    # and it trains on as the original does
+    assert_same_run(train(original, batches(4, seed=9)), train(target, batches(4, seed=9)))
+
+
+def test_a_checkpoint_too_big_for_the_table_fails_by_name_and_changes_nothing():
+    import dataclasses
+
+    from dynemb import DynamicEmbCollection
+    original = model("hbm_direct", "sgd")
+    train(original, batches(10))
+    small = {n: dataclasses.replace(o, init_capacity=64, max_capacity=64)
+             for n, o in original.table_options.items()}
+    target = DynamicEmbCollection(original.embedding_configs(), table_options=small,
+                                  optimizer=original.optimizer_config)
+    train(target, batches(1, seed=4))
+    before = all_rows(target, "t0", ALL_IDS)
+    with pytest.raises(TableFullError, match="table 't0'.*found no free slot"):
+        target.load_state_dict(roundtrip(original.state_dict()))
+    after = all_rows(target, "t0", ALL_IDS)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+def test_a_grown_backing_store_comes_back_slot_for_slot():
+    # 5,000 distinct ids through a 128-row cache: the store grows past its first 4,096 slots
+    def make():
+        import dataclasses
+
+        from dynemb import DynamicEmbCollection
+        ec = model("cache", "sgd", dims=(DIM,))
+        config = dataclasses.replace(ec.embedding_configs()[0], num_embeddings=8192)
+        return DynamicEmbCollection([config], table_options=ec.table_options,
+                                    optimizer=ec.optimizer_config)
+    original = make()
+    ids = torch.arange(5000) * 31 + 7
+    for chunk in ids.split(50):
+        original(_kjt(chunk))["f0"].values().sum().backward()
+    store = original.tables["t0"].store
+    assert store.capacity > 4096
+    resumed = make()
+    resumed.load_state_dict(roundtrip(original.state_dict()))
+    assert resumed.tables["t0"].store.capacity == store.capacity
+    for a, b in zip(store.hash_table.image(), resumed.tables["t0"].store.hash_table.image()):
+        assert torch.equal(a, b)
+    assert torch.equal(original.read_rows("t0", ids)[0], resumed.read_rows("t0", ids)[0])
+
+
+def _kjt(ids):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    return KeyedJaggedTensor.from_lengths_sync(["f0"], ids, torch.ones_like(ids))
