@@ -117,3 +117,34 @@ def test_a_sharded_checkpoint_loads_into_the_unsharded_module(saved, resumed):
         got, found = ec.read_rows(name, ids, with_state=True)
         np.testing.assert_array_equal(found.numpy(), count > 0)
         np.testing.assert_array_equal((got * found[:, None]).numpy(), rows)
+
+
+@pytest.mark.parametrize("change,message", [
+    ("dim", r"table '.*dynamic_tables.t0': cannot load the checkpoint: rows of width \(24,\)"),
+    ("dtype", r"dtype torch.float32 in the checkpoint, width \(\d+,\) and dtype torch.float16"),
+])
+def test_a_table_that_differs_is_refused_before_anything_is_read(saved, change, message):
+    import dataclasses
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torchrec import EmbeddingConfig
+
+    from dynemb import DynamicEmbCollection
+    from dynemb.checkpoint import DynamicEmbLoadPlanner
+    from tests.checkpoint_dcp_worker import DIM, NUM_IDS, dynamic_options
+    opt, options = dynamic_options()
+    dim = 2 * DIM if change == "dim" else DIM
+    if change == "dtype":
+        options = {n: dataclasses.replace(o, embedding_dtype=torch.float16)
+                   for n, o in options.items()}
+    ec = DynamicEmbCollection([EmbeddingConfig(name=f"t{i}", embedding_dim=dim,
+                                               num_embeddings=NUM_IDS, feature_names=[f"f{i}"])
+                               for i in range(3)], table_options=options, optimizer=opt)
+    before = {k: v.clone() for k, v in ec.state_dict().items()}
+    state = {"model": {f"dyn.{k}": v for k, v in ec.state_dict().items()}}
+    from torch.distributed.checkpoint.api import CheckpointException
+    with pytest.raises(CheckpointException, match=message):
+        dcp.load(state, checkpoint_id=saved[2][0], planner=DynamicEmbLoadPlanner())
+    for key, value in ec.state_dict().items():
+        assert torch.equal(value, before[key]), key
