@@ -189,9 +189,9 @@ def test_one_rank_sharded_module_exports_its_share():
     sharded = dmp.module.dyn
     keys = torch.cat([k for k, _ in iter_rows(sharded, "t0", chunk_rows=7)])
     assert torch.equal(keys.sort().values, live_keys(sharded, "t0").sort().values)
-    with pytest.raises(ValueError, match="pass embedding_configs"):
-        to_static(sharded)
-    serving = StaticServingCollection(*to_static(sharded, embedding_configs=configs))
+    assert [c.feature_names for c in sharded.embedding_configs()] == [
+        c.feature_names for c in configs]
+    serving = StaticServingCollection(*to_static(sharded))  # the sharded module's own configs
     kjt = probe()
     assert_same_outputs(serving(kjt), eval_output(dmp, kjt))
 

@@ -185,9 +185,8 @@ def to_static(module, *, device: Optional[torch.device] = None,
     a constant that the table dtype holds exactly (0.0 always is).
 
     A :class:`~dynemb.sharding.ShardedDynamicEmbCollection` exports this rank's share only:
-    ids owned by other ranks read the default row. Pass ``embedding_configs`` (the unsharded
-    module's ``embedding_configs()``; the sharded module does not keep the feature names;
-    ``need_indices`` is then off) and combine the ranks' exports with :func:`merge_exports`.
+    ids owned by other ranks read the default row; combine the ranks' exports with
+    :func:`merge_exports`.
 
     Args:
         module: a DynamicEmbCollection or a ShardedDynamicEmbCollection.
@@ -236,10 +235,7 @@ def to_static(module, *, device: Optional[torch.device] = None,
 
 def _configs(module, local, given) -> List[EmbeddingConfig]:
     if given is None:
-        if local is not module:
-            raise ValueError("a sharded module does not keep its feature names: pass "
-                             "embedding_configs=<the unsharded module's embedding_configs()>")
-        given = local.embedding_configs()
+        given = module.embedding_configs()
     configs = list(given)
     names = [c.name for c in configs]
     unknown = [n for n in names if n not in local.tables]
@@ -259,7 +255,7 @@ def _configs(module, local, given) -> List[EmbeddingConfig]:
 
 
 def _need_indices(module, local) -> bool:
-    return local.need_indices() if local is module else False
+    return module.need_indices()
 
 
 def _static_config(config: EmbeddingConfig, table, num_keys: int) -> EmbeddingConfig:

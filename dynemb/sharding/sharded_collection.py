@@ -130,6 +130,7 @@ class ShardedDynamicEmbCollection(
         check_plan(configs, table_name_to_parameter_sharding, self._world_size,
                    module_fqn or "")
         self._need_indices = module.need_indices()
+        self._configs = list(configs)
         options = module.table_options
         device = torch.device(device if device is not None else "cpu")
         self.local = LocalShardCollection(
@@ -263,6 +264,13 @@ class ShardedDynamicEmbCollection(
             raise RuntimeError(str(err)) from None
 
     # -- dynemb views ------------------------------------------------------------------------
+    def embedding_configs(self):
+        """The unsharded module's table configs (global sizes, its feature names)."""
+        return list(self._configs)
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
     @property
     def fused_optimizer(self):
         return self.local.fused_optimizer
