@@ -62,6 +62,9 @@ class DynamicTable:
         self.counters = TableCounters(self.device)
         self._held: List[TableBatch] = []
         self._deferred = DeferredFailures(self.device)
+        #: a :class:`~dynemb.checkpoint.changes.ChangeTracker` once checkpoint files track
+        #: this table for incremental dumps (told of every claim, growth and update)
+        self.changes = None
 
     _grows = False  # the device tier doubles up to max_capacity (HBM_DIRECT only)
 
@@ -171,6 +174,8 @@ class DynamicTable:
             self._apply_remap(tier, result.remap)
         if on_failure == "defer":
             self._deferred.record(result.failed)
+        if self.changes is not None:
+            self.changes.claimed(tier, result)
         return result
 
     def _tier_name(self, tier: Tier) -> str:
@@ -189,6 +194,8 @@ class DynamicTable:
 
     def _apply_remap(self, tier: Tier, remap: torch.Tensor) -> None:
         tier.flat.remap(remap, tier.hash.capacity)
+        if self.changes is not None:
+            self.changes.remapped(tier, remap)
         if tier is not self.tier:
             return
         for held in self._held:
@@ -243,6 +250,8 @@ class DynamicTable:
                 f"apply it twice. Sum the losses and call backward once, or run a new forward")
         batch.applied = True
         self._update(batch, grads.to(torch.float32).contiguous(), lr, step)
+        if self.changes is not None:
+            self.changes.updated(batch)
         self.release(batch)
 
     def _live_slots(self, tier: Tier, slots: torch.Tensor, batch: TableBatch) -> torch.Tensor:

@@ -70,8 +70,10 @@ class CacheTable(HbmDirectTable):
             return
         slots = result.slots[evicted]
         rows = self.tier.flat.weights.index_select(0, slots)
-        dropped = self.store.insert(result.previous_keys[evicted], rows,
-                                    result.previous_scores[evicted])
+        keys = result.previous_keys[evicted]
+        dropped = self.store.insert(keys, rows, result.previous_scores[evicted])
+        if self.changes is not None:
+            self.changes.written_back(keys)
         self.counters.add("write_backs", slots.numel())
         self.counters.add("store_evictions", dropped)
 

@@ -1,0 +1,146 @@
+"""``load``: put a module's dynamic tables back from checkpoint files (a full dump, then the
+deltas written after it), all or nothing."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Dict, List, Sequence, Union
+
+import torch
+
+from dynemb.checkpoint.changes import start_tracking
+from dynemb.checkpoint.file_dump import DumpInfo
+from dynemb.checkpoint.files import (CheckpointFileError, check_sizes, rank_dir_name,
+                                     read_file, read_manifest)
+from dynemb.checkpoint.module_tables import ModuleTables, module_tables
+from dynemb.checkpoint.replay import replay
+from dynemb.checkpoint.table_state import capture, describe_mismatch, parse, tier_parts
+
+Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+
+
+def load(module: torch.nn.Module, paths: Paths) -> DumpInfo:
+    """Load the checkpoint directories ``paths`` into ``module``'s dynamic tables: a full
+    :func:`~dynemb.checkpoint.dump`, then any deltas dumped after it, in order.
+
+    Afterwards every table holds what it held at the last dump: each key's row, optimizer
+    state and score, each tier's clock, the step and the counters (rows may sit in other
+    slots after deltas; a full dump alone into a module of the same layout puts back every
+    slot, so training continues bit for bit). Queued prefetches are dropped, and a backward
+    of a forward run before the load raises.
+
+    Nothing in the module changes unless everything loads: the chain is checked first
+    (manifests, their order by id, this rank and world size, every table's configuration,
+    every file's size), then each table is rebuilt aside, every file's sha256 checked as it
+    is read, and only then are the tables replaced. A missing, truncated or corrupted file
+    raises :class:`~dynemb.checkpoint.files.CheckpointFileError` naming it. Files written
+    by another world size are refused (reshard through ``torch.distributed.checkpoint``).
+
+    Returns the :class:`DumpInfo` of the last directory, with what was read (``rows``,
+    ``deleted``, ``bytes``, ``files``) and the ``seconds`` the load took. A delta may follow
+    it: ``dump(module, path, since=<that info>)``.
+
+    Example::
+
+        >>> import tempfile
+        >>> from dynemb.checkpoint import dump, load
+        >>> def make():
+        ...     return DynamicEmbCollection([EmbeddingConfig(
+        ...         name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])])
+        >>> ec = make()
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([5, 6]),
+        ...                                           torch.tensor([2]))
+        >>> ec(kjt)["f"].values().sum().backward()
+        >>> path = tempfile.mkdtemp()
+        >>> _ = dump(ec, path)
+        >>> resumed = make()
+        >>> load(resumed, path).rows
+        2
+        >>> keys = torch.tensor([5, 6])
+        >>> torch.equal(resumed.read_rows("t", keys)[0], ec.read_rows("t", keys)[0])
+        True
+    """
+    start = time.perf_counter()
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not paths:
+        raise ValueError("load needs at least one checkpoint directory")
+    scan = module_tables(module)
+    dirs = [Path(p) / rank_dir_name(scan.rank, scan.world_size) for p in paths]
+    chain = [read_manifest(d) for d in dirs]
+    _check_chain(chain, dirs, scan)
+    _check_tables(chain, dirs, scan)
+    for d, manifest in zip(dirs, chain):
+        check_sizes(d, manifest)
+    reader = _Reader(dirs)
+    fresh = {}
+    for key, _, collection, name in scan.tables():
+        links = [manifest["tables"][key] for manifest in chain]
+        fresh[key] = replay(collection.tables[name], links, reader)
+    last = chain[-1]
+    for fqn, collection in scan.collections.items():
+        saved = {}
+        for key, owner, _, name in scan.tables():
+            if owner == fqn:
+                step = int(last["tables"][key]["step"])
+                saved[name] = [parse(capture(fresh[key], step), where=key)]
+        collection.load_tables(saved)  # full images of the same layout: cannot fail
+        start_tracking(collection.tables, last["id"], collection._generation)
+    return DumpInfo(str(paths[-1]), last["id"], last["kind"], last["previous"], scan.rank,
+                    scan.world_size, rows=reader.rows, deleted=reader.deleted,
+                    bytes=reader.bytes, files=reader.files,
+                    seconds=time.perf_counter() - start)
+
+
+class _Reader:
+    """Reads the data files of the chain (checked), counting what it read."""
+
+    def __init__(self, dirs: List[Path]):
+        self.dirs = dirs
+        self.rows = self.deleted = self.bytes = self.files = 0
+
+    def __call__(self, link: int, record: Dict) -> Dict[str, torch.Tensor]:
+        data = read_file(self.dirs[link], record)
+        self.files += 1
+        self.bytes += record["bytes"]
+        if record["content"] == "entries":
+            self.rows += record["rows"]
+        elif record["content"] == "deleted":
+            self.deleted += record["rows"]
+        return data
+
+
+def _check_chain(chain: List[Dict], dirs: List[Path], scan: ModuleTables) -> None:
+    for i, (d, manifest) in enumerate(zip(dirs, chain)):
+        if (manifest["rank"], manifest["world_size"]) != (scan.rank, scan.world_size):
+            raise CheckpointFileError(f"{d} was written by rank {manifest['rank']} of "
+                                      f"{manifest['world_size']}, this is rank {scan.rank} of "
+                                      f"{scan.world_size}")
+        if i == 0 and manifest["kind"] != "full":
+            raise CheckpointFileError(f"{d} is a delta (it follows dump "
+                                      f"{manifest['previous']}): load its full dump first, "
+                                      f"then the deltas in order")
+        if i > 0 and (manifest["kind"] != "delta" or manifest["previous"] != chain[i - 1]["id"]):
+            what = ("a full dump" if manifest["kind"] == "full"
+                    else f"a delta of dump {manifest['previous']}")
+            raise CheckpointFileError(f"{d} is {what}, it does not follow {dirs[i - 1]} (dump "
+                                      f"{chain[i - 1]['id']}): give a full dump, then each "
+                                      f"delta after the one it follows")
+
+
+def _check_tables(chain: List[Dict], dirs: List[Path], scan: ModuleTables) -> None:
+    tables = {key: collection.tables[name] for key, _, collection, name in scan.tables()}
+    for d, manifest in zip(dirs, chain):
+        saved = manifest["tables"]
+        if set(saved) != set(tables):
+            raise CheckpointFileError(
+                f"{d} holds tables {sorted(saved)}, the module has {sorted(tables)}")
+        for key, table in tables.items():
+            problem = describe_mismatch(table, torch.tensor(saved[key]["signature"]))
+            expected = set(tier_parts(table))
+            if problem is None and set(saved[key]["tiers"]) != expected:
+                problem = (f"tiers {sorted(saved[key]['tiers'])} in the checkpoint, "
+                           f"{sorted(expected)} here (admission on in one and off in the "
+                           f"other?)")
+            if problem is not None:
+                raise CheckpointFileError(f"table {key!r}: cannot load {d}: {problem}")
