@@ -12,6 +12,7 @@ from checkpoint_models import DIM, OPTIMIZERS, options
 from dynemb import (DynamicEmbCollection, HostBackingStore, ScorePolicy, StorageMode,
                     EMPTY_KEY, TOMBSTONE_KEY)
 from dynemb.checkpoint.table_state import tier_parts
+from dynemb.flat_table import RowLayout
 
 ALL_IDS = torch.arange(600) * 7919 - 1000
 
@@ -22,19 +23,26 @@ def small_store(width, dtype, device):
 
 
 def make(mode="hbm_direct", optimizer="sgd", *, policy=ScorePolicy.LRU, admission=False,
-         evicting=False, store_evicts=False, dtype=None, **overrides):
-    """A two-table collection; ``evicting``: too small for the 600 ids of the workload;
-    ``store_evicts``: a CACHE store of 32 slots."""
+         evicting=False, store_evicts=False, dtype=None, backend=None, **overrides):
+    """A two-table collection; ``evicting``: too small for the ids of the workload;
+    ``store_evicts``: a CACHE store of 32 slots; ``backend`` "cuda": the CUDA kernels (under
+    numba's simulator without a GPU)."""
     opt = OPTIMIZERS[optimizer]
     table_options = options(mode, opt, policy, admission, dtype)
-    if evicting and mode != "cache":
-        overrides.setdefault("max_capacity", 256)
+    if evicting:  # 32 device rows (HBM_DIRECT: growing to 64); DEFAULT: 96 in all
+        row_bytes = RowLayout(DIM, opt.state_dim(DIM), dtype or torch.float32).row_bytes
+        extra = (dict(init_capacity=32, max_capacity=64) if mode == "hbm_direct" else
+                 dict(global_hbm_for_values=32 * row_bytes))
+        if mode == "default":
+            extra["max_capacity"] = 96
+        overrides = {**extra, **overrides}
     if store_evicts:
         overrides["backing_store"] = small_store
     table_options = dataclasses.replace(table_options, **overrides)
     configs = [EmbeddingConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=1024,
                                feature_names=[f"f{i}"]) for i in range(2)]
-    ec = DynamicEmbCollection(configs, table_options=table_options, optimizer=opt)
+    ec = DynamicEmbCollection(configs, table_options=table_options, optimizer=opt,
+                              backend=backend)
     assert set(ec.storage_modes().values()) == {StorageMode(mode)}
     return ec
 

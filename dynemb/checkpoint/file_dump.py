@@ -133,6 +133,16 @@ def describe(table, fqn: str, name: str, step: int) -> Dict:
 
 def _latest_dump(scan: ModuleTables, since, final: Path) -> str:
     """The id ``since`` names, checked to be the latest dump of every table."""
+    trackers = {}
+    for key, _, collection, name in scan.tables():
+        tracker = trackers[key] = collection.tables[name].changes
+        if tracker is None:
+            raise ValueError(f"table {key!r} has not been dumped or loaded from checkpoint "
+                             f"files since it was built or loaded otherwise: nothing says "
+                             f"what changed since; write a full dump (since=None)")
+        if tracker.generation != collection._generation:
+            raise ValueError(f"table {key!r} was loaded from a checkpoint after dump "
+                             f"{tracker.dump_id}: write a full dump (since=None)")
     if isinstance(since, DumpInfo):
         since_id, since_dir = since.id, Path(since.path) / final.name
     else:
@@ -141,15 +151,7 @@ def _latest_dump(scan: ModuleTables, since, final: Path) -> str:
     if since_dir.resolve() == final.resolve():
         raise ValueError(f"a delta cannot be written over the dump it follows ({since_dir}): "
                          f"give it a path of its own")
-    for key, _, collection, name in scan.tables():
-        tracker = collection.tables[name].changes
-        if tracker is None:
-            raise ValueError(f"table {key!r} has not been dumped or loaded from checkpoint "
-                             f"files since it was built or loaded otherwise: nothing says "
-                             f"what changed since {since_id}; write a full dump (since=None)")
-        if tracker.generation != collection._generation:
-            raise ValueError(f"table {key!r} was loaded from a checkpoint after dump "
-                             f"{tracker.dump_id}: write a full dump (since=None)")
+    for key, tracker in trackers.items():
         if tracker.dump_id != since_id:
             raise ValueError(f"since names dump {since_id}, but the latest dump of table "
                              f"{key!r} is {tracker.dump_id}: a delta follows the latest dump")
