@@ -51,6 +51,8 @@ def table_state(table, step):
     """Everything a checkpoint must give back of one table, as copies."""
     out = {"step": step, "counters": table.counters.snapshot()}
     for name, part in tier_parts(table).items():
+        if part.hash is None:  # a user store: see logical_rows
+            continue
         keys, scores = part.hash.image()
         live = (keys != EMPTY_KEY) & (keys != TOMBSTONE_KEY)
         k = keys[live]

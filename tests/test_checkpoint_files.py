@@ -184,6 +184,8 @@ def test_an_interrupted_replacement_puts_the_previous_checkpoint_back(tmp_path):
     # a crash between the two renames of a replacement without atomic exchange
     os.rename(rank_dir(tmp_path), tmp_path / ".rank0_of_1.old-123")
     (tmp_path / ".rank0_of_1.tmp-123").mkdir()
+    with pytest.raises(CheckpointFileError, match="left the previous one at .*old-123"):
+        load(make(), tmp_path)
     files.remove_stale(rank_dir(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0_of_1"]
     assert load(make(), tmp_path).id == first.id

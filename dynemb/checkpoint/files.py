@@ -175,6 +175,11 @@ def read_manifest(rank_dir: Path) -> Dict:
     path = rank_dir / MANIFEST
     if not path.is_file():
         parent = rank_dir.parent
+        aside = sorted(parent.glob(f".{rank_dir.name}.old-*")) if parent.is_dir() else []
+        if aside:
+            raise CheckpointFileError(f"no checkpoint at {rank_dir}: a dump interrupted while "
+                                      f"replacing it left the previous one at {aside[0]} (the "
+                                      f"next dump to {parent} puts it back)")
         others = sorted(p.name for p in parent.glob("rank*_of_*")) if parent.is_dir() else []
         if others:
             raise CheckpointFileError(
