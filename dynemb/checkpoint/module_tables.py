@@ -6,6 +6,9 @@ from typing import Dict, Iterator, Tuple
 
 import torch
 
+# DistributedModelParallel's wrappers (its own, then DDP's) are no part of the model's names
+_WRAPPERS = ("_dmp_wrapped_module.module.", "_dmp_wrapped_module.")
+
 
 @dataclass
 class ModuleTables:
@@ -25,7 +28,8 @@ class ModuleTables:
 
 
 def module_tables(module: torch.nn.Module) -> ModuleTables:
-    """The collections of ``module`` (itself one, or containing some), and this process's
+    """The collections of ``module`` (itself one, or containing some; a
+    ``DistributedModelParallel``'s wrapper is left out of their fqns), and this process's
     rank and world size (from ``torch.distributed`` when it is initialized, else 0 of 1).
     Raises ``TypeError`` if it holds none."""
     # imported here: dynemb.collection imports this package for its state_dict
@@ -37,6 +41,7 @@ def module_tables(module: torch.nn.Module) -> ModuleTables:
     found: Dict[str, object] = {}
     shares = set()  # the local collections of sharded modules, found through their owner
     for fqn, sub in module.named_modules():
+        fqn = _model_fqn(fqn)
         local = getattr(sub, "local", None)
         if isinstance(local, DynamicEmbCollection) and not isinstance(sub, DynamicEmbCollection):
             found[fqn] = local
@@ -53,3 +58,10 @@ def module_tables(module: torch.nn.Module) -> ModuleTables:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     return ModuleTables(found, rank, world_size)
+
+
+def _model_fqn(fqn: str) -> str:
+    for prefix in _WRAPPERS:
+        if f"{fqn}.".startswith(prefix):
+            return fqn[len(prefix):]
+    return fqn
