@@ -22,6 +22,7 @@ from dynemb.optimizers import OptimizerConfig, clip_gradients
 from dynemb.options import (DynamicEmbTableOptions, StorageMode, check_allocation,
                              choose_storage_mode)
 from dynemb.prefetch import PrefetchState
+from dynemb.stashing.collection_stash import CollectionStash, resolve_stash_options
 from dynemb.tables import DynamicTable, TableBatch, build_table
 from dynemb.validation import check_keys, check_kjt
 
@@ -80,6 +81,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         if not isinstance(self._optimizer_config, OptimizerConfig):
             raise TypeError(f"optimizer must be an OptimizerConfig, got {optimizer!r}")
         options = options_by_table(table_options, [c.name for c in self._configs])
+        options = resolve_stash_options(options, self._configs, self._optimizer_config)
         self._table_options = options
         self._backend = backend
         self._need_indices = need_indices
@@ -108,6 +110,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         self._fused_optimizer = DynamicEmbFusedOptimizer(self._optimizer_config.learning_rate)
         self._prefetch_stream = (torch.cuda.Stream(device=self._device)
                                  if self._device.type == "cuda" else None)
+        # memory stashing (dynemb.stashing): None unless a table's options ask for it
+        self._stash = CollectionStash.build(self.tables, self._device, self._prefetch_stream)
 
     # -- configuration views -----------------------------------------------------------------
     def embedding_configs(self) -> List[EmbeddingConfig]:
@@ -148,6 +152,12 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
     @property
     def fused_optimizer(self) -> "DynamicEmbFusedOptimizer":
         return self._fused_optimizer
+
+    @property
+    def memory_stash(self) -> Optional[CollectionStash]:
+        """The stashes of the tables whose rows wait in host memory between a training
+        forward and its backward (see :mod:`dynemb.stashing`); None if no table stashes."""
+        return self._stash
 
     def storage_modes(self) -> Dict[str, StorageMode]:
         """The storage mode each table runs in."""
@@ -372,6 +382,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             out.update(cut_by_feature(rows, segments, state.lengths, ids))
         if trains:
             self._release(earlier)
+            if self._stash is not None:  # every lookup is enqueued: the rows can go
+                self._stash.after_lookup()
         return {f: out[f] for f in state.feature_order}
 
     def _check_state_matches(self, state: PrefetchState, kjt: KeyedJaggedTensor) -> None:
@@ -466,5 +478,7 @@ class _DynamicLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows):
+        if ctx.module._stash is not None:  # stashed rows come back now at the latest
+            ctx.module._stash.restore()
         ctx.module._apply_gradients(ctx.name, ctx.batch, grad_rows, ctx.generation)
         return None, None, None, None

@@ -32,6 +32,28 @@ class StorageMode(enum.Enum):
     DEFAULT = "default"
 
 
+class StashMode(enum.Enum):
+    """What embedding memory stashing (EMS, :mod:`dynemb.stashing`) moves out of a table's
+    device rows between a training forward's lookup and its backward.
+
+    - ``NONE``: nothing (the default).
+    - ``ALL``: whole rows, embedding values and optimizer state: one contiguous copy of the
+      device tier's flat table, its whole storage freed.
+    - ``VALUES``: the embedding columns only; the optimizer state is parked in a compact
+      device buffer while the rows are away (frees ``rows x embedding bytes``).
+    - ``OPTIMIZER_STATE``: the optimizer state only (frees ``rows x state bytes``); the
+      optimizer must keep some (not SGD).
+
+    The hash table (keys, scores, pins) never moves: the next batch's prefetch and eviction
+    read and write it while the rows are away (see docs/ems.md).
+    """
+
+    NONE = "none"
+    ALL = "all"
+    VALUES = "values"
+    OPTIMIZER_STATE = "optimizer_state"
+
+
 class ShardingScheme(enum.Enum):
     """Which rank owns a key when a table is sharded row-wise (ids are unbounded, so there are
     no row blocks to split).
@@ -111,6 +133,10 @@ class DynamicEmbTableOptions:
             average. The random bits depend only on (seed, table, key, step, column): every
             storage mode and rank count gives the same rows. False: round to nearest.
             float32 tables ignore it.
+        stash: what of the device rows to move to host memory between each training
+            forward and its backward (a :class:`StashMode`; see :mod:`dynemb.stashing`).
+            ``NONE`` unless set, or ``ALL`` when the table's ``EmbeddingConfig`` has
+            TorchRec's ``stash_weights=True``.
 
     Example::
 
@@ -137,6 +163,7 @@ class DynamicEmbTableOptions:
     seed: int = 0
     sharding: ShardingScheme = ShardingScheme.HASH
     stochastic_rounding: bool = True
+    stash: StashMode = StashMode.NONE
 
     def __post_init__(self):
         for name in ("caching", "stochastic_rounding"):
@@ -169,6 +196,9 @@ class DynamicEmbTableOptions:
         check_int(self.seed, "seed", minimum=0)
         if not isinstance(self.sharding, ShardingScheme):
             raise TypeError(f"sharding must be a ShardingScheme, got {self.sharding!r}")
+        if not isinstance(self.stash, StashMode):
+            names = ", ".join(m.name for m in StashMode)
+            raise TypeError(f"stash must be a StashMode ({names}), got {self.stash!r}")
         if (self.init_capacity is not None and self.max_capacity is not None
                 and self.init_capacity > self.max_capacity):
             raise ValueError(f"init_capacity ({self.init_capacity}) exceeds max_capacity "

@@ -1,0 +1,83 @@
+"""Embedding memory stashing (EMS) for dynamic tables: between a training forward's lookup and
+its backward, a table's device rows wait in host memory and their device memory is free for
+activations.
+
+Turn it on per table with ``DynamicEmbTableOptions(stash=StashMode.ALL)`` (or ``VALUES`` /
+``OPTIMIZER_STATE``), or TorchRec's ``EmbeddingConfig(stash_weights=True)``. Then:
+
+- every training forward stashes the tables after its lookups, and their backward restores
+  them (at the latest);
+- TorchRec's EMS pipelines restore them earlier, at their injection site:
+  :class:`~dynemb.stashing.pipelines.TrainPipelineSparseDistEmbStash` and
+  :class:`~dynemb.stashing.pipelines.TrainPipelinePrefetchEMS` (TorchRec's, also on CPU);
+- in a plain loop, :func:`restore_on_grad` does the same from a tensor's gradient hook;
+- anything else that touches the rows (the next prefetch's loads, an eval or ``no_grad``
+  forward, ``read_rows``, ``state_dict``, a checkpoint load, a new step after an exception)
+  brings them back first; new rows made by a prefetch meanwhile are written when they return.
+
+See docs/ems.md for when it pays and what it costs.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch import nn
+
+from dynemb.options import StashMode
+from dynemb.stashing.collection_stash import CollectionStash, resolve_stash_options
+from dynemb.stashing.table_stash import (StashedRows, TableStash, stashed_bytes_per_row,
+                                         stashed_columns)
+
+
+def collection_stashes(model: nn.Module) -> List[CollectionStash]:
+    """The :class:`CollectionStash` of every dynamic collection in ``model`` that stashes
+    (a sharded module's are those of its ``local`` collection)."""
+    from dynemb.collection import DynamicEmbCollection
+    return [m.memory_stash for m in model.modules()
+            if isinstance(m, DynamicEmbCollection) and m.memory_stash is not None]
+
+
+def restore(model: nn.Module) -> None:
+    """Bring back the rows of every stashed table in ``model`` now (on CUDA: enqueue the
+    copies; the streams that use the rows wait for them)."""
+    for stash in collection_stashes(model):
+        stash.restore()
+
+
+def restore_on_grad(tensor: torch.Tensor, model: nn.Module):
+    """Restore ``model``'s stashed tables when backward reaches ``tensor`` (its gradient is
+    computed): a plain training loop's way of starting the copies before the embedding
+    backward needs them, as TorchRec's EMS pipelines do at their injection site. Call it on
+    each step's tensor (e.g. the input of the top MLP); returns the hook's handle.
+
+    Example::
+
+        >>> loss, over_input = model(batch)  # doctest: +SKIP
+        >>> restore_on_grad(over_input, model)  # doctest: +SKIP
+        >>> loss.backward()  # doctest: +SKIP
+    """
+    stashes = collection_stashes(model)
+
+    def hook(grad: torch.Tensor) -> None:
+        for stash in stashes:
+            stash.restore()
+
+    return tensor.register_hook(hook)
+
+
+_PIPELINES = ("TrainPipelineSparseDistEmbStash", "TrainPipelinePrefetchEMS",
+              "hand_restores_to_torchrec")
+
+
+def __getattr__(name):
+    # the pipelines import TorchRec's train pipelines: only when asked for
+    if name in _PIPELINES:
+        from dynemb.stashing import pipelines
+        return getattr(pipelines, name)
+    raise AttributeError(f"module 'dynemb.stashing' has no attribute {name!r}")
+
+
+__all__ = ["StashMode", "CollectionStash", "TableStash", "StashedRows", "collection_stashes",
+           "restore", "restore_on_grad", "resolve_stash_options", "stashed_bytes_per_row",
+           "stashed_columns", *_PIPELINES]

@@ -1,0 +1,320 @@
+"""``TableStash``: one table's device rows moved to host memory and back.
+
+A table's device rows are one tensor, ``table.tier.flat.weights`` ``[capacity, width]``
+(embedding columns, then optimizer state; :class:`~dynemb.flat_table.RowLayout`).
+:meth:`TableStash.stash` copies the columns its :class:`~dynemb.options.StashMode` names to a
+host buffer and releases the tensor's storage (the tensor object stays, with an empty
+storage: ``weights.untyped_storage().nbytes() == 0``); columns kept on the device are parked
+in a compact device buffer first. :meth:`TableStash.restore` gives the tensor new memory and
+copies everything back. The hash table (keys, scores, pins) never moves.
+
+While the rows are away the tier's ``flat`` is a :class:`StashedRows` stand-in. Every row
+access of every storage mode, and of checkpoints, goes through ``tier.flat``, so the stand-in
+sees all of them:
+
+- ``initialize_where`` (new rows of the next batch's prefetch) is recorded and replayed on
+  the real rows right after they come back. Those rows are in unpinned slots, disjoint from
+  the slots of the lookup awaiting its backward (pinned), so replaying them after that
+  backward's update gives the rows an unstashed run has;
+- anything else (``weights``, ``gather``, ``scatter``, ``remap`` after the hash table grew,
+  a CACHE write-back or load, ``read_rows``, ``state_dict``, an eval lookup) restores first;
+- sizes and layout (``capacity``, ``layout``, ``dim``...) answer without restoring.
+
+CUDA ordering (see :class:`~dynemb.stashing.transfers.CudaTransfers`; no host waits):
+
+- stash: the device-to-host stream waits for the forward stream (the lookup's reads) and the
+  prefetch stream (rows it wrote), and for the last restore's copy (it read the host buffer),
+  then copies; ``record_stream(d2h)`` before the storage is dropped makes the caching
+  allocator hold the freed block until an event it records on the copy stream at the free
+  has completed, i.e. until the copy has read all of it: no allocation can reuse the block
+  earlier;
+- restore: the rows' new block comes from the host-to-device stream's pool (so it waits
+  for nobody's earlier work), the copy waits for the stash's event (the host buffer is
+  complete), then the forward, current and prefetch streams wait for the copy's event.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from dynemb.flat_table import RowLayout
+from dynemb.options import StashMode
+
+#: FlatTable attributes that describe rows without reading them
+_SHAPE_ONLY = ("layout", "dim", "optimizer_state_dim", "backend")
+
+
+def stashed_columns(mode: StashMode, row: RowLayout) -> Tuple[Tuple[int, int],
+                                                               Optional[Tuple[int, int]]]:
+    """``(stashed, kept)`` physical column ranges of a row under ``mode``; ``kept`` is None
+    when whole rows go.
+
+    Example::
+
+        >>> row = RowLayout(dim=8, state_dim=16)  # Adam: 8 values, 16 state columns
+        >>> stashed_columns(StashMode.VALUES, row)
+        ((0, 8), (8, 24))
+        >>> stashed_columns(StashMode.ALL, row)
+        ((0, 24), None)
+    """
+    width, values = row.width, row.embedding_columns
+    if mode is StashMode.ALL or (mode is StashMode.VALUES and values == width):
+        return (0, width), None
+    if mode is StashMode.VALUES:
+        return (0, values), (values, width)
+    if mode is StashMode.OPTIMIZER_STATE:
+        if values == width:
+            raise ValueError("StashMode.OPTIMIZER_STATE on rows without optimizer state")
+        return (values, width), (0, values)
+    raise ValueError(f"nothing to stash for {mode}")
+
+
+def stashed_bytes_per_row(mode: StashMode, row: RowLayout) -> int:
+    """Device bytes one row frees while stashed (and the host buffer holds).
+
+    Example::
+
+        >>> stashed_bytes_per_row(StashMode.OPTIMIZER_STATE, RowLayout(dim=8, state_dim=1))
+        4
+    """
+    if mode is StashMode.NONE:
+        return 0
+    (start, stop), _ = stashed_columns(mode, row)
+    return (stop - start) * row.element_size
+
+
+def _other_holders(storage: torch.UntypedStorage) -> int:
+    """Tensors other than the table's own that hold ``storage`` (0 when unknown): the
+    table's tensor and ``storage`` itself account for two references."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return 0 if count is None else max(0, count(storage._cdata) - 2)
+
+
+@dataclass
+class _JournaledInit:
+    """One ``initialize_where`` call made while the rows were away."""
+
+    slots: torch.Tensor
+    keys: torch.Tensor
+    mask: torch.Tensor
+    initializer: object
+    seed: int
+    table_id: int
+    ready: object  # event on the stream that made the tensors (None on CPU)
+    stream: object
+
+
+class TableStash:
+    """The stash of one table's device tier (built by
+    :class:`~dynemb.stashing.CollectionStash`).
+
+    Args:
+        name: the table, for messages.
+        tier: the table's device :class:`~dynemb.tables.tier.Tier`.
+        mode: what to stash (not ``NONE``).
+        row: the table's physical :class:`RowLayout`.
+        transfers: :class:`~dynemb.stashing.transfers.HostTransfers` or ``CudaTransfers``.
+        extra_streams: other streams that write or read the rows (the collection's prefetch
+            stream); the stash waits for them, they wait for the restore.
+
+    Example::
+
+        >>> from dynemb.stashing.transfers import HostTransfers
+        >>> from dynemb.tables.tier import Tier
+        >>> from dynemb.options import choose_storage_mode
+        >>> options = DynamicEmbTableOptions()
+        >>> layout = choose_storage_mode(options, name="t", num_embeddings=128, width=4,
+        ...                              config_dtype=torch.float32)
+        >>> tier = Tier(layout, 128, 4, 0, options, torch.device("cpu"), None)
+        >>> _ = tier.flat.weights.fill_(1.5)
+        >>> weights = tier.flat.weights
+        >>> stash = TableStash("t", tier, StashMode.ALL, RowLayout(4), HostTransfers())
+        >>> stash.stash()
+        True
+        >>> weights.untyped_storage().nbytes(), tier.flat.capacity
+        (0, 128)
+        >>> float(tier.flat.weights.sum())  # any row access brings the rows back first
+        768.0
+        >>> stash.stashed, weights.untyped_storage().nbytes(), tier.flat.weights is weights
+        (False, 2048, True)
+    """
+
+    def __init__(self, name: str, tier, mode: StashMode, row: RowLayout, transfers,
+                 extra_streams: Sequence = ()):
+        self.name = name
+        self.tier = tier
+        self.mode = mode
+        self._cols, self._keep = stashed_columns(mode, row)
+        self._t = transfers
+        self._extra = [s for s in extra_streams if s is not None]
+        self._flat = None                   # the real FlatTable while stashed
+        self._stand_in: Optional[StashedRows] = None
+        self._host: Optional[torch.Tensor] = None  # reused from stash to stash
+        self._kept: Optional[torch.Tensor] = None
+        self._shape: Tuple[int, int] = (0, 0)
+        self._stashed_event = None          # the device-to-host copy has finished
+        self._restored_event = None         # the host-to-device copy has finished
+        self._forward = None                # the stream of the stashing forward
+        self._journal: List[_JournaledInit] = []
+        self._warned = False
+        #: how many times the rows went away / came back (for tests and reports)
+        self.stashes = 0
+        self.restores = 0
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def stashed(self) -> bool:
+        return self._flat is not None
+
+    @property
+    def stashed_bytes(self) -> int:
+        """Bytes of rows this table moves per stash (its host buffer's size)."""
+        weights = self._flat.weights if self.stashed else self.tier.flat.weights
+        rows = self._shape[0] if self.stashed else weights.shape[0]
+        return rows * (self._cols[1] - self._cols[0]) * weights.element_size()
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Host memory held for this table's stashes (kept between steps)."""
+        return 0 if self._host is None else self._host.numel() * self._host.element_size()
+
+    def _part(self, weights: torch.Tensor, cols: Tuple[int, int]) -> torch.Tensor:
+        start, stop = cols
+        return weights if (start, stop) == (0, weights.shape[1]) else weights[:, start:stop]
+
+    # -- stash ---------------------------------------------------------------------------------
+    def stash(self) -> bool:
+        """Copy the stashed columns to host memory and release the rows' device storage.
+        Returns False (and warns once) when other tensors hold the rows' storage, e.g. the
+        views of a ``state_dict`` kept across a training step: freeing it would leave them
+        pointing at released memory, so the rows stay."""
+        if self.stashed:
+            return True
+        flat = self.tier.flat
+        weights = flat.weights
+        storage = weights.untyped_storage()
+        others = _other_holders(storage)
+        if others:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"table {self.name!r}: {others} tensors besides the table view its rows "
+                    f"(a state_dict kept across a training step?), so its rows stay on the "
+                    f"device this step instead of being stashed", RuntimeWarning, stacklevel=3)
+            return False
+        del storage  # the table's tensor must hold the last reference
+        t = self._t
+        d2h, _ = t.side_streams()
+        forward = t.current_stream()
+        t.wait_stream(d2h, forward)        # the lookup has read the rows
+        for stream in self._extra:         # rows a prefetch wrote are in place
+            t.wait_stream(d2h, stream)
+        t.wait_event(d2h, self._restored_event)  # the last restore has read the host buffer
+        host = self._host_buffer(weights)
+        t.copy(host, self._part(weights, self._cols), d2h)
+        if self._keep is not None:
+            keep = self._part(weights, self._keep)
+            self._kept = t.device_buffer(keep.shape, weights.dtype, weights.device, d2h)
+            t.copy(self._kept, keep, d2h)
+        self._stashed_event = t.record_event(d2h)
+        # the block may serve another allocation only after the copy stream has passed the
+        # event the allocator records there when the block is freed, i.e. after the copy
+        t.record_stream(weights, d2h)
+        self._shape = tuple(weights.shape)
+        t.release(weights)
+        self._flat, self._forward = flat, forward
+        self._stand_in = StashedRows(flat, self)
+        self.tier.flat = self._stand_in
+        self.stashes += 1
+        return True
+
+    def _host_buffer(self, weights: torch.Tensor) -> torch.Tensor:
+        shape = (weights.shape[0], self._cols[1] - self._cols[0])
+        if self._host is None or tuple(self._host.shape) != shape or \
+                self._host.dtype != weights.dtype:
+            self._host = None  # the old buffer goes before the new one is allocated
+            self._host = self._t.host_buffer(shape, weights.dtype)
+        return self._host
+
+    # -- restore -------------------------------------------------------------------------------
+    def restore(self, sync_event=None) -> None:
+        """Bring the rows back (no-op when they are in place), replay the row
+        initializations made meanwhile, and order the streams that use the rows after it.
+        ``sync_event``: an event the copy must also wait for (TorchRec's threaded restore)."""
+        if not self.stashed:
+            return
+        t = self._t
+        flat, forward = self._flat, self._forward
+        weights = flat.weights
+        _, h2d = t.side_streams()
+        t.reallocate(weights, self._shape, h2d)
+        t.wait_event(h2d, sync_event)
+        t.wait_event(h2d, self._stashed_event)  # the host buffer is complete
+        t.copy(self._part(weights, self._cols), self._host, h2d)
+        if self._kept is not None:
+            t.copy(self._part(weights, self._keep), self._kept, h2d)
+            t.record_stream(self._kept, h2d)
+            self._kept = None
+        self._restored_event = t.record_event(h2d)
+        t.wait_event(forward, self._restored_event)
+        if self.tier.flat is self._stand_in:
+            self.tier.flat = flat
+        self._flat, self._stand_in = None, None
+        journal, self._journal = self._journal, []
+        with t.on(forward):
+            for entry in journal:
+                t.wait_event(forward, entry.ready)
+                flat.initialize_where(entry.slots, entry.keys, entry.mask, entry.initializer,
+                                      seed=entry.seed, table_id=entry.table_id)
+                for tensor in (entry.slots, entry.keys, entry.mask):
+                    t.record_stream(tensor, forward)
+        ready = t.record_event(forward)
+        for stream in {t.current_stream(), *self._extra} - {forward, None}:
+            t.wait_event(stream, ready)
+        self.restores += 1
+
+    def journal(self, slots, keys, mask, initializer, *, seed: int, table_id: int) -> None:
+        """Record an ``initialize_where`` made while the rows are away."""
+        stream = self._t.current_stream()
+        self._journal.append(_JournaledInit(slots, keys, mask, initializer, seed, table_id,
+                                            self._t.record_event(stream), stream))
+
+    def real_rows(self):
+        """The tier's FlatTable with its rows in place (restoring them if away)."""
+        flat = self._flat
+        self.restore()
+        return flat if flat is not None else self.tier.flat
+
+
+class StashedRows:
+    """Stands in for a tier's :class:`~dynemb.flat_table.FlatTable` while its rows are
+    stashed: see the module docstring for what it answers, records or restores."""
+
+    def __init__(self, flat, stash: TableStash):
+        object.__setattr__(self, "_flat", flat)
+        object.__setattr__(self, "_stash", stash)
+
+    @property
+    def capacity(self) -> int:
+        return self._stash._shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self._flat.weights.device
+
+    def initialize_where(self, slots, keys, mask, initializer, *, seed, table_id) -> None:
+        self._stash.journal(slots, keys, mask, initializer, seed=seed, table_id=table_id)
+
+    def __getattr__(self, name):
+        if name in _SHAPE_ONLY:
+            return getattr(self._flat, name)
+        return getattr(self._stash.real_rows(), name)
+
+    def __setattr__(self, name, value):
+        setattr(self._stash.real_rows(), name, value)
+
+    def __repr__(self) -> str:
+        return f"StashedRows({self._stash.name!r}, {self.capacity} rows away)"
