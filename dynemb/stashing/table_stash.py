@@ -34,6 +34,7 @@ CUDA ordering (see :class:`~dynemb.stashing.transfers.CudaTransfers`; no host wa
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -86,11 +87,17 @@ def stashed_bytes_per_row(mode: StashMode, row: RowLayout) -> int:
     return (stop - start) * row.element_size
 
 
-def _other_holders(storage: torch.UntypedStorage) -> int:
-    """Tensors other than the table's own that hold ``storage`` (0 when unknown): the
-    table's tensor and ``storage`` itself account for two references."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return 0 if count is None else max(0, count(storage._cdata) - 2)
+def _other_holders(weights: torch.Tensor) -> int:
+    """References to the rows besides the table's: other tensors on their storage (views), and
+    other references to the tensor itself (a ``state_dict`` entry, a numpy array of it). The
+    table's attribute, the caller's variable and this call's argument account for three
+    references to the tensor; the tensor and the storage object made here for two to the
+    storage."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    storage = weights.untyped_storage()
+    views = 0 if use_count is None else max(0, use_count(storage._cdata) - 2)
+    del storage
+    return views + max(0, sys.getrefcount(weights) - 4)
 
 
 @dataclass
@@ -160,9 +167,13 @@ class TableStash:
         self._forward = None                # the stream of the stashing forward
         self._journal: List[_JournaledInit] = []
         self._warned = False
-        #: how many times the rows went away / came back (for tests and reports)
+        #: how many times the rows went away / came back, how many of those returns an access
+        #: other than a restore call caused, and how many row initializations waited for one
+        #: (for tests and reports)
         self.stashes = 0
         self.restores = 0
+        self.restores_on_access = 0
+        self.replayed_inits = 0
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -176,6 +187,17 @@ class TableStash:
         rows = self._shape[0] if self.stashed else weights.shape[0]
         return rows * (self._cols[1] - self._cols[0]) * weights.element_size()
 
+    def rows(self) -> torch.Tensor:
+        """The rows' tensor, for inspection, without bringing the rows back (empty while
+        stashed). Holding it across a training forward keeps the table from being stashed."""
+        return self._flat.weights if self.stashed else self.tier.flat.weights
+
+    def device_bytes(self) -> int:
+        """Bytes the rows hold on the device right now (0 while stashed; the columns parked on
+        the device meanwhile not included), read without bringing them back."""
+        weights = self._flat.weights if self.stashed else self.tier.flat.weights
+        return weights.untyped_storage().nbytes()
+
     @property
     def host_buffer_bytes(self) -> int:
         """Host memory held for this table's stashes (kept between steps)."""
@@ -188,15 +210,14 @@ class TableStash:
     # -- stash ---------------------------------------------------------------------------------
     def stash(self) -> bool:
         """Copy the stashed columns to host memory and release the rows' device storage.
-        Returns False (and warns once) when other tensors hold the rows' storage, e.g. the
-        views of a ``state_dict`` kept across a training step: freeing it would leave them
-        pointing at released memory, so the rows stay."""
+        Returns False (and warns once) when something else holds the rows, e.g. a
+        ``state_dict`` kept across a training step: it would read an empty table (or keep the
+        memory and go stale), so the rows stay."""
         if self.stashed:
             return True
         flat = self.tier.flat
         weights = flat.weights
-        storage = weights.untyped_storage()
-        others = _other_holders(storage)
+        others = _other_holders(weights)
         if others:
             if not self._warned:
                 self._warned = True
@@ -205,7 +226,6 @@ class TableStash:
                     f"(a state_dict kept across a training step?), so its rows stay on the "
                     f"device this step instead of being stashed", RuntimeWarning, stacklevel=3)
             return False
-        del storage  # the table's tensor must hold the last reference
         t = self._t
         d2h, _ = t.side_streams()
         forward = t.current_stream()
@@ -271,6 +291,7 @@ class TableStash:
                                       seed=entry.seed, table_id=entry.table_id)
                 for tensor in (entry.slots, entry.keys, entry.mask):
                     t.record_stream(tensor, forward)
+        self.replayed_inits += len(journal)
         ready = t.record_event(forward)
         for stream in {t.current_stream(), *self._extra} - {forward, None}:
             t.wait_event(stream, ready)
@@ -285,8 +306,11 @@ class TableStash:
     def real_rows(self):
         """The tier's FlatTable with its rows in place (restoring them if away)."""
         flat = self._flat
+        if flat is None:
+            return self.tier.flat
+        self.restores_on_access += 1
         self.restore()
-        return flat if flat is not None else self.tier.flat
+        return flat
 
 
 class StashedRows:
