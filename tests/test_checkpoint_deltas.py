@@ -229,12 +229,14 @@ def test_a_chain_out_of_order_is_refused(tmp_path):
 
 
 # -- the tracker ----------------------------------------------------------------------------------
-def test_touched_marks_follow_growth_and_logs_compact(monkeypatch):
+def test_touched_marks_and_base_keys_follow_growth_and_logs_compact(monkeypatch):
     marks = changes.TierChanges(8, torch.device("cpu"))
-    marks.mark(torch.tensor([1, -1, 5]))
-    assert marks.touched.nonzero().flatten().tolist() == [1, 5]
+    marks.mark(torch.tensor([1, -1, 5]), torch.tensor([10, changes.EMPTY_KEY, 50]))
+    marks.mark(torch.tensor([5, 6]), torch.tensor([51, 60]))  # 5 keeps its first key
+    assert marks.touched.nonzero().flatten().tolist() == [1, 5, 6]
     marks.remap(torch.tensor([-1, 9, 3, -1, -1, 12, 0, -1]), 16)
-    assert marks.touched.nonzero().flatten().tolist() == [9, 12]
+    assert marks.touched.nonzero().flatten().tolist() == [0, 9, 12]
+    assert marks.left_keys().tolist() == [10, 50, 60]
     monkeypatch.setattr(changes, "COMPACT_AT", 4)
     log = changes.KeyLog()
     for keys in ([3, changes.EMPTY_KEY, 3], [7, 3], [3, 7, 8]):

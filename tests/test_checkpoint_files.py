@@ -132,6 +132,28 @@ def test_collections_inside_a_model_are_keyed_by_their_path(tmp_path):
     assert_same_state(module_state(resumed.users), module_state(model.users))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_module_loads_its_own_dump_back_after_growing_and_moving_on(tmp_path, mode):
+    def capacity():  # of what grows: the HBM_DIRECT device tier, the CACHE store
+        table = ec.tables["t0"]
+        return {"hbm_direct": lambda: table.tier.hash.capacity,
+                "cache": lambda: table.store.capacity, "default": lambda: 0}[mode]()
+
+    ec = trained(mode=mode, steps=1, evicting=True, store_evicts=mode == "cache")
+    dump(ec, tmp_path)
+    expected, before = module_state(ec), capacity()
+    train(ec, KJTS[1:BEFORE])
+    assert mode == "default" or capacity() > before
+    load(ec, tmp_path)
+    assert capacity() == before
+    assert_same_state(module_state(ec), expected)
+    fresh = make(mode=mode, evicting=True, store_evicts=mode == "cache")
+    load(fresh, tmp_path)
+    assert_same_state(module_state(fresh), expected)
+    assert torch.equal(torch.stack(train(ec, KJTS[1:6])[0]),
+                       torch.stack(train(fresh, KJTS[1:6])[0]))
+
+
 def test_a_table_of_another_layout_loads_by_key(tmp_path):
     original = trained(mode="hbm_direct", optimizer="adam", evicting=True)
     dump(original, tmp_path)

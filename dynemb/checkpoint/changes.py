@@ -6,10 +6,11 @@ nothing. The table calls it at the few places where keys, scores or rows change:
 
 - ``_claim`` (every mode's find-or-insert, pinned): :meth:`ChangeTracker.claimed` marks the
   returned slots as **touched** (found, inserted, rescored, loaded from the CACHE store) and
-  logs the live keys the claim **evicted** (HBM_DIRECT and DEFAULT drop them; CACHE writes
-  them back to its store);
-- ``_apply_remap`` (the tier grew): :meth:`ChangeTracker.remapped` moves the touched marks
-  with their keys;
+  keeps, for a slot touched for the first time, the key it held at the dump: the keys that
+  left the tier since (HBM_DIRECT and DEFAULT evictions drop them; CACHE moves them to its
+  store) are among those;
+- ``_apply_remap`` (the tier grew): :meth:`ChangeTracker.remapped` moves the marks with the
+  keys;
 - ``apply_gradients`` (the fused update): :meth:`ChangeTracker.updated` marks the batch's
   slots (a backward may run after the dump that followed its forward);
 - CACHE ``_write_back``: :meth:`ChangeTracker.written_back` logs the keys whose store rows
@@ -17,10 +18,9 @@ nothing. The table calls it at the few places where keys, scores or rows change:
   ``store_evictions`` counter tells the dump that some were, and the dump then writes the
   store whole.
 
-Marks are one ``index_fill_`` per call and the logs keep device tensors padded with
-``EMPTY_KEY``, so the training step stays free of host syncs; a log is compacted (one sync)
-only once it passes twice its compacted size (at least :data:`COMPACT_AT` entries).
-Over-marking is harmless (a delta may hold a row that did not change, never miss one).
+A tracked tier costs a bool and an int64 per slot, and its marks are two ``index_copy_`` /
+``index_fill_`` per call: the training step stays free of host syncs. Over-marking is
+harmless (a delta may hold a row that did not change, never miss one).
 """
 from __future__ import annotations
 
@@ -29,14 +29,16 @@ from typing import Dict, List, Optional
 import torch
 
 from dynemb.options import StorageMode
-from dynemb.types import EMPTY_KEY
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 
 #: Logged keys (padding included) kept before a log is compacted.
 COMPACT_AT = 1 << 20
 
 
 class KeyLog:
-    """Keys logged since the dump, as device tensors padded with ``EMPTY_KEY``."""
+    """Keys logged since the dump (tensors, padding ``EMPTY_KEY`` allowed), compacted to the
+    distinct keys (one sync) once past twice their last compacted count, at least
+    :data:`COMPACT_AT`."""
 
     def __init__(self):
         self._parts: List[torch.Tensor] = []
@@ -60,31 +62,55 @@ class KeyLog:
 
 
 class TierChanges:
-    """Touched slots and evicted keys of one tier with slots of its own."""
+    """The slots of one tier (with slots of its own) touched since the dump, and the key
+    each of them held at the dump.
+
+    The keys that left the tier since the dump are among those **base keys** (a key that
+    left took a slot of the tier with it, and that slot was touched when the key left): the
+    dump keeps those no longer in the tier. Holding one key per slot costs 8 bytes a slot,
+    fixed, and never a host sync; keys inserted and evicted between two dumps never appear.
+    """
 
     def __init__(self, capacity: int, device: torch.device):
         # one extra entry takes the marks of -1 slots (padding, failed keys), sync-free
         self._touched = torch.zeros(capacity + 1, dtype=torch.bool, device=device)
-        self.evicted = KeyLog()
+        self._base = torch.full((capacity + 1,), EMPTY_KEY, dtype=torch.int64, device=device)
+        self._lost = KeyLog()  # base keys of touched slots a growth emptied (none expected)
 
     @property
     def touched(self) -> torch.Tensor:
         """[capacity] bool: the slot changed since the dump."""
         return self._touched[:-1]
 
-    def mark(self, slots: torch.Tensor) -> None:
-        slots = slots.to(self._touched.device)
-        padding = self._touched.numel() - 1
-        self._touched.index_fill_(0, torch.where(slots >= 0, slots, padding), True)
+    def mark(self, slots: torch.Tensor, before: torch.Tensor) -> None:
+        """Slots ``slots`` [U] change now; ``before`` [U]: the key each held until now."""
+        device = self._touched.device
+        slots, before = slots.to(device), before.to(device)
+        index = torch.where(slots >= 0, slots, self._touched.numel() - 1)
+        first = ~self._touched[index]
+        self._base.index_copy_(0, index, torch.where(first, before, self._base[index]))
+        self._touched.index_fill_(0, index, True)
 
     def remap(self, remap: torch.Tensor, capacity: int) -> None:
         """The tier grew to ``capacity`` slots: old slot ``s`` is now ``remap[s]``."""
-        old = self.touched
-        moved = torch.zeros(capacity + 1, dtype=torch.bool, device=old.device)
-        remap = remap.to(old.device)
-        moved.index_fill_(0, torch.where(old & (remap >= 0), remap, capacity), True)
-        moved[-1] = False
-        self._touched = moved
+        touched, base = self.touched, self._base[:-1]
+        remap = remap.to(touched.device)
+        moved = touched & (remap >= 0)
+        self._lost.add(torch.where(touched & ~moved, base, EMPTY_KEY))
+        index = torch.where(moved, remap, capacity)
+        self._touched = torch.zeros(capacity + 1, dtype=torch.bool, device=touched.device)
+        self._touched.index_fill_(0, index, True)
+        self._touched[-1] = False
+        self._base = torch.full((capacity + 1,), EMPTY_KEY, dtype=torch.int64,
+                                device=touched.device)
+        self._base.index_copy_(0, index, base)
+
+    def left_keys(self) -> torch.Tensor:
+        """Distinct keys that may have left the tier since the dump (sorted): the base keys
+        of the touched slots; the caller keeps those no longer in the tier."""
+        keys = torch.cat([self._base[:-1][self.touched], self._lost.keys().to(
+            self._base.device)])
+        return torch.unique(keys[(keys != EMPTY_KEY) & (keys != TOMBSTONE_KEY)])
 
 
 class ChangeTracker:
@@ -116,18 +142,18 @@ class ChangeTracker:
 
     # -- hooks (called by the table) -----------------------------------------------------------
     def claimed(self, tier, result) -> None:
-        changes = self._of(tier)
-        changes.mark(result.slots)
-        changes.evicted.add(torch.where(result.evicted, result.previous_keys, EMPTY_KEY))
+        # a slot found holds its key; a slot inserted into held previous_keys
+        before = torch.where(result.inserted, result.previous_keys, result.keys)
+        self._of(tier).mark(result.slots, before)
 
     def remapped(self, tier, remap: torch.Tensor) -> None:
         self._of(tier).remap(remap, tier.hash.capacity)
 
     def updated(self, batch) -> None:
-        if batch.slots is not None:
-            self._tiers[0][2].mark(batch.slots)
-        if batch.host_slots is not None and len(self._tiers) > 1:
-            self._tiers[1][2].mark(batch.host_slots)
+        """A backward updated the batch's rows (their keys stay: the slots' keys now)."""
+        for (tier, _, changes), slots in zip(self._tiers, (batch.slots, batch.host_slots)):
+            if slots is not None:
+                changes.mark(slots, tier.hash.keys_at(slots.to(tier.device)))
 
     def written_back(self, keys: torch.Tensor) -> None:
         self.stored.add(keys)

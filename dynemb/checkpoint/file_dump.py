@@ -268,7 +268,7 @@ class _TableWriter:
         entries.close()
 
     def _changed(self, name: str, part: TierParts, changes: TierChanges, record: Dict) -> None:
-        """Live entries of touched slots; evicted keys no longer in the tier."""
+        """Live entries of touched slots; the keys that left the tier."""
         record["write"] = "patch"
         entries = self._stream(name, "entries", record, "rows")
         touched = changes.touched
@@ -276,9 +276,9 @@ class _TableWriter:
             self._entries(entries, part, slots, live & touched[slots.to(touched.device)])
         entries.close()
         deleted = self._stream(name, "deleted", record, "deleted")
-        evicted = changes.evicted.keys()
-        for lo in range(0, evicted.numel(), self.chunk_rows):
-            keys = evicted[lo:lo + self.chunk_rows].to(part.hash.device)
+        left = changes.left_keys()
+        for lo in range(0, left.numel(), self.chunk_rows):
+            keys = left[lo:lo + self.chunk_rows].to(part.hash.device)
             deleted.add(keys=keys[part.hash.find(keys) < 0])
         deleted.close()
 

@@ -15,7 +15,7 @@ from dynemb.checkpoint.files import (CheckpointFileError, check_sizes, rank_dir_
                                      read_file, read_manifest)
 from dynemb.checkpoint.module_tables import ModuleTables, module_tables
 from dynemb.checkpoint.replay import replay
-from dynemb.checkpoint.table_state import capture, describe_mismatch, parse, tier_parts
+from dynemb.checkpoint.table_state import describe_mismatch, tier_parts
 
 Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
@@ -79,17 +79,26 @@ def load(module: torch.nn.Module, paths: Paths) -> DumpInfo:
         fresh[key] = replay(collection.tables[name], links, reader)
     last = chain[-1]
     for fqn, collection in scan.collections.items():
-        saved = {}
-        for key, owner, _, name in scan.tables():
-            if owner == fqn:
-                step = int(last["tables"][key]["step"])
-                saved[name] = [parse(capture(fresh[key], step), where=key)]
-        collection.load_tables(saved)  # full images of the same layout: cannot fail
+        keys = {name: key for key, owner, _, name in scan.tables() if owner == fqn}
+        _install(collection, {name: fresh[key] for name, key in keys.items()},
+                 {name: int(last["tables"][key]["step"]) for name, key in keys.items()})
         start_tracking(collection.tables, last["id"], collection._generation)
     return DumpInfo(str(paths[-1]), last["id"], last["kind"], last["previous"], scan.rank,
                     scan.world_size, rows=reader.rows, deleted=reader.deleted,
                     bytes=reader.bytes, files=reader.files,
                     seconds=time.perf_counter() - start)
+
+
+def _install(collection, tables: Dict[str, object], steps: Dict[str, int]) -> None:
+    """Swap the rebuilt tables into ``collection`` as ``load_tables`` does once its checks
+    passed: queued prefetches dropped, pins of lookups awaiting backward ended, the load
+    generation bumped (a backward of an older forward raises). The tables go in as rebuilt:
+    a table that grew since the dump gets the dump's capacity back."""
+    collection.clear_prefetched()
+    for name, table in tables.items():
+        collection.tables[name] = table
+        collection._steps[name] = steps[name]
+    collection._generation += 1
 
 
 class _Reader:

@@ -32,9 +32,10 @@ def replay(table, links: List[Dict], read: Reader):
     """A new table of ``table``'s configuration holding what ``links`` hold (see the module
     docstring). Raises :class:`CheckpointFileError` for a file that does not fit, and
     :class:`~dynemb.TableFullError` for entries that find no slot."""
-    if not all(_fits(tier_parts(table)[n].hash, t) for n, t in links[0]["tiers"].items()):
+    fresh = table.empty_copy()  # what fits is what the new table starts from
+    if not all(_fits(tier_parts(fresh)[n].hash, t) for n, t in links[0]["tiers"].items()):
+        del fresh
         return restore(table, [_merged(table, links, read)])
-    fresh = table.empty_copy()
     for i, link in enumerate(links):
         for name, tier in link["tiers"].items():
             files = _Files(table, name, tier, lambda record, i=i: read(i, record))
