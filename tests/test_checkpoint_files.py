@@ -294,6 +294,19 @@ def test_a_corrupted_file_is_found_before_any_table_changes(tmp_path, monkeypatc
     assert_same_state(module_state(target), before)
 
 
+def test_a_manifest_lacking_a_field_is_refused_by_name(tmp_path):
+    dump(trained(), tmp_path)
+    path = rank_dir(tmp_path) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["tables"]["t1"]["tiers"]["device"]["clock"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointFileError, match=r"lacks \['tables.t1.tiers.device.clock'\]"):
+        load(make(), tmp_path)
+    path.write_text("{not json")
+    with pytest.raises(CheckpointFileError, match="manifest.json cannot be read"):
+        load(make(), tmp_path)
+
+
 def test_files_of_another_world_size_or_table_set_are_refused(tmp_path, monkeypatch):
     ec = trained()
     dump(ec, tmp_path / "a")

@@ -196,7 +196,29 @@ def read_manifest(rank_dir: Path) -> Dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointFileError(f"{path} has format version {manifest.get('format_version')}"
                                   f", this dynemb reads version {FORMAT_VERSION}")
+    missing = _missing_fields(manifest)
+    if missing:
+        raise CheckpointFileError(f"{path} is incomplete: it lacks {missing}")
     return manifest
+
+
+_FIELDS = ("kind", "id", "previous", "rank", "world_size", "tables")
+_TABLE_FIELDS = ("signature", "step", "counters", "tiers")
+_TIER_FIELDS = ("capacity", "bucket_size", "clock", "live_rows", "write", "files")
+_FILE_FIELDS = ("file", "content", "rows", "bytes", "sha256")
+
+
+def _missing_fields(manifest: Dict) -> List[str]:
+    """Fields the manifest lacks, by path (``tables.t0.tiers.device.clock``)."""
+    missing = [f for f in _FIELDS if f not in manifest]
+    for key, table in manifest.get("tables", {}).items():
+        missing += [f"tables.{key}.{f}" for f in _TABLE_FIELDS if f not in table]
+        for name, tier in table.get("tiers", {}).items():
+            where = f"tables.{key}.tiers.{name}"
+            missing += [f"{where}.{f}" for f in _TIER_FIELDS if f not in tier]
+            for i, record in enumerate(tier.get("files", [])):
+                missing += [f"{where}.files[{i}].{f}" for f in _FILE_FIELDS if f not in record]
+    return missing
 
 
 def file_records(manifest: Dict) -> List[Dict]:
