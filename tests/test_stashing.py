@@ -342,3 +342,26 @@ def test_torchrec_manager_restores_queued_tables():
         assert ec.memory_stash.stashed == []
     finally:
         MemoryStashingManager.reset()
+
+
+def test_footprint_reports_the_device_peak_with_and_without_stashing():
+    from dynemb.planner import footprint_report
+    from dynemb.planning.footprint import footprints
+    options = {"t0": DynamicEmbTableOptions(stash=StashMode.VALUES, max_capacity=512),
+               "t1": DynamicEmbTableOptions(max_capacity=512)}
+    meta = DynamicEmbCollection(_configs(), "meta", table_options=options,
+                                optimizer=_optimizer(OptimizerType.ADAM))
+    built = DynamicEmbCollection(_configs(), table_options=options,
+                                 optimizer=_optimizer(OptimizerType.ADAM))
+    prints = {f.table: f for f in footprints(meta, world_size=1, batch_size=8)}
+    stash = built.memory_stash.table_stashes()["t0"]
+    assert prints["t0"].stash_bytes == stash.stashed_bytes == 512 * 8 * 4  # the values
+    assert prints["t1"].stash_bytes == 0
+    assert prints["t0"].device_bytes_stashed == prints["t0"].device_bytes - 512 * 8 * 4
+    assert prints["t0"].host_bytes == prints["t0"].stash_bytes + 8  # buffer, deferred count
+    built(_batches(1)[0])
+    assert stash.device_bytes() == 0 and stash.host_buffer_bytes == stash.stashed_bytes
+    text = footprint_report(meta, world_size=1, batch_size=8)
+    without = sum(f.device_bytes for f in prints.values())
+    line = [ln for ln in text.splitlines() if ln.startswith("device peak")][0]
+    assert f"{without:,} bytes" in line and f"{without - 512 * 8 * 4:,} bytes" in line

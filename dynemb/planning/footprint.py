@@ -37,6 +37,7 @@ from dynemb.hash_table import SLOT_BYTES
 from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout, choose_storage_mode
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
+from dynemb.stashing.table_stash import stashed_bytes_per_row
 from dynemb.tables import TABLE_CLASSES, DynamicTable
 
 #: A hash table's own int64 size counter, next to its slots.
@@ -65,6 +66,11 @@ class TableFootprint:
     (``host_values_bytes``, ``host_optimizer_bytes``, ``host_hash_bytes``).
     ``host_exact`` is False for a user-supplied backing store, of which only the rows are
     counted.
+
+    Memory stashing (``options.stash``, :mod:`dynemb.stashing`): ``stash_bytes`` of the
+    device rows wait in a host buffer of the same size (counted in ``host_bytes``) between
+    each training forward and its backward, where the device peak usually is:
+    ``device_bytes_stashed`` is the table's device share then, ``device_bytes`` otherwise.
 
     Example::
 
@@ -102,6 +108,7 @@ class TableFootprint:
     compute_device: str = "cuda"
     host_exact: bool = True
     is_inference: bool = False
+    stash_bytes: int = 0
 
     @property
     def device_static_bytes(self) -> int:
@@ -115,9 +122,16 @@ class TableFootprint:
         return self.device_static_bytes + self.io_bytes
 
     @property
+    def device_bytes_stashed(self) -> int:
+        """Device bytes while the rows are stashed (between a training forward and its
+        backward): ``device_bytes`` less ``stash_bytes``."""
+        return self.device_bytes - self.stash_bytes
+
+    @property
     def host_bytes(self) -> int:
+        """The host tier or store, and the stash's host buffer."""
         return (self.host_values_bytes + self.host_optimizer_bytes + self.host_hash_bytes
-                + self.host_fixed_bytes)
+                + self.host_fixed_bytes + self.stash_bytes)
 
     @property
     def static_bytes(self) -> int:
@@ -223,6 +237,8 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
     row = RowLayout(dim, state_dim, layout.dtype)
     rows = TABLE_CLASSES[layout.mode].planned_rows(layout, local_options)
     fixed = DynamicTable.fixed_memory()
+    stash = 0 if is_inference else rows.device_rows * stashed_bytes_per_row(local_options.stash,
+                                                                            row)
     admission = (0 if local_options.admission is None
                  else hash_table_bytes(counter_slots(local_options.admission)))
     host_hash = hash_table_bytes(rows.host_hash_slots) if rows.host_hash_slots else 0
@@ -247,7 +263,8 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
         host_values_bytes=rows.host_rows * row.embedding_bytes,
         host_optimizer_bytes=rows.host_rows * row.state_bytes, host_hash_bytes=host_hash,
         host_fixed_bytes=fixed.host_other_bytes, pipeline_type=pipeline_type,
-        compute_device=compute_device, host_exact=rows.host_exact, is_inference=is_inference)
+        compute_device=compute_device, host_exact=rows.host_exact, is_inference=is_inference,
+        stash_bytes=stash)
 
 
 # -- every table of a model --------------------------------------------------------------------

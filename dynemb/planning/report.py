@@ -33,7 +33,8 @@ _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
 _COLUMNS = (("values", "values_bytes"), ("optim", "optimizer_bytes"),
             ("hash", "hash_bytes"), ("admit", "admission_bytes"), ("input", "input_bytes"),
             ("output", "output_bytes"), ("pipe I/O", "io_bytes"),
-            ("device", "device_bytes"), ("host", "host_bytes"))
+            ("device", "device_bytes"), ("stashed", "stash_bytes"),
+            ("dev. stashed", "device_bytes_stashed"), ("host", "host_bytes"))
 
 
 def _pick_unit(largest: int) -> Tuple[str, int]:
@@ -113,6 +114,16 @@ def format_footprints(items: Sequence[TableFootprint], *, title: str = "",
     host = sum(f.host_bytes for f in items)
     lines.append(f"total: device {device:,} bytes ({fmt(device)} {unit_name}), host {host:,} "
                  f"bytes ({fmt(host)} {unit_name}), all {device + host:,} bytes")
+    stashed = sum(f.stash_bytes for f in items)
+    if stashed:
+        peaks = [(r, sum(f.device_bytes for f in items if f.rank == r),
+                  sum(f.device_bytes_stashed for f in items if f.rank == r)) for r in ranks]
+        rank, without, with_stash = max(peaks, key=lambda p: p[1])
+        lines.append(
+            f"device peak between forward and backward (rank {rank}): {without:,} bytes "
+            f"({fmt(without)} {unit_name}) without stashing, {with_stash:,} bytes "
+            f"({fmt(with_stash)} {unit_name}) with stashing; {stashed:,} bytes stashed to "
+            f"host buffers over all ranks")
     inexact = sorted({f.table for f in items if not f.host_exact})
     if inexact:
         lines.append(f"note: {inexact} use a custom backing store; host counts its rows only")
