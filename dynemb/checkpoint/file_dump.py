@@ -74,8 +74,10 @@ def dump(module: torch.nn.Module, path: Union[str, os.PathLike], *,
         >>> from dynemb.checkpoint import dump
         >>> ec = DynamicEmbCollection([EmbeddingConfig(name="t", embedding_dim=4,
         ...                                            num_embeddings=64, feature_names=["f"])])
-        >>> step = lambda ids: sum(jt.values().sum() for jt in ec(KeyedJaggedTensor.from_lengths_sync(
-        ...     ["f"], torch.tensor(ids), torch.tensor([len(ids)]))).values()).backward()
+        >>> def step(ids):
+        ...     kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(ids),
+        ...                                               torch.tensor([len(ids)]))
+        ...     ec(kjt)["f"].values().sum().backward()
         >>> step([1, 2, 3])
         >>> root = tempfile.mkdtemp()
         >>> full = dump(ec, f"{root}/full")
