@@ -199,6 +199,12 @@ class TableStash:
         return weights.untyped_storage().nbytes()
 
     @property
+    def parked_bytes(self) -> int:
+        """Bytes of the columns parked on the device while the rest is stashed (VALUES or
+        OPTIMIZER_STATE)."""
+        return 0 if self._kept is None else self._kept.numel() * self._kept.element_size()
+
+    @property
     def host_buffer_bytes(self) -> int:
         """Host memory held for this table's stashes (kept between steps)."""
         return 0 if self._host is None else self._host.numel() * self._host.element_size()
