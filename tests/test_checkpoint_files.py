@@ -294,6 +294,24 @@ def test_a_corrupted_file_is_found_before_any_table_changes(tmp_path, monkeypatc
     assert_same_state(module_state(target), before)
 
 
+def test_a_fresh_module_loads_in_place_and_is_left_empty_if_a_file_is_damaged(tmp_path):
+    # a module that holds nothing loads into its own tables (no second copy of them); a
+    # damaged file half-way puts every table back empty, at its capacity and counters
+    dump(trained(mode="cache", optimizer="adam"), tmp_path)
+    target = make(mode="cache", optimizer="adam")
+    t0_before = target.tables["t0"]
+    assert load(target, tmp_path).rows > 0
+    assert target.tables["t0"] is t0_before  # loaded in place
+    _, victim = damaged(tmp_path, "corrupted")
+    empty = make(mode="cache", optimizer="adam")
+    before = module_state(empty)
+    with pytest.raises(CheckpointFileError, match="is corrupted"):
+        load(empty, tmp_path)
+    assert_same_state(module_state(empty), before)
+    for name, table in empty.tables.items():
+        assert table.tier.hash.size() == 0 and table.store.size() == 0, name
+
+
 def test_a_manifest_lacking_a_field_is_refused_by_name(tmp_path):
     dump(trained(), tmp_path)
     path = rank_dir(tmp_path) / "manifest.json"
@@ -348,3 +366,22 @@ def test_a_sharded_rank_writes_its_own_directory(tmp_path, monkeypatch):
 def test_dump_info_is_a_record(tmp_path):
     info = dump(make(), tmp_path)
     assert isinstance(info, DumpInfo) and info.rows == 0 and info.files == 1
+
+
+def test_data_files_are_plain_safetensors_both_ways(tmp_path):
+    # written by our streaming writer, read by the safetensors library, and the other way
+    import safetensors.torch
+
+    from dynemb.checkpoint.safetensors_io import read_file, write_file
+    tensors = {"keys": torch.arange(5), "rows": torch.randn(5, 3).to(torch.bfloat16),
+               "flags": torch.tensor([True, False, True, True, False])}
+    size, digest = write_file(tmp_path / "ours.safetensors", tensors, {"content": "entries"})
+    theirs = safetensors.torch.load_file(tmp_path / "ours.safetensors")
+    for name, tensor in tensors.items():
+        assert torch.equal(theirs[name], tensor)
+    safetensors.torch.save_file(tensors, tmp_path / "theirs.safetensors")
+    path = tmp_path / "theirs.safetensors"
+    import hashlib
+    back = read_file(path, path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest())
+    for name, tensor in tensors.items():
+        assert torch.equal(back[name], tensor)

@@ -162,38 +162,70 @@ def _latest_dump(scan: ModuleTables, since, final: Path) -> str:
 
 class _Stream:
     """Entries of one kind for one tier, written in files of exactly ``chunk_rows`` entries
-    (the last one fewer); at most two chunks are held."""
+    (the last one fewer). Entries are gathered straight into one staging buffer of a chunk
+    per field, reused from file to file: the memory held is one chunk, and no freshly
+    allocated memory is touched per file."""
 
     def __init__(self, writer: DirectoryWriter, stem: str, content: str, chunk_rows: int,
                  record: Dict, counter: str):
         self.writer, self.stem, self.content = writer, stem, content
         self.chunk_rows, self.record, self.counter = chunk_rows, record, counter
-        self.parts: List[Dict[str, torch.Tensor]] = []
+        self.staging: Dict[str, torch.Tensor] = {}
         self.pending = 0
         self.count = 0
 
     def add(self, **tensors: torch.Tensor) -> None:
+        """Append entries given whole (one tensor per field, equal first dims)."""
         n = next(iter(tensors.values())).shape[0]
-        if n == 0:
-            return
-        self.parts.append({k: v.cpu() for k, v in tensors.items()})
-        self.pending += n
-        while self.pending >= self.chunk_rows:
-            self._flush(self.chunk_rows)
+        self._append(n, lambda field, lo, hi, out: out.copy_(tensors[field][lo:hi]),
+                     tensors)
+
+    def add_gathered(self, index: torch.Tensor, direct: Dict[str, torch.Tensor],
+                     **sources: torch.Tensor) -> None:
+        """Append ``sources[f][index]`` for every field ``f`` (gathered into the staging
+        buffers, not into new tensors) and the ``direct`` fields as given."""
+        def fill(field, lo, hi, out):
+            if field in direct:
+                out.copy_(direct[field][lo:hi])
+                return
+            src = sources[field]
+            idx = index[lo:hi].to(src.device)
+            if src.device.type == "cpu":
+                torch.index_select(src, 0, idx, out=out)
+            else:
+                out.copy_(src.index_select(0, idx))
+        self._append(index.numel(), fill, {**sources, **direct})
+
+    def _append(self, n: int, fill, like: Dict[str, torch.Tensor]) -> None:
+        done = 0
+        while done < n:
+            take = min(n - done, self.chunk_rows - self.pending)
+            for field, t in like.items():
+                fill(field, done, done + take,
+                     self._buffer(field, t)[self.pending:self.pending + take])
+            self.pending += take
+            done += take
+            if self.pending == self.chunk_rows:
+                self._flush()
+
+    def _buffer(self, field: str, like: torch.Tensor) -> torch.Tensor:
+        buf = self.staging.get(field)
+        if buf is None:
+            buf = self.staging[field] = torch.empty((self.chunk_rows, *like.shape[1:]),
+                                                    dtype=like.dtype)
+        return buf
 
     def close(self) -> None:
         if self.pending:
-            self._flush(self.pending)
+            self._flush()
+        self.staging = {}
 
-    def _flush(self, n: int) -> None:
-        joined = {k: torch.cat([p[k] for p in self.parts]) for k in self.parts[0]}
-        rest = self.pending - n
-        self.parts = [{k: v[n:].clone() for k, v in joined.items()}] if rest else []
-        self.pending = rest
+    def _flush(self) -> None:
+        n, self.pending = self.pending, 0
         name = f"{self.stem}.{self.content}.{self.count:05d}.safetensors"
         self.count += 1
         self.record["files"].append(self.writer.write(
-            name, {k: v[:n] for k, v in joined.items()}, self.content))
+            name, {k: v[:n] for k, v in self.staging.items()}, self.content))
         self.record[self.counter] += n
 
 
@@ -246,10 +278,10 @@ class _TableWriter:
     def _entries(self, stream: _Stream, part: TierParts, slots, keep) -> None:
         keys, scores = part.hash.image()
         picked = slots[keep]
-        entry = dict(keys=keys[picked], scores=scores[picked], slots=picked)
+        sources = dict(keys=keys, scores=scores)
         if part.rows is not None:
-            entry["rows"] = part.rows[picked.to(part.rows.device)]
-        stream.add(**entry)
+            sources["rows"] = part.rows
+        stream.add_gathered(picked, {"slots": picked}, **sources)
 
     def _whole(self, name: str, part: TierParts, record: Dict) -> None:
         entries = self._stream(name, "entries", record, "rows")

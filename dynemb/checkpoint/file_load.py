@@ -14,7 +14,7 @@ from dynemb.checkpoint.file_dump import DumpInfo
 from dynemb.checkpoint.files import (CheckpointFileError, check_sizes, rank_dir_name,
                                      read_file, read_manifest)
 from dynemb.checkpoint.module_tables import ModuleTables, module_tables
-from dynemb.checkpoint.replay import replay
+from dynemb.checkpoint.replay import holds_nothing, replay
 from dynemb.checkpoint.table_state import describe_mismatch, tier_parts
 
 Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
@@ -74,9 +74,21 @@ def load(module: torch.nn.Module, paths: Paths) -> DumpInfo:
         check_sizes(d, manifest)
     reader = _Reader(dirs)
     fresh = {}
-    for key, _, collection, name in scan.tables():
-        links = [manifest["tables"][key] for manifest in chain]
-        fresh[key] = replay(collection.tables[name], links, reader)
+    # tables that hold nothing (a module built to be loaded) load in place: no second copy
+    # of their memory; if anything fails they are put back empty, as they were
+    empty = {key: _EmptyTable(collection.tables[name])
+             for key, _, collection, name in scan.tables()
+             if holds_nothing(collection.tables[name])}
+    try:
+        for key, _, collection, name in scan.tables():
+            links = [manifest["tables"][key] for manifest in chain]
+            fresh[key] = replay(collection.tables[name], links, reader,
+                                in_place=key in empty)
+    except BaseException:
+        for key, _, collection, name in scan.tables():
+            if key in empty:
+                collection.tables[name] = empty[key].rebuild()
+        raise
     last = chain[-1]
     for fqn, collection in scan.collections.items():
         keys = {name: key for key, owner, _, name in scan.tables() if owner == fqn}
@@ -101,15 +113,39 @@ def _install(collection, tables: Dict[str, object], steps: Dict[str, int]) -> No
     collection._generation += 1
 
 
+class _EmptyTable:
+    """What an empty table is besides its (absent) rows: its counters and clocks, to build
+    it again if a load into it fails half-way."""
+
+    def __init__(self, table):
+        self.table = table
+        self.counters = table.counters.snapshot()
+        self.clocks = {n: p.hash.clock for n, p in tier_parts(table).items()
+                       if p.hash is not None}
+
+    def rebuild(self):
+        table = self.table.empty_copy()
+        table.counters.load(torch.tensor(list(self.counters.values()), dtype=torch.int64))
+        for name, part in tier_parts(table).items():
+            if part.hash is not None:
+                part.hash.set_clock(self.clocks[name])
+        return table
+
+
 class _Reader:
     """Reads the data files of the chain (checked), counting what it read."""
 
     def __init__(self, dirs: List[Path]):
         self.dirs = dirs
         self.rows = self.deleted = self.bytes = self.files = 0
+        # one read buffer for every file: each file's tensors (views into it) are consumed
+        # before the next file is read
+        self._buffer = torch.empty(0, dtype=torch.uint8)
 
     def __call__(self, link: int, record: Dict) -> Dict[str, torch.Tensor]:
-        data = read_file(self.dirs[link], record)
+        if self._buffer.numel() < record["bytes"]:
+            self._buffer = torch.empty(record["bytes"], dtype=torch.uint8)
+        data = read_file(self.dirs[link], record, self._buffer)
         self.files += 1
         self.bytes += record["bytes"]
         if record["content"] == "entries":

@@ -42,15 +42,16 @@ from __future__ import annotations
 import ctypes
 import datetime
 import errno
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-import safetensors.torch
 import torch
+
+from dynemb.checkpoint.safetensors_io import SafetensorsError, write_file
+from dynemb.checkpoint.safetensors_io import read_file as read_safetensors
 
 FORMAT = "dynemb-checkpoint"
 #: Bumped when the meaning of the files changes.
@@ -80,15 +81,14 @@ class DirectoryWriter:
         self.files = 0
 
     def write(self, name: str, tensors: Dict[str, torch.Tensor], content: str) -> Dict:
-        """Write ``tensors`` as safetensors file ``name``; returns its manifest record."""
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        data = safetensors.torch.save(tensors, metadata={"content": content})
-        _write_synced(self.directory / name, data)
-        self.bytes += len(data)
+        """Write ``tensors`` as safetensors file ``name`` (streamed from their memory, hashed
+        on the way); returns its manifest record."""
+        rows = int(next(iter(tensors.values())).shape[0])
+        size, digest = write_file(self.directory / name, tensors, {"content": content})
+        self.bytes += size
         self.files += 1
-        return {"file": name, "content": content, "rows": int(next(iter(tensors.values()))
-                                                             .shape[0]),
-                "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return {"file": name, "content": content, "rows": rows, "bytes": size,
+                "sha256": digest}
 
     def write_manifest(self, manifest: Dict) -> None:
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
@@ -238,19 +238,15 @@ def check_sizes(rank_dir: Path, manifest: Dict) -> None:
                                       f"{record['bytes']} (truncated or replaced?)")
 
 
-def read_file(rank_dir: Path, record: Dict) -> Dict[str, torch.Tensor]:
-    """The tensors of one data file, after checking its size and sha256."""
+def read_file(rank_dir: Path, record: Dict,
+              buffer: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+    """The tensors of one data file, after checking its size and sha256: views into
+    ``buffer`` when given (reused between files by a caller that consumes each file before
+    reading the next), else into a buffer of their own."""
     path = rank_dir / record["file"]
     try:
-        data = path.read_bytes()
+        return read_safetensors(path, record["bytes"], record["sha256"], buffer)
     except OSError as err:
         raise CheckpointFileError(f"{path} cannot be read: {err}") from None
-    if len(data) != record["bytes"]:
-        raise CheckpointFileError(f"{path} has {len(data)} bytes, the manifest says "
-                                  f"{record['bytes']} (truncated or replaced?)")
-    if hashlib.sha256(data).hexdigest() != record["sha256"]:
-        raise CheckpointFileError(f"{path} is corrupted: its sha256 differs from the manifest's")
-    try:
-        return safetensors.torch.load(data)
-    except Exception as err:  # a valid hash of an invalid file: written by something else
-        raise CheckpointFileError(f"{path} is not a safetensors file: {err}") from None
+    except SafetensorsError as err:
+        raise CheckpointFileError(str(err)) from None

@@ -28,11 +28,13 @@ from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, TableFullError
 Reader = Callable[[int, Dict], Dict[str, torch.Tensor]]
 
 
-def replay(table, links: List[Dict], read: Reader):
+def replay(table, links: List[Dict], read: Reader, *, in_place: bool = False):
     """A new table of ``table``'s configuration holding what ``links`` hold (see the module
-    docstring). Raises :class:`CheckpointFileError` for a file that does not fit, and
+    docstring); with ``in_place`` (for a table that :func:`holds_nothing`: a module built
+    to be loaded), ``table`` itself, so the load needs no second copy of its memory.
+    Raises :class:`CheckpointFileError` for a file that does not fit, and
     :class:`~dynemb.TableFullError` for entries that find no slot."""
-    fresh = table.empty_copy()  # what fits is what the new table starts from
+    fresh = table if in_place else table.empty_copy()  # what fits is where the load starts
     if not all(_fits(tier_parts(fresh)[n].hash, t) for n, t in links[0]["tiers"].items()):
         del fresh
         return restore(table, [_merged(table, links, read)])
@@ -51,6 +53,17 @@ def replay(table, links: List[Dict], read: Reader):
                                       f"{tier['live_rows']}")
     fresh.counters.load(counters(links[-1]))
     return fresh
+
+
+def holds_nothing(table) -> bool:
+    """No key in any tier (admission counter included) and no batch in flight."""
+    if table._held:
+        return False
+    for part in tier_parts(table).values():
+        size = part.hash.size() if part.hash is not None else part.store.size()
+        if size:
+            return False
+    return True
 
 
 def counters(link: Dict) -> torch.Tensor:
@@ -176,13 +189,14 @@ def _merged(table, links: List[Dict], read: Reader) -> SavedTable:
         for name, tier in link["tiers"].items():
             files = _Files(table, name, tier, lambda record, i=i: read(i, record))
             fields = ("keys", "scores") + (() if name == "admission" else ("rows",))
-            chunks = list(files("entries"))
+            # the reader reuses its buffer from file to file: keep copies
+            chunks = [{k: v.clone() for k, v in c.items()} for c in files("entries")]
             entries = tuple(torch.cat([c[f] for c in chunks]) if chunks else
                             _empty(table, f) for f in fields)
             if tier["write"] == "replace":
                 tiers[name] = entries
                 continue
-            gone = [d["keys"] for d in files("deleted")] + [entries[0]]
+            gone = [d["keys"].clone() for d in files("deleted")] + [entries[0]]
             kept = ~torch.isin(tiers[name][0], torch.cat(gone))
             tiers[name] = tuple(torch.cat([old[kept], new])
                                 for old, new in zip(tiers[name], entries))

@@ -1,0 +1,155 @@
+"""Safetensors files written and read without intermediate copies, hashed on the way.
+
+The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian header size
+``N``, ``N`` bytes of JSON (``{"__metadata__": {...}, "<name>": {"dtype", "shape",
+"data_offsets": [begin, end]}, ...}``, padded with spaces to a multiple of 8), then the
+tensors' bytes. ``safetensors.torch.save`` builds the whole file in memory and ``load``
+copies it out again; checkpoint files of a million rows are hundreds of MB, so here:
+
+- :func:`write_file` writes the header, then each tensor straight from its memory, feeding
+  the same bytes to sha256;
+- :func:`read_file` reads the file into a buffer the caller may reuse, checks size and
+  sha256, and returns views into that buffer.
+
+Files written here load with ``safetensors.torch.load_file`` and the other way round (tested).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+          torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
+#: Largest JSON header accepted when reading (the format's own limit is 100 MB).
+MAX_HEADER_BYTES = 100_000_000
+
+
+class SafetensorsError(ValueError):
+    """A file is not a well-formed safetensors file (or not the one expected)."""
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def write_file(path: Path, tensors: Dict[str, torch.Tensor],
+               metadata: Optional[Dict[str, str]] = None) -> Tuple[int, str]:
+    """Write ``tensors`` to ``path`` as a safetensors file (fsynced); returns its size in
+    bytes and its sha256 (hex).
+
+    Example::
+
+        >>> import tempfile, safetensors.torch
+        >>> path = Path(tempfile.mkdtemp()) / "a.safetensors"
+        >>> size, digest = write_file(path, {"keys": torch.arange(3)}, {"content": "demo"})
+        >>> safetensors.torch.load_file(path)["keys"].tolist()
+        [0, 1, 2]
+    """
+    header: Dict[str, object] = {"__metadata__": dict(metadata or {})}
+    # widest items first: every tensor starts aligned to its own item size
+    tensors = dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _CODES:
+            raise TypeError(f"{name}: dtype {tensor.dtype} has no safetensors code")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for piece in (struct.pack("<Q", len(raw)), raw):
+            f.write(piece)
+            digest.update(piece)
+        for tensor in tensors.values():
+            data = _bytes_of(tensor)
+            f.write(data)
+            digest.update(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(raw) + offset, digest.hexdigest()
+
+
+def read_file(path: Path, size: int, sha256: str,
+              buffer: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+    """The tensors of the safetensors file ``path`` once its size is ``size`` and its
+    sha256 ``sha256``: views into ``buffer`` (a uint8 tensor of at least ``size`` bytes,
+    reused by the caller between files), or into a new buffer when None.
+
+    Raises :class:`SafetensorsError` naming what is wrong, ``OSError`` if unreadable.
+
+    Example::
+
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "a.safetensors"
+        >>> size, digest = write_file(path, {"rows": torch.ones(2, 3)})
+        >>> read_file(path, size, digest)["rows"].shape
+        torch.Size([2, 3])
+    """
+    if buffer is None or buffer.numel() < size:
+        buffer = torch.empty(size, dtype=torch.uint8)
+    data = buffer[:size]
+    view = memoryview(data.numpy())
+    with open(path, "rb") as f:
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        extra = f.read(1)
+    if got != size or extra:
+        raise SafetensorsError(f"{path} is not {size} bytes long (truncated or replaced?)")
+    if hashlib.sha256(view).hexdigest() != sha256:
+        raise SafetensorsError(f"{path} is corrupted: its sha256 differs from the manifest's")
+    return _parse(path, data)
+
+
+def _parse(path: Path, data: torch.Tensor) -> Dict[str, torch.Tensor]:
+    size = data.numel()
+    if size < 8:
+        raise SafetensorsError(f"{path} is not a safetensors file: {size} bytes")
+    (n,) = struct.unpack("<Q", data[:8].numpy().tobytes())
+    if n > min(MAX_HEADER_BYTES, size - 8):
+        raise SafetensorsError(f"{path} is not a safetensors file: header of {n} bytes")
+    try:
+        header = json.loads(data[8:8 + n].numpy().tobytes())
+    except ValueError as err:
+        raise SafetensorsError(f"{path} is not a safetensors file: {err}") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path} is not a safetensors file: the header is not a map")
+    body = data[8 + n:]
+    out: Dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(v) for v in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsError(f"{path}: tensor {name!r} is described by {info!r}") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= body.numel() or \
+                end - begin != numel * itemsize:
+            raise SafetensorsError(f"{path}: tensor {name!r} ({info['dtype']} {shape}) does "
+                                   f"not fit bytes [{begin}, {end}) of {body.numel()}")
+        raw = body[begin:end]
+        if begin % itemsize:  # another writer's unaligned layout: copy to view it
+            raw = raw.clone()
+        out[name] = raw.view(dtype).reshape(shape)
+    return out
