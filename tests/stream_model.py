@@ -15,7 +15,7 @@ chooses (a slow copy stream, a fast one...):
   ``record_stream`` named other streams, events are recorded on them at the free and the
   block is reused only once they have completed (CUDA's caching allocator does this);
   otherwise it may be reused at once by an allocation on that stream;
-- new blocks start as NaN (undefined contents);
+- new blocks and host buffers start as NaN (undefined contents);
 - host work done "on" a stream (the replay of row initializations) runs after everything
   queued on that stream: entering ``on(stream)``, or waiting on it there, runs the stream
   (and whatever it waits for) to the end first.
@@ -184,7 +184,7 @@ class ModelTransfers:
         stream.ops.append(op)
 
     def host_buffer(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype)
+        return torch.full(shape, float("nan"), dtype=dtype)  # undefined until a copy fills it
 
     def device_buffer(self, shape, dtype, device, stream) -> torch.Tensor:
         tensor = torch.full(shape, float("nan"), dtype=dtype)

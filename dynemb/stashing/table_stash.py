@@ -87,17 +87,40 @@ def stashed_bytes_per_row(mode: StashMode, row: RowLayout) -> int:
     return (stop - start) * row.element_size
 
 
+def _tensor_refs(tensor: torch.Tensor) -> int:
+    return sys.getrefcount(tensor)
+
+
+def _unshared_refs() -> int:
+    """What :func:`_other_holders` reads for a tensor held by one object's attribute only,
+    called as :meth:`TableStash.stash` calls it: measured, whatever the interpreter counts."""
+    class Holder:
+        pass
+
+    def other_holders(weights):  # plays _other_holders
+        return _tensor_refs(weights)
+
+    def stash():  # plays TableStash.stash
+        weights = holder.weights
+        return other_holders(weights)
+
+    holder = Holder()
+    holder.weights = torch.empty(0)
+    return stash()
+
+
+_UNSHARED_REFS = _unshared_refs()
+
+
 def _other_holders(weights: torch.Tensor) -> int:
     """References to the rows besides the table's: other tensors on their storage (views), and
-    other references to the tensor itself (a ``state_dict`` entry, a numpy array of it). The
-    table's attribute, the caller's variable and this call's argument account for three
-    references to the tensor; the tensor and the storage object made here for two to the
-    storage."""
+    other references to the tensor itself (a ``state_dict`` entry, a numpy array of it)."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     storage = weights.untyped_storage()
+    # the tensor and the storage object made here hold two references to the storage
     views = 0 if use_count is None else max(0, use_count(storage._cdata) - 2)
     del storage
-    return views + max(0, sys.getrefcount(weights) - 4)
+    return views + max(0, _tensor_refs(weights) - _UNSHARED_REFS)
 
 
 @dataclass
@@ -136,17 +159,16 @@ class TableStash:
         >>> layout = choose_storage_mode(options, name="t", num_embeddings=128, width=4,
         ...                              config_dtype=torch.float32)
         >>> tier = Tier(layout, 128, 4, 0, options, torch.device("cpu"), None)
-        >>> _ = tier.flat.weights.fill_(1.5)
-        >>> weights = tier.flat.weights
+        >>> tier.flat.weights[:] = 1.5
         >>> stash = TableStash("t", tier, StashMode.ALL, RowLayout(4), HostTransfers())
         >>> stash.stash()
         True
-        >>> weights.untyped_storage().nbytes(), tier.flat.capacity
+        >>> stash.rows().untyped_storage().nbytes(), tier.flat.capacity  # rows() reads in place
         (0, 128)
         >>> float(tier.flat.weights.sum())  # any row access brings the rows back first
         768.0
-        >>> stash.stashed, weights.untyped_storage().nbytes(), tier.flat.weights is weights
-        (False, 2048, True)
+        >>> stash.stashed, stash.rows().untyped_storage().nbytes()
+        (False, 2048)
     """
 
     def __init__(self, name: str, tier, mode: StashMode, row: RowLayout, transfers,
