@@ -78,6 +78,16 @@ class TierChanges:
         self._lost = KeyLog()  # base keys of touched slots a growth emptied (none expected)
 
     @property
+    def capacity(self) -> int:
+        return self._touched.numel() - 1
+
+    def clear(self) -> None:
+        """Nothing touched, nothing lost."""
+        self._touched.zero_()
+        self._base.fill_(EMPTY_KEY)
+        self._lost = KeyLog()
+
+    @property
     def touched(self) -> torch.Tensor:
         """[capacity] bool: the slot changed since the dump."""
         return self._touched[:-1]
@@ -133,6 +143,21 @@ class ChangeTracker:
         #: the ``store_evictions`` counter at the dump (CACHE)
         self.store_evictions = table.counters.snapshot()["store_evictions"]
 
+    def fits(self, table) -> bool:
+        """The tracker follows ``table``'s tiers at their current capacities."""
+        tiers = [table.tier] + ([table.host_tier] if table.mode is StorageMode.DEFAULT else [])
+        return len(tiers) == len(self._tiers) and all(
+            t is mine and c.capacity == t.hash.capacity
+            for t, (mine, _, c) in zip(tiers, self._tiers))
+
+    def restart(self, table, dump_id: str, generation: int) -> None:
+        """Start over from dump ``dump_id``: nothing changed yet."""
+        self.dump_id, self.generation = dump_id, generation
+        for _, _, changes in self._tiers:
+            changes.clear()
+        self.stored = KeyLog()
+        self.store_evictions = table.counters.snapshot()["store_evictions"]
+
     def tier(self, name: str) -> Optional[TierChanges]:
         """The changes of tier ``name`` ("device"; "host" in DEFAULT), None if untracked."""
         return next((c for _, n, c in self._tiers if n == name), None)
@@ -160,6 +185,12 @@ class ChangeTracker:
 
 
 def start_tracking(tables: Dict[str, object], dump_id: str, generation: int) -> None:
-    """Attach a fresh :class:`ChangeTracker` to every table (after a dump or a load)."""
+    """Attach a fresh :class:`ChangeTracker` to every table (after a dump or a load); a
+    table's previous one is cleared in place when its tiers kept their capacities (no new
+    memory to touch)."""
     for table in tables.values():
-        table.changes = ChangeTracker(table, dump_id, generation)
+        previous = table.changes
+        if previous is not None and previous.fits(table):
+            previous.restart(table, dump_id, generation)
+        else:
+            table.changes = ChangeTracker(table, dump_id, generation)

@@ -8,8 +8,9 @@ import re
 import shutil
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -112,6 +113,7 @@ def dump(module: torch.nn.Module, path: Union[str, os.PathLike], *,
             "world_size": scan.world_size, "tables": tables})
         commit(tmp, final)
     except BaseException:
+        wait_for_writes()  # nothing may land in tmp after it is removed
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for collection in scan.collections.values():
@@ -160,17 +162,30 @@ def _latest_dump(scan: ModuleTables, since, final: Path) -> str:
     return since_id
 
 
+# files are written on this thread while the next chunk is gathered (torch's gathers and
+# file writes release the GIL); one thread: files land in order
+_WRITER = ThreadPoolExecutor(1, thread_name_prefix="dynemb-dump")
+
+
+def wait_for_writes() -> None:
+    """Return once every file handed to the writer thread so far is written (or failed)."""
+    _WRITER.submit(lambda: None).result()
+
+
 class _Stream:
     """Entries of one kind for one tier, written in files of exactly ``chunk_rows`` entries
-    (the last one fewer). Entries are gathered straight into one staging buffer of a chunk
-    per field, reused from file to file: the memory held is one chunk, and no freshly
-    allocated memory is touched per file."""
+    (the last one fewer). Entries are gathered straight into a chunk-sized staging buffer
+    per field; a full buffer is written by the writer thread while the other of two fills:
+    the memory held is two chunks, and no freshly allocated memory is touched per file."""
 
     def __init__(self, writer: DirectoryWriter, stem: str, content: str, chunk_rows: int,
                  record: Dict, counter: str):
         self.writer, self.stem, self.content = writer, stem, content
         self.chunk_rows, self.record, self.counter = chunk_rows, record, counter
-        self.staging: Dict[str, torch.Tensor] = {}
+        self.buffers: List[Dict[str, torch.Tensor]] = [{}, {}]
+        self.in_flight: List[Optional[Future]] = [None, None]
+        self.current = 0
+        self.written: List[Tuple[Future, int]] = []
         self.pending = 0
         self.count = 0
 
@@ -209,24 +224,32 @@ class _Stream:
                 self._flush()
 
     def _buffer(self, field: str, like: torch.Tensor) -> torch.Tensor:
-        buf = self.staging.get(field)
+        staging = self.buffers[self.current]
+        buf = staging.get(field)
         if buf is None:
-            buf = self.staging[field] = torch.empty((self.chunk_rows, *like.shape[1:]),
-                                                    dtype=like.dtype)
+            buf = staging[field] = torch.empty((self.chunk_rows, *like.shape[1:]),
+                                               dtype=like.dtype)
         return buf
 
     def close(self) -> None:
         if self.pending:
             self._flush()
-        self.staging = {}
+        for future, n in self.written:
+            self.record["files"].append(future.result())
+            self.record[self.counter] += n
+        self.written, self.buffers = [], [{}, {}]
 
     def _flush(self) -> None:
         n, self.pending = self.pending, 0
         name = f"{self.stem}.{self.content}.{self.count:05d}.safetensors"
         self.count += 1
-        self.record["files"].append(self.writer.write(
-            name, {k: v[:n] for k, v in self.staging.items()}, self.content))
-        self.record[self.counter] += n
+        views = {k: v[:n] for k, v in self.buffers[self.current].items()}
+        future = _WRITER.submit(self.writer.write, name, views, self.content)
+        self.in_flight[self.current] = future
+        self.written.append((future, n))
+        self.current ^= 1
+        if self.in_flight[self.current] is not None:  # its buffers are free once written
+            self.in_flight[self.current].result()
 
 
 class _TableWriter:
@@ -305,9 +328,13 @@ class _TableWriter:
         """Live entries of touched slots; the keys that left the tier."""
         record["write"] = "patch"
         entries = self._stream(name, "entries", record, "rows")
-        touched = changes.touched
-        for slots, _, live in self._slot_ranges(part):
-            self._entries(entries, part, slots, live & touched[slots.to(touched.device)])
+        # the touched slots straight from the mask (a delta is small: no scan of every slot)
+        touched = changes.touched.nonzero().squeeze(1).to(part.hash.device)
+        keys, _ = part.hash.image()
+        for lo in range(0, touched.numel(), self.chunk_rows):
+            slots = touched[lo:lo + self.chunk_rows]
+            held = keys[slots]
+            self._entries(entries, part, slots, (held != EMPTY_KEY) & (held != TOMBSTONE_KEY))
         entries.close()
         deleted = self._stream(name, "deleted", record, "deleted")
         left = changes.left_keys()

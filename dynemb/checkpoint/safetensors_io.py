@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -30,6 +31,10 @@ _CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 #: Largest JSON header accepted when reading (the format's own limit is 100 MB).
 MAX_HEADER_BYTES = 100_000_000
+#: Bytes read per call: each piece is hashed while the next one is read.
+READ_PIECE_BYTES = 64 << 20
+# sha256 and file I/O both release the GIL: hashing on this thread overlaps the I/O
+_HASHER = ThreadPoolExecutor(1, thread_name_prefix="dynemb-sha256")
 
 
 class SafetensorsError(ValueError):
@@ -74,8 +79,9 @@ def write_file(path: Path, tensors: Dict[str, torch.Tensor],
             digest.update(piece)
         for tensor in tensors.values():
             data = _bytes_of(tensor)
+            hashed = _HASHER.submit(digest.update, data)
             f.write(data)
-            digest.update(data)
+            hashed.result()
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(raw) + offset, digest.hexdigest()
@@ -101,17 +107,23 @@ def read_file(path: Path, size: int, sha256: str,
         buffer = torch.empty(size, dtype=torch.uint8)
     data = buffer[:size]
     view = memoryview(data.numpy())
+    digest, hashed = hashlib.sha256(), None
     with open(path, "rb") as f:
         got = 0
         while got < size:
-            n = f.readinto(view[got:])
+            n = f.readinto(view[got:got + READ_PIECE_BYTES])
             if not n:
                 break
+            if hashed is not None:
+                hashed.result()
+            hashed = _HASHER.submit(digest.update, view[got:got + n])
             got += n
         extra = f.read(1)
+    if hashed is not None:
+        hashed.result()
     if got != size or extra:
         raise SafetensorsError(f"{path} is not {size} bytes long (truncated or replaced?)")
-    if hashlib.sha256(view).hexdigest() != sha256:
+    if digest.hexdigest() != sha256:
         raise SafetensorsError(f"{path} is corrupted: its sha256 differs from the manifest's")
     return _parse(path, data)
 
