@@ -30,7 +30,9 @@ class BackingStore(Protocol):
       evicted to make room (0 for a store that never forgets). A store that must forget
       should forget the lowest scores first.
     - ``export(start, batch) -> (keys, rows, next_start)``: iterate over everything stored;
-      start at 0 and stop when ``next_start`` is ``None``.
+      start at 0 and stop when ``next_start`` is ``None``. A store may return
+      ``(keys, rows, scores, next_start)`` instead: checkpoints then keep the scores (with
+      three values they save 0 for each).
     - ``size() -> int``: keys stored.
     """
 
