@@ -78,25 +78,29 @@ class CudaTransfers(HostTransfers):
     from or to pageable memory would block the host).
 
     ``copy_streams``: ``(device-to-host, host-to-device)``; by default TorchRec's manager
-    streams when set at the first stash, else two new streams.
+    streams whenever they are set (an EMS pipeline's: the restore then queues behind the
+    batch copies on its memcpy stream, as TorchRec's own stashes do), else two of its own.
     """
 
     def __init__(self, device: torch.device,
                  copy_streams: Optional[Tuple[torch.cuda.Stream, torch.cuda.Stream]] = None):
         self.device = torch.device(device)
-        self._streams = copy_streams
+        self._given = copy_streams
+        self._own: Optional[Tuple[torch.cuda.Stream, torch.cuda.Stream]] = None
 
     def current_stream(self):
         return torch.cuda.current_stream(self.device)
 
     def side_streams(self):
-        if self._streams is None:
-            d2h, h2d = torchrec_bridge.manager_streams()
-            if d2h is None:
-                d2h = torch.cuda.Stream(device=self.device)
-                h2d = torch.cuda.Stream(device=self.device)
-            self._streams = (d2h, h2d)
-        return self._streams
+        if self._given is not None:
+            return self._given
+        d2h, h2d = torchrec_bridge.manager_streams()
+        if d2h is not None:
+            return d2h, h2d
+        if self._own is None:
+            self._own = (torch.cuda.Stream(device=self.device),
+                         torch.cuda.Stream(device=self.device))
+        return self._own
 
     def wait_stream(self, waiter, waited) -> None:
         if waiter is not None and waited is not None and waiter != waited:
