@@ -79,18 +79,30 @@ class DirectoryWriter:
         self.directory = directory
         self.bytes = 0
         self.files = 0
+        self._unsynced: List[Path] = []
 
     def write(self, name: str, tensors: Dict[str, torch.Tensor], content: str) -> Dict:
         """Write ``tensors`` as safetensors file ``name`` (streamed from their memory, hashed
         on the way); returns its manifest record."""
         rows = int(next(iter(tensors.values())).shape[0])
-        size, digest = write_file(self.directory / name, tensors, {"content": content})
+        # synced all together by write_manifest: the disk takes them in the background
+        size, digest = write_file(self.directory / name, tensors, {"content": content},
+                                  sync=False)
+        self._unsynced.append(self.directory / name)
         self.bytes += size
         self.files += 1
         return {"file": name, "content": content, "rows": rows, "bytes": size,
                 "sha256": digest}
 
     def write_manifest(self, manifest: Dict) -> None:
+        """Write the manifest, last, once every data file is on the disk (fsynced)."""
+        for path in self._unsynced:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self._unsynced = []
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
         _write_synced(self.directory / MANIFEST, data)
         self.bytes += len(data)

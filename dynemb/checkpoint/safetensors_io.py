@@ -47,9 +47,10 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 def write_file(path: Path, tensors: Dict[str, torch.Tensor],
-               metadata: Optional[Dict[str, str]] = None) -> Tuple[int, str]:
-    """Write ``tensors`` to ``path`` as a safetensors file (fsynced); returns its size in
-    bytes and its sha256 (hex).
+               metadata: Optional[Dict[str, str]] = None, *,
+               sync: bool = True) -> Tuple[int, str]:
+    """Write ``tensors`` to ``path`` as a safetensors file (fsynced unless ``sync`` is
+    False: the caller syncs later); returns its size in bytes and its sha256 (hex).
 
     Example::
 
@@ -83,7 +84,8 @@ def write_file(path: Path, tensors: Dict[str, torch.Tensor],
             f.write(data)
             hashed.result()
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     return 8 + len(raw) + offset, digest.hexdigest()
 
 
