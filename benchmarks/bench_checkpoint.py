@@ -143,12 +143,14 @@ def run(args) -> Dict:
         payload = rows * file_row_bytes
         weights = table.tier.flat.weights
         nbytes = min(payload, weights.numel() * weights.element_size())
-        _, raw_before_s, _ = measure(lambda: raw_write(root / "raw.bin", weights, nbytes,
+        _, raw_before_s, _ = measure(lambda: raw_write(root / "raw0.bin", weights, nbytes,
                                                        chunk_bytes))
         full, dump_s, dump_peak = measure(lambda: dump(ec, root / "full",
                                                         chunk_rows=args.chunk_rows))
         check(full.rows == rows, f"the dump wrote {full.rows} rows of {rows}")
         payload = full.bytes
+        # a new file, as the dump's are (overwriting the first one measured faster)
+        os.remove(root / "raw0.bin")
         _, raw_after_s, _ = measure(lambda: raw_write(root / "raw.bin", weights, nbytes,
                                                       chunk_bytes))
         raw_write_s = (raw_before_s + raw_after_s) / 2
@@ -194,6 +196,7 @@ def run(args) -> Dict:
         "disk_free_bytes": disk.free,
     }
     out["ratios"] = {"dump_vs_raw_write": raw_write_s / dump_s,
+                     "dump_vs_faster_raw_write": min(raw_before_s, raw_after_s) / dump_s,
                      "load_vs_raw_read": raw_read_s * (payload + delta.bytes) / payload / load_s,
                      "dump_peak_chunks": dump_peak / chunk_bytes,
                      "load_peak_chunks": load_peak / chunk_bytes,
