@@ -2,6 +2,8 @@
 import json
 import math
 
+import pytest
+
 from benchmarks import bench_collection, bench_hash_table
 
 
@@ -61,3 +63,19 @@ def test_sharded_benchmark_quick(tmp_path):
     saved = json.loads((tmp_path / "sharded_cpu_quick.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(report["rows"]))
     assert (tmp_path / "sharded_cpu_quick.png").stat().st_size > 0
+
+
+def test_checkpoint_benchmark_quick(tmp_path):
+    from benchmarks import bench_checkpoint
+    report = bench_checkpoint.main(["--quick", "--rows", "50000", "--work-dir", str(tmp_path),
+                                    "--out-dir", str(tmp_path)])
+    result = report["result"]
+    assert result["rows"] >= 0.999 * 50_000
+    assert result["delta"]["rows"] == pytest.approx(0.01 * result["rows"], rel=0.01)
+    for name in ("dump", "load", "raw_write", "raw_read"):
+        assert result[name]["seconds"] > 0 and result[name]["mb_per_s"] > 0
+    assert set(result["targets"]) == {"dump >= 0.5 raw write", "load >= 0.5 raw read",
+                                      "dump peak <= 2 chunks", "load peak <= 2 chunks",
+                                      "1% delta <= 3% of a full dump's time"}
+    assert (tmp_path / "checkpoint_cpu_quick.png").stat().st_size > 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench_checkpoint_")]
