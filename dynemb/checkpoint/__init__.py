@@ -1,6 +1,17 @@
-"""Checkpoints of dynamic tables."""
-from dynemb.checkpoint.serving import (IdRemap, StaticExport, StaticServingCollection,
-                                       iter_rows, merge_exports, to_static)
+"""Checkpoints of dynamic tables (see docs/checkpoint.md).
+
+- ``module.state_dict()`` / ``load_state_dict()`` carry every table (rows, optimizer state,
+  scores, clocks, steps, counters): :mod:`~dynemb.checkpoint.module_state`,
+  :mod:`~dynemb.checkpoint.table_state`;
+- ``torch.distributed.checkpoint`` onto another world size: :class:`DynamicEmbLoadPlanner`;
+- files, full and incremental: :func:`dump`, :func:`load`;
+- serving without a hash table: :func:`iter_rows`, :func:`to_static`.
+"""
 from dynemb.checkpoint.dcp_planner import DynamicEmbLoadPlanner
 from dynemb.checkpoint.file_dump import DumpInfo, dump
 from dynemb.checkpoint.file_load import load
+from dynemb.checkpoint.serving import (IdRemap, StaticExport, StaticServingCollection,
+                                       iter_rows, merge_exports, to_static)
+
+__all__ = ["DynamicEmbLoadPlanner", "DumpInfo", "dump", "load", "IdRemap", "StaticExport",
+           "StaticServingCollection", "iter_rows", "merge_exports", "to_static"]
