@@ -2,6 +2,8 @@
 
 - :class:`DynamicEmbCollection`: drop-in ``EmbeddingCollection`` whose tables are hash tables
   (any int64 id, rows created on first sight, evicted by score, fused optimizer in backward);
+- :class:`DynamicEmbBagCollection`: the same for ``EmbeddingBagCollection`` (pooled bags,
+  ``KeyedTensor`` out);
 - :class:`DynamicEmbTableOptions` / :class:`StorageMode`: how each table stores its rows;
   :class:`StashMode`: what of them waits in host memory between forward and backward
   (:mod:`dynemb.stashing`);
@@ -11,6 +13,7 @@
 - :mod:`dynemb.sharding`: the row-wise sharder for TorchRec's DistributedModelParallel.
 """
 from dynemb.backing_store import BackingStore, HostBackingStore
+from dynemb.bag_collection import DynamicEmbBagCollection
 from dynemb.collection import DynamicEmbCollection
 from dynemb.fused_optimizer import DynamicEmbFusedOptimizer
 from dynemb.flat_table import FlatTable
@@ -24,7 +27,7 @@ from dynemb.types import (EMPTY_KEY, RESERVED_KEYS, TOMBSTONE_KEY, EraseResult, 
                           FindOrInsertResult, ScorePolicy, TableFullError)
 
 __all__ = [
-    "DynamicEmbCollection", "DynamicEmbFusedOptimizer", "DynamicEmbTableOptions",
+    "DynamicEmbCollection", "DynamicEmbBagCollection", "DynamicEmbFusedOptimizer", "DynamicEmbTableOptions",
     "FrequencyAdmission", "ShardingScheme", "StashMode", "StorageMode", "PrefetchState", "BackingStore", "HostBackingStore",
     "OptimizerConfig", "OptimizerType", "fused_update",
     "EMPTY_KEY", "TOMBSTONE_KEY", "RESERVED_KEYS", "ScoredHashTable", "FlatTable", "Initializer",

@@ -68,6 +68,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
     #: its shards deduplicated ids this way, so admission, LFU scores and the lookup counters
     #: still count every occurrence (see :mod:`dynemb.sharding.local_collection`).
     _weights_are_counts = False
+    #: the config class ``tables`` must hold
+    _config_type = EmbeddingConfig
 
     def __init__(self, tables: List[EmbeddingConfig], device: Optional[torch.device] = None, *,
                  table_options: Union[DynamicEmbTableOptions,
@@ -75,7 +77,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
                  optimizer: Optional[OptimizerConfig] = None, need_indices: bool = False,
                  validate_inputs: bool = True, backend: Optional[str] = None):
         super().__init__()
-        self._configs = check_configs(tables)
+        self._configs = check_configs(tables, self._config_type)
         self._device = torch.device(device if device is not None else "cpu")
         self._optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
         if not isinstance(self._optimizer_config, OptimizerConfig):
@@ -373,17 +375,31 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             else:
                 unique_rows = table.lookup(batch)
                 table.release(batch)
-            rows = unique_rows.index_select(0, batch.inverse)
-            if trains and self._optimizer_config.max_gradient is not None:
-                # fbgemm clips each output's gradient before the per-row sum
-                rows.register_hook(self._clip)
-            segments = state.features[name]
-            ids = {f: kjt[f].values() for f, _ in segments} if self._need_indices else None
-            out.update(cut_by_feature(rows, segments, state.lengths, ids))
+            out.update(self._table_outputs(name, unique_rows, state, kjt, trains))
         if trains:
             self._release(earlier)
             if self._stash is not None:  # every lookup is enqueued: the rows can go
                 self._stash.after_lookup()
+        return self._collect_outputs(out, state, kjt)
+
+    def _table_outputs(self, name: str, unique_rows: torch.Tensor, state: PrefetchState,
+                       kjt: KeyedJaggedTensor, trains: bool) -> Dict[str, Any]:
+        """How one table's unique rows [U, dim] become its features' outputs: here one
+        JaggedTensor of rows per feature (a pooled collection overrides this and
+        :meth:`_collect_outputs`). Autograd carries the outputs' gradient back to
+        ``unique_rows``, whose backward runs the fused optimizer."""
+        batch = state.batches[name]
+        rows = unique_rows.index_select(0, batch.inverse)
+        if trains and self._optimizer_config.max_gradient is not None:
+            # fbgemm clips each output's gradient before the per-row sum
+            rows.register_hook(self._clip)
+        segments = state.features[name]
+        ids = {f: kjt[f].values() for f, _ in segments} if self._need_indices else None
+        return cut_by_feature(rows, segments, state.lengths, ids)
+
+    def _collect_outputs(self, out: Dict[str, Any], state: PrefetchState,
+                         kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        """The forward's result from every feature's output, in the KJT's feature order."""
         return {f: out[f] for f in state.feature_order}
 
     def _check_state_matches(self, state: PrefetchState, kjt: KeyedJaggedTensor) -> None:

@@ -8,15 +8,17 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from dynemb.options import DynamicEmbTableOptions
 
 
-def check_configs(tables) -> List[EmbeddingConfig]:
-    """``tables`` as a list: unique non-empty names, positive dims, each feature in one table
+def check_configs(tables, config_type: type = EmbeddingConfig) -> List[EmbeddingConfig]:
+    """``tables`` as a list of ``config_type`` (``EmbeddingConfig``, or ``EmbeddingBagConfig``
+    for a pooled collection): unique non-empty names, positive dims, each feature in one table
     (a table without feature names reads the feature named after it)."""
+    kind = config_type.__name__
     if not isinstance(tables, (list, tuple)) or not tables:
-        raise ValueError("tables must be a non-empty list of EmbeddingConfig")
+        raise ValueError(f"tables must be a non-empty list of {kind}")
     seen, features = set(), {}
     for config in tables:
-        if not isinstance(config, EmbeddingConfig):
-            raise TypeError(f"tables must hold EmbeddingConfig, got {type(config).__name__}")
+        if not isinstance(config, config_type):
+            raise TypeError(f"tables must hold {kind}, got {type(config).__name__}")
         if not config.name or config.name in seen:
             raise ValueError(f"table names must be unique and non-empty, got {config.name!r}")
         seen.add(config.name)

@@ -1,0 +1,153 @@
+"""``DynamicEmbBagCollection``: a drop-in ``EmbeddingBagCollection`` backed by dynamic tables.
+
+It is a :class:`~dynemb.collection.DynamicEmbCollection` (same tables, prefetch queue, pins,
+admission, scores, fused optimizers, checkpoints and memory stashing) that pools each
+feature's rows per sample instead of returning them one by one.
+
+Shapes: B samples, F features, U unique ids of a table in the batch, N ids of a table (all its
+features), D a table's embedding dim.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from dynemb.collection import DynamicEmbCollection
+from dynemb.collection_config import check_configs
+from dynemb.optimizers import OptimizerConfig
+from dynemb.options import DynamicEmbTableOptions
+from dynemb.prefetch import PrefetchState
+
+_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+
+
+class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterface):
+    """``torchrec.EmbeddingBagCollection`` with hash-table rows: any int64 id, rows created on
+    first sight, evicted by score, trained by a fused optimizer in backward.
+
+    Same input and output as ``EmbeddingBagCollection``: ``forward(kjt)`` returns a
+    ``KeyedTensor`` whose keys are the feature names in config order (table by table) and
+    whose values [B, sum of the features' dims] hold, per sample and feature, the SUM (times
+    the KJT's per-id weights when ``is_weighted``) or the MEAN of the feature's rows. An empty
+    bag gives zeros. In backward each row of a bag gets the bag's gradient (times its weight,
+    divided by the bag length for MEAN), summed per unique id, then the fused update.
+
+    Args:
+        tables: TorchRec ``EmbeddingBagConfig``s with ``pooling`` SUM or MEAN;
+            ``num_embeddings`` is the capacity hint (default ``max_capacity``); several
+            features may share a table.
+        is_weighted: the KJT carries one weight per id (SUM pooling only).
+        device, table_options, optimizer, validate_inputs, backend: as for
+            :class:`~dynemb.collection.DynamicEmbCollection`.
+
+    Every feature of the collection must be in each KJT (as ``EmbeddingBagCollection``
+    requires); a KJT with an unknown feature, with weights on an unweighted collection or
+    without them on a weighted one raises ``ValueError`` before any table changes.
+
+    Example::
+
+        >>> ebc = DynamicEmbBagCollection(
+        ...     tables=[EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=1024,
+        ...                                feature_names=["f", "g"], pooling=PoolingType.MEAN)],
+        ...     optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=1e-3))
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(
+        ...     ["f", "g"], torch.tensor([10**12, 7, 7]), torch.tensor([2, 0, 1, 0]))
+        >>> out = ebc(kjt)
+        >>> out.keys(), out.values().shape
+        (['f', 'g'], torch.Size([2, 16]))
+        >>> out["f"][1].abs().sum().item()  # sample 1 has no id of "f"
+        0.0
+        >>> out.values().sum().backward()  # Adam updates the rows of ids 10**12 and 7
+    """
+
+    _config_type = EmbeddingBagConfig
+
+    def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False,
+                 device: Optional[torch.device] = None, *,
+                 table_options: Union[DynamicEmbTableOptions,
+                                      Mapping[str, DynamicEmbTableOptions], None] = None,
+                 optimizer: Optional[OptimizerConfig] = None, validate_inputs: bool = True,
+                 backend: Optional[str] = None):
+        for config in check_configs(tables, EmbeddingBagConfig):
+            if config.pooling not in _MODES:
+                raise ValueError(f"table {config.name!r}: pooling must be PoolingType.SUM or "
+                                 f"PoolingType.MEAN, got {config.pooling}")
+            if is_weighted and config.pooling != PoolingType.SUM:
+                raise ValueError(f"table {config.name!r}: a weighted collection pools by "
+                                 f"SUM only (per-id weights with {config.pooling.name} are "
+                                 f"not supported, as in EmbeddingBagCollection)")
+        super().__init__(tables, device, table_options=table_options, optimizer=optimizer,
+                         need_indices=False, validate_inputs=validate_inputs, backend=backend)
+        self._is_weighted = bool(is_weighted)
+        self._embedding_names = [f for c in self._configs for f in c.feature_names]
+        self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
+        self._mode_of_table = {c.name: _MODES[c.pooling] for c in self._configs}
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return self._configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def forward(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled embeddings of ``kjt``: a ``KeyedTensor`` [B, sum of dims] keyed by feature.
+
+        Lookups, pins, prefetch and eval behave as in
+        :meth:`DynamicEmbCollection.forward <dynemb.collection.DynamicEmbCollection.forward>`.
+        """
+        return super().forward(kjt)
+
+    # -- input checks (run before any table changes: prefetch and forward both come here) --
+    def _split_by_table(self, kjt: KeyedJaggedTensor):
+        if isinstance(kjt, KeyedJaggedTensor):  # anything else: the shared check names it
+            keys = set(kjt.keys())
+            missing = [f for f in self._embedding_names if f not in keys]
+            if missing and not (keys - set(self._embedding_names)):
+                raise ValueError(f"features {missing} of this collection are not in the KJT "
+                                 f"(its features: {list(kjt.keys())}); every feature must be "
+                                 f"given, with zero-length bags where it has no ids")
+            has_weights = kjt.weights_or_none() is not None
+            if self._is_weighted and not has_weights:
+                raise ValueError("this collection is weighted (is_weighted=True) but the KJT "
+                                 "has no weights; give one weight per id")
+            if not self._is_weighted and has_weights:
+                raise ValueError("the KJT has weights but this collection is unweighted; "
+                                 "build it with is_weighted=True, or pass the KJT without "
+                                 "weights")
+        return super()._split_by_table(kjt)
+
+    # -- pooling -----------------------------------------------------------------------------
+    def _table_outputs(self, name: str, unique_rows: torch.Tensor, state: PrefetchState,
+                       kjt: KeyedJaggedTensor, trains: bool) -> Dict[str, Any]:
+        """One table's bags, [B, D] per feature, pooled from its unique rows [U, D] by
+        ``embedding_bag`` over the batch's inverse indices [N]: autograd sums each bag's
+        gradient (weighted, or divided by its length for MEAN) into the unique rows."""
+        segments = state.features[name]
+        if not segments:
+            return {}
+        batch = state.batches[name]
+        lengths = torch.cat([state.lengths[f] for f, _ in segments])
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=self._device)
+        torch.cumsum(lengths.to(device=self._device, dtype=torch.int64), 0, out=offsets[1:])
+        weights = None
+        if self._is_weighted:
+            jts = kjt.to_dict()
+            weights = torch.cat([jts[f].weights() for f, _ in segments])
+            weights = weights.to(device=self._device, dtype=unique_rows.dtype)
+        pooled = F.embedding_bag(batch.inverse, unique_rows, offsets,
+                                 mode=self._mode_of_table[name], per_sample_weights=weights,
+                                 include_last_offset=True)  # [F * B, D]
+        if trains and self._optimizer_config.max_gradient is not None:
+            pooled.register_hook(self._clip)  # each output's gradient, as fbgemm clips it
+        pooled = pooled.view(len(segments), -1, unique_rows.shape[1])
+        return {f: pooled[i] for i, (f, _) in enumerate(segments)}
+
+    def _collect_outputs(self, out: Dict[str, Any], state: PrefetchState,
+                         kjt: KeyedJaggedTensor) -> KeyedTensor:
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims,
+                           values=torch.cat([out[f] for f in self._embedding_names], dim=1))
