@@ -385,3 +385,36 @@ def test_data_files_are_plain_safetensors_both_ways(tmp_path):
     back = read_file(path, path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest())
     for name, tensor in tensors.items():
         assert torch.equal(back[name], tensor)
+
+
+def test_a_dump_between_forward_and_backward_of_a_stashing_table(tmp_path):
+    # the rows are in host memory then: the dump brings them back first, and the
+    # backward that follows trains as it would have without the dump
+    import dataclasses
+
+    from checkpoint_models import loss_of
+    from checkpoint_models import model as plain_model
+    from dynemb import DynamicEmbCollection, StashMode
+
+    def stashing():
+        ec = plain_model("hbm_direct", "adam")
+        options = {n: dataclasses.replace(o, stash=StashMode.ALL)
+                   for n, o in ec.table_options.items()}
+        return DynamicEmbCollection(ec.embedding_configs(), table_options=options,
+                                    optimizer=ec.optimizer_config)
+    kjts = batches(6, seed=11, batch=12)
+    dumped, reference = stashing(), stashing()
+    for ec in (dumped, reference):
+        train(ec, kjts[:3])
+    out = dumped(kjts[3])
+    assert dumped.memory_stash.stashed == ["t0", "t1"]
+    info = dump(dumped, tmp_path)
+    assert dumped.memory_stash.stashed == [] and info.rows > 0
+    loss_of(out).backward()
+    train(reference, kjts[3:4])
+    for ec in (dumped, reference):
+        train(ec, kjts[4:])
+    assert_same_rows(logical_rows(dumped), logical_rows(reference))
+    loaded = stashing()
+    load(loaded, tmp_path)
+    train(loaded, kjts[4:])  # trains on from the dump
