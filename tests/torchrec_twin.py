@@ -16,28 +16,37 @@ def ensure_single_process_group() -> dist.ProcessGroup:
 
 
 class _Wrapper(torch.nn.Module):
-    def __init__(self, tables):
+    def __init__(self, collection: torch.nn.Module):
         super().__init__()
-        from torchrec import EmbeddingCollection
-        self.ec = EmbeddingCollection(tables=tables, device=torch.device("meta"))
+        self.ec = collection
 
     def forward(self, kjt):
         return self.ec(kjt)
 
 
 class TorchRecTwin:
-    """``EmbeddingCollection`` row-wise sharded on one rank (fbgemm CPU TBE, fused
-    optimizer). ``initial`` gives every table's starting weights [num_embeddings, dim]."""
+    """``EmbeddingCollection`` (or, with ``pooled``, ``EmbeddingBagCollection``, weighted
+    when ``is_weighted``) row-wise sharded on one rank (fbgemm CPU TBE, fused optimizer).
+    ``initial`` gives every table's starting weights [num_embeddings, dim]."""
 
-    def __init__(self, tables, initial: Dict[str, torch.Tensor], fused_params: dict):
+    def __init__(self, tables, initial: Dict[str, torch.Tensor], fused_params: dict, *,
+                 pooled: bool = False, is_weighted: bool = False):
+        from torchrec import EmbeddingBagCollection, EmbeddingCollection
         from torchrec.distributed import DistributedModelParallel
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
         from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
         pg = ensure_single_process_group()
-        model = _Wrapper(tables)
-        sharder = EmbeddingCollectionSharder(fused_params=fused_params)
+        meta = torch.device("meta")
+        if pooled:
+            model = _Wrapper(EmbeddingBagCollection(tables=tables, is_weighted=is_weighted,
+                                                    device=meta))
+            sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
+        else:
+            model = _Wrapper(EmbeddingCollection(tables=tables, device=meta))
+            sharder = EmbeddingCollectionSharder(fused_params=fused_params)
         plan = ShardingPlan({"ec": construct_module_sharding_plan(
             model.ec, {t.name: row_wise(compute_kernel="fused") for t in tables},
             sharder=sharder, local_size=1, world_size=1, device_type="cpu")})
