@@ -139,11 +139,17 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
             jts = kjt.to_dict()
             weights = torch.cat([jts[f].weights() for f, _ in segments])
             weights = weights.to(device=self._device, dtype=unique_rows.dtype)
+        mode = self._mode_of_table[name]
+        clips = trains and self._optimizer_config.max_gradient is not None
         pooled = F.embedding_bag(batch.inverse, unique_rows, offsets,
-                                 mode=self._mode_of_table[name], per_sample_weights=weights,
+                                 mode="sum" if clips else mode, per_sample_weights=weights,
                                  include_last_offset=True)  # [F * B, D]
-        if trains and self._optimizer_config.max_gradient is not None:
-            pooled.register_hook(self._clip)  # each output's gradient, as fbgemm clips it
+        if clips:
+            # fbgemm clips each bag's gradient after MEAN's 1 / length and before the per-id
+            # weights: clip the gradient of the (weighted) sum, then take the mean
+            pooled.register_hook(self._clip)
+            if mode == "mean":
+                pooled = pooled / lengths.clamp(min=1).to(pooled).unsqueeze(1)
         pooled = pooled.view(len(segments), -1, unique_rows.shape[1])
         return {f: pooled[i] for i, (f, _) in enumerate(segments)}
 
