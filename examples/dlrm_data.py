@@ -15,8 +15,10 @@ Formats
   negatives of the data clamp to 0.
 - ``C1..C26``: hex strings of 1 to 16 digits (``[0-9a-fA-F]``; Criteo writes 8), possibly empty
   (missing). Each becomes one raw int64 id, :func:`hash_strings` of the string exactly as
-  written (so ``"0a"``, ``"a"`` and ``"A"`` are three ids): no vocabulary and no modulo, the
-  tables are hash tables. A missing value is an empty bag. Features ``cat_0 .. cat_25``.
+  written: the 64-bit FNV-1a of its bytes (so ``"0a"``, ``"a"`` and ``"A"`` are three ids),
+  with the two values the tables reserve (``-2**63``, ``-2**63 + 1``) moved up by 2. No
+  vocabulary and no modulo: the tables are hash tables. A missing value is an empty bag.
+  Features ``cat_0 .. cat_25``.
 
 **MovieLens** (``DataFormat.MOVIELENS``): one rating per line, either the ``ratings.dat`` form
 ``user::item::rating::timestamp`` (ML-1M/10M) or the CSV form ``userId,movieId,rating,timestamp``
@@ -28,7 +30,8 @@ are derived from the timestamp alone (the rating would leak the label): the UTC 
 Reading
 -------
 :class:`BatchReader` streams a file in chunks of lines (one chunk in memory at a time, parsed
-with numpy column by column), so files larger than memory are fine. The held-out split is a
+with numpy column by column; a ``.gz`` file through gzip), so files larger than memory are
+fine (about 50,000 Criteo lines a second on a 2-core VM). The held-out split is a
 fixed function of the 1-based line number: line ``n`` is held out when
 ``splitmix64(n) mod 2**24 < eval_fraction * 2**24`` (:func:`held_out_mask`), so the split does not
 depend on the chunk or batch size, and the same lines are held out on every run and machine.
@@ -63,7 +66,15 @@ of four categorical features and the transformed first dense feature. The summar
 Bayes-optimal AUC (the AUC of those true probabilities on the file's labels, torchmetrics):
 about 0.845 with the default settings (0.8455 on 300,000 rows, seed 0; 27% positive), what a
 model can approach but, by construction, not beat. Popular values are seen often enough to
-learn their effects; the tail is not.
+learn their effects; the tail is not: on that file a plain logistic regression over the ids
+(one weight per feature and id, ids folded into 2**20 buckets a feature) and the dense
+features, one pass of (sparse) Adam over the training split, reaches 0.789 AUC on the
+held-out split.
+
+From the command line::
+
+    python examples/dlrm_data.py synthetic.tsv --rows 1000000      # write a synthetic file
+    python examples/dlrm_data.py day_0.gz --read                    # count a file's rows
 """
 from __future__ import annotations
 
