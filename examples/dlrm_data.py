@@ -620,7 +620,7 @@ def write_synthetic_criteo(path: PathLike, rows: int, seed: int = 0,
                            progress: bool = False) -> SyntheticSummary:
     """Write ``rows`` lines of synthetic Criteo-format data to ``path`` (see the module
     docstring for the distribution); the same ``(rows, seed)`` writes the same bytes on every
-    machine. Memory is one chunk of lines plus 9 bytes a row for the Bayes AUC."""
+    machine. Memory is one chunk of lines plus about 20 bytes a row for the Bayes AUC."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
     from torchmetrics.functional.classification import binary_auroc
