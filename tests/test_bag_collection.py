@@ -8,6 +8,8 @@ Table t0 is shared by features f0 and f1, t1 reads f2. Bags hold 0 to 4 ids (som
 and at one step f2 has no id at all. CACHE runs with a 128-row cache over a 600-id working
 set, so every step evicts, writes back and reloads rows.
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,8 +18,9 @@ from torchrec import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dynemb import (DynamicEmbBagCollection, DynamicEmbTableOptions, Initializer,
-                    InitializerKind, OptimizerConfig, OptimizerType, StorageMode)
+from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
+                    FrequencyAdmission, Initializer, InitializerKind, OptimizerConfig,
+                    OptimizerType, ScorePolicy, StashMode, StorageMode)
 from tests.torchrec_twin import TorchRecTwin, same_batches
 
 NUM_IDS = 600
@@ -335,3 +338,50 @@ def test_eval_and_no_grad_lookups_are_read_only(how):
     torch.testing.assert_close(out["f1"][0], rows["t0"][c])
     torch.testing.assert_close(out["f2"][1], rows["t1"][e])
     assert not out["f0"][1].any() and not out["f1"][1].any()
+
+
+# -- the sequence module's machinery --------------------------------------------------------
+@pytest.mark.parametrize("pooling", ["mean", "weighted"])
+@pytest.mark.parametrize("extra", [
+    {"admission": FrequencyAdmission(threshold=2), "score_strategy": ScorePolicy.LFU},
+    {"stash": StashMode.ALL},
+], ids=["admission_lfu", "stash"])
+def test_pooling_equals_the_sequence_module_pooled_by_hand(pooling, extra):
+    """The same tables, admission, scores, stashing and optimizer as DynamicEmbCollection:
+    its rows pooled with torch ops train the same tables to the same rows and scores."""
+    config = OPTIMIZERS["rowwise_adagrad"][0]
+    options = dataclasses.replace(_options("cache", config), **extra)
+    weighted = POOLINGS[pooling][2]
+    bags = DynamicEmbBagCollection(_tables(pooling), is_weighted=weighted,
+                                   table_options=options, optimizer=config)
+    rows = DynamicEmbCollection(
+        [EmbeddingConfig(name=c.name, embedding_dim=c.embedding_dim,
+                         num_embeddings=c.num_embeddings, feature_names=c.feature_names)
+         for c in _tables(pooling)], table_options=options, optimizer=config)
+    modes = {c.name: c.pooling.name.lower() for c in _tables(pooling)}
+    targets = _targets()
+    for kjt in _batches(weighted, seed=13, steps=12):
+        out = bags(kjt)
+        seq, jts = rows(kjt), kjt.to_dict()
+        by_hand = torch.cat([
+            F.embedding_bag(torch.arange(jts[f].values().numel()), seq[f].values(),
+                            jts[f].offsets(), mode=modes[TABLE_OF[f]],
+                            per_sample_weights=jts[f].weights_or_none(),
+                            include_last_offset=True)
+            for f in FEATURES], dim=1)
+        torch.testing.assert_close(out.values(), by_hand, rtol=1e-5, atol=1e-6)
+        _loss(out, targets).backward()
+        ((by_hand - targets) ** 2 * 0.5 + by_hand).sum().backward()
+    for name in bags.tables:
+        assert bags.stats()[name] == rows.stats()[name]
+        keys, scores = bags.tables[name].tier.hash.image()
+        assert torch.equal(keys, rows.tables[name].tier.hash.image()[0])
+        assert torch.equal(scores, rows.tables[name].tier.hash.image()[1])
+        got, found = bags.read_rows(name, torch.arange(NUM_IDS), with_state=True)
+        expected, expected_found = rows.read_rows(name, torch.arange(NUM_IDS), with_state=True)
+        assert torch.equal(found, expected_found)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    if "admission" in extra:
+        assert bags.stats()["t0"]["admission_rejects"] > 0
+    else:
+        assert bags.memory_stash is not None
