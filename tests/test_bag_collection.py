@@ -87,16 +87,16 @@ def _initial_rows(ebc):
             for name, t in ebc.tables.items()}
 
 
-def _batches(weighted, seed=11, steps=STEPS):
+def _batches(weighted, seed=11, steps=STEPS, batch=BATCH):
     """KJTs of ``steps`` steps; at step 3 feature f2 has no id in any sample."""
     g = torch.Generator().manual_seed(seed + 1)
     out = []
-    for step, (lengths, values) in enumerate(same_batches(steps, FEATURES, NUM_IDS, BATCH,
+    for step, (lengths, values) in enumerate(same_batches(steps, FEATURES, NUM_IDS, batch,
                                                           seed=seed)):
         if step == 3:
-            keep = int(lengths[:2 * BATCH].sum())
+            keep = int(lengths[:2 * batch].sum())
             lengths, values = lengths.clone(), values[:keep]
-            lengths[2 * BATCH:] = 0
+            lengths[2 * batch:] = 0
         weights = torch.rand(values.numel(), generator=g) + 0.5 if weighted else None
         out.append(KeyedJaggedTensor.from_lengths_sync(FEATURES, values, lengths, weights))
     return out
@@ -385,3 +385,31 @@ def test_pooling_equals_the_sequence_module_pooled_by_hand(pooling, extra):
         assert bags.stats()["t0"]["admission_rejects"] > 0
     else:
         assert bags.memory_stash is not None
+
+
+@pytest.mark.parametrize("pooling", ["mean", "weighted"])
+def test_cuda_backend_trains_like_the_cpu_backend(pooling):
+    """The CUDA kernels (under numba's simulator without a GPU) and the pooling on the
+    module's device give the CPU backend's training."""
+    from tests.conftest import BACKENDS
+    config = OptimizerConfig(OptimizerType.ROWWISE_ADAGRAD, learning_rate=0.05,
+                             max_gradient=0.5)
+    results = []
+    for backend, device in BACKENDS:
+        ebc = DynamicEmbBagCollection(_tables(pooling), is_weighted=POOLINGS[pooling][2],
+                                      device=device, backend=backend,
+                                      table_options=DynamicEmbTableOptions(
+                                          max_capacity=256, bucket_size=16, initializer=INIT,
+                                          seed=3),
+                                      optimizer=config)
+        outs = []
+        for kjt in _batches(POOLINGS[pooling][2], seed=17, steps=2, batch=2):
+            out = ebc(kjt.to(torch.device(device)))
+            _loss(out, _targets().to(device)).backward()
+            outs.append(out.values().detach().cpu())
+        results.append((outs, ebc.read_rows("t0", torch.arange(NUM_IDS, device=device))))
+    (cpu_outs, (cpu_rows, cpu_found)), (outs, (rows, found)) = results
+    for a, b in zip(cpu_outs, outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.equal(cpu_found, found.cpu())
+    torch.testing.assert_close(cpu_rows, rows.cpu(), rtol=1e-5, atol=1e-6)
