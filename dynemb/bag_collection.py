@@ -146,7 +146,7 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
                                  include_last_offset=True)  # [F * B, D]
         if clips:
             # fbgemm clips each bag's gradient after MEAN's 1 / length and before the per-id
-            # weights: clip the gradient of the (weighted) sum, then take the mean
+            # weights: that is the gradient of the (weighted) sum, which MEAN then divides
             pooled.register_hook(self._clip)
             if mode == "mean":
                 pooled = pooled / lengths.clamp(min=1).to(pooled).unsqueeze(1)
