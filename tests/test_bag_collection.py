@@ -413,3 +413,14 @@ def test_cuda_backend_trains_like_the_cpu_backend(pooling):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert torch.equal(cpu_found, found.cpu())
     torch.testing.assert_close(cpu_rows, rows.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_output_follows_the_config_order_whatever_the_kjt_order():
+    ebc = _module("mean", "hbm_direct", OPTIMIZERS["sgd"][0]).eval()
+    ordered = KeyedJaggedTensor.from_lengths_sync(FEATURES, torch.tensor([1, 2, 3, 4]),
+                                                  torch.tensor([1, 1, 1, 0, 1, 0]))
+    shuffled = KeyedJaggedTensor.from_lengths_sync(["f2", "f0", "f1"], torch.tensor([4, 1, 2, 3]),
+                                                   torch.tensor([1, 0, 1, 1, 1, 0]))
+    a, b = ebc(ordered), ebc(shuffled)
+    assert a.keys() == b.keys() == FEATURES
+    assert torch.equal(a.values(), b.values())
