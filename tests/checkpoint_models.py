@@ -58,13 +58,10 @@ def batches(steps, seed=0, batch=24, universe=600):
     probs = 1.0 / ranks
     out = []
     for _ in range(steps):
-        ids = torch.multinomial(probs, 2 * batch, replacement=True, generator=gen)
-        ids = ids * 7919 - 1000  # spread and include negatives
-        lengths = torch.randint(0, 4, (2 * batch // 2,), generator=gen)
-        lengths = torch.cat([lengths, torch.full((batch - lengths.numel() % batch,), 1)])[:batch]
-        lengths = torch.cat([lengths, lengths.flip(0)])
+        lengths = torch.randint(0, 4, (2 * batch,), generator=gen)  # two features x batch
         total = int(lengths.sum())
-        ids = torch.cat([ids, ids])[:total]
+        ids = torch.multinomial(probs, max(total, 1), replacement=True, generator=gen)[:total]
+        ids = ids * 7919 - 1000  # spread and include negatives
         out.append(KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], ids, lengths))
     return out
 

@@ -33,9 +33,12 @@ def probe(f0_ids=None, f1_ids=None):
     every workload id and the unknown ones, in two orders)."""
     f0_ids = torch.cat([ALL_IDS, UNKNOWN]) if f0_ids is None else f0_ids
     f1_ids = f0_ids.flip(0) if f1_ids is None else f1_ids
-    return KeyedJaggedTensor.from_lengths_sync(
-        ["f0", "f1"], torch.cat([f0_ids, f1_ids]),
-        torch.ones(f0_ids.numel() + f1_ids.numel(), dtype=torch.long))
+    samples = max(f0_ids.numel(), f1_ids.numel())  # the shorter feature gets empty bags
+    lengths = [torch.cat([torch.ones(ids.numel(), dtype=torch.long),
+                          torch.zeros(samples - ids.numel(), dtype=torch.long)])
+               for ids in (f0_ids, f1_ids)]
+    return KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.cat([f0_ids, f1_ids]),
+                                               torch.cat(lengths))
 
 
 def eval_output(module, kjt):
