@@ -1,7 +1,10 @@
-"""Row-wise sharding of :class:`~dynemb.DynamicEmbCollection` for TorchRec's
-``DistributedModelParallel`` and train pipelines."""
+"""Row-wise sharding of :class:`~dynemb.DynamicEmbCollection` and
+:class:`~dynemb.DynamicEmbBagCollection` for TorchRec's ``DistributedModelParallel`` and train
+pipelines."""
 from dynemb.sharding.routing import owner_ranks
+from dynemb.sharding.sharded_bag_collection import ShardedDynamicEmbBagCollection
 from dynemb.sharding.sharded_collection import ShardedDynamicEmbCollection
-from dynemb.sharding.sharder import DynamicEmbCollectionSharder
+from dynemb.sharding.sharder import DynamicEmbBagCollectionSharder, DynamicEmbCollectionSharder
 
-__all__ = ["DynamicEmbCollectionSharder", "ShardedDynamicEmbCollection", "owner_ranks"]
+__all__ = ["DynamicEmbBagCollectionSharder", "DynamicEmbCollectionSharder",
+           "ShardedDynamicEmbBagCollection", "ShardedDynamicEmbCollection", "owner_ranks"]

@@ -19,8 +19,7 @@ from typing import Dict, List, Optional
 import torch
 from torchrec.distributed.embedding import EmbeddingCollectionContext
 from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
-from torchrec.distributed.embedding_types import (EmbeddingComputeKernel, KJTList,
-                                                  ShardedEmbeddingModule)
+from torchrec.distributed.embedding_types import KJTList, ShardedEmbeddingModule
 from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingDist
 from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
 from torchrec.distributed.types import (Awaitable, LazyAwaitable, ParameterSharding,
@@ -28,19 +27,15 @@ from torchrec.distributed.types import (Awaitable, LazyAwaitable, ParameterShard
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from dynemb.checkpoint.module_state import NAMESPACE, collect_saved, save_tables
-from dynemb.checkpoint.redistribute import redistribute
-from dynemb.checkpoint.table_state import tier_parts
 from dynemb.collection import DynamicEmbCollection
 from dynemb.jagged import cut_by_feature
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
-from dynemb.sharding.routing import RoutedIds, owner_ranks
+from dynemb.sharding.routing import RoutedIds
+from dynemb.sharding.sharded_tables import (SUPPORTED_COMPUTE_KERNELS,  # noqa: F401
+                                            SUPPORTED_SHARDING_TYPES, SavedBySharded,
+                                            ShardedTables, check_plan)
 from dynemb.validation import check_keys, check_kjt
-
-SUPPORTED_SHARDING_TYPES = (ShardingType.ROW_WISE.value,)
-SUPPORTED_COMPUTE_KERNELS = (EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,)
-
 
 @dataclass
 class DynamicEmbShardingContext(EmbeddingCollectionContext):
@@ -84,23 +79,16 @@ class DynamicEmbOutputAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
         return {f: out[f] for f in self._ctx.feature_order if f in out}
 
 
-class LocalShardCollection(DynamicEmbCollection):
+class LocalShardCollection(SavedBySharded, DynamicEmbCollection):
     """One rank's share of the tables: a :class:`DynamicEmbCollection` fed deduplicated ids
     whose KJT weights count their occurrences (so admission, LFU scores and the counters see
     every occurrence)."""
 
     _weights_are_counts = True
 
-    # its tables are saved and loaded by the sharded module, under the sharded module's names
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        pass
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        pass
-
 
 class ShardedDynamicEmbCollection(
-        ShardedEmbeddingModule[KJTList, List[torch.Tensor], Dict[str, JaggedTensor],
+        ShardedTables, ShardedEmbeddingModule[KJTList, List[torch.Tensor], Dict[str, JaggedTensor],
                                DynamicEmbShardingContext],
         FusedOptimizerModule):
     """The sharded form of :class:`DynamicEmbCollection` (built by
@@ -225,99 +213,10 @@ class ShardedDynamicEmbCollection(
         kjts = list(dist_input)
         return kjts[0] if len(kjts) == 1 else KeyedJaggedTensor.concat(kjts)
 
-    # -- checkpoints -------------------------------------------------------------------------
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        """This rank's share of every table, named ``rank<r>_of_<world>`` under the names the
-        unsharded module uses (see :mod:`dynemb.checkpoint.module_state`)."""
-        save_tables(self.local.tables, self.local._steps, destination, prefix, self._rank,
-                    self._world_size)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        """Load this rank's own saved share slot for slot when that is what it was given;
-        anything else (another world size, an unsharded checkpoint, parts of several ranks'
-        shares) is sent key by key to the keys' owners (collective: every rank loads)."""
-        names = list(self.local.tables)
-        try:
-            saved, unexpected = collect_saved(state_dict, prefix, names)
-        except ValueError as err:
-            raise RuntimeError(str(err)) from None
-        unexpected_keys.extend(unexpected)
-        absent = [n for n in names if n not in saved]
-        missing_keys.extend(f"{prefix}{NAMESPACE}.{n}.signature" for n in absent)
-        if absent and strict:
-            return
-        own = (self._rank, self._world_size)
-        if not all(len(parts) == 1 and (parts[0].rank, parts[0].world_size) == own
-                   for parts in saved.values()):
-            options = self.local.table_options
-            saved = {
-                name: [redistribute(
-                    parts, list(tier_parts(self.local.tables[name])),
-                    lambda keys, scheme=options[name].sharding: owner_ranks(
-                        keys, self._world_size, scheme),
-                    self._rank, self._world_size, self._pg)]
-                for name, parts in sorted(saved.items())}
-        try:
-            self.local.load_tables(saved)
-        except ValueError as err:
-            raise RuntimeError(str(err)) from None
-
-    # -- dynemb views ------------------------------------------------------------------------
-    def embedding_configs(self):
-        """The unsharded module's table configs (global sizes, its feature names)."""
-        return list(self._configs)
-
+    # -- dynemb views (the rest come from ShardedTables) ------------------------------------
     def need_indices(self) -> bool:
         return self._need_indices
-
-    @property
-    def fused_optimizer(self):
-        return self.local.fused_optimizer
-
-    def stats(self):
-        """This rank's counters per table (see :meth:`DynamicEmbCollection.stats`)."""
-        return self.local.stats()
-
-    def storage_modes(self):
-        return self.local.storage_modes()
-
-    def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
-        """Rows of the ``keys`` this rank owns (others come back not found)."""
-        return self.local.read_rows(table, keys, with_state=with_state)
-
-    @property
-    def table_shardings(self) -> Dict[str, ParameterSharding]:
-        return dict(self._table_shardings)
 
     def extra_repr(self) -> str:
         return f"world_size={self._world_size}, groups={self._group_tables}"
 
-
-def check_plan(configs, shardings: Dict[str, ParameterSharding], world_size: int,
-               module_fqn: str) -> None:
-    """Every table of the module is row-wise sharded over all ranks with our kernel."""
-    where = f" of module {module_fqn!r}" if module_fqn else ""
-    names = [c.name for c in configs]
-    missing = [n for n in names if n not in shardings]
-    if missing:
-        raise ValueError(f"the sharding plan{where} has no entry for dynamic tables {missing}")
-    extra = sorted(set(shardings) - set(names))
-    if extra:
-        raise ValueError(f"the sharding plan{where} names unknown tables {extra}; "
-                         f"tables: {names}")
-    for name in names:
-        ps = shardings[name]
-        if ps.sharding_type not in SUPPORTED_SHARDING_TYPES:
-            raise ValueError(
-                f"dynamic table {name!r}{where}: sharding type {ps.sharding_type!r} is not "
-                f"supported; dynamic tables shard {list(SUPPORTED_SHARDING_TYPES)} only (ids "
-                f"are unbounded, so rows split by key, not by column or table)")
-        if ps.compute_kernel not in SUPPORTED_COMPUTE_KERNELS:
-            raise ValueError(
-                f"dynamic table {name!r}{where}: compute kernel {ps.compute_kernel!r} is not "
-                f"supported; use {list(SUPPORTED_COMPUTE_KERNELS)}")
-        if ps.ranks is not None and sorted(ps.ranks) != list(range(world_size)):
-            raise ValueError(
-                f"dynamic table {name!r}{where}: row-wise shards must be on every rank "
-                f"0..{world_size - 1}, the plan puts them on {ps.ranks}")

@@ -1,5 +1,6 @@
-"""``DynamicEmbCollectionSharder``: lets TorchRec's planner and DistributedModelParallel
-shard :class:`DynamicEmbCollection` modules."""
+"""``DynamicEmbCollectionSharder`` and ``DynamicEmbBagCollectionSharder``: let TorchRec's
+planner and DistributedModelParallel shard :class:`DynamicEmbCollection` and
+:class:`DynamicEmbBagCollection` modules."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Type
@@ -9,10 +10,11 @@ from torchrec.distributed.types import (EmbeddingModuleShardingPlan, ModuleShard
                                         ShardingEnv)
 from torchrec.modules.embedding_configs import data_type_to_dtype
 
+from dynemb.bag_collection import DynamicEmbBagCollection
 from dynemb.collection import DynamicEmbCollection
-from dynemb.sharding.sharded_collection import (SUPPORTED_COMPUTE_KERNELS,
-                                                SUPPORTED_SHARDING_TYPES,
-                                                ShardedDynamicEmbCollection)
+from dynemb.sharding.sharded_bag_collection import ShardedDynamicEmbBagCollection
+from dynemb.sharding.sharded_collection import ShardedDynamicEmbCollection
+from dynemb.sharding.sharded_tables import SUPPORTED_COMPUTE_KERNELS, SUPPORTED_SHARDING_TYPES
 
 
 class DynamicEmbCollectionSharder(ModuleSharder[DynamicEmbCollection]):
@@ -50,3 +52,24 @@ class DynamicEmbCollectionSharder(ModuleSharder[DynamicEmbCollection]):
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         return list(SUPPORTED_COMPUTE_KERNELS)
+
+
+class DynamicEmbBagCollectionSharder(DynamicEmbCollectionSharder):
+    """Shards every table of a :class:`DynamicEmbBagCollection` row-wise over all ranks, as
+    :class:`DynamicEmbCollectionSharder` does for the sequence module; the pooled outputs
+    come back through TorchRec's row-wise reduce-scatter.
+
+    Example::
+
+        >>> sharders = [DynamicEmbBagCollectionSharder(), EmbeddingBagCollectionSharder()]  # doctest: +SKIP
+        >>> model = DistributedModelParallel(model, plan=plan, sharders=sharders)  # doctest: +SKIP
+    """
+
+    def shard(self, module: DynamicEmbBagCollection, params: EmbeddingModuleShardingPlan,
+              env: ShardingEnv, device: Optional[torch.device] = None,
+              module_fqn: Optional[str] = None) -> ShardedDynamicEmbBagCollection:
+        return ShardedDynamicEmbBagCollection(module, dict(params), env, device, module_fqn)
+
+    @property
+    def module_type(self) -> Type[DynamicEmbBagCollection]:
+        return DynamicEmbBagCollection

@@ -1,0 +1,85 @@
+"""Input distribution of row-wise sharded pooled tables: every id goes to the rank that owns
+it, keeping its bag.
+
+Unlike the sequence path (:mod:`dynemb.sharding.input_dist`), ids are not deduplicated before
+they travel: the owner pools each (sample, feature) bag from the ids it received, so it needs
+them per bag, and what comes back is one partial sum per (sample, feature, owner).
+"""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.dist_data import KJTAllToAll
+from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
+from torchrec.distributed.types import Awaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb.options import ShardingScheme
+from dynemb.sharding.routing import owner_ranks
+
+
+def bucketize_by_owner(kjt: KeyedJaggedTensor, schemes: Sequence[ShardingScheme],
+                       world_size: int) -> KeyedJaggedTensor:
+    """``kjt`` (F features, batch B) as one KJT of ``world_size * F`` keys (rank by rank, the
+    features in order), batch B: key ``r * F + f`` holds, per sample, the ids of feature
+    ``f`` that rank ``r`` owns, in their original order (and their weights). ``schemes[f]``
+    is feature ``f``'s :class:`ShardingScheme`.
+
+    One pass of fbgemm's ``block_bucketize_sparse_features`` over the owner ranks (bucket
+    size 1) orders the ids; its ``unbucketize_permute`` moves the ids themselves.
+
+    Example::
+
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([4, 3, 6]),
+        ...                                           torch.tensor([2, 1]))
+        >>> out = bucketize_by_owner(kjt, [ShardingScheme.MOD], 2)
+        >>> out.keys(), out.values().tolist(), out.lengths().tolist()
+        (['f', 'f'], [4, 6, 3], [1, 1, 1, 0])
+    """
+    keys = list(kjt.keys())
+    values = kjt.values()
+    lengths = kjt.lengths().to(torch.int64)
+    ids = values.to(torch.int64)
+    if len(set(schemes)) <= 1:
+        owners = owner_ranks(ids, world_size, schemes[0] if schemes else ShardingScheme.HASH)
+    else:
+        owners = torch.cat([owner_ranks(jt.values().to(torch.int64), world_size, scheme)
+                            for jt, scheme in zip(kjt.split([1] * len(keys)), schemes)])
+    new_lengths, _, new_weights, _, permute = torch.ops.fbgemm.block_bucketize_sparse_features(
+        lengths, owners, False, True,
+        torch.ones(len(keys), dtype=torch.int64, device=values.device), world_size,
+        kjt.weights_or_none(), None, -1, None, True)
+    new_values = torch.empty_like(values)
+    new_values[permute] = values
+    return KeyedJaggedTensor(keys=keys * world_size, values=new_values,
+                             lengths=new_lengths.to(kjt.lengths().dtype), weights=new_weights,
+                             stride=kjt.stride())
+
+
+class RwBagSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
+    """Sends each id of the module's features (with its weight) to its owner rank, with the
+    bag it belongs to; the owner receives a KJT of the same features whose batch is every
+    rank's samples, rank after rank (TorchRec's ``KJTAllToAll`` carries each rank's batch
+    size, so ranks may hold different batch sizes).
+
+    Args:
+        pg: the process group of the all-to-all.
+        features: the module's feature names, in the order of its output.
+        schemes: each feature's :class:`ShardingScheme` (its table's).
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, features: Sequence[str],
+                 schemes: Dict[str, ShardingScheme]) -> None:
+        super().__init__()
+        self._world_size = pg.size()
+        self._features = list(features)
+        self._schemes = [schemes[f] for f in self._features]
+        self._dist = KJTAllToAll(pg=pg, splits=[len(self._features)] * self._world_size)
+
+    def forward(self, sparse_features: KeyedJaggedTensor
+                ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        """Bucketize ``sparse_features`` (its features in this module's order, as
+        :meth:`select` returns them) and start the all-to-all."""
+        return self._dist(bucketize_by_owner(sparse_features, self._schemes, self._world_size))

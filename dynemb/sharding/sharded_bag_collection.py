@@ -1,0 +1,248 @@
+"""``ShardedDynamicEmbBagCollection``: a :class:`~dynemb.DynamicEmbBagCollection` split
+row-wise over ranks, with TorchRec's pooled row-wise output path.
+
+One step:
+
+1. ``input_dist``: every id of the module's features goes to the rank that owns it, in its
+   bag (:mod:`dynemb.sharding.bag_input_dist`), through TorchRec's ``KJTAllToAll``;
+2. ``prefetch`` / ``compute``: the owner looks the ids up in its share of the tables and
+   pools each bag it received by SUM (times the per-id weights): one partial sum per
+   (sample, feature) of every rank's batch;
+3. ``output_dist``: TorchRec's pooled reduce-scatter adds the owners' partial sums and hands
+   each rank its samples' bags; MEAN features are then divided by their bag lengths (as
+   TorchRec's row-wise EBC does), on the rank whose samples they are;
+4. backward: the reduce-scatter's all-gather returns each bag's gradient to every owner,
+   which applies the fused optimizer to its rows.
+
+What travels back is one vector per (sample, feature, rank), not one per id. Ranks may hold
+different batch sizes: the partial sums of each rank's samples are padded to the largest
+batch, so the collective is the even reduce-scatter (gloo has no uneven all-gather for its
+backward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from torchrec.distributed.dist_data import PooledEmbeddingsReduceScatter
+from torchrec.distributed.embedding_sharding import (EmbeddingShardingContext,
+                                                     KJTListSplitsAwaitable)
+from torchrec.distributed.embedding_types import KJTList, ShardedEmbeddingModule
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
+from torchrec.distributed.types import (Awaitable, LazyAwaitable, ParameterSharding,
+                                        ShardingEnv, ShardingType)
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.optim.fused import FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from dynemb.bag_collection import DynamicEmbBagCollection
+from dynemb.sharding.bag_input_dist import RwBagSparseFeaturesDist
+from dynemb.sharding.plan_rows import local_table_options, rows_per_rank
+from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables, check_plan
+from dynemb.validation import check_keys, check_kjt
+
+
+@dataclass
+class DynamicEmbBagShardingContext(EmbeddingBagCollectionContext):
+    """TorchRec's EBC context plus this rank's batch size and the divisor of its MEAN
+    features ([B, sum of dims]: the bag length under MEAN features' columns, 1 elsewhere)."""
+
+    batch_size: int = 0
+    divisor: Optional[torch.Tensor] = None
+    received: Optional[KeyedJaggedTensor] = None
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        super().record_stream(stream)
+        if self.divisor is not None:
+            self.divisor.record_stream(stream)
+        if self.received is not None:
+            self.received.record_stream(stream)
+
+
+class _PooledOutputAwaitable(LazyAwaitable[KeyedTensor]):
+    """Waits for the reduce-scatter, drops the padding, divides MEAN bags, keys the result."""
+
+    def __init__(self, awaitable: Awaitable[torch.Tensor], ctx: DynamicEmbBagShardingContext,
+                 keys: List[str], dims: List[int]) -> None:
+        super().__init__()
+        self._awaitable, self._ctx, self._keys, self._dims = awaitable, ctx, keys, dims
+
+    def _wait_impl(self) -> KeyedTensor:
+        values = self._awaitable.wait()[:self._ctx.batch_size]
+        if self._ctx.divisor is not None:
+            values = values / self._ctx.divisor
+        return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=values)
+
+
+class LocalBagShard(SavedBySharded, DynamicEmbBagCollection):
+    """One rank's share of the tables: a :class:`DynamicEmbBagCollection` with the module's
+    features, pooling every bag by SUM (MEAN is applied after the reduce-scatter)."""
+
+
+def local_bag_config(config: EmbeddingBagConfig, world_size: int) -> EmbeddingBagConfig:
+    """One rank's config of ``config``'s table: a share of its rows, pooled by SUM."""
+    return EmbeddingBagConfig(
+        name=config.name, embedding_dim=config.embedding_dim,
+        num_embeddings=rows_per_rank(config.num_embeddings, world_size),
+        feature_names=list(config.feature_names), data_type=config.data_type,
+        pooling=PoolingType.SUM)
+
+
+class ShardedDynamicEmbBagCollection(
+        ShardedTables,
+        ShardedEmbeddingModule[KJTList, List[torch.Tensor], KeyedTensor,
+                               DynamicEmbBagShardingContext],
+        FusedOptimizerModule):
+    """The sharded form of :class:`~dynemb.DynamicEmbBagCollection` (built by
+    :class:`~dynemb.sharding.DynamicEmbBagCollectionSharder`; not constructed by hand).
+
+    ``forward(kjt)`` returns what the unsharded module would for this rank's samples: a
+    ``KeyedTensor`` [B, sum of dims] keyed by feature in config order. Each rank holds its
+    share of every table in :attr:`local`, so ``stats()``, ``storage_modes()`` and
+    ``read_rows`` work per rank. Features of the input KJT that belong to no table of this
+    module are ignored (one KJT often feeds several modules); every feature of the module
+    must be there.
+    """
+
+    def __init__(self, module: DynamicEmbBagCollection,
+                 table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+                 env: ShardingEnv, device: Optional[torch.device] = None,
+                 module_fqn: Optional[str] = None) -> None:
+        super().__init__()
+        pg = env.process_group
+        if pg is None:
+            raise ValueError("ShardedDynamicEmbBagCollection needs a process group in its "
+                             "ShardingEnv")
+        self._world_size, self._rank, self._pg = env.world_size, env.rank, pg
+        self._module_fqn = module_fqn
+        configs = module.embedding_bag_configs()
+        check_plan(configs, table_name_to_parameter_sharding, self._world_size,
+                   module_fqn or "")
+        self._configs = list(configs)
+        self._is_weighted = module.is_weighted()
+        options = module.table_options
+        device = torch.device(device if device is not None else "cpu")
+        self.local = LocalBagShard(
+            [local_bag_config(c, self._world_size) for c in configs],
+            is_weighted=self._is_weighted, device=device,
+            table_options={c.name: local_table_options(options[c.name], self._world_size)
+                           for c in configs},
+            optimizer=module.optimizer_config, validate_inputs=False,  # checked at input dist
+            backend=module.backend)
+        self._validate = module.validate_inputs
+        self._features = [f for c in configs for f in c.feature_names]
+        self._dims = [c.embedding_dim for c in configs for _ in c.feature_names]
+        self._mean_features = {f for c in configs if c.pooling == PoolingType.MEAN
+                               for f in c.feature_names}
+        # plain lists, as TorchRec's sharded modules keep theirs (out of the state dict)
+        self._input_dists: List[torch.nn.Module] = [RwBagSparseFeaturesDist(
+            pg, self._features,
+            {f: options[c.name].sharding for c in configs for f in c.feature_names})]
+        self._output_dists: List[torch.nn.Module] = [PooledEmbeddingsReduceScatter(pg)]
+        self._table_shardings = dict(table_name_to_parameter_sharding)
+
+    # -- TorchRec ShardedModule API -----------------------------------------------------------
+    # routing and the tables run numba kernels and host-side bookkeeping: torch.compile runs
+    # the whole sharded step eagerly (graph break)
+    @torch.compiler.disable
+    def forward(self, *input, **kwargs):
+        return super().forward(*input, **kwargs)
+
+    def create_context(self) -> DynamicEmbBagShardingContext:
+        return DynamicEmbBagShardingContext()
+
+    def input_dist(self, ctx: DynamicEmbBagShardingContext,
+                   features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
+        mine = self._select(features)
+        ctx.batch_size = mine.stride()
+        ctx.divisor = self._divisor(mine)
+        ctx.sharding_contexts.append(EmbeddingShardingContext())
+        return KJTListSplitsAwaitable([self._input_dists[0](mine)], ctx, self._module_fqn,
+                                      [ShardingType.ROW_WISE.value])
+
+    def _select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """This module's features of ``features``, in config order, checked (on the sending
+        rank, before any collective, so a bad batch changes no rank's tables)."""
+        check_kjt(features, self.local.device, check_lengths=self._validate)
+        index = {f: i for i, f in enumerate(features.keys())}
+        missing = [f for f in self._features if f not in index]
+        if missing:
+            raise ValueError(f"features {missing} of this collection are not in the KJT (its "
+                             f"features: {list(features.keys())}); every feature must be "
+                             f"given, with zero-length bags where it has no ids")
+        has_weights = features.weights_or_none() is not None
+        if self._is_weighted and not has_weights:
+            raise ValueError("this collection is weighted (is_weighted=True) but the KJT has "
+                             "no weights; give one weight per id")
+        if not self._is_weighted and has_weights:
+            raise ValueError("the KJT has weights but this collection is unweighted; build "
+                             "it with is_weighted=True, or pass the KJT without weights")
+        order = [index[f] for f in self._features]
+        mine = features if order == list(range(len(index))) else features.permute(order)
+        if self._validate:
+            check_keys(mine.values().to(torch.int64), mine.values().device,
+                       name=f"ids of features {self._features}")
+        return mine
+
+    def _divisor(self, mine: KeyedJaggedTensor) -> Optional[torch.Tensor]:
+        if not self._mean_features:
+            return None
+        lengths = mine.lengths().view(len(self._features), -1).to(torch.float32)
+        is_mean = torch.tensor([f in self._mean_features for f in self._features],
+                               device=lengths.device).unsqueeze(1)
+        per_bag = torch.where(is_mean, lengths.clamp(min=1), torch.ones_like(lengths))
+        return per_bag.t().repeat_interleave(
+            torch.tensor(self._dims, device=lengths.device), dim=1)
+
+    def prefetch(self, dist_input: KJTList, forward_stream: Optional[torch.Stream] = None,
+                 ctx: Optional[DynamicEmbBagShardingContext] = None) -> None:
+        """Resolve the received ids to slots ahead of ``compute`` (called by TorchRec's
+        prefetch pipeline on its prefetch stream); the next ``compute`` consumes it."""
+        received = dist_input[0]
+        if ctx is not None:
+            ctx.received = received
+        self.local.prefetch(received, forward_stream)
+
+    def compute(self, ctx: DynamicEmbBagShardingContext,
+                dist_input: KJTList) -> List[torch.Tensor]:
+        received = ctx.received if ctx.received is not None else dist_input[0]
+        return [self.local(received).values()]
+
+    def output_dist(self, ctx: DynamicEmbBagShardingContext,
+                    output: List[torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
+        batch_sizes = ctx.sharding_contexts[0].batch_size_per_rank or [ctx.batch_size]
+        partial = pad_per_rank(output[0], batch_sizes)
+        return _PooledOutputAwaitable(self._output_dists[0](partial), ctx, self._features,
+                                      self._dims)
+
+    def compute_and_output_dist(self, ctx: DynamicEmbBagShardingContext,
+                                input: KJTList) -> LazyAwaitable[KeyedTensor]:
+        return self.output_dist(ctx, self.compute(ctx, input))
+
+    # -- dynemb views (the rest come from ShardedTables) ------------------------------------
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return list(self._configs)
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def extra_repr(self) -> str:
+        return f"world_size={self._world_size}, features={self._features}"
+
+
+def pad_per_rank(rows: torch.Tensor, batch_sizes: List[int]) -> torch.Tensor:
+    """``rows`` [sum of batch_sizes, D] (rank after rank) as [world * max batch, D], each
+    rank's block zero-padded to the largest batch (unchanged when all are equal).
+
+    Example::
+
+        >>> pad_per_rank(torch.tensor([[1.], [2.], [3.]]), [1, 2]).flatten().tolist()
+        [1.0, 0.0, 2.0, 3.0]
+    """
+    largest = max(batch_sizes)
+    if all(b == largest for b in batch_sizes):
+        return rows
+    blocks = rows.split(list(batch_sizes))
+    return torch.cat([torch.nn.functional.pad(b, (0, 0, 0, largest - b.shape[0]))
+                      for b in blocks])

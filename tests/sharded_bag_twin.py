@@ -1,0 +1,300 @@
+"""Pooled training scenarios run on every rank of a spawned gloo world (see examples/spawn.py).
+
+Each scenario trains, on the same batches:
+
+- the sharded ``DynamicEmbBagCollection`` (``DistributedModelParallel`` +
+  ``DynamicEmbBagCollectionSharder``) on this rank's batch, under a plain loop,
+  ``TrainPipelineSparseDist`` or ``PrefetchTrainPipelineSparseDist``;
+- the unsharded ``DynamicEmbBagCollection`` on the global batch (every rank's batch
+  concatenated) with the loss divided by the world size, as TorchRec's gradient division does;
+- optionally TorchRec's row-wise sharded ``EmbeddingBagCollection`` (fbgemm fused optimizer)
+  from the same initial rows (needs equal batch sizes: TorchRec's uneven reduce-scatter has
+  no gloo backward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tests.sharded_twin import Batch, _Trainer
+
+FEATURES = ["f0", "f1", "f2"]
+TABLE_OF = {"f0": "t0", "f1": "t0", "f2": "t1"}
+NUM_IDS = 400
+#: pooling of t0 and t1, and whether the KJT carries per-id weights
+POOLINGS = {"sum": (PoolingType.SUM, PoolingType.SUM, False),
+            "mean": (PoolingType.MEAN, PoolingType.MEAN, False),
+            "mixed": (PoolingType.MEAN, PoolingType.SUM, False),
+            "weighted": (PoolingType.SUM, PoolingType.SUM, True)}
+
+
+@dataclass
+class BagScenario:
+    optimizer: str = "sgd"          # sgd | adagrad | rowwise_adagrad | adam | sgd_clipped
+    loop: str = "plain"             # plain | pipeline | prefetch
+    mode: str = "hbm_direct"        # hbm_direct | cache | default
+    pooling: str = "mixed"          # see POOLINGS
+    dims: tuple = (8, 4)
+    steps: int = 10
+    batch: int = 6
+    uneven: bool = True             # rank r has batch + r samples
+    sharding: str = "hash"          # hash | mod
+    cache_rows: int = 48            # per rank, CACHE / DEFAULT device rows
+    torchrec_twin: bool = False     # needs uneven=False and an fbgemm optimizer
+    with_ebc_and_dense: bool = False
+    seed: int = 5
+
+
+def bag_tables(s: BagScenario) -> List[EmbeddingBagConfig]:
+    p0, p1, _ = POOLINGS[s.pooling]
+    return [EmbeddingBagConfig(name="t0", embedding_dim=s.dims[0], num_embeddings=NUM_IDS,
+                               feature_names=["f0", "f1"], pooling=p0),
+            EmbeddingBagConfig(name="t1", embedding_dim=s.dims[1], num_embeddings=NUM_IDS,
+                               feature_names=["f2"], pooling=p1)]
+
+
+def optimizer_configs(name: str):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from dynemb import OptimizerConfig, OptimizerType
+    lr = 0.05
+    table = {
+        "sgd": (OptimizerConfig(OptimizerType.SGD, learning_rate=lr),
+                {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr}),
+        "sgd_clipped": (OptimizerConfig(OptimizerType.SGD, learning_rate=lr, max_gradient=0.3),
+                        {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr,
+                         "gradient_clipping": True, "max_gradient": 0.3}),
+        "adagrad": (OptimizerConfig(OptimizerType.ADAGRAD, learning_rate=lr, eps=1e-6),
+                    {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": lr,
+                     "eps": 1e-6}),
+        "rowwise_adagrad": (
+            OptimizerConfig(OptimizerType.ROWWISE_ADAGRAD, learning_rate=lr, eps=1e-6),
+            {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr,
+             "eps": 1e-6}),
+        "adam": (OptimizerConfig(OptimizerType.ADAM, learning_rate=0.01, eps=1e-8), None),
+    }
+    return table[name]
+
+
+def table_options(s: BagScenario, opt_config, scale: int = 1):
+    """Per-rank device budget of ``s.cache_rows`` rows in CACHE and DEFAULT mode (times
+    ``scale``: the unsharded reference sees every rank's batch at once)."""
+    from dynemb import DynamicEmbTableOptions, Initializer, InitializerKind
+    from dynemb.options import ShardingScheme
+    out = {}
+    for t in bag_tables(s):
+        width = t.embedding_dim + opt_config.state_dim(t.embedding_dim)
+        budget = (s.cache_rows * scale * width * 4 if s.mode in ("cache", "default")
+                  else None)
+        out[t.name] = DynamicEmbTableOptions(
+            caching=s.mode == "cache", local_hbm_for_values=budget, max_capacity=2048,
+            bucket_size=16, initializer=Initializer(InitializerKind.UNIFORM, low=-0.1, high=0.1),
+            seed=3, sharding=ShardingScheme(s.sharding))
+    return out
+
+
+def make_batches(s: BagScenario, world_size: int):
+    """``[step][rank] -> {feature: (lengths, values, weights)}``; some bags are empty."""
+    g = torch.Generator().manual_seed(s.seed)
+    steps = []
+    for _ in range(s.steps):
+        per_rank = []
+        for r in range(world_size):
+            b = s.batch + (r if s.uneven else 0)
+            d = {}
+            for f in FEATURES:
+                lengths = torch.randint(0, 4, (b,), generator=g)
+                n = int(lengths.sum())
+                d[f] = (lengths, torch.randint(0, NUM_IDS, (n,), generator=g),
+                        torch.rand(n, generator=g) + 0.5)
+            per_rank.append(d)
+        steps.append(per_rank)
+    return steps
+
+
+def to_kjt(parts: List[Dict[str, Any]], weighted: bool) -> KeyedJaggedTensor:
+    """One KJT from several ranks' batches (the global batch), or from one."""
+    def cat(i):
+        return torch.cat([torch.cat([p[f][i] for p in parts]) for f in FEATURES])
+    return KeyedJaggedTensor.from_lengths_sync(FEATURES, cat(1), cat(0),
+                                               weights=cat(2) if weighted else None)
+
+
+def targets(s: BagScenario) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {f: torch.randn(s.dims[0 if TABLE_OF[f] == "t0" else 1], generator=g)
+            for f in FEATURES}
+
+
+def bag_loss(out, tgt) -> torch.Tensor:
+    """Per feature ``0.5 * |bag - target|^2 + sum(bag)`` over the samples' bags."""
+    total = 0.0
+    for f in FEATURES:
+        e = out[f]
+        total = total + ((e - tgt[f]) ** 2).sum() * 0.5 + e.sum()
+    return total
+
+
+class BagModel(torch.nn.Module):
+    """The dynamic bag collection (or TorchRec's EBC), plus optionally an ordinary EBC table
+    and a dense layer."""
+
+    def __init__(self, s: BagScenario, opt_config=None, torchrec_ebc: bool = False):
+        super().__init__()
+        from torchrec import EmbeddingBagCollection
+
+        from dynemb import DynamicEmbBagCollection
+        weighted = POOLINGS[s.pooling][2]
+        meta = torch.device("meta")
+        if torchrec_ebc:
+            self.bags = EmbeddingBagCollection(tables=bag_tables(s), is_weighted=weighted,
+                                               device=meta)
+        else:
+            self.bags = DynamicEmbBagCollection(bag_tables(s), is_weighted=weighted, device=meta,
+                                                table_options=table_options(s, opt_config),
+                                                optimizer=opt_config)
+        self.with_extra = s.with_ebc_and_dense
+        if self.with_extra:
+            self.static = EmbeddingBagCollection(
+                tables=[EmbeddingBagConfig(name="static", embedding_dim=8,
+                                           num_embeddings=NUM_IDS, feature_names=["f0"])],
+                is_weighted=weighted, device=meta)
+            self.dense = torch.nn.Linear(4, 1)
+        self.tgt = targets(s)
+
+    def forward(self, batch: Batch):
+        out = self.bags(batch.features)
+        loss = bag_loss(out, self.tgt)
+        if self.with_extra:
+            loss = loss + self.static(batch.features)["f0"].pow(2).sum() * 0.01
+            loss = loss + self.dense(batch.dense).pow(2).sum()
+        return loss, (loss.detach(), {f: out[f].detach() for f in FEATURES})
+
+
+def shard(model: BagModel, world_size: int, fused_params=None):
+    """DistributedModelParallel over the world: row-wise plans built by hand, or (with the
+    extra EBC) by TorchRec's planner with dynemb's estimators."""
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    from dynemb.planner import dynemb_constraints, make_planner
+    from dynemb.sharding import DynamicEmbBagCollectionSharder
+    env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
+    if fused_params is not None:  # TorchRec's own EBC, the twin
+        sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
+        plan = {"bags": construct_module_sharding_plan(
+            model.bags, {t.name: row_wise(compute_kernel="fused")
+                         for t in model.bags.embedding_bag_configs()},
+            sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")}
+        return DistributedModelParallel(model, env=env, device=torch.device("cpu"),
+                                        plan=ShardingPlan(plan), sharders=[sharder])
+    sharders = [DynamicEmbBagCollectionSharder()]
+    if model.with_extra:
+        sharders.append(EmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.05}))
+        constraints = dynemb_constraints(model, {"static": ParameterConstraints(
+            sharding_types=["table_wise"], compute_kernels=["fused"])})
+        planner = make_planner(Topology(world_size=world_size, local_world_size=world_size,
+                                        compute_device="cpu"), constraints, batch_size=8)
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD).plan
+    else:
+        plan = {"bags": construct_module_sharding_plan(
+            model.bags, {t.name: row_wise(compute_kernel="customized_kernel")
+                         for t in model.bags.embedding_configs()},
+            sharder=sharders[0], local_size=world_size, world_size=world_size,
+            device_type="cpu")}
+    return DistributedModelParallel(model, env=env, device=torch.device("cpu"),
+                                    plan=ShardingPlan(plan), sharders=sharders)
+
+
+def ebc_shards(dmp):
+    for key, value in dmp.state_dict().items():
+        if key.startswith("bags.") and key.endswith(".weight"):
+            shard_ = value.local_shards()[0]
+            yield key.split(".")[-2], shard_.metadata.shard_offsets[0], shard_.tensor
+
+
+def run_scenario(rank: int, world_size: int, s: BagScenario) -> Dict[str, Any]:
+    from dynemb import DynamicEmbBagCollection
+    torch.manual_seed(0)
+    opt_config, fused_params = optimizer_configs(s.optimizer)
+    weighted = POOLINGS[s.pooling][2]
+    batches = make_batches(s, world_size)
+    local = [Batch(to_kjt([per_rank[rank]], weighted)) for per_rank in batches]
+    dmp = shard(BagModel(s, opt_config), world_size)
+    trainer = _Trainer(dmp, local, s.loop)
+    ref = DynamicEmbBagCollection(bag_tables(s), is_weighted=weighted,
+                                  table_options=table_options(s, opt_config, world_size),
+                                  optimizer=opt_config)
+    tgt = targets(s)
+    twin = None
+    if s.torchrec_twin:
+        ids = torch.arange(NUM_IDS)
+        initial = {name: t.options.initializer.rows(ids, t.dim, seed=t.options.seed,
+                                                    table_id=t.table_id)
+                   for name, t in ref.tables.items()}
+        twin_dmp = shard(BagModel(s, torchrec_ebc=True), world_size, fused_params)
+        for name, offset, tensor in ebc_shards(twin_dmp):
+            tensor.detach().copy_(initial[name][offset:offset + tensor.shape[0]])
+        twin = _Trainer(twin_dmp, local, s.loop)
+
+    result: Dict[str, Any] = {key: [] for key in ("outputs", "ref_outputs", "twin_outputs",
+                                                  "losses", "ref_losses", "twin_losses")}
+    result["plan"] = {path: {t: (p.sharding_type, p.compute_kernel) for t, p in mp.items()}
+                      for path, mp in dmp.plan.plan.items()}
+    lr = opt_config.learning_rate
+    for step in range(s.steps):
+        if step == s.steps // 2:  # a learning-rate change takes effect in every model
+            lr = lr / 2
+            trainer.set_lr(lr)
+            ref.fused_optimizer.param_groups[0]["lr"] = lr
+            if twin:
+                twin.set_lr(lr)
+        loss, out = trainer.step()
+        if trainer.pipeline is not None and step == 0:
+            result["pipelined"] = [type(m).__name__ for m in trainer.pipeline._pipelined_modules]
+        result["losses"].append(float(loss))
+        result["outputs"].append({f: v.numpy().copy() for f, v in out.items()})
+
+        ref_out = ref(to_kjt(batches[step], weighted))
+        sizes = [per_rank[FEATURES[0]][0].numel() for per_rank in batches[step]]
+        start = sum(sizes[:rank])
+        mine = {f: ref_out[f][start:start + sizes[rank]] for f in FEATURES}
+        (bag_loss(ref_out, tgt) / world_size).backward()
+        result["ref_losses"].append(float(bag_loss(mine, tgt).detach()))
+        result["ref_outputs"].append({f: v.detach().numpy().copy() for f, v in mine.items()})
+        if twin:
+            twin_loss, twin_out = twin.step()
+            result["twin_losses"].append(float(twin_loss))
+            result["twin_outputs"].append({f: v.numpy().copy() for f, v in twin_out.items()})
+
+    sharded = dmp.module.bags
+    ids = torch.arange(NUM_IDS)
+    result["rows"], result["ref_rows"] = {}, {}
+    for name in ("t0", "t1"):
+        rows, found = sharded.read_rows(name, ids)
+        result["rows"][name] = (ids[found].numpy(), rows[found].numpy())
+        ref_rows, ref_found = ref.read_rows(name, ids)
+        result["ref_rows"][name] = (ids[ref_found].numpy(), ref_rows[ref_found].numpy())
+    result["stats"] = sharded.stats()
+    result["ref_stats"] = ref.stats()
+    result["modes"] = {k: v.value for k, v in sharded.storage_modes().items()}
+    result["type"] = type(sharded).__name__
+    if twin:
+        result["twin_rows"] = {name: (offset, tensor.detach().numpy().copy())
+                               for name, offset, tensor in ebc_shards(twin.dmp)}
+    return result
+
+
+def run_scenarios(rank: int, world_size: int,
+                  scenarios: List[BagScenario]) -> List[Dict[str, Any]]:
+    """Several scenarios in one spawned world (process start-up dominates small runs)."""
+    return [run_scenario(rank, world_size, s) for s in scenarios]
