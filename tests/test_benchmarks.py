@@ -79,3 +79,26 @@ def test_checkpoint_benchmark_quick(tmp_path):
                                       "1% delta <= 3% of a full dump's time"}
     assert (tmp_path / "checkpoint_cpu_quick.png").stat().st_size > 0
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench_checkpoint_")]
+
+
+def test_pooled_benchmark_quick(tmp_path):
+    """Two spawned ranks train the pooled modules (ours and TorchRec's EBC) under
+    TrainPipelineSparseDist; the report has every field and every time is finite and positive
+    (no timing is asserted)."""
+    from benchmarks import bench_pooled
+    report = bench_pooled.main(["--quick", "--out-dir", str(tmp_path)])
+    assert len(report["rows"]) == 1
+    row = report["rows"][0]
+    for method in ("dynemb", "torchrec"):
+        times = row["step_ms"][method]
+        assert len(times) == report["config"]["steps"]
+        assert all(math.isfinite(t) and t > 0 for t in times)
+    assert math.isfinite(row["ratio"]) and row["ratio"] > 0
+    assert row["max_loss_rel_diff"] <= bench_pooled.LOSS_RTOL
+    for profile in row["profile"]:
+        for method in ("dynemb", "torchrec"):
+            assert {"forward", "backward"} <= set(profile[method]["phases_ms"])
+            assert profile[method]["profiler_ops"]
+    saved = json.loads((tmp_path / "pooled_cpu_quick.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(report["rows"]))
+    assert (tmp_path / "pooled_cpu_quick.png").stat().st_size > 0
