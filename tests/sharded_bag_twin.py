@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torchrec import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dynemb.types import EMPTY_KEY
 from tests.sharded_twin import Batch, _Trainer
 
 FEATURES = ["f0", "f1", "f2"]
@@ -45,9 +46,11 @@ class BagScenario:
     batch: int = 6
     uneven: bool = True             # rank r has batch + r samples
     sharding: str = "hash"          # hash | mod
-    cache_rows: int = 48            # per rank, CACHE / DEFAULT device rows
+    cache_rows: int = 64            # per rank, CACHE / DEFAULT device rows
     torchrec_twin: bool = False     # needs uneven=False and an fbgemm optimizer
     with_ebc_and_dense: bool = False
+    probe_bad_input: bool = False    # after training: bad KJTs must raise and change nothing
+    export_state: bool = False       # return this rank's share of the dynamic tables' state
     seed: int = 5
 
 
@@ -288,10 +291,50 @@ def run_scenario(rank: int, world_size: int, s: BagScenario) -> Dict[str, Any]:
     result["ref_stats"] = ref.stats()
     result["modes"] = {k: v.value for k, v in sharded.storage_modes().items()}
     result["type"] = type(sharded).__name__
+    if s.export_state:
+        result["state"] = {k: v.clone() for k, v in dmp.state_dict().items()
+                           if ".dynamic_tables." in k}
+    if s.probe_bad_input:
+        result["bad_input"] = probe_bad_input(dmp, batches[0][rank], weighted)
     if twin:
         result["twin_rows"] = {name: (offset, tensor.detach().numpy().copy())
                                for name, offset, tensor in ebc_shards(twin.dmp)}
     return result
+
+
+def probe_bad_input(dmp, batch: Dict[str, Any], weighted: bool) -> Dict[str, Any]:
+    """Bad KJTs on every rank: each must raise ``ValueError`` before any collective, and
+    leave the rows and counters as they were."""
+    sharded = dmp.module.bags
+    ids = torch.arange(NUM_IDS)
+    before = ({n: sharded.read_rows(n, ids) for n in ("t0", "t1")}, sharded.stats())
+    good = to_kjt([batch], weighted)
+    lengths, values = good.lengths(), good.values()
+    n0 = int(good["f0"].lengths().sum())
+    cases = {
+        "missing_feature": KeyedJaggedTensor(
+            keys=["f1", "f2"], values=values[n0:], lengths=lengths[good.stride():],
+            weights=good.weights()[n0:] if weighted else None),
+        "weights_flipped": KeyedJaggedTensor(
+            keys=FEATURES, values=values, lengths=lengths,
+            weights=None if weighted else torch.ones(values.numel())),
+        "reserved_id": KeyedJaggedTensor(
+            keys=FEATURES, values=torch.full_like(values, EMPTY_KEY), lengths=lengths,
+            weights=good.weights() if weighted else None),
+    }
+    errors = {}
+    for name, kjt in cases.items():
+        try:
+            dmp(Batch(kjt))
+            errors[name] = None
+        except ValueError as err:
+            errors[name] = str(err)
+    after = ({n: sharded.read_rows(n, ids) for n in ("t0", "t1")}, sharded.stats())
+    unchanged = (after[1] == before[1] and all(
+        torch.equal(before[0][n][0], after[0][n][0]) and
+        torch.equal(before[0][n][1], after[0][n][1]) for n in ("t0", "t1")))
+    dmp(Batch(good))[0].backward()  # the module still trains
+    return {"errors": errors, "unchanged": unchanged}
 
 
 def run_scenarios(rank: int, world_size: int,

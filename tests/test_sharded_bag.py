@@ -1,0 +1,212 @@
+"""Row-wise sharded DynamicEmbBagCollection on 1, 2 and 3 spawned CPU ranks (gloo).
+
+Each scenario (tests/sharded_bag_twin.py) trains, on the same batches:
+- our sharded pooled module under DistributedModelParallel (plain loop,
+  TrainPipelineSparseDist or the prefetch pipeline),
+- the unsharded DynamicEmbBagCollection on the global batch (loss / world size, as TorchRec
+  divides sparse gradients by the world size),
+- in the ``twin`` scenarios, TorchRec's row-wise EmbeddingBagCollection with fbgemm's fused
+  optimizer from the same initial rows (equal batch sizes there: TorchRec's uneven
+  reduce-scatter has no backward on gloo).
+Pooled outputs and losses must agree at every step, and the rows at the end. Elsewhere ranks
+have different batch sizes. Worlds are spawned once per module; scenarios share them.
+"""
+import numpy as np
+import pytest
+import torch
+
+from examples.spawn import run_on_ranks
+from tests.key_reference import owner
+from tests.sharded_bag_twin import FEATURES, NUM_IDS, BagScenario, bag_tables, run_scenarios
+
+RTOL, ATOL = 1e-4, 1e-5
+TWIN = dict(uneven=False, torchrec_twin=True)
+
+WORLD2 = {
+    "sum_sgd_plain_twin": BagScenario(pooling="sum", optimizer="sgd", loop="plain", **TWIN),
+    "mean_adagrad_pipeline_twin": BagScenario(pooling="mean", optimizer="adagrad",
+                                              loop="pipeline", sharding="mod", **TWIN),
+    "weighted_rowwise_prefetch_twin": BagScenario(pooling="weighted",
+                                                  optimizer="rowwise_adagrad",
+                                                  loop="prefetch", **TWIN),
+    "mixed_clipped_pipeline_twin": BagScenario(optimizer="sgd_clipped", loop="pipeline",
+                                               **TWIN),
+    "cache_rowwise_pipeline_twin": BagScenario(mode="cache", pooling="mean",
+                                               optimizer="rowwise_adagrad", loop="pipeline", **TWIN),
+    "default_sgd_plain_twin": BagScenario(mode="default", pooling="sum", loop="plain", **TWIN),
+    "mixed_adam_plain": BagScenario(optimizer="adam", loop="plain", probe_bad_input=True,
+                                    export_state=True),
+    "weighted_adam_pipeline": BagScenario(pooling="weighted", optimizer="adam",
+                                          loop="pipeline"),
+    "weighted_sgd_plain": BagScenario(pooling="weighted", loop="plain", probe_bad_input=True),
+    "cache_mean_sgd_prefetch": BagScenario(mode="cache", pooling="mean", loop="prefetch"),
+    "mixed_model_pipeline": BagScenario(loop="pipeline", with_ebc_and_dense=True),
+}
+WORLD1 = {"mean_sgd_pipeline_twin": BagScenario(pooling="mean", loop="pipeline", **TWIN),
+          "weighted_adam_prefetch": BagScenario(pooling="weighted", optimizer="adam",
+                                                loop="prefetch")}
+WORLD3 = {"mixed_rowwise_pipeline_twin": BagScenario(optimizer="rowwise_adagrad",
+                                                     loop="pipeline", **TWIN),
+          "cache_mean_adam_prefetch": BagScenario(mode="cache", pooling="mean",
+                                                  optimizer="adam", loop="prefetch",
+                                                  cache_rows=128),
+          "weighted_sgd_plain": BagScenario(pooling="weighted", loop="plain", sharding="mod")}
+
+
+def _spawn(world, scenarios):
+    results = run_on_ranks(world, run_scenarios, list(scenarios.values()), timeout=600)
+    return {name: [per_rank[i] for per_rank in results]
+            for i, name in enumerate(scenarios)}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return _spawn(2, WORLD2)
+
+
+@pytest.fixture(scope="module")
+def world1():
+    return _spawn(1, WORLD1)
+
+
+@pytest.fixture(scope="module")
+def world3():
+    return _spawn(3, WORLD3)
+
+
+def _check_steps(ranks, s):
+    for rank, res in enumerate(ranks):
+        assert len(res["outputs"]) == s.steps
+        batch = s.batch + (rank if s.uneven else 0)
+        for step in range(s.steps):
+            for f in FEATURES:
+                got = res["outputs"][step][f]
+                assert got.shape[0] == batch
+                np.testing.assert_allclose(got, res["ref_outputs"][step][f], rtol=RTOL,
+                                           atol=ATOL, err_msg=f"rank {rank} step {step} {f}")
+                if s.torchrec_twin:
+                    np.testing.assert_allclose(got, res["twin_outputs"][step][f], rtol=RTOL,
+                                               atol=ATOL, err_msg=f"twin, rank {rank} {f}")
+        if not s.with_ebc_and_dense:  # there the loss also has the EBC and dense terms
+            np.testing.assert_allclose(res["losses"], res["ref_losses"], rtol=RTOL)
+
+
+def _check_rows(ranks, s):
+    world = len(ranks)
+    ref = ranks[0]["ref_rows"]
+    for name in ("t0", "t1"):
+        held = {}
+        for rank, res in enumerate(ranks):
+            keys, rows = res["rows"][name]
+            strays = [k for k in keys.tolist() if owner(k, world, s.sharding) != rank]
+            assert not strays, f"rank {rank} holds keys it does not own: {strays[:5]}"
+            for k, row in zip(keys.tolist(), rows):
+                assert k not in held, f"key {k} on two ranks"
+                held[k] = row
+        ref_keys, ref_rows = ref[name]
+        assert sorted(held) == ref_keys.tolist()  # none lost, none invented
+        got = np.stack([held[k] for k in ref_keys.tolist()])
+        np.testing.assert_allclose(got, ref_rows, rtol=RTOL, atol=ATOL)
+        if s.torchrec_twin:
+            full = np.zeros((NUM_IDS, ref_rows.shape[1]), dtype=np.float32)
+            for res in ranks:
+                offset, block = res["twin_rows"][name]
+                full[offset:offset + block.shape[0]] = block
+            np.testing.assert_allclose(full[ref_keys], ref_rows, rtol=RTOL, atol=ATOL)
+
+
+def _check(ranks, s):
+    _check_steps(ranks, s)
+    _check_rows(ranks, s)
+    if s.probe_bad_input:
+        return  # the probe's recovery step counts too
+    # ids travel once per occurrence: the owners' lookups add up to the reference's
+    lookups = {n: sum(r["stats"][n]["lookups"] for r in ranks) for n in ("t0", "t1")}
+    assert lookups == {n: ranks[0]["ref_stats"][n]["lookups"] for n in ("t0", "t1")}
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_two_ranks_match_unsharded_and_torchrec(world2, name):
+    _check(world2[name], WORLD2[name])
+
+
+@pytest.mark.parametrize("name", list(WORLD1))
+def test_one_rank(world1, name):
+    _check(world1[name], WORLD1[name])
+
+
+@pytest.mark.parametrize("name", list(WORLD3))
+def test_three_ranks(world3, name):
+    _check(world3[name], WORLD3[name])
+
+
+def test_pipelines_pick_up_the_sharded_module(world2):
+    for name in ("mean_adagrad_pipeline_twin", "weighted_rowwise_prefetch_twin",
+                 "mixed_model_pipeline"):
+        assert "ShardedDynamicEmbBagCollection" in world2[name][0]["pipelined"], name
+    assert "ShardedEmbeddingBagCollection" in world2["mixed_model_pipeline"][0]["pipelined"]
+    assert world2["sum_sgd_plain_twin"][0]["type"] == "ShardedDynamicEmbBagCollection"
+
+
+def test_storage_modes_when_sharded(world2):
+    for name, mode in (("cache_rowwise_pipeline_twin", "cache"),
+                       ("default_sgd_plain_twin", "default"),
+                       ("mixed_adam_plain", "hbm_direct")):
+        for res in world2[name]:
+            assert res["modes"] == {"t0": mode, "t1": mode}, name
+    s = WORLD2["cache_rowwise_pipeline_twin"]
+    for res in world2["cache_rowwise_pipeline_twin"]:  # more evictions than steps
+        stats = res["stats"]["t0"]
+        assert stats["rows_device"] == s.cache_rows
+        assert stats["evictions"] > s.steps and stats["write_backs"] == stats["evictions"]
+
+
+def test_mixed_model_planned_by_torchrec_planner(world2):
+    # dynamic bag tables, a TorchRec EBC table and a dense layer, planned by
+    # EmbeddingShardingPlanner with dynemb's estimators; the dynamic rows still match
+    ranks = world2["mixed_model_pipeline"]
+    assert ranks[0]["plan"] == {
+        "bags": {"t0": ("row_wise", "customized_kernel"),
+                 "t1": ("row_wise", "customized_kernel")},
+        "static": {"static": ("table_wise", "fused")}}
+    _check_rows(ranks, WORLD2["mixed_model_pipeline"])
+
+
+@pytest.mark.parametrize("name", ["mixed_adam_plain", "weighted_sgd_plain"])
+def test_bad_input_raises_and_changes_nothing(world2, name):
+    for res in world2[name]:
+        probe = res["bad_input"]
+        errors = probe["errors"]
+        assert "['f0']" in errors["missing_feature"] and "not in the KJT" in errors[
+            "missing_feature"]
+        flipped = errors["weights_flipped"]
+        assert ("unweighted" in flipped if "weighted" != WORLD2[name].pooling
+                else "has no weights" in flipped)
+        assert "reserved key" in errors["reserved_id"]
+        assert probe["unchanged"]
+
+
+def test_sharded_state_loads_into_an_unsharded_module(world2):
+    """Both ranks' shares of the tables, saved by the sharded module's state_dict, load by
+    key into the unsharded module: every row the reference trained, with its optimizer
+    state."""
+    from dynemb import DynamicEmbBagCollection
+    from tests.sharded_bag_twin import optimizer_configs, table_options
+    s = WORLD2["mixed_adam_plain"]
+    opt_config, _ = optimizer_configs(s.optimizer)
+    state = {}
+    for res in world2["mixed_adam_plain"]:
+        state.update({k[len("bags."):]: v for k, v in res["state"].items()})
+    assert any("rank1_of_2" in k for k in state) and any("rank0_of_2" in k for k in state)
+    unsharded = DynamicEmbBagCollection(bag_tables(s), table_options=table_options(
+        s, opt_config, 2), optimizer=opt_config)
+    unsharded.load_state_dict(state)
+    for name in ("t0", "t1"):
+        held = {}
+        for res in world2["mixed_adam_plain"]:
+            held.update(zip(*(a.tolist() for a in res["rows"][name])))
+        keys = torch.tensor(sorted(held))
+        rows, found = unsharded.read_rows(name, keys)
+        assert bool(found.all())
+        np.testing.assert_allclose(rows.numpy(), np.array([held[k] for k in sorted(held)]),
+                                   rtol=0, atol=0)
