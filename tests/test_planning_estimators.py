@@ -131,3 +131,32 @@ def test_stats_table_shows_dynamic_footprint(caplog):
     ours = "\n".join(r.getMessage() for r in caplog.records if r.name == "dynemb.planner")
     assert re.search(r"^dyn\.items\s+0\s+CACHE", ours, re.M)
     assert re.search(r"^dyn\.users\s+1\s+HBM_DIRECT", ours, re.M)
+
+
+def test_bag_tables_are_estimated_as_pooled():
+    # TorchRec calls every EmbeddingCollectionInterface unpooled; DynamicEmbBagCollection
+    # extends DynamicEmbCollection, so the estimators mark its options pooled themselves
+    import torch
+    from torchrec.distributed.planner import Topology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from dynemb import DynamicEmbBagCollection
+    from dynemb.planner import dynemb_constraints
+    from dynemb.sharding import DynamicEmbBagCollectionSharder
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bags = DynamicEmbBagCollection(
+                [EmbeddingBagConfig(name="b", embedding_dim=16, num_embeddings=10_000,
+                                    feature_names=["f"])], device="meta")
+
+    model = Model()
+    topo = Topology(world_size=2, local_world_size=2, compute_device="cpu")
+    constraints = dynemb_constraints(model)
+    enumerator = EmbeddingEnumerator(topology=topo, batch_size=BATCH, constraints=constraints,
+                                     estimator=[DynamicEmbStorageEstimator(topo, constraints)])
+    options = enumerator.enumerate(model, [DynamicEmbBagCollectionSharder()])
+    assert options and all(o.is_pooled for o in options)
+    DynamicEmbPerfEstimator(topo, constraints).estimate(options, enumerator._sharder_data_map)
+    assert all(s.perf is not None for o in options for s in o.shards)

@@ -211,3 +211,15 @@ def test_bad_unique_ratio():
     with pytest.raises(ValueError, match="unique_ratio"):
         table_footprint(table_config(), DynamicEmbTableOptions(), OptimizerConfig(),
                         unique_ratio=0)
+
+
+def test_hand_computed_pooled_io():
+    # a DynamicEmbBagCollection's table: ids travel per occurrence (no dedup before the
+    # all-to-all) and the owner pools one row per bag of every rank's batch
+    fp = table_footprint(table_config(rows=1000, dim=8), DynamicEmbTableOptions(),
+                         OptimizerConfig(OptimizerType.SGD), world_size=2, batch_size=64,
+                         input_lengths=[3.0], unique_ratio=0.5, pooled=True,
+                         pipeline_type=PipelineType.TRAIN_SPARSE_DIST)
+    assert fp.input_bytes == 64 * 3 * 8                   # all 192 occurrences: 1,536
+    assert fp.output_bytes == 2 * 64 * 8 * 4              # 2 ranks x 64 bags x dim 8: 4,096
+    assert fp.io_bytes == 2 * 1_536                       # TRAIN_SPARSE_DIST: 2 x input

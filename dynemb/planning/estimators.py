@@ -39,7 +39,8 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from dynemb.collection import DynamicEmbCollection
 from dynemb.options import StorageMode
 from dynemb.planning.footprint import (TableFootprint, UniqueRatios, dynamic_collections,
-                                       rank_layout, table_footprint, unique_ratio_of)
+                                       is_pooled, rank_layout, table_footprint,
+                                       unique_ratio_of)
 from dynemb.planning.report import format_footprints
 
 # Named after the public module users import the planner from, so that is the logger they
@@ -58,7 +59,12 @@ def _estimate_others(torchrec_estimator: ShardEstimator, options: List[ShardingO
     others = [o for o in options if not _is_dynamic(o)]
     if others:
         torchrec_estimator.estimate(others, sharder_data_map=sharder_data_map)
-    return [o for o in options if _is_dynamic(o)]
+    ours = [o for o in options if _is_dynamic(o)]
+    for option in ours:
+        # TorchRec calls every EmbeddingCollectionInterface unpooled, and the bag module is
+        # one (it extends DynamicEmbCollection): time its output as the pooled reduce-scatter
+        option._is_pooled = is_pooled(option.module[1])
+    return ours
 
 
 def _is_dynamic(option: ShardingOption) -> bool:
@@ -136,7 +142,8 @@ class DynamicEmbStorageEstimator(ShardEstimator):
             pipeline_type=self._pipeline_type,
             count_ephemeral_storage_cost=self._count_ephemeral,
             multipass_prefetch_max_pass=mpp.num_passes if mpp else None,
-            is_inference=self._is_inference, compute_device=self._topology.compute_device)
+            is_inference=self._is_inference, compute_device=self._topology.compute_device,
+            pooled=is_pooled(module))
 
     def estimate(self, sharding_options: List[ShardingOption],
                  sharder_data_map: Optional[SharderDataMap] = None) -> None:

@@ -202,7 +202,7 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
                     count_ephemeral_storage_cost: bool = False,
                     multipass_prefetch_max_pass: Optional[int] = None,
                     is_inference: bool = False,
-                    compute_device: str = "cuda") -> TableFootprint:
+                    compute_device: str = "cuda", pooled: bool = False) -> TableFootprint:
     """The bytes ``rank`` of ``world_size`` spends on ``config``'s table (all ranks are
     alike: the sharder gives each the same share of rows and budget).
 
@@ -213,7 +213,10 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
     ``batch_size`` is per rank, as in TorchRec's planner; ``input_lengths`` default to
     TorchRec's pooling factor (1.0) and ``num_poolings`` to 1.0. The pipeline multipliers
     are TorchRec's (``calculate_pipeline_io_cost``); CACHE tables count as cached for the
-    prefetch pipeline.
+    prefetch pipeline. A ``pooled`` table (of a ``DynamicEmbBagCollection``) receives every
+    occurrence (ids travel in their bags, ``unique_ratio`` does not apply) and outputs one
+    float32 row per bag of every rank's batch (``world_size * sum(num_poolings *
+    batch_sizes)``), as TorchRec's row-wise pooled sharding.
 
     Example::
 
@@ -244,8 +247,15 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
     host_hash = hash_table_bytes(rows.host_hash_slots) if rows.host_hash_slots else 0
 
     occurrences = _batch_ids(config.name, batch_size, input_lengths, num_poolings, batch_sizes)
-    input_bytes = math.ceil(occurrences * unique_ratio * BIGINT_DTYPE)
-    output_bytes = math.ceil(occurrences * dim * OUTPUT_BYTES_PER_VALUE)
+    if pooled:
+        bags = world_size * _batch_ids(config.name, batch_size, None if input_lengths is None
+                                       else [1.0] * len(input_lengths), num_poolings,
+                                       batch_sizes)
+        input_bytes = math.ceil(occurrences * BIGINT_DTYPE)
+        output_bytes = math.ceil(bags * dim * OUTPUT_BYTES_PER_VALUE)
+    else:
+        input_bytes = math.ceil(occurrences * unique_ratio * BIGINT_DTYPE)
+        output_bytes = math.ceil(occurrences * dim * OUTPUT_BYTES_PER_VALUE)
     prefetch_bytes = input_bytes if layout.mode is StorageMode.CACHE else 0
     io = calculate_pipeline_io_cost(
         input_size=input_bytes, output_size=output_bytes, prefetch_size=prefetch_bytes,
@@ -301,6 +311,12 @@ def _constraint_inputs(constraints: Optional[Mapping[str, ParameterConstraints]]
     return lengths, poolings, sizes
 
 
+def is_pooled(module: nn.Module) -> bool:
+    """Whether a dynamic module pools its outputs (a ``DynamicEmbBagCollection``)."""
+    from dynemb.bag_collection import DynamicEmbBagCollection
+    return isinstance(module, DynamicEmbBagCollection)
+
+
 def footprints(model: nn.Module, *, world_size: int, batch_size: int,
                pipeline_type: PipelineType = PipelineType.NONE,
                constraints: Optional[Mapping[str, ParameterConstraints]] = None,
@@ -331,5 +347,6 @@ def footprints(model: nn.Module, *, world_size: int, batch_size: int,
                     num_poolings=poolings, batch_sizes=sizes,
                     unique_ratio=unique_ratio_of(unique_ratios, config.name),
                     pipeline_type=pipeline_type, compute_device=compute_device,
-                    count_ephemeral_storage_cost=count_ephemeral_storage_cost))
+                    count_ephemeral_storage_cost=count_ephemeral_storage_cost,
+                    pooled=is_pooled(module)))
     return out
