@@ -295,11 +295,39 @@ def run_scenario(rank: int, world_size: int, s: BagScenario) -> Dict[str, Any]:
         result["state"] = {k: v.clone() for k, v in dmp.state_dict().items()
                            if ".dynamic_tables." in k}
     if s.probe_bad_input:
+        result["eval"] = probe_eval(dmp, ref, batches[0], rank, weighted)
         result["bad_input"] = probe_bad_input(dmp, batches[0][rank], weighted)
     if twin:
         result["twin_rows"] = {name: (offset, tensor.detach().numpy().copy())
                                for name, offset, tensor in ebc_shards(twin.dmp)}
     return result
+
+
+def probe_eval(dmp, ref, per_rank: List[Dict[str, Any]], rank: int,
+               weighted: bool) -> Dict[str, Any]:
+    """Eval forwards under ``no_grad``: seen ids give the unsharded module's eval output,
+    unseen ids zeros (the eval initializer), and nothing is inserted or updated."""
+    sharded = dmp.module.bags
+    inserts = {n: v["inserts"] for n, v in sharded.stats().items()}
+    fresh = KeyedJaggedTensor.from_lengths_sync(
+        FEATURES, torch.arange(10**9, 10**9 + 6), torch.ones(6, dtype=torch.int64),
+        weights=torch.ones(6) if weighted else None)
+    dmp.eval()
+    ref.eval()
+    with torch.no_grad():
+        _, (_, unseen) = dmp(Batch(fresh))
+        _, (_, seen) = dmp(Batch(to_kjt([per_rank[rank]], weighted)))
+        expected = ref(to_kjt(per_rank, weighted))
+    dmp.train()
+    ref.train()
+    sizes = [p[FEATURES[0]][0].numel() for p in per_rank]
+    start = sum(sizes[:rank])
+    return {"unseen": {f: v.numpy().copy() for f, v in unseen.items()},
+            "seen": {f: v.numpy().copy() for f, v in seen.items()},
+            "expected": {f: expected[f][start:start + sizes[rank]].numpy().copy()
+                         for f in FEATURES},
+            "inserts_before": inserts,
+            "inserts_after": {n: v["inserts"] for n, v in sharded.stats().items()}}
 
 
 def probe_bad_input(dmp, batch: Dict[str, Any], weighted: bool) -> Dict[str, Any]:

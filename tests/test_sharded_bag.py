@@ -210,3 +210,14 @@ def test_sharded_state_loads_into_an_unsharded_module(world2):
         assert bool(found.all())
         np.testing.assert_allclose(rows.numpy(), np.array([held[k] for k in sorted(held)]),
                                    rtol=0, atol=0)
+
+
+def test_eval_reads_without_writing(world2):
+    for res in world2["mixed_adam_plain"]:
+        probe = res["eval"]
+        assert probe["inserts_before"] == probe["inserts_after"]
+        for f in FEATURES:
+            assert probe["unseen"][f].shape[0] == 2 and not probe["unseen"][f].any()
+            np.testing.assert_allclose(probe["seen"][f], probe["expected"][f], rtol=RTOL,
+                                       atol=ATOL)
+            assert probe["seen"][f].any()
