@@ -111,10 +111,13 @@ class CpuBackend:
         init_cpu.init_rows_at_cpu(n(weights), n(slots), n(keys), n(mask), dim, seed, table_id,
                                   kind, p0, p1, low, high)
 
-    def fused_update(self, weights, slots, grads, kind, dim, lr, eps, beta1, beta2, weight_decay,
-                     bias1, bias2, acc0):
+    def fused_update(self, weights, slots, src, offsets, order, scale, clip, kind, dim, lr,
+                     eps, beta1, beta2, weight_decay, bias1, bias2, acc0):
         """In place on float32 ``weights`` [C, W]; see ``optim_cpu.fused_update_cpu``."""
-        optim_cpu.fused_update_cpu(self._np(weights), self._np(slots), self._np(grads), kind, dim,
+        n = self._np
+        chunks = numba.get_num_threads() * optim_cpu.CHUNKS_PER_THREAD
+        optim_cpu.fused_update_cpu(n(weights), n(slots), n(src), n(offsets), n(order), n(scale),
+                                   *_f32(clip), chunks, kind, dim,
                                    *_f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
 
     def round_rows(self, src, out, keys, seed, table_id, step, fmt, stochastic):
@@ -240,14 +243,14 @@ class CudaBackend:
                      a(weights), a(slots), a(keys), a(mask), dim, seed, table_id, kind, p0, p1,
                      low, high)
 
-    def fused_update(self, weights, slots, grads, kind, dim, lr, eps, beta1, beta2, weight_decay,
-                     bias1, bias2, acc0):
+    def fused_update(self, weights, slots, src, offsets, order, scale, clip, kind, dim, lr,
+                     eps, beta1, beta2, weight_decay, bias1, bias2, acc0):
         """In place on float32 ``weights`` [C, W]; one warp per row of ``slots``."""
         # The kernel's shared buffer holds optim_cuda.MAX_THREADS_PER_BLOCK >= block size.
         a = self._arr
         self._launch(self._optim.fused_update_kernel, slots.numel() * self._optim.WARP,
-                     a(weights), a(slots), a(grads), kind, dim,
-                     *_f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
+                     a(weights), a(slots), a(src), a(offsets), a(order), a(scale), *_f32(clip),
+                     kind, dim, *_f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
 
     def round_rows(self, src, out, keys, seed, table_id, step, fmt, stochastic):
         """float32 ``src`` [N, D] rounded into float16 / bfloat16 ``out`` [N, D]; one thread

@@ -122,15 +122,16 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
         return super()._split_by_table(kjt)
 
     # -- pooling -----------------------------------------------------------------------------
-    def _table_outputs(self, name: str, unique_rows: torch.Tensor, state: PrefetchState,
-                       kjt: KeyedJaggedTensor, trains: bool) -> Dict[str, Any]:
+    def _table_outputs(self, name: str, state: PrefetchState, kjt: KeyedJaggedTensor,
+                       trains: bool) -> Dict[str, Any]:
         """One table's bags, [B, D] per feature, pooled from its unique rows [U, D] by
         ``embedding_bag`` over the batch's inverse indices [N]: autograd sums each bag's
         gradient (weighted, or divided by its length for MEAN) into the unique rows."""
+        batch = state.batches[name]
+        unique_rows = self._lookup(name, batch, trains, per_occurrence=False)
         segments = state.features[name]
         if not segments:
             return {}
-        batch = state.batches[name]
         lengths = torch.cat([state.lengths[f] for f, _ in segments])
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=self._device)
         torch.cumsum(lengths.to(device=self._device, dtype=torch.int64), 0, out=offsets[1:])

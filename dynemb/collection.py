@@ -18,7 +18,7 @@ from dynemb.fused_optimizer import DynamicEmbFusedOptimizer
 from dynemb.initializers import table_identity
 from dynemb.jagged import cut_by_feature
 from dynemb.module_conversion import check_conversion
-from dynemb.optimizers import OptimizerConfig, clip_gradients
+from dynemb.optimizers import OccurrenceGrads, OptimizerConfig, clip_gradients
 from dynemb.options import (DynamicEmbTableOptions, StorageMode, check_allocation,
                              choose_storage_mode)
 from dynemb.prefetch import PrefetchState
@@ -368,31 +368,35 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         for name, table in self.tables.items():
             batch = state.batches[name]
             batch.consumed = True
+            out.update(self._table_outputs(name, state, kjt, trains))
             if trains:
-                anchor = torch.empty(0, device=self._device, requires_grad=True)
-                unique_rows = _DynamicLookup.apply(anchor, self, name, batch)
                 self._awaiting_backward.append((name, batch))
             else:
-                unique_rows = table.lookup(batch)
                 table.release(batch)
-            out.update(self._table_outputs(name, unique_rows, state, kjt, trains))
         if trains:
             self._release(earlier)
             if self._stash is not None:  # every lookup is enqueued: the rows can go
                 self._stash.after_lookup()
         return self._collect_outputs(out, state, kjt)
 
-    def _table_outputs(self, name: str, unique_rows: torch.Tensor, state: PrefetchState,
-                       kjt: KeyedJaggedTensor, trains: bool) -> Dict[str, Any]:
-        """How one table's unique rows [U, dim] become its features' outputs: here one
-        JaggedTensor of rows per feature (a pooled collection overrides this and
-        :meth:`_collect_outputs`). Autograd carries the outputs' gradient back to
-        ``unique_rows``, whose backward runs the fused optimizer."""
-        batch = state.batches[name]
-        rows = unique_rows.index_select(0, batch.inverse)
-        if trains and self._optimizer_config.max_gradient is not None:
-            # fbgemm clips each output's gradient before the per-row sum
-            rows.register_hook(self._clip)
+    def _lookup(self, name: str, batch: TableBatch, trains: bool, *,
+                per_occurrence: bool) -> torch.Tensor:
+        """One table's rows: [N, dim] one per input key (``per_occurrence``) or [U, dim] one
+        per unique key. In training, their backward runs the fused optimizer."""
+        table = self.tables[name]
+        if not trains:
+            return table.lookup_occurrences(batch) if per_occurrence else table.lookup(batch)
+        anchor = torch.empty(0, device=self._device, requires_grad=True)
+        lookup = _DynamicOccurrenceLookup if per_occurrence else _DynamicLookup
+        return lookup.apply(anchor, self, name, batch)
+
+    def _table_outputs(self, name: str, state: PrefetchState, kjt: KeyedJaggedTensor,
+                       trains: bool) -> Dict[str, Any]:
+        """How one table's rows become its features' outputs: here one JaggedTensor of rows
+        per feature, gathered straight per occurrence (a pooled collection overrides this and
+        :meth:`_collect_outputs`). Their backward hands the output gradients to the fused
+        optimizer kernel, which clips and sums them per row itself."""
+        rows = self._lookup(name, state.batches[name], trains, per_occurrence=True)
         segments = state.features[name]
         ids = {f: kjt[f].values() for f, _ in segments} if self._need_indices else None
         return cut_by_feature(rows, segments, state.lengths, ids)
@@ -481,6 +485,29 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
 
     def extra_repr(self) -> str:
         return ", ".join(repr(t) for t in self.tables.values())
+
+
+class _DynamicOccurrenceLookup(torch.autograd.Function):
+    """Rows of one table's input keys, one per occurrence; backward hands their gradients
+    [N, dim] with the batch's inverse index to the fused optimizer kernel, which clips each
+    (as fbgemm does, before the per-row sum), sums them per row and updates the row: no
+    [U, dim] gradient is built."""
+
+    @staticmethod
+    def forward(ctx, anchor, module: DynamicEmbCollection, name: str, batch: TableBatch):
+        ctx.module, ctx.name, ctx.batch = module, name, batch
+        ctx.generation = module._generation
+        return module.tables[name].lookup_occurrences(batch)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        module, batch = ctx.module, ctx.batch
+        if module._stash is not None:  # stashed rows come back now at the latest
+            module._stash.restore()
+        grads = OccurrenceGrads.from_inverse(grad_rows, batch.inverse, batch.keys.numel(),
+                                             clip=module._optimizer_config.max_gradient)
+        module._apply_gradients(ctx.name, batch, grads, ctx.generation)
+        return None, None, None, None
 
 
 class _DynamicLookup(torch.autograd.Function):

@@ -133,10 +133,12 @@ class KernelBackend(Protocol):
         """Write the initial rows of ``keys`` into rows ``slots`` of ``weights`` where
         ``mask``."""
 
-    def fused_update(self, weights, slots, grads, kind, dim, lr, eps, beta1, beta2,
-                     weight_decay, bias1, bias2, acc0) -> None:
-        """One optimizer step on rows ``slots`` of float32 ``weights`` [C, W] (embedding and
-        state) with ``grads`` [N, dim] (see :mod:`dynemb.optimizers`)."""
+    def fused_update(self, weights, slots, src, offsets, order, scale, clip, kind, dim, lr,
+                     eps, beta1, beta2, weight_decay, bias1, bias2, acc0) -> None:
+        """One optimizer step on rows ``slots`` [U] of float32 ``weights`` [C, W] (embedding
+        and state); row ``i``'s gradient is the sum of ``src[order[k]]`` over ``k`` in
+        ``offsets[i]:offsets[i + 1]``, clamped to ``clip`` (if >= 0) and times ``scale[k]``
+        (if not empty) (see :func:`dynemb.optimizers.fused_update`)."""
 
     def round_rows(self, src, out, keys, seed, table_id, step, fmt, stochastic) -> None:
         """float32 ``src`` [N, D] rounded into float16 / bfloat16 ``out`` [N, D]."""

@@ -20,13 +20,13 @@ import enum
 import math
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
 from dynemb.backends import backend_for_device
 from dynemb.flat_table import RowLayout
-from dynemb.kernels import optim_common, round_common
+from dynemb.kernels import optim_common, optim_cpu, round_common
 from dynemb.types import SUPPORTED_DTYPES
 from dynemb.validation import check_int
 
@@ -207,7 +207,94 @@ def clip_gradients(grads: torch.Tensor, config: OptimizerConfig) -> torch.Tensor
     return grads.clamp(-config.max_gradient, config.max_gradient)
 
 
-def fused_update(weights: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor, *, dim: int,
+@dataclass(frozen=True)
+class OccurrenceGrads:
+    """The gradients of a lookup's occurrences, summed per row inside the optimizer kernel.
+
+    Row ``i``'s gradient is the sum over ``k`` in ``offsets[i]:offsets[i + 1]`` of
+    ``src[order[k]]``, each clamped to ``[-clip, clip]`` (when ``clip`` is set) and times
+    ``scale[k]`` (when ``scale`` is set). So backward hands the kernel the output gradients
+    [N, dim] and a CSR of the occurrences of each row, never a summed ``[rows, dim]`` tensor.
+
+    Example::
+
+        >>> g = OccurrenceGrads.from_inverse(torch.tensor([[1.0], [2.0], [4.0]]),
+        ...                                  torch.tensor([1, 0, 1]), 2)
+        >>> g.offsets.tolist(), g.order.tolist()
+        ([0, 1, 3], [1, 0, 2])
+        >>> g.dense().flatten().tolist()  # row 0: 2.0; row 1: 1.0 + 4.0
+        [2.0, 5.0]
+    """
+
+    src: torch.Tensor
+    offsets: torch.Tensor
+    order: torch.Tensor
+    scale: Optional[torch.Tensor] = None
+    clip: Optional[float] = None
+
+    @classmethod
+    def from_inverse(cls, src: torch.Tensor, inverse: torch.Tensor, num_rows: int, *,
+                     scale: Optional[torch.Tensor] = None,
+                     clip: Optional[float] = None) -> "OccurrenceGrads":
+        """Occurrence ``i`` (``src[i]``, ``scale[i]``) belongs to row ``inverse[i]`` of
+        ``num_rows``. No host sync on CUDA."""
+        offsets, order = occurrence_csr(inverse, num_rows)
+        return cls(src.to(torch.float32).contiguous(), offsets, order,
+                   None if scale is None else scale.to(torch.float32)[order].contiguous(), clip)
+
+    @classmethod
+    def of_rows(cls, grads: torch.Tensor) -> "OccurrenceGrads":
+        """One occurrence per row: ``grads`` [U, dim] is each row's gradient."""
+        rows = torch.arange(grads.shape[0] + 1, dtype=torch.int64, device=grads.device)
+        return cls(grads.to(torch.float32).contiguous(), rows, rows[:-1])
+
+    @property
+    def num_rows(self) -> int:
+        return self.offsets.numel() - 1
+
+    def dense(self) -> torch.Tensor:
+        """The summed gradient of every row, [rows, dim] (for tests and reference paths)."""
+        g = self.src.index_select(0, self.order)
+        if self.clip is not None:
+            g = g.clamp(-self.clip, self.clip)
+        if self.scale is not None:
+            g = g * self.scale.unsqueeze(1)
+        rows = torch.repeat_interleave(torch.arange(self.num_rows, device=g.device),
+                                       self.offsets.diff())
+        return torch.zeros(self.num_rows, g.shape[1], device=g.device).index_add_(0, rows, g)
+
+    def kernel_args(self):
+        """(src, offsets, order, scale, clip) as the backends' ``fused_update`` takes them."""
+        scale = (self.scale if self.scale is not None else
+                 torch.empty(0, dtype=torch.float32, device=self.src.device))
+        return (self.src, self.offsets, self.order, scale,
+                -1.0 if self.clip is None else float(self.clip))
+
+
+def occurrence_csr(inverse: torch.Tensor, num_rows: int):
+    """(offsets [num_rows + 1], order [N]) int64: ``order[offsets[u]:offsets[u + 1]]`` are the
+    positions ``i`` with ``inverse[i] == u``, in input order. A numba counting sort on CPU;
+    a stable sort and a cumulative sum on CUDA (no host sync)."""
+    inverse = inverse.to(torch.int64).contiguous()
+    if inverse.device.type == "cpu":
+        offsets = torch.empty(num_rows + 1, dtype=torch.int64)
+        order = torch.empty_like(inverse)
+        optim_cpu.occurrence_csr_cpu(inverse.numpy(), num_rows, offsets.numpy(), order.numpy())
+        return offsets, order
+    return _occurrence_csr_torch(inverse, num_rows)
+
+
+def _occurrence_csr_torch(inverse: torch.Tensor, num_rows: int):
+    order = torch.sort(inverse, stable=True).indices
+    counts = torch.zeros(num_rows, dtype=torch.int64, device=inverse.device)
+    counts.index_add_(0, inverse, torch.ones_like(inverse))
+    offsets = torch.zeros(num_rows + 1, dtype=torch.int64, device=inverse.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return offsets, order
+
+
+def fused_update(weights: torch.Tensor, slots: torch.Tensor,
+                 grads: Union[torch.Tensor, OccurrenceGrads], *, dim: int,
                  config: OptimizerConfig, lr: float, step: int, backend=None,
                  keys: Optional[torch.Tensor] = None, seed: int = 0, table_id: int = 0,
                  stochastic_rounding: bool = True) -> None:
@@ -223,7 +310,8 @@ def fused_update(weights: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor
             the dtype; the embedding is stored in the weights' dtype.
         slots: [U] int64 rows to update, unique; entries < 0 are skipped.
         grads: [U, dim] the summed gradient of each row (float32; other float dtypes are
-            converted), already clipped if clipping is on (see :func:`clip_gradients`).
+            converted), already clipped if clipping is on (see :func:`clip_gradients`); or an
+            :class:`OccurrenceGrads` of ``U`` rows, summed (and clipped) by the kernel.
         dim: embedding width.
         config: the optimizer; ``config.learning_rate`` is not read, ``lr`` is.
         lr: learning rate of this step.
@@ -264,27 +352,27 @@ def fused_update(weights: torch.Tensor, slots: torch.Tensor, grads: torch.Tensor
         _check_rounding_inputs(keys, slots.numel(), weights.device, stochastic_rounding)
     if not slots.numel():
         return
-    grads = grads.to(torch.float32).contiguous()
+    if not isinstance(grads, OccurrenceGrads):
+        grads = OccurrenceGrads.of_rows(grads)
     bias1 = 1.0 - config.beta1 ** int(step)
     bias2 = 1.0 - config.beta2 ** int(step)
     args = (_KIND_CODES[config.type], dim, float(lr), config.eps, config.beta1, config.beta2,
             config.weight_decay, bias1, bias2, config.initial_accumulator_value)
     if weights.dtype == torch.float32:
-        chosen.fused_update(weights, slots.contiguous(), grads, *args)
+        chosen.fused_update(weights, slots.contiguous(), *grads.kernel_args(), *args)
         return
     layout = RowLayout(dim, state_dim, weights.dtype)
     live = slots >= 0
-    slots, grads = slots[live], grads[live]
-    rows = weights.index_select(0, slots)
+    rows = weights.index_select(0, slots.clamp(min=0))
     logical = layout.to_logical(rows).contiguous()
-    local = torch.arange(slots.numel(), dtype=torch.int64, device=slots.device)
-    chosen.fused_update(logical, local, grads, *args)
-    row_keys = keys[live] if keys is not None else torch.zeros_like(slots)
+    local = torch.where(live, torch.arange(slots.numel(), device=slots.device), -1)
+    chosen.fused_update(logical, local, *grads.kernel_args(), *args)
+    row_keys = keys if keys is not None else torch.zeros_like(slots)
     layout.embeddings(rows).copy_(round_rows(
         logical[:, :dim], weights.dtype, keys=row_keys, step=int(step), seed=seed,
         table_id=table_id, stochastic=stochastic_rounding, backend=chosen.name))
     layout.state(rows).copy_(logical[:, dim:])
-    weights.index_copy_(0, slots, rows)
+    weights.index_copy_(0, slots[live], rows[live])
 
 
 def round_rows(values: torch.Tensor, dtype: torch.dtype, *, keys: torch.Tensor, step: int,
@@ -345,9 +433,12 @@ def _check_rounding_inputs(keys, rows: int, device: torch.device, stochastic) ->
 
 
 def _check_inputs(weights, slots, grads, dim, state_dim) -> None:
-    for t, name in ((weights, "weights"), (slots, "slots"), (grads, "grads")):
+    for t, name in ((weights, "weights"), (slots, "slots")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(grads, (torch.Tensor, OccurrenceGrads)):
+        raise TypeError(f"grads must be a torch.Tensor or OccurrenceGrads, got "
+                        f"{type(grads).__name__}")
     if weights.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"weights must have a dtype in {SUPPORTED_DTYPES}, got {weights.dtype}")
     width = RowLayout(dim, state_dim, weights.dtype).width
@@ -359,7 +450,12 @@ def _check_inputs(weights, slots, grads, dim, state_dim) -> None:
     if slots.dtype != torch.int64 or slots.dim() != 1:
         raise TypeError(f"slots must be a 1-D int64 tensor, got {slots.dtype} with shape "
                         f"{tuple(slots.shape)}")
-    if not grads.is_floating_point() or tuple(grads.shape) != (slots.numel(), dim):
+    if isinstance(grads, OccurrenceGrads):
+        if grads.src.dim() != 2 or grads.src.shape[1] != dim or grads.num_rows != slots.numel():
+            raise ValueError(f"grads must give {slots.numel()} rows of width {dim}, got "
+                             f"{grads.num_rows} rows of {tuple(grads.src.shape)} occurrences")
+        grads = grads.src
+    elif not grads.is_floating_point() or tuple(grads.shape) != (slots.numel(), dim):
         raise ValueError(f"grads must be a float tensor of shape [{slots.numel()}, {dim}], got "
                          f"{grads.dtype} {tuple(grads.shape)}")
     for t, name in ((slots, "slots"), (grads, "grads")):

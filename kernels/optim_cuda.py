@@ -1,6 +1,9 @@
 """CUDA fused optimizer kernel: one warp per touched row, lanes stride over its columns.
 
-Consecutive lanes touch consecutive columns, so every access of a row is coalesced. Row-wise
+Consecutive lanes touch consecutive columns, so every access of a row is coalesced. Each
+lane sums its columns of the row's occurrence gradients (``src[order[k]]``, clamped and
+scaled as in ``optim_cpu.fused_update_cpu``) as it goes: no ``[rows, dim]`` gradient is ever
+written. Row-wise
 AdaGrad sums the row's squared gradients with a shared-memory tree inside each warp (the
 simulator has no warp shuffles); every thread of the block, in range or not, takes part in the
 ``syncthreads`` barriers, which is why no thread returns early.
@@ -16,9 +19,23 @@ WARP = 32
 MAX_THREADS_PER_BLOCK = 256
 
 
+@cuda.jit(device=True, inline=True)
+def _row_grad(src, offsets, order, scale, clip, row, j):
+    """Column ``j`` of row ``row``'s gradient: its occurrences' clamped, scaled sum."""
+    g = float32(0.0)
+    for k in range(offsets[row], offsets[row + 1]):
+        x = src[order[k], j]
+        if clip >= 0:
+            x = min(max(x, -clip), clip)
+        if scale.size > 0:
+            x = x * scale[k]
+        g += x
+    return g
+
+
 @cuda.jit
-def fused_update_kernel(weights, slots, grads, kind, dim, lr, eps, beta1, beta2, weight_decay,
-                        bias1, bias2, acc0):
+def fused_update_kernel(weights, slots, src, offsets, order, scale, clip, kind, dim, lr, eps,
+                        beta1, beta2, weight_decay, bias1, bias2, acc0):
     """Same contract as ``optim_cpu.fused_update_cpu``; launch ``WARP`` threads per row."""
     partial = cuda.shared.array(MAX_THREADS_PER_BLOCK, float32)
     tid = cuda.threadIdx.x
@@ -33,7 +50,8 @@ def fused_update_kernel(weights, slots, grads, kind, dim, lr, eps, beta1, beta2,
         if s >= 0:
             old_acc = weights[s, dim]  # read before lane 0 may overwrite it below
             for j in range(lane, dim, WARP):
-                g = rowwise_grad(grads[row, j], weights[s, j], weight_decay)
+                g = rowwise_grad(_row_grad(src, offsets, order, scale, clip, row, j),
+                                 weights[s, j], weight_decay)
                 sum_sq += g * g
         partial[tid] = sum_sq
         cuda.syncthreads()
@@ -47,15 +65,15 @@ def fused_update_kernel(weights, slots, grads, kind, dim, lr, eps, beta1, beta2,
             acc, multiplier, correction = rowwise_adagrad_scale(
                 old_acc + acc0, partial[tid - lane], dim, lr, eps, weight_decay)
             for j in range(lane, dim, WARP):
-                weights[s, j] = rowwise_element(weights[s, j], grads[row, j], multiplier,
-                                                correction)
+                g = _row_grad(src, offsets, order, scale, clip, row, j)
+                weights[s, j] = rowwise_element(weights[s, j], g, multiplier, correction)
             if lane == 0:
                 weights[s, dim] = acc - acc0
         return
     if s < 0:
         return
     for j in range(lane, dim, WARP):
-        g = grads[row, j]
+        g = _row_grad(src, offsets, order, scale, clip, row, j)
         if kind == OPT_SGD:
             weights[s, j] = sgd_element(weights[s, j], g, lr)
         elif kind == OPT_ADAM:

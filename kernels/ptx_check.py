@@ -25,7 +25,8 @@ def cuda_kernels():
             continue
         module = importlib.import_module(f"{__package__}.{info.name}")
         for name, obj in vars(module).items():
-            if isinstance(obj, CUDADispatcher) and obj.py_func.__module__ == module.__name__:
+            if (isinstance(obj, CUDADispatcher) and obj.py_func.__module__ == module.__name__
+                    and not obj.targetoptions.get("device", False)):  # kernels, not helpers
                 if name in found:
                     raise RuntimeError(f"two CUDA kernels are named {name!r}")
                 found[name] = obj
@@ -54,7 +55,8 @@ def launch_signatures():
         "rehash_kernel": (k64, k64, r32, k64, k64, r32, i64, i64, k64, k64),
         "init_rows_kernel": (rows, k64, i64, i64, i64, f64, f64, f64, f64),
         "init_rows_at_kernel": (rows, k64, k64, mask, i64, i64, i64, i64, f64, f64, f64, f64),
-        "fused_update_kernel": (rows, k64, rows, i64, i64) + (f32,) * 8,
+        "fused_update_kernel": (rows, k64, rows, k64, k64, nt.Array(nt.float32, 1, "C"), f32,
+                                i64, i64) + (f32,) * 8,
         "round_rows_kernel": (bits32, bits16, k64, i64, i64, i64, i64, b1),
     }
 

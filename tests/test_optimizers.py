@@ -463,3 +463,74 @@ def test_fused_update_rounds_by_key_not_by_slot():
         rows[tuple(slots)] = weights[slots]
     assert torch.equal(rows[0, 1], rows[3, 2])
     assert (rows[0, 1] < 1).any()  # some columns rounded down by a whole spacing
+
+
+# -- Occurrence gradients: summed, clipped and scaled inside the kernel -----------------------
+
+def _occurrences(seed, rows=7, n=40, dim=8):
+    g = torch.Generator().manual_seed(seed)
+    inverse = torch.randint(0, rows - 1, (n,), generator=g)  # the last row has none
+    src = torch.randn(n, dim, generator=g) * 3
+    scale = torch.rand(n, generator=g) + 0.5
+    return inverse, src, scale
+
+
+@pytest.mark.parametrize("opt", [SGD, ADAM, ADAGRAD, ROWWISE])
+@pytest.mark.parametrize("clip,scaled", [(None, False), (1.0, False), (0.7, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_occurrence_grads_equal_their_hand_summed_rows(backend, opt, clip, scaled, dtype):
+    from dynemb.optimizers import OccurrenceGrads
+    name, device = backend
+    inverse, src, scale = _occurrences(3)
+    rows, dim = 7, src.shape[1]
+    # reference: clamp each occurrence, scale it, sum per row by a Python loop
+    summed = torch.zeros(rows, dim)
+    for i, u in enumerate(inverse.tolist()):
+        x = src[i].clamp(-clip, clip) if clip is not None else src[i]
+        summed[u] += x * (scale[i] if scaled else 1.0)
+    config = OptimizerConfig(opt, learning_rate=0.1, weight_decay=0.01 if opt is ROWWISE else 0)
+    start = torch.randn(10, dim, generator=torch.Generator().manual_seed(4))
+    slots = torch.tensor([9, 0, 4, 2, -1, 7, 5], device=device)
+    keys = torch.arange(rows, device=device)
+    layout = RowLayout(dim, config.state_dim(dim), dtype)
+    initial = layout.to_physical(flat(start, config)).to(device)
+    expected, got = initial.clone(), initial.clone()
+    for step in (1, 2):
+        fused_update(expected, slots, summed.to(device), dim=dim, config=config, lr=0.1,
+                     step=step, backend=name, keys=keys)
+        occ = OccurrenceGrads.from_inverse(src.to(device), inverse.to(device), rows,
+                                           scale=scale.to(device) if scaled else None,
+                                           clip=clip)
+        fused_update(got, slots, occ, dim=dim, config=config, lr=0.1, step=step, backend=name,
+                     keys=keys)
+    # bfloat16: one rounding step apart at most where the two sums differ in the last bit
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(layout.to_logical(got), layout.to_logical(expected), rtol=tol,
+                               atol=tol)
+    assert not torch.equal(got, initial)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 0), (5, 1), (64, 1000), (1000, 64)])
+def test_occurrence_csr_lists_each_rows_positions_in_order(rows, n):
+    from dynemb.optimizers import _occurrence_csr_torch, occurrence_csr
+    inverse = torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(n))
+    expected_order = [i for u in range(rows) for i in range(n) if inverse[i] == u]
+    expected_offsets = [0]
+    for u in range(rows):
+        expected_offsets.append(expected_offsets[-1] + int((inverse == u).sum()))
+    for build in (occurrence_csr, _occurrence_csr_torch):  # numba (CPU) and torch (CUDA)
+        offsets, order = build(inverse, rows)
+        assert offsets.tolist() == expected_offsets and order.tolist() == expected_order
+
+
+def test_occurrence_grads_of_the_wrong_shape_are_refused():
+    from dynemb.optimizers import OccurrenceGrads
+    occ = OccurrenceGrads.from_inverse(torch.ones(3, 4), torch.tensor([0, 1, 1]), 2)
+    weights = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="3 rows of width 4, got 2 rows"):
+        fused_update(weights, torch.tensor([0, 1, 2]), occ, dim=4,
+                     config=OptimizerConfig(SGD), lr=0.1, step=1)
+    with pytest.raises(ValueError, match="2 rows of width 8"):
+        fused_update(torch.zeros(4, 8), torch.tensor([0, 1]), occ, dim=8,
+                     config=OptimizerConfig(SGD), lr=0.1, step=1)
+    assert not weights.any()

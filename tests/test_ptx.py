@@ -17,7 +17,8 @@ HERE = Path(__file__).parent
 
 
 def find_cuda_kernels():
-    """{module: [kernel names]}: the CUDA dispatchers defined in each ``*_cuda.py`` file."""
+    """{module: [kernel names]}: the CUDA kernels (dispatchers that are not device functions)
+    defined in each ``*_cuda.py`` file."""
     import importlib
 
     from numba.cuda.dispatcher import CUDADispatcher
@@ -28,7 +29,8 @@ def find_cuda_kernels():
         module = importlib.import_module(f"dynemb.kernels.{path.stem}")
         found[path.stem] = sorted(
             name for name, obj in vars(module).items()
-            if isinstance(obj, CUDADispatcher) and obj.py_func.__module__ == module.__name__)
+            if isinstance(obj, CUDADispatcher) and obj.py_func.__module__ == module.__name__
+            and not obj.targetoptions.get("device", False))  # device functions are inlined
     return found
 
 

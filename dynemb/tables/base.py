@@ -13,7 +13,7 @@ input length (``EMPTY_KEY`` entries, slot -1) so the hot path never reads a size
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -22,7 +22,7 @@ from dynemb.backends import backend_for_device
 from dynemb.counters import COUNTER_NAMES, TableCounters
 from dynemb.dedup import unique_keys
 from dynemb.flat_table import RowLayout
-from dynemb.optimizers import OptimizerConfig, fused_update
+from dynemb.optimizers import OccurrenceGrads, OptimizerConfig, fused_update
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.batch import TableBatch
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows, storage_bytes
@@ -82,8 +82,13 @@ class DynamicTable:
         """[U, dim] float32 rows of the batch's unique keys."""
         raise NotImplementedError
 
-    def _update(self, batch: TableBatch, grads: torch.Tensor, lr: float, step: int) -> None:
-        """Apply the optimizer step ``grads`` [U, dim] to the batch's rows."""
+    def lookup_occurrences(self, batch: TableBatch) -> torch.Tensor:
+        """[N, dim] float32 rows of the batch's input keys, one per occurrence (a table that
+        can gather them straight from its rows overrides this)."""
+        return self.lookup(batch).index_select(0, batch.inverse)
+
+    def _update(self, batch: TableBatch, grads: OccurrenceGrads, lr: float, step: int) -> None:
+        """Apply the optimizer step ``grads`` (of U rows) to the batch's rows."""
         raise NotImplementedError
 
     def _row_sources(self) -> Iterable[Tuple[str, object]]:
@@ -235,9 +240,11 @@ class DynamicTable:
         return rows  # exact unique keys, and failures raise: all are stored
 
     # -- backward ------------------------------------------------------------------------------
-    def apply_gradients(self, batch: TableBatch, grads: torch.Tensor, *, lr: float,
-                        step: int) -> None:
-        """Fused optimizer update of the batch's rows with ``grads`` [U, dim], then unpin.
+    def apply_gradients(self, batch: TableBatch, grads: Union[torch.Tensor, OccurrenceGrads],
+                        *, lr: float, step: int) -> None:
+        """Fused optimizer update of the batch's rows with ``grads`` [U, dim] (or the
+        gradients of its occurrences, :class:`~dynemb.optimizers.OccurrenceGrads`, summed per
+        row by the kernel), then unpin.
 
         Once per batch: a second call raises (it would apply the update twice). A batch whose
         pins already ended (released before its backward) updates only the rows still stored
@@ -249,7 +256,9 @@ class DynamicTable:
                 f"update; a second backward through the same forward (retain_graph=True) would "
                 f"apply it twice. Sum the losses and call backward once, or run a new forward")
         batch.applied = True
-        self._update(batch, grads.to(torch.float32).contiguous(), lr, step)
+        if not isinstance(grads, OccurrenceGrads):
+            grads = OccurrenceGrads.of_rows(grads)
+        self._update(batch, grads, lr, step)
         if self.changes is not None:
             self.changes.updated(batch)
         self.release(batch)

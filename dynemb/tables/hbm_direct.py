@@ -102,6 +102,13 @@ class HbmDirectTable(DynamicTable):
         rows = embeddings.index_select(0, batch.slots.clamp(min=0)).float()
         return self._with_fallback(rows, batch.slots >= 0, batch.fallback)
 
-    def _update(self, batch: TableBatch, grads: torch.Tensor, lr: float, step: int) -> None:
+    def lookup_occurrences(self, batch: TableBatch) -> torch.Tensor:
+        if batch.fallback is not None or self.kernels.defers_failures:
+            return super().lookup_occurrences(batch)
+        # every key is stored: one gather of the embedding columns, straight per occurrence
+        slots = batch.slots.index_select(0, batch.inverse).clamp(min=0)
+        return self.tier.flat.weights[:, :self.dim].index_select(0, slots).float()
+
+    def _update(self, batch: TableBatch, grads, lr: float, step: int) -> None:
         slots = self._live_slots(self.tier, batch.slots, batch)
         self._fused_update(self.tier.flat.weights, slots, grads, batch.keys, lr, step)

@@ -114,7 +114,7 @@ class TieredTable(DynamicTable):
         self.counters.add("misses", self._unique_count(batch) - hits)
 
     # -- backward ------------------------------------------------------------------------------
-    def _update(self, batch: TableBatch, grads: torch.Tensor, lr: float, step: int) -> None:
+    def _update(self, batch: TableBatch, grads, lr: float, step: int) -> None:
         """Gather the rows as they are now (another lookup's backward may have updated them
         since this forward), update them, write them back to their tiers."""
         dev_slots = self._live_slots(self.tier, batch.slots, batch)
