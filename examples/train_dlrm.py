@@ -50,25 +50,33 @@ and ``<out-dir>/train_dlrm.json`` (the metrics and the table counters summed ove
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import logging
-import math
 import os
-import sys
-import time
-import warnings
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
-import numpy as np
-import torch
-import torch.distributed as dist
+# Idle OpenMP threads sleep instead of spinning: the CPU ranks of one machine share its cores,
+# and spinning threads of one rank slow the others several times over. Read when the OpenMP
+# runtime loads (with torch), so set before importing it; spawned ranks get it from
+# spawn.run_on_ranks, ranks started by torchrun from here.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dlrm_data import Batch, BatchReader, DataFormat, write_synthetic_criteo  # noqa: E402
+from dlrm_data import (Batch, BatchReader, DataFormat, held_out_mask,  # noqa: E402
+                       write_synthetic_criteo)
 from spawn import run_in_process_group, run_on_ranks  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "output"
@@ -399,13 +407,16 @@ def run_training(rank: int, world_size: int, cfg: Config, args: argparse.Namespa
     if rank == 0:
         tqdm.write(f"step     0  held-out AUC {curve[0]['auc']:.4f}  log loss "
                    f"{curve[0]['log_loss']:.4f}")
-    limit = cfg.steps if cfg.steps is not None else float("inf")
-    bar = tqdm(total=expected_steps(source, cfg, world_size), desc="train", unit="step",
-               mininterval=0.5, dynamic_ncols=True, disable=rank != 0)
+    total = planned_steps(source, cfg, world_size)
+    limit = total if total is not None else float("inf")
+    bar = tqdm(total=total, desc="train", unit="step", mininterval=0.5, dynamic_ncols=True,
+               disable=rank != 0)
     start = time.perf_counter()
     step = 0
     while step < limit and not batches.done:
         window = int(min(cfg.eval_every, limit - step))
+        if limit - step - window < cfg.eval_every // 4:
+            window = int(limit - step)          # no evaluation a few steps before the last
         it = (b for _, b in zip(range(window), batches))
         while True:
             try:
@@ -456,14 +467,16 @@ def run_training(rank: int, world_size: int, cfg: Config, args: argparse.Namespa
     }
 
 
-def expected_steps(source: DataSource, cfg: Config, world_size: int) -> Optional[int]:
-    """About how many steps the run takes (for the progress bar): ``cfg.steps``, or what the
-    synthetic file's training lines give; None for a file of unknown length."""
+def planned_steps(source: DataSource, cfg: Config, world_size: int) -> Optional[int]:
+    """The steps of the run where they are known: ``cfg.steps``, or what the synthetic file
+    gives (one step per ``world_size`` full batches of its training lines, each epoch); None
+    for a given file, which is read until a rank runs out."""
     if source.synthetic is None:
         return cfg.steps
-    per_epoch = int(source.synthetic["rows"] * (1 - cfg.eval_fraction)) // (cfg.batch *
-                                                                              world_size)
-    return min(cfg.steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
+    rows = source.synthetic["rows"]
+    training = rows - int(held_out_mask(np.arange(1, rows + 1), cfg.eval_fraction).sum())
+    steps = training // cfg.batch // world_size * cfg.epochs
+    return steps if cfg.steps is None else min(cfg.steps, steps)
 
 
 def print_summary(m: Dict[str, Any]) -> None:
@@ -553,7 +566,6 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace,
     """Train on this rank of a joined process group; rank 0 returns the metrics."""
     device = rank_device(args)
     if device.type == "cpu":
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # small dense ops: extra intra-op threads only add OpenMP barrier waits, and the
         # ranks share the cores
         torch.set_num_threads(1)
