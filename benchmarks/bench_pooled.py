@@ -525,11 +525,11 @@ def plot(report: Dict[str, Any], path: Path) -> None:
     """Left: median step ms per configuration (p10-p90 whiskers). Right: the ratio against
     the target."""
     rows = report["rows"]
-    fig, (ax, ax_r) = pyplot().subplots(1, 2, figsize=(12, 4.6),
+    fig, (ax, ax_r) = pyplot().subplots(1, 2, figsize=(14, 5),
                                         gridspec_kw={"width_ratios": [1.6, 1]})
     x = np.arange(len(rows))
-    names = [f"{'1-hot' if r['hot'] == 1 else str(r['hot']) + '-hot'} d{r['dim']}\n"
-             f"{r['optimizer'].replace('rowwise_adagrad', 'rw adagrad')}" for r in rows]
+    names = [f"{r['hot']}-hot\nd{r['dim']}\n"
+             f"{r['optimizer'].replace('rowwise_adagrad', 'rw-adagrad')}" for r in rows]
     width = 0.38
     for i, m in enumerate(METHODS):
         ys = [r["median_ms"][m] for r in rows]
@@ -546,7 +546,7 @@ def plot(report: Dict[str, Any], path: Path) -> None:
     ax_r.bar_label(bars, fmt="%.2f", fontsize=8)
     ax_r.axhline(TARGET, color="black", linestyle="--", linewidth=1,
                  label=f"target <= {TARGET}")
-    ax_r.set_xticks(x, names, fontsize=8)
+    ax_r.set_xticks(x, names, fontsize=7)
     ax_r.set_ylabel("dynemb / TorchRec step time")
     ax_r.set_ylim(0, max(TARGET, max(r["ratio"] for r in rows)) * 1.25)
     ax_r.set_title("ratio of median step times")
@@ -562,7 +562,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="default: sgd rowwise_adagrad")
     parser.add_argument("--hots", type=int, nargs="+",
                         help="ids per feature and sample: 1 (one-hot, SUM), or H > 1 (1..2H-1 "
-                             "ids, mean H, MEAN pooling); default 1")
+                             "ids, mean H, MEAN pooling); default 1 4")
     parser.add_argument("--batch", type=int, help="samples per rank and step (default 2048)")
     parser.add_argument("--features", type=int,
                         help=f"categorical features, one table each (default "
@@ -573,7 +573,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 6)")
     parser.add_argument("--steps", type=int, help="timed steps per model (default 30)")
     parser.add_argument("--profile", type=int, metavar="STEPS",
-                        help="profiled steps after the timed ones (default 6; 0: none)")
+                        help="profiled steps after the timed ones, per profiler (default 4; "
+                             "0: none)")
     parser.add_argument("--numba-threads", type=int, default=1,
                         help="numba threads per rank (default 1: two ranks on two cores; 0 "
                              "leaves numba's default)")
@@ -581,9 +582,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     quick = {"dims": [16], "optimizers": ["sgd"], "hots": [1], "batch": 64, "features": 8,
              "max_rows": 2000, "warmup": 2, "steps": 3, "profile": 1}
-    full = {"dims": [64, 128], "optimizers": ["sgd", "rowwise_adagrad"], "hots": [1],
+    full = {"dims": [64, 128], "optimizers": ["sgd", "rowwise_adagrad"], "hots": [1, 4],
             "batch": 2048, "features": len(CRITEO_CARDINALITIES), "max_rows": 100_000,
-            "warmup": 6, "steps": 30, "profile": 6}
+            "warmup": 6, "steps": 30, "profile": 4}
     fill_defaults(args, quick, full)
     if min(args.batch, args.features, args.max_rows, args.steps, *args.dims, *args.hots) < 1:
         parser.error("--batch, --features, --max-rows, --steps, --dims, --hots must be "
