@@ -9,6 +9,7 @@ features), D a table's embedding dim.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
@@ -19,9 +20,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from dynemb.collection import DynamicEmbCollection
 from dynemb.collection_config import check_configs
-from dynemb.optimizers import OptimizerConfig
+from dynemb.optimizers import OccurrenceGrads, OptimizerConfig, occurrence_csr
 from dynemb.options import DynamicEmbTableOptions
 from dynemb.prefetch import PrefetchState
+from dynemb.tables import TableBatch
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -125,36 +127,83 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
     def _table_outputs(self, name: str, state: PrefetchState, kjt: KeyedJaggedTensor,
                        trains: bool) -> Dict[str, Any]:
         """One table's bags, [B, D] per feature, pooled from its unique rows [U, D] by
-        ``embedding_bag`` over the batch's inverse indices [N]: autograd sums each bag's
-        gradient (weighted, or divided by its length for MEAN) into the unique rows."""
+        ``embedding_bag`` over the batch's inverse indices [N]. In training the backward
+        hands each bag's gradient (divided by its length for MEAN) to the fused optimizer
+        kernel, which clips it, scales it by each id's weight and sums it per row."""
         batch = state.batches[name]
-        unique_rows = self._lookup(name, batch, trains, per_occurrence=False)
         segments = state.features[name]
-        if not segments:
-            return {}
-        lengths = torch.cat([state.lengths[f] for f, _ in segments])
+        lengths = torch.cat([state.lengths[f] for f, _ in segments]).to(
+            device=self._device, dtype=torch.int64)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=self._device)
-        torch.cumsum(lengths.to(device=self._device, dtype=torch.int64), 0, out=offsets[1:])
+        torch.cumsum(lengths, 0, out=offsets[1:])
         weights = None
         if self._is_weighted:
             jts = kjt.to_dict()
-            weights = torch.cat([jts[f].weights() for f, _ in segments])
-            weights = weights.to(device=self._device, dtype=unique_rows.dtype)
-        mode = self._mode_of_table[name]
-        clips = trains and self._optimizer_config.max_gradient is not None
-        pooled = F.embedding_bag(batch.inverse, unique_rows, offsets,
-                                 mode="sum" if clips else mode, per_sample_weights=weights,
-                                 include_last_offset=True)  # [F * B, D]
-        if clips:
-            # fbgemm clips each bag's gradient after MEAN's 1 / length and before the per-id
-            # weights: that is the gradient of the (weighted) sum, which MEAN then divides
-            pooled.register_hook(self._clip)
-            if mode == "mean":
-                pooled = pooled / lengths.clamp(min=1).to(pooled).unsqueeze(1)
-        pooled = pooled.view(len(segments), -1, unique_rows.shape[1])
+            weights = torch.cat([jts[f].weights() for f, _ in segments]).to(
+                device=self._device, dtype=torch.float32)
+        bags = _Bags(offsets, lengths, weights, self._mode_of_table[name])
+        if trains:
+            anchor = torch.empty(0, device=self._device, requires_grad=True)
+            pooled = _PooledLookup.apply(anchor, self, name, batch, bags)
+        else:
+            pooled = bags.pool(self.tables[name].lookup(batch), batch.inverse)
+        pooled = pooled.view(len(segments), -1, pooled.shape[1])  # [F, B, D]
         return {f: pooled[i] for i, (f, _) in enumerate(segments)}
 
     def _collect_outputs(self, out: Dict[str, Any], state: PrefetchState,
                          kjt: KeyedJaggedTensor) -> KeyedTensor:
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims,
                            values=torch.cat([out[f] for f in self._embedding_names], dim=1))
+
+
+@dataclass
+class _Bags:
+    """One table's bags in a batch: ``offsets`` [F * B + 1] and ``lengths`` [F * B] over its
+    ids (feature by feature), per-id ``weights`` [N] or None, ``mode`` "sum" or "mean"."""
+
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    weights: Optional[torch.Tensor]
+    mode: str
+
+    def pool(self, unique_rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        """[F * B, D] bags of the ids ``inverse`` [N] into ``unique_rows`` [U, D]."""
+        return F.embedding_bag(inverse, unique_rows, self.offsets, mode=self.mode,
+                               per_sample_weights=self.weights, include_last_offset=True)
+
+    def occurrence_grads(self, grad_bags: torch.Tensor, inverse: torch.Tensor,
+                         num_rows: int, clip: Optional[float]) -> OccurrenceGrads:
+        """Each id's gradient as the kernel sums it: its bag's gradient [F * B, D] (divided by
+        the bag length for MEAN: the gradient of the sum, where fbgemm clips), then times the
+        id's weight. No host sync."""
+        if self.mode == "mean":
+            grad_bags = grad_bags / self.lengths.clamp(min=1).to(grad_bags).unsqueeze(1)
+        bag_of_id = torch.repeat_interleave(
+            torch.arange(self.lengths.numel(), device=inverse.device), self.lengths,
+            output_size=inverse.numel())
+        offsets, order = occurrence_csr(inverse, num_rows)
+        scale = None if self.weights is None else self.weights[order].contiguous()
+        return OccurrenceGrads(grad_bags.to(torch.float32).contiguous(), offsets,
+                               bag_of_id[order].contiguous(), scale, clip)
+
+
+class _PooledLookup(torch.autograd.Function):
+    """One table's bags [F * B, D]; backward applies the fused optimizer to their rows
+    straight from the bags' gradients (no [U, D] gradient is built)."""
+
+    @staticmethod
+    def forward(ctx, anchor, module: DynamicEmbBagCollection, name: str, batch: TableBatch,
+                bags: _Bags):
+        ctx.module, ctx.name, ctx.batch, ctx.bags = module, name, batch, bags
+        ctx.generation = module._generation
+        return bags.pool(module.tables[name].lookup(batch), batch.inverse)
+
+    @staticmethod
+    def backward(ctx, grad_bags):
+        module, batch = ctx.module, ctx.batch
+        if module._stash is not None:  # stashed rows come back now at the latest
+            module._stash.restore()
+        grads = ctx.bags.occurrence_grads(grad_bags, batch.inverse, batch.keys.numel(),
+                                          module._optimizer_config.max_gradient)
+        module._apply_gradients(ctx.name, batch, grads, ctx.generation)
+        return None, None, None, None, None
