@@ -39,20 +39,27 @@ from it, on any number of ranks); ``main()`` returns the metrics on rank 0.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import logging
 import os
-import sys
-import time
-import warnings
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
 
-import numpy as np
-import torch
+# On CPU the ranks share the cores: torch's and numba's OpenMP threads must sleep, not spin,
+# when idle (spinning made a torchrun --quick run 9x slower on 2 cores). The runtime reads
+# this once, when torch loads it, so it is set before the import; spawned ranks have it from
+# spawn.run_on_ranks.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Dict, Iterator, List, Optional  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist
 from torchrec.distributed.types import LazyAwaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -422,9 +429,6 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace,
     """Train on this rank of a joined process group; rank 0 returns the metrics."""
     device = rank_device(args)
     if device.type == "cpu":
-        # (spawned ranks have it from birth; under torchrun it still reaches numba's thread
-        # pool, which starts later)
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # small dense ops: extra intra-op threads only add OpenMP barrier waits, and the
         # ranks share the cores
         torch.set_num_threads(1)
