@@ -147,8 +147,10 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
             pooled = _PooledLookup.apply(anchor, self, name, batch, bags)
         else:
             pooled = bags.pool(self.tables[name].lookup(batch), batch.inverse)
-        pooled = pooled.view(len(segments), -1, pooled.shape[1])  # [F, B, D]
-        return {f: pooled[i] for i, (f, _) in enumerate(segments)}
+        # unbind, not one select per feature: autograd would zero-fill a whole [F, B, D]
+        # gradient for each select (backward time growing with F^2 for a shared table)
+        per_feature = pooled.view(len(segments), -1, pooled.shape[1]).unbind(0)  # F x [B, D]
+        return {f: rows for (f, _), rows in zip(segments, per_feature)}
 
     def _collect_outputs(self, out: Dict[str, Any], state: PrefetchState,
                          kjt: KeyedJaggedTensor) -> KeyedTensor:
