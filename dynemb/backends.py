@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dynemb.kernel_backend import KernelBackend, TableArrays
-from dynemb.kernels import init_cpu, optim_cpu, round_cpu, table_cpu
+from dynemb.kernels import init_cpu, optim_cpu, pool_cpu, round_cpu, table_cpu
 from dynemb.kernels.constants import EMPTY_KEY, TOMBSTONE_KEY, cuda_simulator_enabled
 
 _THREADS_PER_BLOCK = 256
@@ -125,6 +125,13 @@ class CpuBackend:
         ``round_cpu.round_rows_cpu``."""
         round_cpu.round_rows_cpu(*_bit_views(src, out, self._np), self._np(keys), seed,
                                  table_id, step, fmt, stochastic)
+
+    def pool_bags(self, weights, occ_slots, offsets, scale, mean, batch, cols, dim, out):
+        """A table's bags into their columns of ``out`` [B, C]; see
+        ``pool_cpu.pool_bags_cpu``."""
+        n = self._np
+        pool_cpu.pool_bags_cpu(n(weights), n(occ_slots), n(offsets), n(scale), bool(mean),
+                               int(batch), n(cols), int(dim), n(out))
 
 
 class CudaBackend:
@@ -257,6 +264,14 @@ class CudaBackend:
         per element."""
         self._launch(self._round.round_rows_kernel, src.numel(), *_bit_views(src, out, self._arr),
                      self._arr(keys), seed, table_id, step, fmt, stochastic)
+
+    def pool_bags(self, weights, occ_slots, offsets, scale, mean, batch, cols, dim, out):
+        """A table's bags into their columns of ``out`` [B, C]; one warp per bag."""
+        from dynemb.kernels import pool_cuda
+        a = self._arr
+        self._launch(pool_cuda.pool_bags_kernel, (offsets.numel() - 1) * pool_cuda.WARP,
+                     a(weights), a(occ_slots), a(offsets), a(scale), bool(mean), int(batch),
+                     a(cols), int(dim), a(out))
 
 
 def _probe_args(table: TableArrays, convert):

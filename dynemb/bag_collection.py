@@ -23,7 +23,7 @@ from dynemb.collection_config import check_configs
 from dynemb.optimizers import OccurrenceGrads, OptimizerConfig, occurrence_csr
 from dynemb.options import DynamicEmbTableOptions
 from dynemb.prefetch import PrefetchState
-from dynemb.tables import TableBatch
+from dynemb.tables import DynamicTable, TableBatch
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -89,6 +89,9 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
         self._embedding_names = [f for c in self._configs for f in c.feature_names]
         self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
         self._mode_of_table = {c.name: _MODES[c.pooling] for c in self._configs}
+        self._column = {}  # each feature's first column in the output
+        for feature, dim in zip(self._embedding_names, self._dims):
+            self._column[feature] = sum(self._dims[:len(self._column)])
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         return self._configs
@@ -126,11 +129,8 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
     # -- pooling -----------------------------------------------------------------------------
     def _table_outputs(self, name: str, state: PrefetchState, kjt: KeyedJaggedTensor,
                        trains: bool) -> Dict[str, Any]:
-        """One table's bags, [B, D] per feature, pooled from its unique rows [U, D] by
-        ``embedding_bag`` over the batch's inverse indices [N]. In training the backward
-        hands each bag's gradient (divided by its length for MEAN) to the fused optimizer
-        kernel, which clips it, scales it by each id's weight and sums it per row."""
-        batch = state.batches[name]
+        """One table's bags: their offsets, lengths and weights over its ids (feature by
+        feature); :meth:`_collect_outputs` pools every table into one output."""
         segments = state.features[name]
         lengths = torch.cat([state.lengths[f] for f, _ in segments]).to(
             device=self._device, dtype=torch.int64)
@@ -141,71 +141,116 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
             jts = kjt.to_dict()
             weights = torch.cat([jts[f].weights() for f, _ in segments]).to(
                 device=self._device, dtype=torch.float32)
-        bags = _Bags(offsets, lengths, weights, self._mode_of_table[name])
-        if trains:
-            anchor = torch.empty(0, device=self._device, requires_grad=True)
-            pooled = _PooledLookup.apply(anchor, self, name, batch, bags)
-        else:
-            pooled = bags.pool(self.tables[name].lookup(batch), batch.inverse)
-        # unbind, not one select per feature: autograd would zero-fill a whole [F, B, D]
-        # gradient for each select (backward time growing with F^2 for a shared table)
-        per_feature = pooled.view(len(segments), -1, pooled.shape[1]).unbind(0)  # F x [B, D]
-        return {f: rows for (f, _), rows in zip(segments, per_feature)}
+        return {name: _Bags(offsets, lengths, weights, self._mode_of_table[name],
+                            self._column[segments[0][0]], len(segments))}
 
     def _collect_outputs(self, out: Dict[str, Any], state: PrefetchState,
-                         kjt: KeyedJaggedTensor) -> KeyedTensor:
+                         kjt: KeyedJaggedTensor, trains: bool) -> KeyedTensor:
+        """Every table's bags pooled into one [B, sum of dims] output, each feature in its
+        columns. In training its backward hands each bag's gradient (divided by its length
+        for MEAN) to the fused optimizer kernel, which clips it, scales it by each id's
+        weight and sums it per row: no per-table output, concatenation or [U, D] gradient."""
+        tables = [(name, state.batches[name], out[name]) for name in self.tables]
+        if trains:
+            anchor = torch.empty(0, device=self._device, requires_grad=True)
+            values = _PooledLookup.apply(anchor, self, tables, kjt.stride())
+        else:
+            values = _pool_all(self, tables, kjt.stride())
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims,
-                           values=torch.cat([out[f] for f in self._embedding_names], dim=1))
+                           values=values)
+
 
 
 @dataclass
 class _Bags:
     """One table's bags in a batch: ``offsets`` [F * B + 1] and ``lengths`` [F * B] over its
-    ids (feature by feature), per-id ``weights`` [N] or None, ``mode`` "sum" or "mean"."""
+    ids (feature by feature), per-id ``weights`` [N] or None, ``mode`` "sum" or "mean", and
+    the first output column of its ``num_features`` features (their columns are adjacent)."""
 
     offsets: torch.Tensor
     lengths: torch.Tensor
     weights: Optional[torch.Tensor]
     mode: str
+    column: int
+    num_features: int
 
-    def pool(self, unique_rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        """[F * B, D] bags of the ids ``inverse`` [N] into ``unique_rows`` [U, D]."""
-        return F.embedding_bag(inverse, unique_rows, self.offsets, mode=self.mode,
-                               per_sample_weights=self.weights, include_last_offset=True)
+    def pool_into(self, out: torch.Tensor, table: DynamicTable, batch: TableBatch) -> None:
+        """Write the bags into their columns of ``out`` [B, C]: straight from the table's
+        rows by a kernel when they can be read in place, else by ``embedding_bag`` over the
+        looked-up unique rows."""
+        size, dim = out.shape[0], table.dim
+        in_place = table.rows_in_place(batch)
+        if in_place is not None:
+            weights, occ_slots = in_place
+            cols = self.column + dim * torch.arange(self.num_features, device=out.device)
+            scale = (self.weights if self.weights is not None else
+                     torch.empty(0, dtype=torch.float32, device=out.device))
+            table.kernels.pool_bags(weights, occ_slots, self.offsets, scale,
+                                    self.mode == "mean", size, cols, dim, out)
+            return
+        pooled = F.embedding_bag(batch.inverse, table.lookup(batch), self.offsets,
+                                 mode=self.mode, per_sample_weights=self.weights,
+                                 include_last_offset=True)  # [F * B, D]
+        out[:, self.column:self.column + self.num_features * dim] = (
+            pooled.view(self.num_features, size, dim).transpose(0, 1).reshape(size, -1))
 
-    def occurrence_grads(self, grad_bags: torch.Tensor, inverse: torch.Tensor,
-                         num_rows: int, clip: Optional[float]) -> OccurrenceGrads:
-        """Each id's gradient as the kernel sums it: its bag's gradient [F * B, D] (divided by
-        the bag length for MEAN: the gradient of the sum, where fbgemm clips), then times the
-        id's weight. No host sync."""
+    def occurrence_grads(self, grad_out: torch.Tensor, inverse: torch.Tensor, num_rows: int,
+                         dim: int, clip: Optional[float], strided: bool) -> OccurrenceGrads:
+        """Each id's gradient as the kernel sums it, from the output's gradient [B, C]: its
+        bag's gradient (divided by the bag length for MEAN: the gradient of the sum, where
+        fbgemm clips), times the id's weight. ``strided``: the kernel may read the bags'
+        gradients in place from ``grad_out``'s columns. No host sync."""
+        size = grad_out.shape[0]
+        cols = grad_out[:, self.column:self.column + self.num_features * dim]
+        if self.num_features == 1:
+            grad_bags = cols if strided else cols.contiguous()
+        else:  # bag i * B + b is feature i of sample b
+            grad_bags = cols.reshape(size, self.num_features, dim).transpose(0, 1).reshape(
+                -1, dim)
+        scale = self.weights
         if self.mode == "mean":
-            grad_bags = grad_bags / self.lengths.clamp(min=1).to(grad_bags).unsqueeze(1)
+            per_bag = self.lengths.clamp(min=1).to(torch.float32)
+            if clip is not None:  # clipped after the division: divide the bags' gradients
+                grad_bags = grad_bags / per_bag.unsqueeze(1)
+            else:  # no clipping: the division rides on each id's scale
+                bag_scale = (1.0 / per_bag).repeat_interleave(self.lengths,
+                                                              output_size=inverse.numel())
+                scale = bag_scale if scale is None else scale * bag_scale
         bag_of_id = torch.repeat_interleave(
             torch.arange(self.lengths.numel(), device=inverse.device), self.lengths,
             output_size=inverse.numel())
         offsets, order = occurrence_csr(inverse, num_rows)
-        scale = None if self.weights is None else self.weights[order].contiguous()
-        return OccurrenceGrads(grad_bags.to(torch.float32).contiguous(), offsets,
-                               bag_of_id[order].contiguous(), scale, clip)
+        return OccurrenceGrads(grad_bags.to(torch.float32), offsets,
+                               bag_of_id[order].contiguous(),
+                               None if scale is None else scale[order].contiguous(), clip)
+
+
+def _pool_all(module: DynamicEmbBagCollection, tables, size: int) -> torch.Tensor:
+    out = torch.empty(size, sum(module._dims), device=module._device)
+    for name, batch, bags in tables:
+        bags.pool_into(out, module.tables[name], batch)
+    return out
 
 
 class _PooledLookup(torch.autograd.Function):
-    """One table's bags [F * B, D]; backward applies the fused optimizer to their rows
-    straight from the bags' gradients (no [U, D] gradient is built)."""
+    """Every table's bags [B, sum of dims]; backward applies each table's fused optimizer
+    straight from the output's gradient (no per-table gradient or [U, D] tensor)."""
 
     @staticmethod
-    def forward(ctx, anchor, module: DynamicEmbBagCollection, name: str, batch: TableBatch,
-                bags: _Bags):
-        ctx.module, ctx.name, ctx.batch, ctx.bags = module, name, batch, bags
+    def forward(ctx, anchor, module: DynamicEmbBagCollection, tables, size: int):
+        ctx.module, ctx.tables = module, tables
         ctx.generation = module._generation
-        return bags.pool(module.tables[name].lookup(batch), batch.inverse)
+        return _pool_all(module, tables, size)
 
     @staticmethod
-    def backward(ctx, grad_bags):
-        module, batch = ctx.module, ctx.batch
+    def backward(ctx, grad_out):
+        module = ctx.module
         if module._stash is not None:  # stashed rows come back now at the latest
             module._stash.restore()
-        grads = ctx.bags.occurrence_grads(grad_bags, batch.inverse, batch.keys.numel(),
-                                          module._optimizer_config.max_gradient)
-        module._apply_gradients(ctx.name, batch, grads, ctx.generation)
-        return None, None, None, None, None
+        clip = module._optimizer_config.max_gradient
+        for name, batch, bags in ctx.tables:
+            table = module.tables[name]
+            grads = bags.occurrence_grads(grad_out, batch.inverse, batch.keys.numel(),
+                                          table.dim, clip, table.kernels.name == "cpu")
+            module._apply_gradients(name, batch, grads, ctx.generation)
+        return None, None, None, None

@@ -364,20 +364,23 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             # own rows: a lookup whose backward never comes (a table unused by the loss, an
             # output dropped, an exception) cannot hold rows for ever
             earlier, self._awaiting_backward = self._awaiting_backward, []
-        out: Dict[str, JaggedTensor] = {}
-        for name, table in self.tables.items():
-            batch = state.batches[name]
-            batch.consumed = True
-            out.update(self._table_outputs(name, state, kjt, trains))
+        out: Dict[str, Any] = {}
+        try:
+            for name in self.tables:
+                batch = state.batches[name]
+                batch.consumed = True
+                if trains:
+                    self._awaiting_backward.append((name, batch))
+                out.update(self._table_outputs(name, state, kjt, trains))
+            result = self._collect_outputs(out, state, kjt, trains)
+        finally:
             if trains:
-                self._awaiting_backward.append((name, batch))
-            else:
-                table.release(batch)
-        if trains:
-            self._release(earlier)
-            if self._stash is not None:  # every lookup is enqueued: the rows can go
-                self._stash.after_lookup()
-        return self._collect_outputs(out, state, kjt)
+                self._release(earlier)
+            else:  # read-only lookups hold their pins until their rows are read
+                self._drop(state)
+        if trains and self._stash is not None:  # every lookup is enqueued: the rows can go
+            self._stash.after_lookup()
+        return result
 
     def _lookup(self, name: str, batch: TableBatch, trains: bool, *,
                 per_occurrence: bool) -> torch.Tensor:
@@ -402,8 +405,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         return cut_by_feature(rows, segments, state.lengths, ids)
 
     def _collect_outputs(self, out: Dict[str, Any], state: PrefetchState,
-                         kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        """The forward's result from every feature's output, in the KJT's feature order."""
+                         kjt: KeyedJaggedTensor, trains: bool) -> Dict[str, JaggedTensor]:
+        """The forward's result from :meth:`_table_outputs`' parts, here every feature's
+        JaggedTensor, in the KJT's feature order."""
         return {f: out[f] for f in state.feature_order}
 
     def _check_state_matches(self, state: PrefetchState, kjt: KeyedJaggedTensor) -> None:

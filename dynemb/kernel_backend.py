@@ -142,3 +142,10 @@ class KernelBackend(Protocol):
 
     def round_rows(self, src, out, keys, seed, table_id, step, fmt, stochastic) -> None:
         """float32 ``src`` [N, D] rounded into float16 / bfloat16 ``out`` [N, D]."""
+
+    def pool_bags(self, weights, occ_slots, offsets, scale, mean, batch, cols, dim,
+                  out) -> None:
+        """A table's bags straight from its float32 rows ``weights`` into ``out`` [B, C]:
+        bag ``q = i * batch + b`` (feature ``i``, sample ``b``) sums rows ``occ_slots[k]``
+        for ``k`` in ``offsets[q]:offsets[q + 1]`` (times ``scale[k]`` if not empty; divided
+        by the length if ``mean``) into ``out[b, cols[i]:cols[i] + dim]``."""

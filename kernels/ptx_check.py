@@ -57,6 +57,8 @@ def launch_signatures():
         "init_rows_at_kernel": (rows, k64, k64, mask, i64, i64, i64, i64, f64, f64, f64, f64),
         "fused_update_kernel": (rows, k64, rows, k64, k64, nt.Array(nt.float32, 1, "C"), f32,
                                 i64, i64) + (f32,) * 8,
+        "pool_bags_kernel": (rows, k64, k64, nt.Array(nt.float32, 1, "C"), b1, i64, k64, i64,
+                             rows),
         "round_rows_kernel": (bits32, bits16, k64, i64, i64, i64, i64, b1),
     }
 

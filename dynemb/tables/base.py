@@ -87,6 +87,11 @@ class DynamicTable:
         can gather them straight from its rows overrides this)."""
         return self.lookup(batch).index_select(0, batch.inverse)
 
+    def rows_in_place(self, batch: TableBatch):
+        """(float32 rows, slot of each input key) to pool from in place, or None: see
+        :meth:`HbmDirectTable.rows_in_place <dynemb.tables.hbm_direct.HbmDirectTable>`."""
+        return None
+
     def _update(self, batch: TableBatch, grads: OccurrenceGrads, lr: float, step: int) -> None:
         """Apply the optimizer step ``grads`` (of U rows) to the batch's rows."""
         raise NotImplementedError

@@ -109,6 +109,16 @@ class HbmDirectTable(DynamicTable):
         slots = batch.slots.index_select(0, batch.inverse).clamp(min=0)
         return self.tier.flat.weights[:, :self.dim].index_select(0, slots).float()
 
+    def rows_in_place(self, batch: TableBatch):
+        """(float32 device rows [C, W], slot of each input key [N]) when every key of the
+        batch has a float32 device row that can be read where it is (no fallback rows), so
+        a kernel can pool straight from the table; else None."""
+        weights = self.tier.flat.weights
+        if (weights.dtype != torch.float32 or batch.fallback is not None
+                or self.kernels.defers_failures):
+            return None
+        return weights, batch.slots.index_select(0, batch.inverse)
+
     def _update(self, batch: TableBatch, grads, lr: float, step: int) -> None:
         slots = self._live_slots(self.tier, batch.slots, batch)
         self._fused_update(self.tier.flat.weights, slots, grads, batch.keys, lr, step)

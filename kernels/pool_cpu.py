@@ -1,0 +1,30 @@
+"""CPU pooling kernel: a table's bags summed (or averaged) straight from its rows into their
+columns of the collection's output (``prange`` over bags; each writes its own cells)."""
+from numba import float32, njit, prange
+
+
+@njit(cache=True, parallel=True)
+def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, out):
+    """Bag ``q = i * batch + b`` (feature ``i`` of the table, sample ``b``) holds ids
+    ``offsets[q]:offsets[q + 1]``; ``out[b, cols[i]:cols[i] + dim]`` becomes the sum of
+    ``weights[occ_slots[k], :dim]`` times ``scale[k]`` (when not empty), divided by the bag
+    length when ``mean``. An empty bag gives zeros."""
+    if batch == 0:
+        return
+    has_scale = scale.size > 0
+    for q in prange(offsets.size - 1):
+        i = q // batch
+        b = q - i * batch
+        c = cols[i]
+        start, end = offsets[q], offsets[q + 1]
+        for j in range(dim):
+            out[b, c + j] = float32(0.0)
+        for k in range(start, end):
+            s = occ_slots[k]
+            w = scale[k] if has_scale else float32(1.0)
+            for j in range(dim):
+                out[b, c + j] += weights[s, j] * w
+        if mean and end > start:
+            inv = float32(1.0) / float32(end - start)
+            for j in range(dim):
+                out[b, c + j] *= inv
