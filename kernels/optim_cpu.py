@@ -28,33 +28,36 @@ def _reduce_occurrences(g, src, offsets, order, scale, clip, i, dim):
         g[j] = float32(0.0)
     has_scale = scale.size > 0
     for k in range(offsets[i], offsets[i + 1]):
-        o = order[k]
+        row = src[order[k]]
         w = scale[k] if has_scale else float32(1.0)
-        for j in range(dim):
-            x = src[o, j]
-            if clip >= 0:
-                x = min(max(x, -clip), clip)
-            g[j] += x * w
+        if clip >= 0:
+            for j in range(dim):
+                g[j] += min(max(row[j], -clip), clip) * w
+        else:
+            for j in range(dim):
+                g[j] += row[j] * w
 
 
 @njit(cache=True, inline="always", fastmath={"reassoc"})
 def _update_row(weights, s, g, kind, dim, lr, eps, beta1, beta2, weight_decay, bias1, bias2,
                 acc0):
+    """Rows are taken as 1-D slices: numba then sees contiguous runs and vectorises."""
+    r = weights[s]
     if kind == OPT_SGD:
         for j in range(dim):
-            weights[s, j] = sgd_element(weights[s, j], g[j], lr)
+            r[j] = sgd_element(r[j], g[j], lr)
     elif kind == OPT_ADAM:
         for j in range(dim):
-            w, m, v = adam_element(weights[s, j], weights[s, dim + j], weights[s, 2 * dim + j],
+            w, m, v = adam_element(r[j], r[dim + j], r[2 * dim + j],
                                    g[j], lr, beta1, beta2, bias1, bias2, eps, weight_decay)
-            weights[s, j] = w
-            weights[s, dim + j] = m
-            weights[s, 2 * dim + j] = v
+            r[j] = w
+            r[dim + j] = m
+            r[2 * dim + j] = v
     elif kind == OPT_ADAGRAD:
         for j in range(dim):
-            w, acc = adagrad_element(weights[s, j], weights[s, dim + j] + acc0, g[j], lr, eps)
-            weights[s, j] = w
-            weights[s, dim + j] = acc - acc0
+            w, acc = adagrad_element(r[j], r[dim + j] + acc0, g[j], lr, eps)
+            r[j] = w
+            r[dim + j] = acc - acc0
     elif kind == OPT_ROWWISE_ADAGRAD:
         sum_sq = float32(0.0)
         if weight_decay == 0:
@@ -62,13 +65,13 @@ def _update_row(weights, s, g, kind, dim, lr, eps, beta1, beta2, weight_decay, b
                 sum_sq += g[j] * g[j]
         else:
             for j in range(dim):
-                x = rowwise_grad(g[j], weights[s, j], weight_decay)
+                x = rowwise_grad(g[j], r[j], weight_decay)
                 sum_sq += x * x
         acc, multiplier, correction = rowwise_adagrad_scale(
-            weights[s, dim] + acc0, sum_sq, dim, lr, eps, weight_decay)
-        weights[s, dim] = acc - acc0
+            r[dim] + acc0, sum_sq, dim, lr, eps, weight_decay)
+        r[dim] = acc - acc0
         for j in range(dim):
-            weights[s, j] = rowwise_element(weights[s, j], g[j], multiplier, correction)
+            r[j] = rowwise_element(r[j], g[j], multiplier, correction)
 
 
 @njit(cache=True, parallel=True, fastmath={"reassoc"})
