@@ -110,20 +110,10 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
     # -- input checks (run before any table changes: prefetch and forward both come here) --
     def _split_by_table(self, kjt: KeyedJaggedTensor):
         if isinstance(kjt, KeyedJaggedTensor):  # anything else: the shared check names it
-            keys = set(kjt.keys())
-            missing = [f for f in self._embedding_names if f not in keys]
-            if missing and not (keys - set(self._embedding_names)):
-                raise ValueError(f"features {missing} of this collection are not in the KJT "
-                                 f"(its features: {list(kjt.keys())}); every feature must be "
-                                 f"given, with zero-length bags where it has no ids")
-            has_weights = kjt.weights_or_none() is not None
-            if self._is_weighted and not has_weights:
-                raise ValueError("this collection is weighted (is_weighted=True) but the KJT "
-                                 "has no weights; give one weight per id")
-            if not self._is_weighted and has_weights:
-                raise ValueError("the KJT has weights but this collection is unweighted; "
-                                 "build it with is_weighted=True, or pass the KJT without "
-                                 "weights")
+            # with unknown features, the shared check below names them instead
+            unknown = set(kjt.keys()) - set(self._embedding_names)
+            check_bag_kjt(kjt, self._embedding_names, self._is_weighted,
+                          missing_ok=bool(unknown))
         return super()._split_by_table(kjt)
 
     # -- pooling -----------------------------------------------------------------------------
@@ -159,6 +149,25 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims,
                            values=values)
 
+
+
+def check_bag_kjt(kjt: KeyedJaggedTensor, features: List[str], is_weighted: bool, *,
+                  missing_ok: bool = False) -> None:
+    """Raise ``ValueError`` unless ``kjt`` has every one of ``features`` (unless
+    ``missing_ok``) and per-id weights exactly when ``is_weighted``."""
+    keys = set(kjt.keys())
+    missing = [f for f in features if f not in keys]
+    if missing and not missing_ok:
+        raise ValueError(f"features {missing} of this collection are not in the KJT (its "
+                         f"features: {list(kjt.keys())}); every feature must be given, with "
+                         f"zero-length bags where it has no ids")
+    has_weights = kjt.weights_or_none() is not None
+    if is_weighted and not has_weights:
+        raise ValueError("this collection is weighted (is_weighted=True) but the KJT has no "
+                         "weights; give one weight per id")
+    if not is_weighted and has_weights:
+        raise ValueError("the KJT has weights but this collection is unweighted; build it "
+                         "with is_weighted=True, or pass the KJT without weights")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dynemb.fused_optimizer import DynamicEmbFusedOptimizer
 from dynemb.initializers import table_identity
 from dynemb.jagged import cut_by_feature
 from dynemb.module_conversion import check_conversion
-from dynemb.optimizers import OccurrenceGrads, OptimizerConfig, clip_gradients
+from dynemb.optimizers import OccurrenceGrads, OptimizerConfig
 from dynemb.options import (DynamicEmbTableOptions, StorageMode, check_allocation,
                              choose_storage_mode)
 from dynemb.prefetch import PrefetchState
@@ -382,24 +382,18 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             self._stash.after_lookup()
         return result
 
-    def _lookup(self, name: str, batch: TableBatch, trains: bool, *,
-                per_occurrence: bool) -> torch.Tensor:
-        """One table's rows: [N, dim] one per input key (``per_occurrence``) or [U, dim] one
-        per unique key. In training, their backward runs the fused optimizer."""
-        table = self.tables[name]
-        if not trains:
-            return table.lookup_occurrences(batch) if per_occurrence else table.lookup(batch)
-        anchor = torch.empty(0, device=self._device, requires_grad=True)
-        lookup = _DynamicOccurrenceLookup if per_occurrence else _DynamicLookup
-        return lookup.apply(anchor, self, name, batch)
-
     def _table_outputs(self, name: str, state: PrefetchState, kjt: KeyedJaggedTensor,
                        trains: bool) -> Dict[str, Any]:
         """How one table's rows become its features' outputs: here one JaggedTensor of rows
         per feature, gathered straight per occurrence (a pooled collection overrides this and
         :meth:`_collect_outputs`). Their backward hands the output gradients to the fused
         optimizer kernel, which clips and sums them per row itself."""
-        rows = self._lookup(name, state.batches[name], trains, per_occurrence=True)
+        batch = state.batches[name]
+        if trains:
+            anchor = torch.empty(0, device=self._device, requires_grad=True)
+            rows = _DynamicOccurrenceLookup.apply(anchor, self, name, batch)
+        else:
+            rows = self.tables[name].lookup_occurrences(batch)
         segments = state.features[name]
         ids = {f: kjt[f].values() for f, _ in segments} if self._need_indices else None
         return cut_by_feature(rows, segments, state.lengths, ids)
@@ -462,9 +456,6 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             self._awaiting_backward = []
         return super().train(mode)
 
-    def _clip(self, grads: torch.Tensor) -> torch.Tensor:
-        return clip_gradients(grads, self._optimizer_config)
-
     def _check_lr(self) -> float:
         given = self._fused_optimizer.param_groups[0]["lr"]
         try:
@@ -511,21 +502,4 @@ class _DynamicOccurrenceLookup(torch.autograd.Function):
         grads = OccurrenceGrads.from_inverse(grad_rows, batch.inverse, batch.keys.numel(),
                                              clip=module._optimizer_config.max_gradient)
         module._apply_gradients(ctx.name, batch, grads, ctx.generation)
-        return None, None, None, None
-
-
-class _DynamicLookup(torch.autograd.Function):
-    """Unique rows of one table; backward applies the fused optimizer to them."""
-
-    @staticmethod
-    def forward(ctx, anchor, module: DynamicEmbCollection, name: str, batch: TableBatch):
-        ctx.module, ctx.name, ctx.batch = module, name, batch
-        ctx.generation = module._generation
-        return module.tables[name].lookup(batch)
-
-    @staticmethod
-    def backward(ctx, grad_rows):
-        if ctx.module._stash is not None:  # stashed rows come back now at the latest
-            ctx.module._stash.restore()
-        ctx.module._apply_gradients(ctx.name, ctx.batch, grad_rows, ctx.generation)
         return None, None, None, None

@@ -77,9 +77,10 @@ class OptimizerConfig:
       a row whose state is zero-filled (a new row) starts exactly there.
     - ``max_gradient``: gradient clipping (None = off), fbgemm's ``gradient_clipping=True`` with
       its ``max_gradient``: each element of the gradient of every lookup *output* is clamped
-      to ``[-max_gradient, max_gradient]`` before the gradients of a row are summed. Apply it
-      with :func:`clip_gradients` before reducing; ``fused_update`` never clips (a sum of
-      clipped gradients may exceed ``max_gradient``).
+      to ``[-max_gradient, max_gradient]`` before the gradients of a row are summed: give
+      ``fused_update`` an :class:`OccurrenceGrads` with ``clip`` (the collections do), or
+      apply :func:`clip_gradients` before reducing yourself; a summed ``[rows, dim]``
+      gradient is never clipped (a sum of clipped gradients may exceed ``max_gradient``).
 
     Example::
 

@@ -36,7 +36,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dynemb.bag_collection import DynamicEmbBagCollection
+from dynemb.bag_collection import DynamicEmbBagCollection, check_bag_kjt
 from dynemb.sharding.bag_input_dist import RwBagSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_options, rows_per_rank
 from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables, check_plan
@@ -142,13 +142,7 @@ class ShardedDynamicEmbBagCollection(
         self._output_dists: List[torch.nn.Module] = [PooledEmbeddingsReduceScatter(pg)]
         self._table_shardings = dict(table_name_to_parameter_sharding)
 
-    # -- TorchRec ShardedModule API -----------------------------------------------------------
-    # routing and the tables run numba kernels and host-side bookkeeping: torch.compile runs
-    # the whole sharded step eagerly (graph break)
-    @torch.compiler.disable
-    def forward(self, *input, **kwargs):
-        return super().forward(*input, **kwargs)
-
+    # -- TorchRec ShardedModule API (forward, compute_and_output_dist: ShardedTables) ---------
     def create_context(self) -> DynamicEmbBagShardingContext:
         return DynamicEmbBagShardingContext()
 
@@ -165,19 +159,8 @@ class ShardedDynamicEmbBagCollection(
         """This module's features of ``features``, in config order, checked (on the sending
         rank, before any collective, so a bad batch changes no rank's tables)."""
         check_kjt(features, self.local.device, check_lengths=self._validate)
+        check_bag_kjt(features, self._features, self._is_weighted)
         index = {f: i for i, f in enumerate(features.keys())}
-        missing = [f for f in self._features if f not in index]
-        if missing:
-            raise ValueError(f"features {missing} of this collection are not in the KJT (its "
-                             f"features: {list(features.keys())}); every feature must be "
-                             f"given, with zero-length bags where it has no ids")
-        has_weights = features.weights_or_none() is not None
-        if self._is_weighted and not has_weights:
-            raise ValueError("this collection is weighted (is_weighted=True) but the KJT has "
-                             "no weights; give one weight per id")
-        if not self._is_weighted and has_weights:
-            raise ValueError("the KJT has weights but this collection is unweighted; build "
-                             "it with is_weighted=True, or pass the KJT without weights")
         order = [index[f] for f in self._features]
         mine = features if order == list(range(len(index))) else features.permute(order)
         if self._validate:
@@ -215,10 +198,6 @@ class ShardedDynamicEmbBagCollection(
         partial = pad_per_rank(output[0], batch_sizes)
         return _PooledOutputAwaitable(self._output_dists[0](partial), ctx, self._features,
                                       self._dims)
-
-    def compute_and_output_dist(self, ctx: DynamicEmbBagShardingContext,
-                                input: KJTList) -> LazyAwaitable[KeyedTensor]:
-        return self.output_dist(ctx, self.compute(ctx, input))
 
     # -- dynemb views (the rest come from ShardedTables) ------------------------------------
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:

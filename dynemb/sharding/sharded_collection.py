@@ -146,13 +146,7 @@ class ShardedDynamicEmbCollection(
         self._output_dists: List[torch.nn.Module] = output_dists
         self._table_shardings = dict(table_name_to_parameter_sharding)
 
-    # -- TorchRec ShardedModule API -----------------------------------------------------------
-    # routing and the tables run numba kernels and host-side bookkeeping: torch.compile runs
-    # the whole sharded step eagerly (graph break)
-    @torch.compiler.disable
-    def forward(self, *input, **kwargs):
-        return super().forward(*input, **kwargs)
-
+    # -- TorchRec ShardedModule API (forward, compute_and_output_dist: ShardedTables) ---------
     def create_context(self) -> DynamicEmbShardingContext:
         return DynamicEmbShardingContext()
 
@@ -203,10 +197,6 @@ class ShardedDynamicEmbCollection(
         awaitables = [dist(rows, sharding_ctx) for dist, rows, sharding_ctx
                       in zip(self._output_dists, output, ctx.sharding_contexts)]
         return DynamicEmbOutputAwaitable(awaitables, ctx, self._need_indices)
-
-    def compute_and_output_dist(self, ctx: DynamicEmbShardingContext,
-                                input: KJTList) -> LazyAwaitable[Dict[str, JaggedTensor]]:
-        return self.output_dist(ctx, self.compute(ctx, input))
 
     @staticmethod
     def _merge(dist_input: KJTList) -> KeyedJaggedTensor:

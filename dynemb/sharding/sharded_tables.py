@@ -41,6 +41,15 @@ class ShardedTables:
 
     local: DynamicEmbCollection
 
+    # routing and the tables run numba kernels and host-side bookkeeping: torch.compile runs
+    # the whole sharded step eagerly (graph break)
+    @torch.compiler.disable
+    def forward(self, *input, **kwargs):
+        return super().forward(*input, **kwargs)
+
+    def compute_and_output_dist(self, ctx, input):
+        return self.output_dist(ctx, self.compute(ctx, input))
+
     # -- checkpoints -------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """This rank's share of every table, named ``rank<r>_of_<world>`` under the names the
