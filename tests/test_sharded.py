@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from examples.spawn import run_on_ranks
-from tests.key_reference import owner
+from tests.sharded_checks import check_rows_on_owners
 from tests.sharded_twin import FEATURES, NUM_IDS, Scenario, run_scenarios
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -82,27 +82,7 @@ def _check_steps(ranks, s):
 
 
 def _check_rows(ranks, s):
-    world = len(ranks)
-    ref = ranks[0]["ref_rows"]
-    for name in ("t0", "t1"):
-        held = {}
-        for rank, res in enumerate(ranks):
-            keys, rows = res["rows"][name]
-            strays = [k for k in keys.tolist() if owner(k, world, s.sharding) != rank]
-            assert not strays, f"rank {rank} holds keys it does not own: {strays[:5]}"
-            for k, row in zip(keys.tolist(), rows):
-                assert k not in held, f"key {k} on two ranks"
-                held[k] = row
-        ref_keys, ref_rows = ref[name]
-        assert sorted(held) == ref_keys.tolist()  # none lost, none invented
-        got = np.stack([held[k] for k in ref_keys.tolist()])
-        np.testing.assert_allclose(got, ref_rows, rtol=RTOL, atol=ATOL)
-        if s.torchrec_twin:
-            full = np.zeros((NUM_IDS, ref_rows.shape[1]), dtype=np.float32)
-            for res in ranks:
-                offset, block = res["ec_rows"][name]
-                full[offset:offset + block.shape[0]] = block
-            np.testing.assert_allclose(full[ref_keys], ref_rows, rtol=RTOL, atol=ATOL)
+    check_rows_on_owners(ranks, s.sharding, NUM_IDS, "ec_rows" if s.torchrec_twin else None, RTOL, ATOL)
 
 
 def _check(ranks, s):
