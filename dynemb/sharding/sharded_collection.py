@@ -32,9 +32,7 @@ from dynemb.jagged import cut_by_feature
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
 from dynemb.sharding.routing import RoutedIds
-from dynemb.sharding.sharded_tables import (SUPPORTED_COMPUTE_KERNELS,  # noqa: F401
-                                            SUPPORTED_SHARDING_TYPES, SavedBySharded,
-                                            ShardedTables, check_plan)
+from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables, check_plan
 from dynemb.validation import check_keys, check_kjt
 
 @dataclass
