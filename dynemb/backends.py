@@ -15,6 +15,7 @@ Example::
 """
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 from typing import Tuple
 
@@ -29,6 +30,8 @@ from dynemb.kernels.constants import EMPTY_KEY, TOMBSTONE_KEY, cuda_simulator_en
 _THREADS_PER_BLOCK = 256
 _SIMULATED_THREADS_PER_BLOCK = 32
 _MIN_PARALLEL_KEYS = 16384
+#: find_or_insert: smallest batch worth sorting by bucket.
+_MIN_PARTITIONED_KEYS = 4096
 
 
 class CpuBackend:
@@ -74,6 +77,23 @@ class CpuBackend:
                                      policy, clock, allow_evict, n(slots), n(out_prev_keys),
                                      n(out_prev_scores), n(out_failed), numba.get_num_threads())
 
+    def find_or_insert(self, table: TableArrays, ukeys, counts, given, policy, clock,
+                       allow_evict, pin, out_slots, out_inserted, out_prev_keys, out_prev_scores,
+                       out_failed, out_stats):
+        n = self._np
+        keys = ukeys.numel()
+        # Batches large enough to revisit buckets go in bucket order, a bucket range at a time
+        # (its slots stay in cache and the table is read front to back); small ones in batch
+        # order.
+        parts = 1
+        if keys >= _MIN_PARTITIONED_KEYS:
+            parts = min(table.num_buckets, keys)
+        scratch = _SCRATCH.get(table_cpu.scratch_size(keys, parts, policy))
+        table_cpu.find_or_insert_cpu(*_claim_args(table, n), n(ukeys), n(counts), n(given),
+                                     policy, clock, allow_evict, pin, parts, scratch,
+                                     n(out_slots), n(out_inserted), n(out_prev_keys),
+                                     n(out_prev_scores), n(out_failed), n(out_stats))
+
     def erase(self, table: TableArrays, keys, out_erased, out_pinned):
         n = self._np
         table_cpu.erase_cpu(*_claim_args(table, n), n(keys), n(out_erased), n(out_pinned))
@@ -81,11 +101,11 @@ class CpuBackend:
     def dedup(self, keys):
         """(unique keys in first-occurrence order, inverse, counts)."""
         n = keys.numel()
-        size = 1 << max(4, (2 * n - 1).bit_length())
-        scratch = torch.full((size, 2), EMPTY_KEY, dtype=torch.int64)
         unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-        u = table_cpu.dedup_cpu(keys.numpy(), scratch.view(-1).numpy(), unique.numpy(),
-                                inverse.numpy(), counts.numpy())
+        parts = table_cpu.dedup_parts(n)
+        scratch = _SCRATCH.get(table_cpu.dedup_scratch_size(n))
+        u = table_cpu.dedup_cpu(keys.numpy(), parts, scratch, unique.numpy(), inverse.numpy(),
+                                counts.numpy())
         return unique[:u], inverse, counts[:u]
 
     def add_refcounts(self, table: TableArrays, slots, delta):
@@ -132,6 +152,23 @@ class CpuBackend:
         n = self._np
         pool_cpu.pool_bags_cpu(n(weights), n(occ_slots), n(offsets), n(scale), bool(mean),
                                int(batch), n(cols), int(dim), n(out))
+
+
+class _Scratch(threading.local):
+    """One growing int64 buffer per thread, reused by the kernels across calls (a large batch
+    would otherwise fault in fresh pages on every call)."""
+
+    def __init__(self):
+        self._buffer = np.empty(0, dtype=np.int64)
+
+    def get(self, words: int) -> np.ndarray:
+        """At least ``words`` int64 of scratch (contents undefined)."""
+        if self._buffer.size < words:
+            self._buffer = np.empty(max(words, self._buffer.size * 5 // 4), dtype=np.int64)
+        return self._buffer
+
+
+_SCRATCH = _Scratch()
 
 
 class CudaBackend:
@@ -206,6 +243,24 @@ class CudaBackend:
         self._launch(self._table.insert_missing_kernel, ukeys.numel(), *_claim_args(table, a),
                      a(ukeys), a(counts), a(given), policy, clock, allow_evict, a(slots),
                      a(out_prev_keys), a(out_prev_scores), a(out_failed))
+
+    def find_or_insert(self, table: TableArrays, ukeys, counts, given, policy, clock,
+                       allow_evict, pin, out_slots, out_inserted, out_prev_keys, out_prev_scores,
+                       out_failed, out_stats):
+        """Look up and pin every key, then claim slots for the missing ones: the pins keep a
+        batch's slots from being claimed by its other keys; without ``pin`` they are dropped
+        at the end. Stats are computed on the device (no host sync)."""
+        self.lookup_update(table, ukeys, counts, given, policy, clock, True, out_slots,
+                           out_prev_scores)
+        hit = out_slots >= 0
+        self.insert_missing(table, ukeys, counts, given, policy, clock, allow_evict, out_slots,
+                            out_prev_keys, out_prev_scores, out_failed)
+        torch.logical_and(out_slots >= 0, ~hit, out=out_inserted)
+        if not pin:
+            self.add_refcounts(table, out_slots, -1)
+        out_stats[0] = out_failed.sum()
+        out_stats[1] = (out_inserted & (out_prev_keys != EMPTY_KEY)
+                        & (out_prev_keys != TOMBSTONE_KEY)).sum()
 
     def erase(self, table: TableArrays, keys, out_erased, out_pinned):
         a = self._arr

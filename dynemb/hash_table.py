@@ -166,31 +166,28 @@ class ScoredHashTable:
         self._undoable = None
         remap = self._grow_for(ukeys) if self.grow_at_load_factor is not None else None
         while True:
-            attempt = self._find_or_insert_once(ukeys, counts, given)
-            slots, hit, prev_keys, prev_scores, failed = attempt
+            attempt = self._find_or_insert_once(ukeys, counts, given, pin)
+            slots, inserted, prev_keys, prev_scores, failed, stats = attempt
             new_capacity = self._next_capacity(self.capacity + 1)
-            if new_capacity is not None and self._evicted_any(slots, hit, prev_keys):
+            if new_capacity is not None and bool(stats[1]):
                 # Below max_capacity a full bucket means "grow", never "forget a key".
-                self._rollback(slots, hit, prev_keys, prev_scores)
+                self._rollback(slots, inserted, prev_keys, prev_scores, pinned=pin)
                 remap = _compose(remap, self.grow(new_capacity))
                 continue
-            if on_failure == "defer" or not bool(failed.any()):
+            if on_failure == "defer" or not bool(stats[0]):
                 break
             if on_failure == "report" and new_capacity is None:
                 break
-            self._rollback(slots, hit, prev_keys, prev_scores)
+            self._rollback(slots, inserted, prev_keys, prev_scores, pinned=pin)
             if new_capacity is None:
                 raise TableFullError(
-                    f"{int(failed.sum())} of {ukeys.numel()} keys found no slot: their buckets "
+                    f"{int(stats[0])} of {ukeys.numel()} keys found no slot: their buckets "
                     f"are full of pinned slots or the policy is NO_EVICTION "
                     f"(capacity {self.capacity}, size {self.size()}); the table is unchanged"
                     + ("" if remap is None else " except that it grew (see .remap)"),
                     ukeys[failed], remap)
             remap = _compose(remap, self.grow(new_capacity))
-        if not pin:
-            self._backend.add_refcounts(self._arrays, slots, -1)
         self._undoable = weakref.ref(slots) if pin else None
-        inserted = ~hit & (slots >= 0)
         return FindOrInsertResult(ukeys, inverse, slots, inserted, prev_keys, prev_scores, failed,
                                   remap)
 
@@ -217,8 +214,8 @@ class ScoredHashTable:
                              "find_or_insert(pin=True), once, before any other scoring call or "
                              "growth")
         self._undoable = None
-        hit = (result.slots >= 0) & ~result.inserted
-        self._rollback(result.slots, hit, result.previous_keys, result.previous_scores)
+        self._rollback(result.slots, result.inserted, result.previous_keys,
+                       result.previous_scores, pinned=True)
 
     def restore_scores(self, slots: torch.Tensor, scores: torch.Tensor) -> None:
         """Give keys that came back to the table the scores they had when they left it.
@@ -249,52 +246,53 @@ class ScoredHashTable:
         elif self.policy is ScorePolicy.STEP:
             self._arrays.scores.index_copy_(0, slots, scores)
 
-    @staticmethod
-    def _evicted_any(slots, hit, prev_keys) -> bool:
-        inserted = ~hit & (slots >= 0)
-        return bool((inserted & (prev_keys != EMPTY_KEY) & (prev_keys != TOMBSTONE_KEY)).any())
-
-    def _find_or_insert_once(self, ukeys, counts, given):
+    def _find_or_insert_once(self, ukeys, counts, given, pin, policy=None, allow_evict=None):
+        """One attempt: (slots, inserted, previous keys, previous scores, failed, stats), stats
+        = (keys failed, live keys evicted) as a device tensor. ``policy`` / ``allow_evict``
+        override the table's (loading entries uses CUSTOMIZED scores and never evicts)."""
+        policy = self.policy if policy is None else policy
+        if allow_evict is None:
+            allow_evict = policy is not ScorePolicy.NO_EVICTION
         self._clock += 1
-        slots = torch.empty_like(ukeys)
-        prev_scores = torch.empty_like(ukeys)
-        self._lookup_update(ukeys, counts, given, pin=True, slots=slots, prev_scores=prev_scores)
-        hit = slots >= 0
-        prev_keys = torch.empty_like(ukeys)
-        failed = torch.empty(ukeys.shape, dtype=torch.bool, device=self.device)
-        self._backend.insert_missing(
-            self._arrays, ukeys, counts, given, self.policy.code, self._clock,
-            self.policy is not ScorePolicy.NO_EVICTION, slots, prev_keys, prev_scores, failed)
-        return slots, hit, prev_keys, prev_scores, failed
+        slots, prev_keys, prev_scores = (torch.empty_like(ukeys) for _ in range(3))
+        inserted = torch.empty(ukeys.shape, dtype=torch.bool, device=self.device)
+        failed = torch.empty_like(inserted)
+        stats = torch.empty(2, dtype=torch.int64, device=self.device)
+        self._backend.find_or_insert(self._arrays, ukeys, counts, given, policy.code,
+                                     self._clock, allow_evict, pin, slots, inserted, prev_keys,
+                                     prev_scores, failed, stats)
+        return slots, inserted, prev_keys, prev_scores, failed, stats
 
     def _lookup_update(self, ukeys, counts, given, *, pin, slots, prev_scores) -> None:
         self._backend.lookup_update(self._arrays, ukeys, counts, given, self.policy.code,
                                     self._clock, pin, slots, prev_scores)
 
-    def _rollback(self, slots, hit, prev_keys, prev_scores) -> None:
-        """Undo one ``_find_or_insert_once``: restore keys, scores, size, pins and clock."""
+    def _rollback(self, slots, inserted, prev_keys, prev_scores, *, pinned) -> None:
+        """Undo one ``_find_or_insert_once``: restore keys, scores, size, clock and, if the
+        call ``pinned`` its slots, pins."""
         placed = slots >= 0
-        inserted = placed & ~hit
         ins_slots = slots[inserted]
         restored = prev_keys[inserted]
         arrays = self._arrays
         arrays.keys[ins_slots] = restored
         arrays.size.sub_((restored == EMPTY_KEY).sum() + (restored == TOMBSTONE_KEY).sum())
         arrays.scores[slots[placed]] = prev_scores[placed]
-        self._backend.add_refcounts(arrays, slots, -1)
+        if pinned:
+            self._backend.add_refcounts(arrays, slots, -1)
         self._clock -= 1
 
     def _dedup(self, keys, scores, assume_unique):
         if assume_unique:
-            counts = torch.ones_like(keys)
+            # ones / zeros a policy does not read stay a single broadcast element
+            counts = keys.new_ones(1).expand(keys.shape)
             inverse = torch.arange(keys.numel(), device=self.device)
-            given = scores if scores is not None else torch.zeros_like(keys)
+            given = scores if scores is not None else keys.new_zeros(1).expand(keys.shape)
             return keys, inverse, counts, given
         ukeys, inverse, counts = self._backend.dedup(keys)
-        given = torch.zeros_like(ukeys)
-        if scores is not None:
-            given = given.fill_(torch.iinfo(torch.int64).min).scatter_reduce(
-                0, inverse, scores, reduce="amax")
+        if scores is None:
+            return ukeys, inverse, counts, ukeys.new_zeros(1).expand(ukeys.shape)
+        given = torch.full_like(ukeys, torch.iinfo(torch.int64).min).scatter_reduce(
+            0, inverse, scores, reduce="amax")
         return ukeys, inverse, counts, given
 
     # -- removal and pins --------------------------------------------------------------------
@@ -433,32 +431,23 @@ class ScoredHashTable:
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError("keys must be distinct (one entry per key)")
         self._undoable = None
-        counts = torch.ones_like(keys)
-        custom = ScorePolicy.CUSTOMIZED.code
+        counts = keys.new_ones(1).expand(keys.shape)
         remap = self._grow_for(keys) if self.grow_at_load_factor is not None else None
         while True:
-            slots, prev_scores = torch.empty_like(keys), torch.empty_like(keys)
-            self._backend.lookup_update(self._arrays, keys, counts, scores, custom, self._clock,
-                                        True, slots, prev_scores)
-            hit = slots >= 0
-            prev_keys = torch.empty_like(keys)
-            failed = torch.empty(keys.shape, dtype=torch.bool, device=self.device)
-            self._backend.insert_missing(self._arrays, keys, counts, scores, custom,
-                                         self._clock, False, slots, prev_keys, prev_scores,
-                                         failed)
-            if not bool(failed.any()):
+            slots, inserted, prev_keys, prev_scores, failed, stats = self._find_or_insert_once(
+                keys, counts, scores, False, ScorePolicy.CUSTOMIZED, allow_evict=False)
+            self._clock -= 1  # loading is no scoring call
+            if not bool(stats[0]):
                 break
             self._clock += 1  # _rollback steps the clock back
-            self._rollback(slots, hit, prev_keys, prev_scores)
+            self._rollback(slots, inserted, prev_keys, prev_scores, pinned=False)
             new_capacity = self._next_capacity(self.capacity + 1)
             if new_capacity is None:
                 raise TableFullError(
-                    f"{int(failed.sum())} of {keys.numel()} keys found no free slot (capacity "
+                    f"{int(stats[0])} of {keys.numel()} keys found no free slot (capacity "
                     f"{self.capacity}, size {self.size()}, buckets of {self.bucket_size}); "
                     f"nothing was inserted", keys[failed], remap)
             remap = _compose(remap, self.grow(new_capacity))
-        self._backend.add_refcounts(self._arrays, slots, -1)
-        inserted = ~hit & (slots >= 0)
         return FindOrInsertResult(keys, torch.arange(keys.numel(), device=self.device), slots,
                                   inserted, prev_keys, prev_scores, failed, remap)
 

@@ -102,6 +102,17 @@ class KernelBackend(Protocol):
         goes to ``out_prev_keys`` / ``out_prev_scores``. Keys finding no slot keep -1 and are
         flagged in ``out_failed``."""
 
+    def find_or_insert(self, table: TableArrays, ukeys, counts, given, policy: int,
+                       clock: int, allow_evict: bool, pin: bool, out_slots, out_inserted,
+                       out_prev_keys, out_prev_scores, out_failed, out_stats) -> None:
+        """Find ``ukeys``, rescoring hits by ``policy``, and give each missing key a slot of
+        its bucket: the first free one of its probe, else (with ``allow_evict``) the unpinned
+        slot with the lowest score that no key of the call found or claimed. ``out_inserted``
+        flags the claimed slots; ``out_prev_keys`` / ``out_prev_scores`` say what they held
+        (for hits: ``EMPTY_KEY`` and the score before the update). Keys finding no slot get -1
+        and ``out_failed``. With ``pin`` every returned slot gets one pin, else pins are as
+        before. ``out_stats`` [2] int64: (keys failed, live keys evicted)."""
+
     def erase(self, table: TableArrays, keys, out_erased, out_pinned) -> None:
         """Remove ``keys`` (``out_erased``), except pinned ones (``out_pinned``)."""
 

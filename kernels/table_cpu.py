@@ -1,16 +1,20 @@
 """CPU kernels of the scored hash table (``@njit``).
 
-Read-only kernels run in parallel (``prange``); kernels that claim slots run sequentially in
-batch order, which makes their victims and slot choices deterministic. The CUDA twins in
-``table_cuda.py`` implement the same rules with atomics.
+Read-only kernels run in parallel (``prange``); kernels that claim slots keep batch order within
+each bucket (threads split the buckets), which makes their victims and slot choices
+deterministic and independent of the thread count. The CUDA twins in ``table_cuda.py``
+implement the same rules with atomics. See docs/hash_table.md for the insert path.
 
 Arrays: ``tbl_keys`` [C] int64, ``tbl_scores`` [C] int64, ``refcnt`` [C] int32, ``size`` [1]
 int64, with ``C = num_buckets * bucket_size``.
 """
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, prange
+from numba.cpython.unsafe.numbers import trailing_zeros
 
-from .constants import EMPTY_KEY, TOMBSTONE_KEY
+from .constants import EMPTY_KEY, POLICY_CUSTOMIZED, POLICY_LFU, TOMBSTONE_KEY
 from .hashing import bucket_base_and_start, is_live_key, mix64, probe
 from .scoring import INT64_MAX, score_on_hit, score_on_insert
 
@@ -198,37 +202,6 @@ def rehash_cpu(old_keys, old_scores, old_refcnt, new_keys, new_scores, new_refcn
 
 
 @njit(cache=True)
-def dedup_cpu(keys, scratch, out_unique, out_inverse, out_counts):
-    """Unique keys in first-occurrence order with inverse indices and counts; returns U.
-
-    ``scratch`` [2 * S] is a throwaway open-addressing set of (key, unique index) pairs, S a
-    power of two >= 2 * ``keys.size``, keys filled with EMPTY_KEY; ``keys`` holds no EMPTY_KEY.
-    """
-    mask = scratch.size // 2 - 1
-    n = 0
-    for i in range(keys.size):
-        key = keys[i]
-        h = mix64(key) & mask
-        while True:
-            k = scratch[2 * h]
-            if k == EMPTY_KEY:
-                scratch[2 * h] = key
-                scratch[2 * h + 1] = n
-                out_unique[n] = key
-                out_counts[n] = 1
-                out_inverse[i] = n
-                n += 1
-                break
-            if k == key:
-                j = scratch[2 * h + 1]
-                out_counts[j] += 1
-                out_inverse[i] = j
-                break
-            h = (h + 1) & mask
-    return n
-
-
-@njit(cache=True)
 def count_reserved_cpu(keys):
     """Number of EMPTY/TOMBSTONE keys (one pass; the public API rejects them)."""
     n = 0
@@ -252,3 +225,439 @@ def claim_summary_cpu(slots, inserted, prev_keys):
                 if is_live_key(prev_keys[i]):
                     evicted += 1
     return placed, new, evicted
+
+
+# -- find_or_insert in bucket order ------------------------------------------------------------
+# A batch is split into partitions, each a contiguous range of buckets, and every partition is
+# processed on its own: first its keys in batch order (hits rescored, misses placed in the first
+# free slot of their probe, misses of full buckets deferred), then its deferred keys, which evict.
+# A partition's slots stay in cache while it is processed, so a large batch walks through the
+# table instead of missing the cache once per array per key (hence no digest array: it would
+# add a cache line to every insert and save nothing once a bucket is in cache). Keys never leave their bucket and
+# a bucket keeps batch order, so the slots chosen are those of two passes over the whole batch
+# (every lookup, then every claim) and do not depend on the number of partitions or threads.
+
+#: Threads take the partitions in this many contiguous chunks.
+CLAIM_CHUNKS = 64
+ALL_BITS = np.uint64(0xFFFFFFFFFFFFFFFF)
+#: 2**64 / golden ratio as int64: a multiplicative hash for the key filter
+FILTER_MULTIPLIER = np.int64(-7046029254386353131)
+
+
+@njit(cache=True, inline="always")
+def _locate(tbl_keys, key, base, start, bucket_size):
+    """(slot holding ``key`` or -1, first free slot of its probe or -1). One compare per slot
+    on the common path: the two reserved keys are the two smallest int64."""
+    mask = bucket_size - 1
+    free = -1
+    for j in range(bucket_size):
+        s = base + ((start + j) & mask)
+        k = tbl_keys[s]
+        if k == key:
+            return s, -1
+        if k <= TOMBSTONE_KEY:
+            if k == EMPTY_KEY:
+                return -1, (s if free < 0 else free)
+            if free < 0:
+                free = s
+    return -1, free
+
+
+@njit(cache=True, inline="always")
+def _find_in_full_bucket(tbl_keys, key, base, start, bucket_size):
+    """Slot holding ``key`` in a bucket without free slots, or -1."""
+    hits = 0
+    for s in range(base, base + bucket_size):
+        hits += np.int64(tbl_keys[s] == key)
+    if hits == 0:
+        return -1
+    mask = bucket_size - 1
+    for j in range(bucket_size):
+        s = base + ((start + j) & mask)
+        if tbl_keys[s] == key:
+            return s
+    return -1
+
+
+@njit(cache=True, inline="always")
+def _lowest_candidates(cand_scores, cand_ok, bucket_size):
+    """Lowest candidate score and the positions holding it, a 128-bit mask (two words)."""
+    lowest = INT64_MAX
+    for pos in range(bucket_size):
+        lowest = min(lowest, cand_scores[pos] if cand_ok[pos] else INT64_MAX)
+    low_bits = np.uint64(0)
+    high_bits = np.uint64(0)
+    for pos in range(min(bucket_size, 64)):
+        hit = cand_ok[pos] and cand_scores[pos] == lowest
+        low_bits |= np.uint64(hit) << np.uint64(pos)
+    for pos in range(64, bucket_size):
+        hit = cand_ok[pos] and cand_scores[pos] == lowest
+        high_bits |= np.uint64(hit) << np.uint64(pos - 64)
+    return lowest, low_bits, high_bits
+
+
+@njit(cache=True, inline="always")
+def _first_bit_from(low_bits, high_bits, start):
+    """First set position of the 128-bit mask in probe order from ``start`` (circular over the
+    bucket; bits past the bucket are clear), or -1."""
+    zero = np.uint64(0)
+    if start < 64:
+        ahead = low_bits & (ALL_BITS << np.uint64(start))
+        if ahead != zero:
+            return np.int64(trailing_zeros(ahead))
+        if high_bits != zero:
+            return 64 + np.int64(trailing_zeros(high_bits))
+    else:
+        ahead = high_bits & (ALL_BITS << np.uint64(start - 64))
+        if ahead != zero:
+            return 64 + np.int64(trailing_zeros(ahead))
+    if low_bits != zero:
+        return np.int64(trailing_zeros(low_bits))
+    if high_bits != zero:
+        return 64 + np.int64(trailing_zeros(high_bits))
+    return np.int64(-1)
+
+
+@njit(cache=True, inline="always")
+def _filter_bit(key):
+    """Position of ``key`` in a bucket's 1024-bit membership filter."""
+    return ((key * FILTER_MULTIPLIER) >> 54) & 1023
+
+
+@njit(cache=True, inline="always")
+def _take_slot(tbl_keys, tbl_scores, s, j, key, score, out_slots, out_inserted, out_prev_keys,
+               out_prev_scores):
+    out_prev_keys[j] = tbl_keys[s]
+    out_prev_scores[j] = tbl_scores[s]
+    tbl_keys[s] = key
+    tbl_scores[s] = score
+    out_slots[j] = s
+    out_inserted[j] = True
+
+
+class _Work(NamedTuple):
+    """Per-thread buffers of ``_claim_range``."""
+
+    key_filter: np.ndarray  # [16] uint64: 1024-bit filter of a full bucket's keys
+    cand_scores: np.ndarray  # [bucket_size] int64: scores of a bucket's eviction candidates
+    cand_ok: np.ndarray  # [bucket_size] bool: which slots are candidates
+
+
+@njit(cache=True, inline="always")
+def _new_work(bucket_size):
+    return _Work(np.zeros(16, dtype=np.uint64), np.empty(bucket_size, dtype=np.int64),
+                 np.empty(bucket_size, dtype=np.bool_))
+
+
+@njit(cache=True, inline="always")
+def _claim_range(tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, keys, counts, given,
+                 policy, clock, allow_evict, pin, lo, hi, out_slots, out_inserted, out_prev_keys,
+                 out_prev_scores, out_failed, work):
+    """Keys ``keys[lo:hi]``, whose buckets no other range touches; returns (keys added, live
+    keys evicted, keys failed). ``counts`` / ``given`` are read only by LFU / CUSTOMIZED.
+
+    Keys of one bucket that follow each other share its scans: a bucket found full stays full
+    (nothing is freed during a call), and the eviction candidates of a bucket are gathered once
+    per run of its keys."""
+    added = 0
+    deferred = 0
+    full_base = -1
+    # Keys of a full bucket: a 1024-bit filter of its keys (built at the second lookup in a
+    # row) rules most misses out without a scan; the bucket's keys do not change meanwhile.
+    key_filter = work.key_filter
+    filter_base = -1
+    full_lookups = 0
+    for j in range(lo, hi):
+        key = keys[j]
+        out_slots[j] = -1
+        out_inserted[j] = False
+        out_failed[j] = False
+        out_prev_keys[j] = EMPTY_KEY
+        out_prev_scores[j] = 0
+        if key == EMPTY_KEY:
+            continue
+        base, start = bucket_base_and_start(key, num_buckets, bucket_size)
+        if base == full_base:
+            free = -1
+            full_lookups += 1
+            if full_lookups == 2 and filter_base != base:
+                filter_base = base
+                key_filter[:] = 0
+                for q in range(base, base + bucket_size):
+                    bit = _filter_bit(tbl_keys[q])
+                    key_filter[bit >> 6] |= np.uint64(1) << np.uint64(bit & 63)
+            s = -1
+            bit = _filter_bit(key)
+            if filter_base != base or (
+                    key_filter[bit >> 6] & (np.uint64(1) << np.uint64(bit & 63))) != 0:
+                s = _find_in_full_bucket(tbl_keys, key, base, start, bucket_size)
+        else:
+            full_lookups = 0
+            s, free = _locate(tbl_keys, key, base, start, bucket_size)
+            if s < 0 and free < 0:
+                full_base = base
+        count = counts[j] if policy == POLICY_LFU else 0
+        mine = given[j] if policy == POLICY_CUSTOMIZED else 0
+        if s >= 0:
+            old = tbl_scores[s]
+            out_prev_scores[j] = old
+            tbl_scores[s] = score_on_hit(policy, old, clock, count, mine)
+            out_slots[j] = s
+        elif free >= 0:
+            s = free
+            _take_slot(tbl_keys, tbl_scores, s, j, key,
+                       score_on_insert(policy, clock, count, mine), out_slots, out_inserted,
+                       out_prev_keys, out_prev_scores)
+            added += 1
+        else:
+            deferred += 1
+            continue
+        if pin:
+            refcnt[s] += 1
+    if deferred == 0:
+        return added, 0, 0
+    # Evictions: this call's slots are pinned (for the caller or just until the end) so that
+    # no key of the batch displaces another.
+    if not pin:
+        for j in range(lo, hi):
+            s = out_slots[j]
+            if s >= 0:
+                refcnt[s] += 1
+    evicted = 0
+    failed = 0
+    cand_scores = work.cand_scores
+    cand_ok = work.cand_ok
+    cand_base = -1
+    low_bits = np.uint64(0)
+    high_bits = np.uint64(0)
+    for j in range(lo, hi):
+        key = keys[j]
+        if key == EMPTY_KEY or out_slots[j] >= 0:
+            continue
+        pos = -1
+        base, start = bucket_base_and_start(key, num_buckets, bucket_size)
+        if allow_evict:
+            if base != cand_base:
+                # Candidates: unpinned live slots. Claims only remove candidates, so the lowest
+                # score and its positions stay valid until every one of them is claimed.
+                cand_base = base
+                for q in range(bucket_size):
+                    s = base + q
+                    cand_ok[q] = refcnt[s] == 0 and tbl_keys[s] > TOMBSTONE_KEY
+                    cand_scores[q] = tbl_scores[s]
+                _, low_bits, high_bits = _lowest_candidates(cand_scores, cand_ok, bucket_size)
+            pos = _first_bit_from(low_bits, high_bits, start)
+            if pos < 0:
+                _, low_bits, high_bits = _lowest_candidates(cand_scores, cand_ok, bucket_size)
+                pos = _first_bit_from(low_bits, high_bits, start)
+            if pos >= 0:
+                cand_ok[pos] = False
+                if pos < 64:
+                    low_bits &= ~(np.uint64(1) << np.uint64(pos))
+                else:
+                    high_bits &= ~(np.uint64(1) << np.uint64(pos - 64))
+        if pos < 0:
+            out_failed[j] = True
+            failed += 1
+            continue
+        s = base + pos
+        count = counts[j] if policy == POLICY_LFU else 0
+        mine = given[j] if policy == POLICY_CUSTOMIZED else 0
+        _take_slot(tbl_keys, tbl_scores, s, j, key, score_on_insert(policy, clock, count, mine),
+                   out_slots, out_inserted, out_prev_keys, out_prev_scores)
+        refcnt[s] += 1
+        evicted += 1
+    if not pin:
+        for j in range(lo, hi):
+            s = out_slots[j]
+            if s >= 0:
+                refcnt[s] -= 1
+    return added, evicted, failed
+
+
+def scratch_size(n, parts, policy):
+    """int64 words of scratch ``find_or_insert_cpu`` needs for ``n`` keys in ``parts``."""
+    if parts == 1:
+        return 0
+    extra = n if policy == POLICY_LFU or policy == POLICY_CUSTOMIZED else 0
+    return 6 * n + extra + 5 * parts + 1
+
+
+@njit(cache=True, inline="always")
+def _sort_by_partition(ukeys, counts, given, policy, num_buckets, bucket_size, parts, scratch):
+    """Copies of the keys (and of what the policy reads of counts / given) ordered by
+    partition, stably: partition ``p`` holds buckets ``[p * B / parts, (p + 1) * B / parts)``
+    and its keys are ``[bounds[p], bounds[p + 1])``. ``rank[i]``: where key ``i`` went.
+    Everything is carved out of ``scratch`` (see ``scratch_size``); returns the rest of it."""
+    n = ukeys.size
+    bounds = scratch[:parts + 1]
+    cursor = scratch[parts + 1:2 * parts + 1]
+    keys = scratch[2 * parts + 1:2 * parts + 1 + n]
+    rank = scratch[2 * parts + 1 + n:2 * parts + 1 + 2 * n]
+    rest = scratch[2 * parts + 1 + 2 * n:]
+    sorted_side = rest[:n] if policy == POLICY_LFU or policy == POLICY_CUSTOMIZED else rest[:0]
+    rest = rest[sorted_side.size:]
+    bounds[:] = 0
+    for i in range(n):
+        base, _ = bucket_base_and_start(ukeys[i], num_buckets, bucket_size)
+        p = (base // bucket_size) * parts // num_buckets
+        rank[i] = p  # the partition until the next loop
+        bounds[p + 1] += 1
+    for p in range(parts):
+        bounds[p + 1] += bounds[p]
+        cursor[p] = bounds[p]
+    side = counts if policy == POLICY_LFU else given
+    for i in range(n):
+        key = ukeys[i]
+        p = rank[i]
+        j = cursor[p]
+        cursor[p] = j + 1
+        keys[j] = key
+        rank[i] = j
+        if sorted_side.size:
+            sorted_side[j] = side[i]
+    return keys, sorted_side, rank, bounds, rest
+
+
+@njit(cache=True, parallel=True)
+def find_or_insert_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, ukeys,
+                       counts, given, policy, clock, allow_evict, pin, parts, scratch,
+                       out_slots, out_inserted, out_prev_keys, out_prev_scores, out_failed,
+                       out_stats):
+    """Find every unique key, placing the missing ones.
+
+    Hits are rescored by ``policy``; a missing key takes the first EMPTY or TOMBSTONE slot of
+    its probe, or in a full bucket (when ``allow_evict``) the unpinned live slot with the lowest
+    score (ties: earliest in probe order), after every hit and free-slot claim of its bucket, in
+    batch order. No slot hit or claimed by the call is a victim. With ``pin`` each returned
+    slot gets one pin. ``out_prev_keys`` / ``out_prev_scores``: what a claimed slot held (a hit
+    keeps its old score there). ``out_stats``: (keys failed, live keys evicted).
+
+    ``parts`` > 1: the keys are first copied in bucket order (``parts`` partitions of the
+    buckets, ``scratch`` of ``scratch_size`` words) and threads split the partitions; 1: the
+    whole batch in order, on one thread.
+    """
+    n = ukeys.size
+    if parts == 1:
+        added, evicted, failed = _claim_range(
+            tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, ukeys, counts, given, policy,
+            clock, allow_evict, pin, 0, n, out_slots, out_inserted, out_prev_keys,
+            out_prev_scores, out_failed, _new_work(bucket_size))
+        size[0] += added
+        out_stats[0] = failed
+        out_stats[1] = evicted
+        return
+    keys, side, rank, bounds, rest = _sort_by_partition(
+        ukeys, counts, given, policy, num_buckets, bucket_size, parts, scratch)
+    # One record per key (slot, previous key, previous score, flag), 32 bytes: a single cache
+    # line to read when the results go back to batch order. The flag column takes both
+    # "inserted" and "failed" (a failed key has no slot).
+    rec = rest[:4 * n].reshape((n, 4))
+    stats = rest[4 * n:4 * n + 3 * parts].reshape((parts, 3))
+    stats[:] = 0
+    chunks = min(parts, CLAIM_CHUNKS)
+    for c in prange(chunks):
+        work = _new_work(bucket_size)
+        for p in range(c * parts // chunks, (c + 1) * parts // chunks):
+            stats[p, 0], stats[p, 1], stats[p, 2] = _claim_range(
+                tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, keys, side, side,
+                policy, clock, allow_evict, pin, bounds[p], bounds[p + 1], rec[:, 0],
+                rec[:, 3], rec[:, 1], rec[:, 2], rec[:, 3], work)
+    for i in prange(n):
+        j = rank[i]
+        s = rec[j, 0]
+        out_slots[i] = s
+        out_prev_keys[i] = rec[j, 1]
+        out_prev_scores[i] = rec[j, 2]
+        out_inserted[i] = s >= 0 and rec[j, 3] != 0
+        out_failed[i] = s < 0 and ukeys[i] != EMPTY_KEY
+    size[0] += stats[:, 0].sum()
+    out_stats[0] = stats[:, 2].sum()
+    out_stats[1] = stats[:, 1].sum()
+
+#: Keys per partition of the dedup: its hash set (24 B an entry, 2-4 entries a key) stays in
+#: the L1 / L2 cache.
+DEDUP_PARTITION_KEYS = 1024
+
+
+def dedup_scratch_size(n):
+    """int64 words of scratch ``dedup_cpu`` needs for ``n`` keys."""
+    return 3 * n + 2 * dedup_parts(n) + 1
+
+
+def dedup_parts(n):
+    """Partitions (a power of two) ``dedup_cpu`` splits ``n`` keys into."""
+    parts = 1
+    while parts * DEDUP_PARTITION_KEYS < n:
+        parts *= 2
+    return parts
+
+
+@njit(cache=True)
+def dedup_cpu(keys, parts, scratch, out_unique, out_inverse, out_counts):
+    """Unique keys in first-occurrence order with inverse indices and counts; returns U.
+
+    The keys are copied into ``parts`` (a power of two) partitions by hash, each deduplicated
+    in batch order with a small open-addressing set that stays in cache; a last pass in batch
+    order numbers the unique keys. ``scratch``: ``dedup_scratch_size`` words.
+    """
+    n = keys.size
+    shift = 0
+    while (np.int64(1) << shift) < parts:
+        shift += 1
+    bounds = scratch[:parts + 1]
+    cursor = scratch[parts + 1:2 * parts + 1]
+    sorted_keys = scratch[2 * parts + 1:2 * parts + 1 + n]
+    first = scratch[2 * parts + 1 + n:2 * parts + 1 + 2 * n]  # batch index of a key's first
+    rank = scratch[2 * parts + 1 + 2 * n:2 * parts + 1 + 3 * n]
+    bounds[:] = 0
+    for i in range(n):
+        bounds[((mix64(keys[i]) >> (64 - shift)) & (parts - 1)) + 1 if shift else 1] += 1
+    for p in range(parts):
+        bounds[p + 1] += bounds[p]
+        cursor[p] = bounds[p]
+    largest = 1
+    for i in range(n):
+        key = keys[i]
+        p = (mix64(key) >> (64 - shift)) & (parts - 1) if shift else 0
+        j = cursor[p]
+        cursor[p] = j + 1
+        sorted_keys[j] = key
+        first[j] = i
+        rank[i] = j
+    for p in range(parts):
+        largest = max(largest, bounds[p + 1] - bounds[p])
+    set_size = 16
+    while set_size < 2 * largest:
+        set_size *= 2
+    mask = set_size - 1
+    set_keys = np.empty(set_size, dtype=np.int64)
+    set_first = np.empty(set_size, dtype=np.int64)
+    set_part = np.full(set_size, -1, dtype=np.int64)  # entry h is in use iff set_part[h] == p
+    for p in range(parts):
+        for j in range(bounds[p], bounds[p + 1]):
+            key = sorted_keys[j]
+            h = mix64(key) & mask
+            while True:
+                if set_part[h] != p:
+                    set_part[h] = p
+                    set_keys[h] = key
+                    set_first[h] = first[j]
+                    break
+                if set_keys[h] == key:
+                    first[j] = set_first[h]
+                    break
+                h = (h + 1) & mask
+    u = 0
+    for i in range(n):
+        f = first[rank[i]]
+        if f == i:
+            out_unique[u] = keys[i]
+            out_counts[u] = 1
+            out_inverse[i] = u
+            u += 1
+        else:
+            j = out_inverse[f]  # numbered already: f < i
+            out_counts[j] += 1
+            out_inverse[i] = j
+    return u

@@ -43,3 +43,17 @@ def test_unique_keys_by_backend(backend_name):
         assert u.keys.tolist() == [1, 4, 9, EMPTY_KEY] and u.counts.tolist() == [1, 1, 2, 0]
         assert u.inverse.tolist() == [2, 1, 2, 0]
     assert int(u.num_unique.sum()) == 3
+
+
+@pytest.mark.parametrize("n, distinct", [(5000, 3000), (70_000, 20_000), (70_000, 7)])
+def test_cpu_dedup_of_large_batches_keeps_first_occurrence_order(n, distinct):
+    gen = torch.Generator().manual_seed(n + distinct)
+    pool = torch.randint(-2**62, 2**62, (distinct,), generator=gen)
+    keys = pool[torch.randint(distinct, (n,), generator=gen)]
+    u = unique_keys(keys, "cpu")
+    first = {}
+    for k in keys.tolist():
+        first.setdefault(k, len(first))
+    assert u.keys.tolist() == list(first)
+    assert u.inverse.tolist() == [first[k] for k in keys.tolist()]
+    assert u.counts.tolist() == torch.bincount(u.inverse, minlength=len(first)).tolist()
