@@ -18,7 +18,6 @@ every step); a mismatch aborts the run (nothing written).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
 import statistics
 import time
@@ -28,24 +27,23 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from benchmarks.bench_sharded import PIPELINE_PHASES, Batch, PhaseTimers, combined_optimizer
-from benchmarks.common import (BenchmarkError, add_run_options, check, config_of,
+from benchmarks.bench_sharded import PIPELINE_PHASES, Batch, combined_optimizer
+from benchmarks.common import (BenchmarkError, add_run_options, config_of,
                                fill_defaults, git_state, load_before_run, machine_info,
                                new_parser, paired_ratios, peak_rss_gib, percentile,
-                               profile_tables, pyplot, report_stem, run_command, save_figure,
+                               pyplot, report_stem, run_command, save_figure,
                                verdict, write_report, zipf_ranks)
+from benchmarks.side_by_side import LOSS_RTOL, METHODS, compare, profile_steps  # noqa: F401
 from examples.spawn import RankError, run_on_ranks
 
 FILE_STEM = "pooled_cpu"
 WORLD_SIZE = 2
-METHODS = ("dynemb", "torchrec")
 LABELS = {"dynemb": "ShardedDynamicEmbBagCollection (HBM_DIRECT, HASH owners)",
           "torchrec": "TorchRec EBC row-wise, fbgemm fused TBE"}
 TARGET = 1.0           # dynemb step time / TorchRec step time, at most
+WHAT = "pooled rows"   # the probe rows both models must agree on
 LEARNING_RATE = 0.05
 DENSE_LR = 0.01
-#: Both models must agree this closely, every step (loss and the pooled rows of the probes).
-LOSS_RTOL, PROBE_RTOL, PROBE_ATOL = 1e-3, 1e-3, 1e-4
 PROBES = 16
 #: The dynamic tables' global max_capacity per row of the static table: at most this load.
 CAPACITY_PER_ID = 2
@@ -207,37 +205,6 @@ def build_torchrec(cfg: Dict[str, Any], opt_name: str, world_size: int, over: di
 
 
 # -- timing on one rank ----------------------------------------------------------------------
-class CpuPhaseTimers(PhaseTimers):
-    """:class:`PhaseTimers` that also take the calling thread's CPU time per label: the work
-    of a phase without the time spent waiting for the other rank or for the cores (which a
-    shared 2-core machine adds to the wall time, unevenly)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cpu_seconds: Dict[str, float] = {}
-
-    def _timed(self, label: str, fn):
-        def timed(*args, **kwargs):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
-                self.cpu_seconds[label] = (self.cpu_seconds.get(label, 0.0)
-                                           + time.thread_time() - c0)
-                self.calls[label] = self.calls.get(label, 0) + 1
-        return timed
-
-
-def op_table(prof, steps: int, limit: int = 20) -> List[Dict[str, Any]]:
-    """The torch ops of ``steps`` profiled steps by self CPU time, ms per step."""
-    ops = [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / steps / 1e3,
-            "cpu_ms": e.cpu_time_total / steps / 1e3, "calls_per_step": e.count / steps}
-           for e in prof.key_averages()]
-    ops.sort(key=lambda r: -r["self_cpu_ms"])
-    return ops[:limit]
-
-
 def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
     """What to time inside one step of ``method`` (owner, attribute, label). The sharded
     modules' parts are reached through their private attributes: a benchmark's liberty."""
@@ -319,12 +286,15 @@ def rank_main(rank: int, world_size: int, cfg: Dict[str, Any]) -> Dict[str, Any]
                 t1 = time.perf_counter()
                 if i >= cfg["warmup"]:
                     step_s[m].append(t1 - t0)
-            compare(outs, worst, f"{where}, step {i}")
+            compare(outs, worst, f"{where}, step {i}", WHAT)
             bar.update()
         after = dyn.module.ebc.stats()
         profile = {}
         if cfg["profile"]:
-            profile = profile_steps(cfg, dmps, pipes, iters, worst, where, bar)
+            profile = profile_steps(
+                cfg["profile"], pipes, iters, {m: _timed_parts(m, dmps[m], pipes[m])
+                                               for m in METHODS},
+                lambda outs, at: compare(outs, worst, at, WHAT), where, bar, torch_ops=True)
         uniques = [[np.unique(r).size for r in p["rows"]] for p in parts]
         results.append({
             "hot": hot, "dim": dim, "optimizer": opt_name, "step_s": step_s,
@@ -345,76 +315,6 @@ def rank_main(rank: int, world_size: int, cfg: Dict[str, Any]) -> Dict[str, Any]
             if rank == 0 else None}
 
 
-def compare(outs: Dict[str, Any], worst: Dict[str, float], where: str) -> None:
-    """Both models saw the same batch: same loss, same pooled rows of the probe samples."""
-    (loss_a, probe_a), (loss_b, probe_b) = outs["dynemb"], outs["torchrec"]
-    check(bool(torch.isfinite(loss_a)) and bool(torch.isfinite(probe_a).all()),
-          f"{where}: dynemb produced non-finite values")
-    diff = abs(float(loss_a) - float(loss_b)) / max(1.0, abs(float(loss_b)))
-    probe = float((probe_a - probe_b).abs().max()) if probe_a.numel() else 0.0
-    worst["loss"], worst["probe"] = max(worst["loss"], diff), max(worst["probe"], probe)
-    check(diff <= LOSS_RTOL, f"{where}: losses differ ({float(loss_a)} vs {float(loss_b)})")
-    check(torch.allclose(probe_a, probe_b, rtol=PROBE_RTOL, atol=PROBE_ATOL),
-          f"{where}: pooled rows differ by up to {probe:.3g}; the models no longer train alike")
-
-
-def profile_steps(cfg, dmps, pipes, iters, worst, where, bar) -> Dict[str, Any]:
-    """``cfg['profile']`` more steps of each model with phase timers on (the models still
-    take turns), then as many of dynemb alone under cProfile (its heaviest functions)."""
-    n = cfg["profile"]
-    timers = {m: CpuPhaseTimers() for m in METHODS}
-    step_s: Dict[str, List[float]] = {m: [] for m in METHODS}
-    for m in METHODS:
-        for owner, attr, label in _timed_parts(m, dmps[m], pipes[m]):
-            timers[m].wrap(owner, attr, label)
-    try:
-        for i in range(n):
-            order = METHODS if i % 2 == 0 else METHODS[::-1]
-            outs = {}
-            for m in order:
-                t0 = time.perf_counter()
-                outs[m] = pipes[m].progress(iters[m])
-                step_s[m].append(time.perf_counter() - t0)
-            compare(outs, worst, f"{where}, profile step {i}")
-            bar.update()
-    finally:
-        for t in timers.values():
-            t.restore()
-    out = {m: {"step_ms": statistics.median(step_s[m]) * 1e3,
-               "phases_ms": {k: v / n * 1e3 for k, v in timers[m].seconds.items()},
-               "phases_cpu_ms": {k: v / n * 1e3 for k, v in timers[m].cpu_seconds.items()},
-               "calls_per_step": {k: v / n for k, v in timers[m].calls.items()}}
-           for m in METHODS}
-    prof, under = cProfile.Profile(), []
-    for _ in range(n):
-        prof.enable()
-        t0 = time.perf_counter()
-        pipes["dynemb"].progress(iters["dynemb"])
-        under.append(time.perf_counter() - t0)
-        prof.disable()
-        bar.update()
-    out["dynemb"].update(profile_tables(prof, n, limit=25),
-                         step_ms_under_cprofile=statistics.median(under) * 1e3)
-    for i in range(n):  # the torch ops of both models, taking turns again
-        order = METHODS if i % 2 == 0 else METHODS[::-1]
-        for m in order:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
-                pipes[m].progress(iters[m])
-            out[m].setdefault("_events", []).append(p)
-        bar.update()
-    for m in METHODS:
-        merged: Dict[str, Dict[str, float]] = {}
-        for p in out[m].pop("_events"):
-            for row in op_table(p, n, limit=10**6):
-                acc = merged.setdefault(row["op"], {"op": row["op"], "self_cpu_ms": 0.0,
-                                                    "cpu_ms": 0.0, "calls_per_step": 0.0})
-                for key in ("self_cpu_ms", "cpu_ms", "calls_per_step"):
-                    acc[key] += row[key]
-        out[m]["profiler_ops"] = sorted(merged.values(), key=lambda r: -r["self_cpu_ms"])[:20]
-    return out
-
-
-# -- report ----------------------------------------------------------------------------------
 def summarize(per_rank: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per configuration: a step's time is the slower rank's (the ranks meet in the
     all-to-alls every step); medians, p10/p90, the ratio and the paired per-step ratios."""

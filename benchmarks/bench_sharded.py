@@ -17,7 +17,6 @@ the same probe embeddings at every step); a mismatch aborts the run (nothing wri
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
 import statistics
 import time
@@ -29,23 +28,22 @@ import numpy as np
 import torch
 from torchrec.streamable import Pipelineable
 
-from benchmarks.common import (BenchmarkError, add_run_options, check, config_of,
+from benchmarks.common import (BenchmarkError, add_run_options, config_of,
                                fill_defaults, git_state, load_before_run, machine_info,
                                new_parser, paired_ratios, peak_rss_gib, percentile,
-                               profile_tables, pyplot, report_stem, run_command, save_figure,
+                               pyplot, report_stem, run_command, save_figure,
                                verdict, write_report, zipf_ranks)
+from benchmarks.side_by_side import LOSS_RTOL, METHODS, compare, profile_steps  # noqa: F401
 from examples.spawn import RankError, run_on_ranks
 
 FILE_STEM = "sharded_cpu"
 WORLD_SIZE = 2
-METHODS = ("dynemb", "torchrec")
 LABELS = {"dynemb": "ShardedDynamicEmbCollection (HBM_DIRECT, HASH owners)",
           "torchrec": "TorchRec EC row-wise, fbgemm fused TBE"}
 TARGET = 1.25          # dynemb step time / TorchRec step time, at most
+WHAT = "target embeddings"  # the probe rows both models must agree on
 LEARNING_RATE = 0.05
 DENSE_LR = 0.01
-#: Both models must agree this closely, every step (loss and probe embeddings).
-LOSS_RTOL, PROBE_RTOL, PROBE_ATOL = 1e-3, 1e-3, 1e-4
 PROBES = 64
 #: The dynamic tables' global max_capacity per id of the id space: at most this load.
 CAPACITY_PER_ID = 2
@@ -254,41 +252,6 @@ def combined_optimizer(dmp):
 
 
 # -- timing on one rank ----------------------------------------------------------------------
-class PhaseTimers:
-    """Inclusive wall time per label of wrapped callables (instance attributes or class
-    methods), restored by :meth:`restore`."""
-
-    def __init__(self) -> None:
-        self.seconds: Dict[str, float] = {}
-        self.calls: Dict[str, int] = {}
-        self._undo: List[Tuple[Any, str, Any, bool]] = []
-
-    def wrap(self, owner: Any, attr: str, label: str) -> None:
-        had_own = attr in vars(owner)
-        self._undo.append((owner, attr, vars(owner).get(attr), had_own))
-        setattr(owner, attr, self._timed(label, getattr(owner, attr)))
-
-    def _timed(self, label: str, fn: Callable) -> Callable:
-        # a plain function: bound like the original when set on a class, called as is when
-        # set on an instance (where ``fn`` is already bound)
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
-                self.calls[label] = self.calls.get(label, 0) + 1
-        return timed
-
-    def restore(self) -> None:
-        for owner, attr, previous, had_own in reversed(self._undo):
-            if had_own:
-                setattr(owner, attr, previous)
-            else:
-                delattr(owner, attr)
-        self._undo.clear()
-
-
 def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
     """What to time inside one step of ``method`` (owner, attribute, label). The sharded
     modules' parts are reached through their private attributes: a benchmark's liberty."""
@@ -360,13 +323,16 @@ def rank_main(rank: int, world_size: int, cfg: Dict[str, Any]) -> Dict[str, Any]
                 t1 = time.perf_counter()
                 if i >= cfg["warmup"]:
                     step_s[m].append(t1 - t0)
-            compare(outs, worst, f"rank {rank}, dim {dim} {opt_name}, step {i}")
+            compare(outs, worst, f"rank {rank}, dim {dim} {opt_name}, step {i}", WHAT)
             bar.update()
         after = dyn.module.ec.stats()
         profile = {}
         if cfg["profile"]:
-            profile = profile_steps(cfg, dmps, pipes, iters, worst,
-                                    f"rank {rank}, dim {dim} {opt_name}", bar)
+            profile = profile_steps(
+                cfg["profile"], pipes, iters, {m: _timed_parts(m, dmps[m], pipes[m])
+                                               for m in METHODS},
+                lambda outs, where: compare(outs, worst, where, WHAT),
+                f"rank {rank}, dim {dim} {opt_name}", bar)
         results.append({
             "dim": dim, "optimizer": opt_name, "step_s": step_s, "worst_diff": worst,
             "ids_per_step": int(np.mean([p["history"].size + 2 * len(p["user"])
@@ -397,60 +363,6 @@ def _numba_threads() -> int:
     return numba.get_num_threads()
 
 
-def compare(outs: Dict[str, Any], worst: Dict[str, float], where: str) -> None:
-    """Both models saw the same batch: same loss, same target embeddings."""
-    (loss_a, probe_a), (loss_b, probe_b) = outs["dynemb"], outs["torchrec"]
-    check(bool(torch.isfinite(loss_a)) and bool(torch.isfinite(probe_a).all()),
-          f"{where}: dynemb produced non-finite values")
-    diff = abs(float(loss_a) - float(loss_b)) / max(1.0, abs(float(loss_b)))
-    probe = float((probe_a - probe_b).abs().max()) if probe_a.numel() else 0.0
-    worst["loss"], worst["probe"] = max(worst["loss"], diff), max(worst["probe"], probe)
-    check(diff <= LOSS_RTOL, f"{where}: losses differ ({float(loss_a)} vs {float(loss_b)})")
-    check(torch.allclose(probe_a, probe_b, rtol=PROBE_RTOL, atol=PROBE_ATOL),
-          f"{where}: target embeddings differ by up to {probe:.3g}; the models no longer "
-          f"train alike")
-
-
-def profile_steps(cfg, dmps, pipes, iters, worst, where, bar) -> Dict[str, Any]:
-    """``cfg['profile']`` more steps of each model with phase timers on (the models still
-    take turns), then as many of dynemb alone under cProfile (its heaviest functions)."""
-    n = cfg["profile"]
-    timers = {m: PhaseTimers() for m in METHODS}
-    step_s: Dict[str, List[float]] = {m: [] for m in METHODS}
-    for m in METHODS:
-        for owner, attr, label in _timed_parts(m, dmps[m], pipes[m]):
-            timers[m].wrap(owner, attr, label)
-    try:
-        for i in range(n):
-            order = METHODS if i % 2 == 0 else METHODS[::-1]
-            outs = {}
-            for m in order:
-                t0 = time.perf_counter()
-                outs[m] = pipes[m].progress(iters[m])
-                step_s[m].append(time.perf_counter() - t0)
-            compare(outs, worst, f"{where}, profile step {i}")
-            bar.update()
-    finally:
-        for t in timers.values():
-            t.restore()
-    out = {m: {"step_ms": statistics.median(step_s[m]) * 1e3,
-               "phases_ms": {k: v / n * 1e3 for k, v in timers[m].seconds.items()},
-               "calls_per_step": {k: v / n for k, v in timers[m].calls.items()}}
-           for m in METHODS}
-    prof, under = cProfile.Profile(), []
-    for _ in range(n):
-        prof.enable()
-        t0 = time.perf_counter()
-        pipes["dynemb"].progress(iters["dynemb"])
-        under.append(time.perf_counter() - t0)
-        prof.disable()
-        bar.update()
-    out["dynemb"].update(profile_tables(prof, n, limit=25),
-                         step_ms_under_cprofile=statistics.median(under) * 1e3)
-    return out
-
-
-# -- report ----------------------------------------------------------------------------------
 def summarize(per_rank: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per configuration: a step's time is the slower rank's (the ranks meet in the
     all-to-alls every step); medians, p10/p90, the ratio and the paired per-step ratios."""
