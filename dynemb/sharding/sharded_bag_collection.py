@@ -39,7 +39,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from dynemb.bag_collection import DynamicEmbBagCollection, check_bag_kjt
 from dynemb.sharding.bag_input_dist import RwBagSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_options, rows_per_rank
-from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables, check_plan
+from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables
 from dynemb.validation import check_keys, check_kjt
 
 
@@ -110,16 +110,9 @@ class ShardedDynamicEmbBagCollection(
                  env: ShardingEnv, device: Optional[torch.device] = None,
                  module_fqn: Optional[str] = None) -> None:
         super().__init__()
-        pg = env.process_group
-        if pg is None:
-            raise ValueError("ShardedDynamicEmbBagCollection needs a process group in its "
-                             "ShardingEnv")
-        self._world_size, self._rank, self._pg = env.world_size, env.rank, pg
-        self._module_fqn = module_fqn
         configs = module.embedding_bag_configs()
-        check_plan(configs, table_name_to_parameter_sharding, self._world_size,
-                   module_fqn or "")
-        self._configs = list(configs)
+        self._join(env, configs, table_name_to_parameter_sharding, module_fqn)
+        pg = self._pg
         self._is_weighted = module.is_weighted()
         options = module.table_options
         device = torch.device(device if device is not None else "cpu")
@@ -140,7 +133,6 @@ class ShardedDynamicEmbBagCollection(
             pg, self._features,
             {f: options[c.name].sharding for c in configs for f in c.feature_names})]
         self._output_dists: List[torch.nn.Module] = [PooledEmbeddingsReduceScatter(pg)]
-        self._table_shardings = dict(table_name_to_parameter_sharding)
 
     # -- TorchRec ShardedModule API (forward, compute_and_output_dist: ShardedTables) ---------
     def create_context(self) -> DynamicEmbBagShardingContext:

@@ -32,7 +32,7 @@ from dynemb.jagged import cut_by_feature
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
 from dynemb.sharding.routing import RoutedIds
-from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables, check_plan
+from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables, check_plan  # noqa: F401
 from dynemb.validation import check_keys, check_kjt
 
 @dataclass
@@ -104,19 +104,10 @@ class ShardedDynamicEmbCollection(
                  env: ShardingEnv, device: Optional[torch.device] = None,
                  module_fqn: Optional[str] = None) -> None:
         super().__init__()
-        pg = env.process_group
-        if pg is None:
-            raise ValueError("ShardedDynamicEmbCollection needs a process group in its "
-                             "ShardingEnv")
-        self._world_size = env.world_size
-        self._rank = env.rank
-        self._pg = pg
-        self._module_fqn = module_fqn
         configs = module.embedding_configs()
-        check_plan(configs, table_name_to_parameter_sharding, self._world_size,
-                   module_fqn or "")
+        self._join(env, configs, table_name_to_parameter_sharding, module_fqn)
+        pg = self._pg
         self._need_indices = module.need_indices()
-        self._configs = list(configs)
         options = module.table_options
         device = torch.device(device if device is not None else "cpu")
         self.local = LocalShardCollection(
@@ -142,7 +133,6 @@ class ShardedDynamicEmbCollection(
         # dependent permutations) are not model state and stay out of the state dict
         self._input_dists: List[torch.nn.Module] = input_dists
         self._output_dists: List[torch.nn.Module] = output_dists
-        self._table_shardings = dict(table_name_to_parameter_sharding)
 
     # -- TorchRec ShardedModule API (forward, compute_and_output_dist: ShardedTables) ---------
     def create_context(self) -> DynamicEmbShardingContext:

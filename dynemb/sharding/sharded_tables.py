@@ -7,7 +7,7 @@ outputs) differ only in how ids travel to their owners and how results come back
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -40,6 +40,17 @@ class ShardedTables:
     ``_pg``, ``_configs`` and ``_table_shardings``."""
 
     local: DynamicEmbCollection
+
+    def _join(self, env, configs, shardings: Dict[str, ParameterSharding],
+              module_fqn: Optional[str]) -> None:
+        """Take the process group of ``env`` and check the plan of the tables ``configs``."""
+        if env.process_group is None:
+            raise ValueError(f"{type(self).__name__} needs a process group in its ShardingEnv")
+        self._pg, self._world_size, self._rank = env.process_group, env.world_size, env.rank
+        self._module_fqn = module_fqn
+        check_plan(configs, shardings, self._world_size, module_fqn or "")
+        self._configs = list(configs)
+        self._table_shardings = dict(shardings)
 
     # routing and the tables run numba kernels and host-side bookkeeping: torch.compile runs
     # the whole sharded step eagerly (graph break)
