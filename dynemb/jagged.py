@@ -22,10 +22,13 @@ def cut_by_feature(rows: torch.Tensor, segments: Sequence[Tuple[str, int]],
         >>> out["b"].values().shape
         torch.Size([2, 2])
     """
+    counts = [count for _, count in segments]
+    # One split, not a slice per feature: the backward of a slice zero-fills a gradient as
+    # large as all the rows, once per feature; a split's backward concatenates once, and a
+    # single feature needs no cut at all.
+    parts = [rows] if counts == [rows.shape[0]] else rows.split(counts)
     out: Dict[str, JaggedTensor] = {}
-    offset = 0
-    for feature, count in segments:
-        out[feature] = JaggedTensor(values=rows[offset:offset + count], lengths=lengths[feature],
+    for (feature, _), values in zip(segments, parts):
+        out[feature] = JaggedTensor(values=values, lengths=lengths[feature],
                                     weights=None if ids is None else ids[feature])
-        offset += count
     return out

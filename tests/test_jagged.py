@@ -35,3 +35,19 @@ def test_gradients_flow_back_to_the_rows():
 def test_segments_name_the_output_keys(segments):
     out = cut_by_feature(torch.ones(2, 1), segments, {"a": torch.tensor([1])})
     assert list(out) == ["a"]
+
+
+def test_an_unused_feature_gets_a_zero_gradient_and_one_feature_is_the_rows_themselves():
+    rows = torch.ones(3, 2, requires_grad=True)
+    lengths = {"a": torch.tensor([1]), "b": torch.tensor([2])}
+    out = cut_by_feature(rows, [("a", 1), ("b", 2)], lengths)
+    (3 * out["b"].values().sum()).backward()  # "a" is not in the loss
+    assert rows.grad.tolist() == [[0.0, 0.0], [3.0, 3.0], [3.0, 3.0]]
+    whole = cut_by_feature(rows, [("b", 3)], {"b": torch.tensor([3])})
+    assert whole["b"].values() is rows
+
+
+def test_a_count_that_does_not_add_up_to_the_rows_raises():
+    with pytest.raises(RuntimeError):
+        cut_by_feature(torch.ones(3, 2), [("a", 1), ("b", 1)],
+                       {"a": torch.tensor([1]), "b": torch.tensor([1])})
