@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dynemb.kernel_backend import KernelBackend, TableArrays
-from dynemb.kernels import init_cpu, optim_cpu, pool_cpu, round_cpu, table_cpu
+from dynemb.kernels import dedup_cpu, init_cpu, optim_cpu, pool_cpu, round_cpu, table_cpu
 from dynemb.kernels.constants import EMPTY_KEY, TOMBSTONE_KEY, cuda_simulator_enabled
 
 _THREADS_PER_BLOCK = 256
@@ -98,14 +98,23 @@ class CpuBackend:
         n = self._np
         table_cpu.erase_cpu(*_claim_args(table, n), n(keys), n(out_erased), n(out_pinned))
 
-    def dedup(self, keys):
-        """(unique keys in first-occurrence order, inverse, counts)."""
+    def dedup(self, keys, num_buckets=None):
+        """(unique keys, inverse, counts): in first-occurrence order, or with ``num_buckets``
+        sorted by bucket of a table of that many buckets (ties in first-occurrence order),
+        the order its ``find_or_insert`` claims them in."""
         n = keys.numel()
         unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-        parts = table_cpu.dedup_parts(n)
-        scratch = _SCRATCH.get(table_cpu.dedup_scratch_size(n))
-        u = table_cpu.dedup_cpu(keys.numpy(), parts, scratch, unique.numpy(), inverse.numpy(),
-                                counts.numpy())
+        parts = dedup_cpu.dedup_parts(n)
+        if num_buckets is None:
+            scratch = _SCRATCH.get(dedup_cpu.dedup_scratch_size(n))
+            u = dedup_cpu.dedup_cpu(keys.numpy(), parts, scratch, unique.numpy(),
+                                    inverse.numpy(), counts.numpy())
+        else:
+            scratch = _SCRATCH.get(dedup_cpu.bucket_dedup_scratch_size(n, parts))
+            chunks = numba.get_num_threads() * dedup_cpu.DEDUP_CHUNKS_PER_THREAD
+            u = dedup_cpu.dedup_bucket_order_cpu(keys.numpy(), num_buckets, parts, chunks,
+                                                 scratch, unique.numpy(), inverse.numpy(),
+                                                 counts.numpy())
         return unique[:u], inverse, counts[:u]
 
     def add_refcounts(self, table: TableArrays, slots, delta):
@@ -267,8 +276,9 @@ class CudaBackend:
         self._launch(self._table.erase_kernel, keys.numel(), *_claim_args(table, a), a(keys),
                      a(out_erased), a(out_pinned))
 
-    def dedup(self, keys):
-        """(sorted unique keys, inverse, counts)."""
+    def dedup(self, keys, num_buckets=None):
+        """(sorted unique keys, inverse, counts); ``num_buckets`` is not used (the claim
+        kernels take keys in any order)."""
         return torch.unique(keys, return_inverse=True, return_counts=True)
 
     def add_refcounts(self, table: TableArrays, slots, delta):

@@ -1,9 +1,9 @@
 """Unique keys with inverse indices and counts, on either backend.
 
-On CPU the dedup kernel returns exactly the unique keys (first-occurrence order). On CUDA the
-number of unique keys is data-dependent; reading it would stall the host, so
-:func:`padded_unique` keeps every output at the input length and pads with ``EMPTY_KEY``,
-which every table kernel skips.
+On CPU the dedup kernel returns exactly the unique keys (in first-occurrence order, or in the
+bucket order of the hash table they go to). On CUDA the number of unique keys is
+data-dependent; reading it would stall the host, so :func:`padded_unique` keeps every output
+at the input length and pads with ``EMPTY_KEY``, which every table kernel skips.
 """
 from __future__ import annotations
 
@@ -51,10 +51,16 @@ def padded_unique(keys: torch.Tensor) -> Unique:
     return Unique(ukeys, inverse, counts, run[-1:] + 1)
 
 
-def unique_keys(keys: torch.Tensor, backend: str | None = None) -> Unique:
-    """Exact unique keys on the CPU backend, :func:`padded_unique` on CUDA."""
+def unique_keys(keys: torch.Tensor, backend: str | None = None, *,
+                num_buckets: int | None = None) -> Unique:
+    """Exact unique keys on the CPU backend, :func:`padded_unique` on CUDA.
+
+    On CPU the keys come in first-occurrence order, or with ``num_buckets`` (the keys go to a
+    hash table of that many buckets next) sorted by bucket, ties in first-occurrence order:
+    the table's ``find_or_insert`` then claims them in place, without a sort of its own.
+    """
     impl = backend_for_device(keys.device, backend)
     if impl.name == "cpu":
-        ukeys, inverse, counts = impl.dedup(keys)
+        ukeys, inverse, counts = impl.dedup(keys, num_buckets)
         return Unique(ukeys, inverse, counts, torch.tensor([ukeys.numel()]))
     return padded_unique(keys)

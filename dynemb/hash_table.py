@@ -288,7 +288,7 @@ class ScoredHashTable:
             inverse = torch.arange(keys.numel(), device=self.device)
             given = scores if scores is not None else keys.new_zeros(1).expand(keys.shape)
             return keys, inverse, counts, given
-        ukeys, inverse, counts = self._backend.dedup(keys)
+        ukeys, inverse, counts = self._backend.dedup(keys, self.num_buckets)
         if scores is None:
             return ukeys, inverse, counts, ukeys.new_zeros(1).expand(ukeys.shape)
         given = torch.full_like(ukeys, torch.iinfo(torch.int64).min).scatter_reduce(

@@ -128,8 +128,10 @@ class KernelBackend(Protocol):
         ``remap[s]``: the new slot of old slot ``s`` (-1: empty). Returns how many keys found
         their new bucket full (then ``new`` is to be dropped)."""
 
-    def dedup(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(unique keys, inverse, counts)``: ``unique[inverse] == keys``."""
+    def dedup(self, keys: torch.Tensor, num_buckets: Optional[int] = None
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(unique keys, inverse, counts)``: ``unique[inverse] == keys``. ``num_buckets``: the
+        keys go to a table of that many buckets next (a backend may order them for it)."""
 
     def claim_summary(self, slots, inserted, previous_keys) -> Tuple:
         """``(hits, inserts, evictions)`` of one ``find_or_insert`` result: ints on CPU,

@@ -35,8 +35,18 @@ def bucket_base_and_start(key, num_buckets, bucket_size):
     bucket count works and doubling it splits every bucket into two (growth never overflows).
     """
     h = mix64(key)
-    bucket = (((h >> 32) & _MASK32) * num_buckets) >> 32
-    return bucket * bucket_size, h & (bucket_size - 1)
+    return _bucket_of_hash(h, num_buckets) * bucket_size, h & (bucket_size - 1)
+
+
+@njit(cache=True, inline="always")
+def _bucket_of_hash(h, num_buckets):
+    return (((h >> 32) & _MASK32) * num_buckets) >> 32
+
+
+@njit(cache=True, inline="always")
+def bucket_index(key, num_buckets):
+    """The bucket ``key`` lives in, ``bucket_base_and_start(...)[0] // bucket_size``."""
+    return _bucket_of_hash(mix64(key), num_buckets)
 
 
 @njit(cache=True, inline="always")

@@ -15,7 +15,7 @@ from numba import njit, prange
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .constants import EMPTY_KEY, POLICY_CUSTOMIZED, POLICY_LFU, TOMBSTONE_KEY
-from .hashing import bucket_base_and_start, is_live_key, mix64, probe
+from .hashing import bucket_base_and_start, bucket_index, is_live_key, probe
 from .scoring import INT64_MAX, score_on_hit, score_on_insert
 
 
@@ -480,31 +480,41 @@ def scratch_size(n, parts, policy):
     if parts == 1:
         return 0
     extra = n if policy == POLICY_LFU or policy == POLICY_CUSTOMIZED else 0
-    return 6 * n + extra + 5 * parts + 1
+    return 6 * n + extra + 5 * parts + 1  # bounds, rank, stats; cursor, keys, side, records
 
 
 @njit(cache=True, inline="always")
-def _sort_by_partition(ukeys, counts, given, policy, num_buckets, bucket_size, parts, scratch):
-    """Copies of the keys (and of what the policy reads of counts / given) ordered by
-    partition, stably: partition ``p`` holds buckets ``[p * B / parts, (p + 1) * B / parts)``
-    and its keys are ``[bounds[p], bounds[p + 1])``. ``rank[i]``: where key ``i`` went.
-    Everything is carved out of ``scratch`` (see ``scratch_size``); returns the rest of it."""
-    n = ukeys.size
-    bounds = scratch[:parts + 1]
-    cursor = scratch[parts + 1:2 * parts + 1]
-    keys = scratch[2 * parts + 1:2 * parts + 1 + n]
-    rank = scratch[2 * parts + 1 + n:2 * parts + 1 + 2 * n]
-    rest = scratch[2 * parts + 1 + 2 * n:]
-    sorted_side = rest[:n] if policy == POLICY_LFU or policy == POLICY_CUSTOMIZED else rest[:0]
-    rest = rest[sorted_side.size:]
+def _count_by_partition(ukeys, num_buckets, parts, bounds, part_of):
+    """``part_of[i]``: the partition of key ``i`` (partition ``p`` holds buckets
+    ``[p * B / parts, (p + 1) * B / parts)``); ``bounds[p]``: where partition ``p`` starts in
+    partition order. Returns True when the keys are in partition order already."""
     bounds[:] = 0
-    for i in range(n):
-        base, _ = bucket_base_and_start(ukeys[i], num_buckets, bucket_size)
-        p = (base // bucket_size) * parts // num_buckets
-        rank[i] = p  # the partition until the next loop
+    in_order = True
+    last = 0
+    for i in range(ukeys.size):
+        p = bucket_index(ukeys[i], num_buckets) * parts // num_buckets
+        part_of[i] = p
         bounds[p + 1] += 1
+        in_order = in_order and p >= last
+        last = p
     for p in range(parts):
         bounds[p + 1] += bounds[p]
+    return in_order
+
+
+@njit(cache=True, inline="always")
+def _sort_by_partition(ukeys, counts, given, policy, parts, bounds, rank, scratch):
+    """Copies of the keys (and of what the policy reads of counts / given) ordered by
+    partition, stably: partition ``p``'s keys are ``[bounds[p], bounds[p + 1])``. ``rank[i]``
+    holds key ``i``'s partition on entry (``_count_by_partition``), where it went on return.
+    Everything is carved out of ``scratch``; returns the rest of it."""
+    n = ukeys.size
+    cursor = scratch[:parts]
+    keys = scratch[parts:parts + n]
+    rest = scratch[parts + n:]
+    sorted_side = rest[:n] if policy == POLICY_LFU or policy == POLICY_CUSTOMIZED else rest[:0]
+    rest = rest[sorted_side.size:]
+    for p in range(parts):
         cursor[p] = bounds[p]
     side = counts if policy == POLICY_LFU else given
     for i in range(n):
@@ -516,7 +526,7 @@ def _sort_by_partition(ukeys, counts, given, policy, num_buckets, bucket_size, p
         rank[i] = j
         if sorted_side.size:
             sorted_side[j] = side[i]
-    return keys, sorted_side, rank, bounds, rest
+    return keys, sorted_side, rest
 
 
 @njit(cache=True, parallel=True)
@@ -534,8 +544,9 @@ def find_or_insert_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_s
     keeps its old score there). ``out_stats``: (keys failed, live keys evicted).
 
     ``parts`` > 1: the keys are first copied in bucket order (``parts`` partitions of the
-    buckets, ``scratch`` of ``scratch_size`` words) and threads split the partitions; 1: the
-    whole batch in order, on one thread.
+    buckets, ``scratch`` of ``scratch_size`` words), unless they come in that order already
+    (``dedup_bucket_order_cpu``), and threads split the partitions; 1: the whole batch in
+    order, on one thread.
     """
     n = ukeys.size
     if parts == 1:
@@ -547,15 +558,30 @@ def find_or_insert_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_s
         out_stats[0] = failed
         out_stats[1] = evicted
         return
-    keys, side, rank, bounds, rest = _sort_by_partition(
-        ukeys, counts, given, policy, num_buckets, bucket_size, parts, scratch)
+    bounds = scratch[:parts + 1]
+    rank = scratch[parts + 1:parts + 1 + n]
+    stats = scratch[parts + 1 + n:4 * parts + 1 + n].reshape((parts, 3))
+    stats[:] = 0
+    chunks = min(parts, CLAIM_CHUNKS)
+    if _count_by_partition(ukeys, num_buckets, parts, bounds, rank):
+        # already in bucket order (dedup_bucket_order_cpu): claim in place
+        for c in prange(chunks):
+            work = _new_work(bucket_size)
+            for p in range(c * parts // chunks, (c + 1) * parts // chunks):
+                stats[p, 0], stats[p, 1], stats[p, 2] = _claim_range(
+                    tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, ukeys, counts,
+                    given, policy, clock, allow_evict, pin, bounds[p], bounds[p + 1],
+                    out_slots, out_inserted, out_prev_keys, out_prev_scores, out_failed, work)
+        size[0] += stats[:, 0].sum()
+        out_stats[0] = stats[:, 2].sum()
+        out_stats[1] = stats[:, 1].sum()
+        return
+    keys, side, rest = _sort_by_partition(ukeys, counts, given, policy, parts, bounds, rank,
+                                          scratch[4 * parts + 1 + n:])
     # One record per key (slot, previous key, previous score, flag), 32 bytes: a single cache
     # line to read when the results go back to batch order. The flag column takes both
     # "inserted" and "failed" (a failed key has no slot).
     rec = rest[:4 * n].reshape((n, 4))
-    stats = rest[4 * n:4 * n + 3 * parts].reshape((parts, 3))
-    stats[:] = 0
-    chunks = min(parts, CLAIM_CHUNKS)
     for c in prange(chunks):
         work = _new_work(bucket_size)
         for p in range(c * parts // chunks, (c + 1) * parts // chunks):
@@ -574,90 +600,3 @@ def find_or_insert_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_s
     size[0] += stats[:, 0].sum()
     out_stats[0] = stats[:, 2].sum()
     out_stats[1] = stats[:, 1].sum()
-
-#: Keys per partition of the dedup: its hash set (24 B an entry, 2-4 entries a key) stays in
-#: the L1 / L2 cache.
-DEDUP_PARTITION_KEYS = 1024
-
-
-def dedup_scratch_size(n):
-    """int64 words of scratch ``dedup_cpu`` needs for ``n`` keys."""
-    return 3 * n + 2 * dedup_parts(n) + 1
-
-
-def dedup_parts(n):
-    """Partitions (a power of two) ``dedup_cpu`` splits ``n`` keys into."""
-    parts = 1
-    while parts * DEDUP_PARTITION_KEYS < n:
-        parts *= 2
-    return parts
-
-
-@njit(cache=True)
-def dedup_cpu(keys, parts, scratch, out_unique, out_inverse, out_counts):
-    """Unique keys in first-occurrence order with inverse indices and counts; returns U.
-
-    The keys are copied into ``parts`` (a power of two) partitions by hash, each deduplicated
-    in batch order with a small open-addressing set that stays in cache; a last pass in batch
-    order numbers the unique keys. ``scratch``: ``dedup_scratch_size`` words.
-    """
-    n = keys.size
-    shift = 0
-    while (np.int64(1) << shift) < parts:
-        shift += 1
-    bounds = scratch[:parts + 1]
-    cursor = scratch[parts + 1:2 * parts + 1]
-    sorted_keys = scratch[2 * parts + 1:2 * parts + 1 + n]
-    first = scratch[2 * parts + 1 + n:2 * parts + 1 + 2 * n]  # batch index of a key's first
-    rank = scratch[2 * parts + 1 + 2 * n:2 * parts + 1 + 3 * n]
-    bounds[:] = 0
-    for i in range(n):
-        bounds[((mix64(keys[i]) >> (64 - shift)) & (parts - 1)) + 1 if shift else 1] += 1
-    for p in range(parts):
-        bounds[p + 1] += bounds[p]
-        cursor[p] = bounds[p]
-    largest = 1
-    for i in range(n):
-        key = keys[i]
-        p = (mix64(key) >> (64 - shift)) & (parts - 1) if shift else 0
-        j = cursor[p]
-        cursor[p] = j + 1
-        sorted_keys[j] = key
-        first[j] = i
-        rank[i] = j
-    for p in range(parts):
-        largest = max(largest, bounds[p + 1] - bounds[p])
-    set_size = 16
-    while set_size < 2 * largest:
-        set_size *= 2
-    mask = set_size - 1
-    set_keys = np.empty(set_size, dtype=np.int64)
-    set_first = np.empty(set_size, dtype=np.int64)
-    set_part = np.full(set_size, -1, dtype=np.int64)  # entry h is in use iff set_part[h] == p
-    for p in range(parts):
-        for j in range(bounds[p], bounds[p + 1]):
-            key = sorted_keys[j]
-            h = mix64(key) & mask
-            while True:
-                if set_part[h] != p:
-                    set_part[h] = p
-                    set_keys[h] = key
-                    set_first[h] = first[j]
-                    break
-                if set_keys[h] == key:
-                    first[j] = set_first[h]
-                    break
-                h = (h + 1) & mask
-    u = 0
-    for i in range(n):
-        f = first[rank[i]]
-        if f == i:
-            out_unique[u] = keys[i]
-            out_counts[u] = 1
-            out_inverse[i] = u
-            u += 1
-        else:
-            j = out_inverse[f]  # numbered already: f < i
-            out_counts[j] += 1
-            out_inverse[i] = j
-    return u

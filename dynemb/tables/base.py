@@ -138,7 +138,8 @@ class DynamicTable:
         ``occurrences`` [N] (int64), when given, says how many times each entry of ``keys``
         stands for (ids deduplicated upstream); counts and counters use it."""
         self._deferred.check(self.name)
-        unique = unique_keys(keys, self.backend)
+        # in the bucket order of the device tier, where training claims them
+        unique = unique_keys(keys, self.backend, num_buckets=self.tier.hash.num_buckets)
         counts = unique.counts
         if occurrences is not None:
             counts = torch.zeros_like(counts).index_add_(0, unique.inverse, occurrences)
