@@ -12,7 +12,8 @@ Both partition the keys so each partition's hash set stays in cache:
 import numpy as np
 from numba import njit, prange
 
-from .hashing import bucket_index, mix64
+from .hashing import (bucket_index, bucket_of_hash, mix64, partition_first_bucket,
+                      partition_multiplier, partition_of_bucket)
 
 #: Keys per partition of the dedup: its hash set (24 B an entry, 2-4 entries a key) stays in
 #: the L1 / L2 cache.
@@ -109,16 +110,7 @@ DEDUP_CHUNKS_PER_THREAD = 4
 
 def bucket_dedup_scratch_size(n, parts):
     """int64 words of scratch ``dedup_bucket_order_cpu`` needs for ``n`` keys."""
-    return 4 * n + 3 * parts + 2
-
-
-@njit(cache=True, inline="always")
-def _partition_buckets(p, parts, num_buckets):
-    """(first bucket, number of buckets) of partition ``p``: the buckets ``b`` with
-    ``b * parts // num_buckets == p``."""
-    first = (p * num_buckets + parts - 1) // parts
-    end = ((p + 1) * num_buckets + parts - 1) // parts
-    return first, end - first
+    return 7 * n + 3 * parts + 2
 
 
 @njit(cache=True, parallel=True)
@@ -128,25 +120,32 @@ def dedup_bucket_order_cpu(keys, num_buckets, parts, chunks, scratch, out_unique
     first-occurrence order), with inverse indices and counts; returns U.
 
     The keys are copied, stably, into ``parts`` partitions of contiguous bucket ranges. Each
-    partition (threads split them) is deduplicated in batch order with a small hash set and
-    its unique keys counting-sorted by bucket; a prefix sum over the partitions numbers them.
-    Threads take the partitions in ``chunks`` contiguous chunks. ``scratch``:
+    partition (threads split them) is deduplicated in batch order with a small hash set, and
+    its unique keys are counting-sorted by bucket and numbered while they are in cache; a
+    prefix sum over the partitions places them, and a last pass in batch order writes the
+    inverse. Threads take the partitions in ``chunks`` contiguous chunks. ``scratch``:
     ``bucket_dedup_scratch_size`` words.
     """
     n = keys.size
-    bounds = scratch[:parts + 1]  # partition p's keys are sorted[bounds[p]:bounds[p + 1]]
+    bounds = scratch[:parts + 1]  # partition p's keys are sorted_keys[bounds[p]:bounds[p + 1]]
     cursor = scratch[parts + 1:2 * parts + 1]
-    start = scratch[2 * parts + 1:3 * parts + 2]  # numbers of partition p's unique keys
+    start = scratch[2 * parts + 1:3 * parts + 2]  # number of partition p's first unique key
     rest = scratch[3 * parts + 2:]
-    sorted_keys = rest[:n]
-    origin = rest[n:2 * n]  # batch index of sorted_keys[j]
-    # sorted position of the key's first occurrence; once numbered, -(unique number + 1)
-    first = rest[2 * n:3 * n]
-    unique_at = rest[3 * n:4 * n]  # partition p's first occurrences in bucket order
+    part_of = rest[:n]  # partition of key i
+    rank = rest[n:2 * n]  # where key i went
+    sorted_keys = rest[2 * n:3 * n]
+    # sorted position of the key's first occurrence; at a first occurrence, once numbered,
+    # -(its number within the partition + 1)
+    first = rest[3 * n:4 * n]
+    count = rest[4 * n:5 * n]  # occurrences, at the first occurrence
+    # partition p's unique keys and counts by number, from bounds[p] on
+    local_keys = rest[5 * n:6 * n]
+    local_counts = rest[6 * n:7 * n]
     bounds[:] = 0
+    multiplier = partition_multiplier(parts, num_buckets)
     for i in range(n):
-        p = bucket_index(keys[i], num_buckets) * parts // num_buckets
-        first[i] = p  # the partition, until the copy
+        p = partition_of_bucket(bucket_index(keys[i], num_buckets), multiplier)
+        part_of[i] = p
         bounds[p + 1] += 1
     largest = 1
     for p in range(parts):
@@ -154,69 +153,73 @@ def dedup_bucket_order_cpu(keys, num_buckets, parts, chunks, scratch, out_unique
         bounds[p + 1] += bounds[p]
         cursor[p] = bounds[p]
     for i in range(n):
-        p = first[i]
+        p = part_of[i]
         j = cursor[p]
         cursor[p] = j + 1
         sorted_keys[j] = keys[i]
-        origin[j] = i
+        rank[i] = j
     set_size = 16
     while set_size < 2 * largest:
         set_size *= 2
-    most_buckets = (num_buckets + parts - 1) // parts + 1
+    most_buckets = 1
+    for p in range(parts):
+        most_buckets = max(most_buckets, partition_first_bucket(p + 1, multiplier)
+                           - partition_first_bucket(p, multiplier))
     chunks = max(1, min(parts, chunks))
     start[0] = 0
     for c in prange(chunks):
         set_keys = np.empty(set_size, dtype=np.int64)
         set_first = np.empty(set_size, dtype=np.int64)
-        set_part = np.full(set_size, -1, dtype=np.int64)  # entry h in use iff == p
+        set_part = np.full(set_size, -1, dtype=np.int64)  # entry e in use iff == p
         per_bucket = np.empty(most_buckets + 1, dtype=np.int64)
         for p in range(c * parts // chunks, (c + 1) * parts // chunks):
             lo, hi = bounds[p], bounds[p + 1]
             mask = 15  # the part of the set this partition uses: small ones stay in L1
             while mask + 1 < 2 * (hi - lo):
                 mask = 2 * mask + 1
-            for j in range(lo, hi):
-                key = sorted_keys[j]
-                h = mix64(key) & mask
-                while True:
-                    if set_part[h] != p:
-                        set_part[h] = p
-                        set_keys[h] = key
-                        set_first[h] = j
-                        first[j] = j
-                        break
-                    if set_keys[h] == key:
-                        first[j] = set_first[h]
-                        break
-                    h = (h + 1) & mask
-            # counting sort of the partition's unique keys by bucket, stable
-            first_bucket, num = _partition_buckets(p, parts, num_buckets)
+            first_bucket = partition_first_bucket(p, multiplier)
+            num = partition_first_bucket(p + 1, multiplier) - first_bucket
             per_bucket[:num + 1] = 0
             for j in range(lo, hi):
-                if first[j] == j:
-                    per_bucket[bucket_index(sorted_keys[j], num_buckets) - first_bucket + 1] += 1
+                key = sorted_keys[j]
+                h = mix64(key)
+                e = h & mask
+                while True:
+                    if set_part[e] != p:
+                        set_part[e] = p
+                        set_keys[e] = key
+                        set_first[e] = j
+                        first[j] = j
+                        count[j] = 1
+                        per_bucket[bucket_of_hash(h, num_buckets) - first_bucket + 1] += 1
+                        break
+                    if set_keys[e] == key:
+                        f = set_first[e]
+                        first[j] = f
+                        count[f] += 1
+                        break
+                    e = (e + 1) & mask
             for b in range(num):
                 per_bucket[b + 1] += per_bucket[b]
-            for j in range(lo, hi):
+            start[p + 1] = per_bucket[num]
+            for j in range(lo, hi):  # number the unique keys by bucket, stably
                 if first[j] == j:
                     b = bucket_index(sorted_keys[j], num_buckets) - first_bucket
-                    unique_at[lo + per_bucket[b]] = j
-                    per_bucket[b] += 1
-            start[p + 1] = per_bucket[num]
+                    k = per_bucket[b]
+                    per_bucket[b] = k + 1
+                    local_keys[lo + k] = sorted_keys[j]
+                    local_counts[lo + k] = count[j]
+                    first[j] = -(k + 1)
     for p in range(parts):
         start[p + 1] += start[p]
-    for c in prange(chunks):
-        for p in range(c * parts // chunks, (c + 1) * parts // chunks):
-            lo, hi = bounds[p], bounds[p + 1]
-            for k in range(start[p + 1] - start[p]):
-                j = unique_at[lo + k]
-                u = start[p] + k
-                out_unique[u] = sorted_keys[j]
-                out_counts[u] = 0
-                first[j] = -(u + 1)
-            for j in range(lo, hi):
-                f = first[j]
-                u = -(f + 1) if f < 0 else -(first[f] + 1)
-                out_inverse[origin[j]] = u
-                out_counts[u] += 1
+    for p in prange(parts):
+        lo = bounds[p]
+        for k in range(start[p + 1] - start[p]):
+            out_unique[start[p] + k] = local_keys[lo + k]
+            out_counts[start[p] + k] = local_counts[lo + k]
+    for i in prange(n):
+        f = first[rank[i]]
+        if f >= 0:
+            f = first[f]
+        out_inverse[i] = start[part_of[i]] - f - 1
     return start[parts]

@@ -35,18 +35,37 @@ def bucket_base_and_start(key, num_buckets, bucket_size):
     bucket count works and doubling it splits every bucket into two (growth never overflows).
     """
     h = mix64(key)
-    return _bucket_of_hash(h, num_buckets) * bucket_size, h & (bucket_size - 1)
+    return bucket_of_hash(h, num_buckets) * bucket_size, h & (bucket_size - 1)
 
 
 @njit(cache=True, inline="always")
-def _bucket_of_hash(h, num_buckets):
+def bucket_of_hash(h, num_buckets):
+    """The bucket of a key whose ``mix64`` is ``h``."""
     return (((h >> 32) & _MASK32) * num_buckets) >> 32
 
 
 @njit(cache=True, inline="always")
 def bucket_index(key, num_buckets):
     """The bucket ``key`` lives in, ``bucket_base_and_start(...)[0] // bucket_size``."""
-    return _bucket_of_hash(mix64(key), num_buckets)
+    return bucket_of_hash(mix64(key), num_buckets)
+
+
+@njit(cache=True, inline="always")
+def partition_multiplier(parts, num_buckets):
+    """Splits ``num_buckets`` buckets into ``parts`` contiguous ranges: bucket ``b`` is in
+    range ``(b * multiplier) >> 32`` (a multiply and a shift per key, no division)."""
+    return (parts << 32) // num_buckets
+
+
+@njit(cache=True, inline="always")
+def partition_of_bucket(bucket, multiplier):
+    return (bucket * multiplier) >> 32
+
+
+@njit(cache=True, inline="always")
+def partition_first_bucket(p, multiplier):
+    """The first bucket of range ``p`` (of ``partition_multiplier``)."""
+    return ((p << 32) + multiplier - 1) // multiplier
 
 
 @njit(cache=True, inline="always")

@@ -15,7 +15,8 @@ from numba import njit, prange
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .constants import EMPTY_KEY, POLICY_CUSTOMIZED, POLICY_LFU, TOMBSTONE_KEY
-from .hashing import bucket_base_and_start, bucket_index, is_live_key, probe
+from .hashing import (bucket_base_and_start, bucket_index, is_live_key, partition_multiplier,
+                      partition_of_bucket, probe)
 from .scoring import INT64_MAX, score_on_hit, score_on_insert
 
 
@@ -485,14 +486,15 @@ def scratch_size(n, parts, policy):
 
 @njit(cache=True, inline="always")
 def _count_by_partition(ukeys, num_buckets, parts, bounds, part_of):
-    """``part_of[i]``: the partition of key ``i`` (partition ``p`` holds buckets
-    ``[p * B / parts, (p + 1) * B / parts)``); ``bounds[p]``: where partition ``p`` starts in
+    """``part_of[i]``: the partition of key ``i`` (``parts`` contiguous ranges of buckets, see
+    ``partition_multiplier``); ``bounds[p]``: where partition ``p`` starts in
     partition order. Returns True when the keys are in partition order already."""
     bounds[:] = 0
     in_order = True
     last = 0
+    multiplier = partition_multiplier(parts, num_buckets)
     for i in range(ukeys.size):
-        p = bucket_index(ukeys[i], num_buckets) * parts // num_buckets
+        p = partition_of_bucket(bucket_index(ukeys[i], num_buckets), multiplier)
         part_of[i] = p
         bounds[p + 1] += 1
         in_order = in_order and p >= last
