@@ -15,6 +15,7 @@ from numba import float32, njit, prange
 from .optim_common import (OPT_ADAGRAD, OPT_ADAM, OPT_ROWWISE_ADAGRAD, OPT_SGD, adagrad_element,
                            adam_element, rowwise_adagrad_scale, rowwise_element, rowwise_grad,
                            sgd_element)
+from .prefetch_cpu import PREFETCH_DISTANCE, prefetch_row
 
 #: Chunks of rows per thread (``fused_update_cpu``'s ``chunks`` is this times the threads):
 #: enough to balance rows with many occurrences.
@@ -88,9 +89,17 @@ def fused_update_cpu(weights, slots, src, offsets, order, scale, clip, chunks, k
     """
     n = slots.size
     chunks = max(1, min(n, chunks))
+    width = weights.shape[1]
     for c in prange(chunks):
         g = np.empty(dim, dtype=np.float32)
-        for i in range(c * n // chunks, (c + 1) * n // chunks):
+        end = (c + 1) * n // chunks
+        for i in range(c * n // chunks, end):
+            ahead = i + PREFETCH_DISTANCE
+            if ahead < end:  # rows are scattered over a large table: overlap their misses
+                if slots[ahead] >= 0:
+                    prefetch_row(weights, slots[ahead], width)
+                for k in range(offsets[ahead], offsets[ahead + 1]):
+                    prefetch_row(src, order[k], dim)
             s = slots[i]
             if s < 0:
                 continue

@@ -6,6 +6,8 @@ the accumulation (7x faster than 2-D indexing: 0.33 vs 2.2 ms for 4096 one-id ba
 64 on one thread); ``fastmath`` only reorders float32 sums."""
 from numba import float32, njit, prange
 
+from .prefetch_cpu import PREFETCH_DISTANCE, prefetch_row
+
 
 @njit(cache=True, parallel=True, fastmath=True)
 def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, out):
@@ -16,11 +18,16 @@ def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, ou
     if batch == 0:
         return
     has_scale = scale.size > 0
+    num_ids = occ_slots.size
     for q in prange(offsets.size - 1):
         i = q // batch
         b = q - i * batch
         c = cols[i]
         start, end = offsets[q], offsets[q + 1]
+        # rows are scattered over the table: ask for those of the bags a few ahead
+        for k in range(min(start + PREFETCH_DISTANCE, num_ids), min(end + PREFETCH_DISTANCE,
+                                                                    num_ids)):
+            prefetch_row(weights, occ_slots[k], dim)
         cell = out[b, c:c + dim]
         cell[:] = float32(0.0)
         for k in range(start, end):
