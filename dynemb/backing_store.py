@@ -14,6 +14,7 @@ import torch
 
 from dynemb.flat_table import FlatTable
 from dynemb.hash_table import ScoredHashTable
+from dynemb.row_moves import copy_rows
 from dynemb.types import MAX_BUCKET_SIZE, ScorePolicy
 from dynemb.validation import check_index_tensor
 
@@ -103,6 +104,25 @@ class HostBackingStore:
             self._rows.remap(result.remap, self._table.capacity)
         self._rows.weights.index_copy_(0, result.slots, self._to_host(rows).to(
             self._rows.weights.dtype))
+        return int(result.evicted.sum())
+
+    def load_into(self, keys: torch.Tensor, dst: torch.Tensor,
+                  dst_slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``find`` that copies the rows of the stored keys straight to ``dst[dst_slots]``
+        (a CPU table of this store's width and dtype) instead of returning them; the other
+        rows of ``dst`` are left alone. Returns ``(found, scores)``."""
+        slots = self._table.find(keys)
+        copy_rows(self._rows.weights, slots, dst, dst_slots)
+        return slots >= 0, self._table.scores_at(slots)
+
+    def insert_from(self, keys: torch.Tensor, src: torch.Tensor, src_slots: torch.Tensor,
+                    scores: torch.Tensor) -> int:
+        """``insert`` of the rows ``src[src_slots]`` (a CPU table of this store's width and
+        dtype), copied straight from there."""
+        result = self._table.find_or_insert(keys, scores, assume_unique=True)
+        if result.remap is not None:
+            self._rows.remap(result.remap, self._table.capacity)
+        copy_rows(src, src_slots, self._rows.weights, result.slots)
         return int(result.evicted.sum())
 
     def export(self, start: int, batch: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[int]]:

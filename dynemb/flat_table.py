@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from dynemb.initializers import Initializer
+from dynemb.row_moves import remap_rows
 from dynemb.types import SUPPORTED_DTYPES
 from dynemb.validation import check_index_tensor, check_int, check_slots
 
@@ -202,8 +203,4 @@ class FlatTable:
         check_index_tensor(remap, "remap", self.device)
         if remap.numel() != self.capacity:
             raise ValueError(f"remap has {remap.numel()} entries, the table {self.capacity} rows")
-        moved = torch.zeros(new_capacity, self.weights.shape[1], dtype=self.weights.dtype,
-                            device=self.device)
-        live = remap >= 0
-        moved[remap[live]] = self.weights[live]
-        self.weights = moved
+        self.weights = remap_rows(self.weights, remap, new_capacity)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.backing_store import BackingStore, default_store, default_store_slots
+from dynemb.backing_store import (BackingStore, HostBackingStore, default_store,
+                                  default_store_slots)
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.hbm_direct import HbmDirectTable
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows
@@ -63,15 +64,28 @@ class CacheTable(HbmDirectTable):
         self._write_back(result)
         self._load(keys, result)
 
+    @property
+    def _store_moves_rows(self) -> bool:
+        """The store copies rows to and from the cache's own table itself (a host store,
+        whose ``find`` and ``insert`` no subclass changed, behind a CPU cache): no gathered
+        rows in between."""
+        kind = type(self.store)
+        return (isinstance(self.store, HostBackingStore) and self.device.type == "cpu"
+                and kind.find is HostBackingStore.find and kind.insert is HostBackingStore.insert)
+
     def _write_back(self, result) -> None:
         """Evicted rows go to the store with their scores."""
         evicted = result.evicted
         if not bool(evicted.any()):
             return
         slots = result.slots[evicted]
-        rows = self.tier.flat.weights.index_select(0, slots)
         keys = result.previous_keys[evicted]
-        dropped = self.store.insert(keys, rows, result.previous_scores[evicted])
+        scores = result.previous_scores[evicted]
+        if self._store_moves_rows:
+            dropped = self.store.insert_from(keys, self.tier.flat.weights, slots, scores)
+        else:
+            rows = self.tier.flat.weights.index_select(0, slots)
+            dropped = self.store.insert(keys, rows, scores)
         if self.changes is not None:
             self.changes.written_back(keys)
         self.counters.add("write_backs", slots.numel())
@@ -83,11 +97,14 @@ class CacheTable(HbmDirectTable):
         if not bool(inserted.any()):
             return
         new_keys, new_slots = keys[inserted], result.slots[inserted]
-        rows, found, scores = self.store.find(new_keys)
+        if self._store_moves_rows:
+            found, scores = self.store.load_into(new_keys, self.tier.flat.weights, new_slots)
+        else:
+            rows, found, scores = self.store.find(new_keys)
+            if bool(found.any()):
+                self.tier.flat.weights.index_copy_(0, new_slots[found], rows[found])
         if bool(found.any()):
-            loaded = new_slots[found]
-            self.tier.flat.weights.index_copy_(0, loaded, rows[found])
-            self.tier.hash.restore_scores(loaded, scores[found])
+            self.tier.hash.restore_scores(new_slots[found], scores[found])
             self.counters.add("loads", found.sum())
         self.tier.flat.initialize_where(new_slots, new_keys, ~found, self.options.initializer,
                                         seed=self.options.seed, table_id=self.table_id)
