@@ -32,7 +32,10 @@ def test_collection_benchmark_quick(tmp_path):
     for c in report["comparisons"]:
         assert 0.0 <= c["cache_hit_rate"] <= 1.0
         assert min(c["hbm_vs_static"], c["mc_vs_hbm"], c["cache_vs_hbm"]) > 0
-    assert len(report["targets"]) == 3 * len(report["comparisons"])
+        torch_sparse = "static_torch" if c["optimizer"] == "sgd" else "static"
+        assert c["hbm_vs_torch_sparse"] == pytest.approx(
+            c["median_ms"]["hbm_direct"] / c["median_ms"][torch_sparse])
+    assert len(report["targets"]) == 4 * len(report["comparisons"])
     assert {p["method"] for p in report["profile"]} == {"hbm_direct", "cache"}
     saved = json.loads((tmp_path / "collection_cpu_quick.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(report["rows"]))
