@@ -221,8 +221,9 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
                    f"{send}.select+bucketize+send.bucketize_by_owner"),
                   (sharded, "compute", compute),
                   (local, "_split_by_table", f"{compute}.split by table"),
-                  (local, "_table_outputs", f"{compute}.pooling (embedding_bag)"),
-                  (local, "_collect_outputs", f"{compute}.concat features"),
+                  (local, "_table_outputs", f"{compute}.bag offsets per table"),
+                  (local, "_collect_outputs",
+                   f"{compute}.pool every table into the [B, sum of dims] output"),
                   (sharded, "output_dist", "forward.reduce-scatter: start"),
                   (_PooledOutputAwaitable, "_wait_impl",
                    "forward.reduce-scatter: wait (+ MEAN divide)")]
