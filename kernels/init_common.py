@@ -1,7 +1,7 @@
 """Initializer rules shared by ``init_cpu.py`` and ``init_cuda.py``."""
 from numba import njit
 
-from .rng import standard_normal, uniform01
+from .rng import normal_pair, standard_normal, uniform01
 
 INIT_NORMAL = 0
 INIT_TRUNCATED_NORMAL = 1
@@ -28,3 +28,19 @@ def initial_value(kind, p0, p1, low, high, stream, column):
         if low <= x <= high:
             return x
     return min(max(x, low), high)
+
+
+@njit(cache=True, inline="always")
+def fill_row(row, kind, p0, p1, low, high, stream, dim):
+    """``row[j] = initial_value(..., j)`` for ``j < dim``; NORMAL rows take both values of each
+    Box-Muller pair at once (half the logs and square roots of element by element)."""
+    if kind == INIT_NORMAL:
+        for j in range(0, dim - 1, 2):
+            first, second = normal_pair(stream, j >> 1)
+            row[j] = p0 + p1 * first
+            row[j + 1] = p0 + p1 * second
+        if dim % 2 == 1:
+            row[dim - 1] = initial_value(kind, p0, p1, low, high, stream, dim - 1)
+        return
+    for j in range(dim):
+        row[j] = initial_value(kind, p0, p1, low, high, stream, j)

@@ -1,7 +1,7 @@
 """CPU initializer kernel: fill ``out[i, :]`` with the initial row of ``keys[i]``."""
 from numba import njit, prange
 
-from .init_common import initial_value
+from .init_common import fill_row
 from .rng import row_stream
 
 
@@ -9,9 +9,8 @@ from .rng import row_stream
 def init_rows_cpu(out, keys, seed, table_id, kind, p0, p1, low, high):
     """``out`` [N, D] float32; rows depend only on (seed, table_id, key)."""
     for i in prange(keys.size):
-        stream = row_stream(seed, table_id, keys[i])
-        for j in range(out.shape[1]):
-            out[i, j] = initial_value(kind, p0, p1, low, high, stream, j)
+        fill_row(out[i], kind, p0, p1, low, high, row_stream(seed, table_id, keys[i]),
+                 out.shape[1])
 
 
 @njit(cache=True, parallel=True)
@@ -22,8 +21,7 @@ def init_rows_at_cpu(weights, slots, keys, mask, dim, seed, table_id, kind, p0, 
         s = slots[i]
         if s < 0 or not mask[i]:
             continue
-        stream = row_stream(seed, table_id, keys[i])
-        for j in range(dim):
-            weights[s, j] = initial_value(kind, p0, p1, low, high, stream, j)
+        row = weights[s]
+        fill_row(row, kind, p0, p1, low, high, row_stream(seed, table_id, keys[i]), dim)
         for j in range(dim, weights.shape[1]):
-            weights[s, j] = 0.0
+            row[j] = 0.0

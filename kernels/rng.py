@@ -29,11 +29,22 @@ def uniform01(stream, counter):
 
 
 @njit(cache=True, inline="always")
+def normal_pair(stream, pair):
+    """Two independent standard normals: Box-Muller on the uniforms drawn at ``2 * pair`` and
+    ``2 * pair + 1``, both of its outputs (one log, one square root for two values)."""
+    u1 = uniform01(stream, 2 * pair)
+    u2 = uniform01(stream, 2 * pair + 1)
+    radius = math.sqrt(-2.0 * math.log(u1))
+    angle = 2.0 * math.pi * u2
+    return radius * math.cos(angle), radius * math.sin(angle)
+
+
+@njit(cache=True, inline="always")
 def standard_normal(stream, counter):
-    """Box-Muller on two uniforms drawn at ``2 * counter`` and ``2 * counter + 1``."""
-    u1 = uniform01(stream, 2 * counter)
-    u2 = uniform01(stream, 2 * counter + 1)
-    return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+    """Normal number ``counter`` of the stream: output ``counter % 2`` of
+    ``normal_pair(stream, counter // 2)``."""
+    first, second = normal_pair(stream, counter >> 1)
+    return first if (counter & 1) == 0 else second
 
 
 _UPDATE_SALT = np.int64(0x5DEECE66D)

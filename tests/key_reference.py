@@ -75,9 +75,12 @@ def uniform01(stream: int, counter: int) -> float:
 
 
 def standard_normal(stream: int, counter: int) -> float:
-    """Box-Muller on the uniforms drawn at ``2 * counter`` and ``2 * counter + 1``."""
-    u1, u2 = uniform01(stream, 2 * counter), uniform01(stream, 2 * counter + 1)
-    return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+    """Box-Muller on the uniforms drawn at ``2 * (counter // 2)`` and ``2 * (counter // 2) + 1``:
+    the cosine output for an even counter, the sine output for an odd one."""
+    pair = counter // 2
+    u1, u2 = uniform01(stream, 2 * pair), uniform01(stream, 2 * pair + 1)
+    trig = math.cos if counter % 2 == 0 else math.sin
+    return math.sqrt(-2.0 * math.log(u1)) * trig(2.0 * math.pi * u2)
 
 
 def update_stream(seed: int, table_id: int, key: int, step: int) -> int:

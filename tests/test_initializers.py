@@ -101,3 +101,19 @@ def test_table_identity_is_pinned():
 def test_bad_initializer(kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):
         Initializer(**kwargs)
+
+
+@pytest.mark.parametrize("dim", [1, 7, 16])
+def test_normal_rows_of_any_width_equal_the_reference(dim, backend):
+    """The CPU kernels fill NORMAL rows two columns (one Box-Muller pair) at a time; an odd
+    last column comes from the pair's first value, as element by element."""
+    init = Initializer(InitializerKind.NORMAL, mean=-0.5, std=3.0)
+    got = rows(init, KEYS, backend, dim=dim)
+    want = torch.tensor(initial_rows(init, KEYS, dim, seed=7, table_id=3))
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-7)
+
+
+def test_the_two_values_of_a_normal_pair_are_uncorrelated():
+    normal = rows(Initializer(InitializerKind.NORMAL), list(range(20000)), ("cpu", "cpu"),
+                  dim=2)
+    assert abs(torch.corrcoef(normal.T)[0, 1].item()) < 0.03
