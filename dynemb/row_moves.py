@@ -27,7 +27,8 @@ def _bits(rows: torch.Tensor):
 def copy_rows(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
               dst_slots: torch.Tensor) -> None:
     """``dst[dst_slots[i]] = src[src_slots[i]]`` wherever both slots are >= 0; ``src`` and
-    ``dst`` are [rows, width] tables of one dtype and width, ``dst_slots`` distinct."""
+    ``dst`` are [rows, width] tables of one dtype and width, ``dst_slots`` distinct. Slots
+    come from the tables' own hash tables and are not range-checked (hot path)."""
     if src.dtype != dst.dtype or src.shape[1] != dst.shape[1]:
         raise ValueError(f"copy_rows needs tables of one dtype and width, got {src.dtype} "
                          f"[*, {src.shape[1]}] and {dst.dtype} [*, {dst.shape[1]}]")
