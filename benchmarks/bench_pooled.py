@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -30,10 +29,10 @@ import torch
 from benchmarks.bench_sharded import PIPELINE_PHASES, Batch, combined_optimizer
 from benchmarks.common import (BenchmarkError, add_run_options, config_of,
                                fill_defaults, git_state, load_before_run, machine_info,
-                               new_parser, paired_ratios, peak_rss_gib, percentile,
-                               pyplot, report_stem, run_command, save_figure,
-                               verdict, write_report, zipf_ranks)
-from benchmarks.side_by_side import LOSS_RTOL, METHODS, compare, profile_steps  # noqa: F401
+                               new_parser, peak_rss_gib, report_stem, run_command, verdict,
+                               write_report, zipf_ranks)
+from benchmarks.side_by_side import (LOSS_RTOL, METHODS, compare,  # noqa: F401
+                                     plot_steps_and_ratios, profile_steps, summarize_ranks)
 from examples.spawn import RankError, run_on_ranks
 
 FILE_STEM = "pooled_cpu"
@@ -317,39 +316,11 @@ def rank_main(rank: int, world_size: int, cfg: Dict[str, Any]) -> Dict[str, Any]
 
 
 def summarize(per_rank: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Per configuration: a step's time is the slower rank's (the ranks meet in the
-    all-to-alls every step); medians, p10/p90, the ratio and the paired per-step ratios."""
-    rows = []
-    for k, first in enumerate(per_rank[0]["results"]):
-        entries = [r["results"][k] for r in per_rank]
-        step_ms = {m: [max(e["step_s"][m][i] for e in entries) * 1e3
-                       for i in range(len(first["step_s"][m]))] for m in METHODS}
-        med = {m: statistics.median(step_ms[m]) for m in METHODS}
-        ids = sum(e["ids_per_step"] for e in entries)
-        ratio = med["dynemb"] / med["torchrec"]
-        rows.append({
-            "hot": first["hot"], "dim": first["dim"], "optimizer": first["optimizer"],
-            "median_ms": med,
-            "p10_ms": {m: percentile(step_ms[m], 10) for m in METHODS},
-            "p90_ms": {m: percentile(step_ms[m], 90) for m in METHODS},
-            "ratio": ratio,
-            "ratio_paired": paired_ratios(step_ms["dynemb"], step_ms["torchrec"]),
-            "target": TARGET, "passed": ratio <= TARGET,
-            "ids_per_step_all_ranks": ids,
-            "m_ids_per_s": {m: ids / med[m] / 1e3 for m in METHODS},
-            "step_ms": step_ms,
-            "per_rank": [{"rank": r["rank"], "median_ms": {
-                m: statistics.median(r["results"][k]["step_s"][m]) * 1e3 for m in METHODS},
-                "ids_per_step": r["results"][k]["ids_per_step"],
-                "unique_per_step": r["results"][k]["unique_per_step"],
-                "dynemb_timed_counters": r["results"][k]["dynemb_timed_counters"],
-                "dynemb_rows": r["results"][k]["dynemb_rows"]} for r in per_rank],
-            "max_loss_rel_diff": max(e["worst_diff"]["loss"] for e in entries),
-            "max_probe_abs_diff": max(e["worst_diff"]["probe"] for e in entries),
-            "profile": [{"rank": r["rank"], **r["results"][k]["profile"]} for r in per_rank
-                        if r["results"][k]["profile"]],
-        })
-    return rows
+    """Per configuration, both models' step times over the ranks (see
+    :func:`~benchmarks.side_by_side.summarize_ranks`)."""
+    return summarize_ranks(per_rank, config_keys=("hot", "dim", "optimizer"),
+                           rank_fields=("ids_per_step", "unique_per_step", "dynemb_timed_counters",
+                                        "dynemb_rows"), target=TARGET)
 
 
 def format_rows(rows: List[Dict[str, Any]]) -> str:
@@ -426,33 +397,12 @@ def plot(report: Dict[str, Any], path: Path) -> None:
     """Left: median step ms per configuration (p10-p90 whiskers). Right: the ratio against
     the target."""
     rows = report["rows"]
-    fig, (ax, ax_r) = pyplot().subplots(1, 2, figsize=(14, 5),
-                                        gridspec_kw={"width_ratios": [1.6, 1]})
-    x = np.arange(len(rows))
     names = [f"{r['hot']}-hot\nd{r['dim']}\n"
              f"{r['optimizer'].replace('rowwise_adagrad', 'rw-adagrad')}" for r in rows]
-    width = 0.38
-    for i, m in enumerate(METHODS):
-        ys = [r["median_ms"][m] for r in rows]
-        err = [[r["median_ms"][m] - r["p10_ms"][m] for r in rows],
-               [r["p90_ms"][m] - r["median_ms"][m] for r in rows]]
-        ax.bar(x + (i - 0.5) * width, ys, width, yerr=err, capsize=3, label=LABELS[m])
-    ax.set_xticks(x, names, fontsize=8)
-    ax.set_ylabel("ms per training step (median, p10-p90)")
-    ax.set_title(f"{WORLD_SIZE} CPU ranks, {report['config']['features']} pooled features, "
-                 f"batch {report['config']['batch']} per rank")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    bars = ax_r.bar(x, [r["ratio"] for r in rows], 0.5, color="tab:purple")
-    ax_r.bar_label(bars, fmt="%.2f", fontsize=8)
-    ax_r.axhline(TARGET, color="black", linestyle="--", linewidth=1,
-                 label=f"target <= {TARGET}")
-    ax_r.set_xticks(x, names, fontsize=7)
-    ax_r.set_ylabel("dynemb / TorchRec step time")
-    ax_r.set_ylim(0, max(TARGET, max(r["ratio"] for r in rows)) * 1.25)
-    ax_r.set_title("ratio of median step times")
-    ax_r.legend(fontsize=8)
-    save_figure(fig, path)
+    plot_steps_and_ratios(
+        rows, path, names=names, labels=LABELS, target=TARGET, figsize=(14, 5), tick_size=8,
+        title=f"{WORLD_SIZE} CPU ranks, {report['config']['features']} pooled features, "
+              f"batch {report['config']['batch']} per rank")
 
 
 # -- command line ----------------------------------------------------------------------------

@@ -8,9 +8,11 @@ import statistics
 import time
 from typing import Any, Callable, Dict, List, Tuple
 
+import numpy as np
 import torch
 
-from benchmarks.common import check, profile_tables
+from benchmarks.common import (check, paired_ratios, percentile, profile_tables, pyplot,
+                               save_figure)
 
 METHODS = ("dynemb", "torchrec")
 #: Both models must agree this closely, every step (loss and the probe rows).
@@ -143,3 +145,72 @@ def _torch_ops(n: int, pipes, iters, bar) -> Dict[str, List[Dict[str, Any]]]:
                     acc[key] += row[key]
         out[m] = sorted(merged.values(), key=lambda r: -r["self_cpu_ms"])[:20]
     return out
+
+
+def summarize_ranks(per_rank: List[Dict[str, Any]], *, config_keys: Tuple[str, ...],
+                    rank_fields: Tuple[str, ...], target: float) -> List[Dict[str, Any]]:
+    """Per configuration (its ``config_keys`` copied from the results): a step's time is the
+    slower rank's (the ranks meet in the collectives every step); medians, p10/p90, the ratio
+    dynemb / TorchRec against ``target`` and the paired per-step ratios; per rank its medians
+    and its result's ``rank_fields``."""
+    rows = []
+    for k, first in enumerate(per_rank[0]["results"]):
+        entries = [r["results"][k] for r in per_rank]
+        step_ms = {m: [max(e["step_s"][m][i] for e in entries) * 1e3
+                       for i in range(len(first["step_s"][m]))] for m in METHODS}
+        med = {m: statistics.median(step_ms[m]) for m in METHODS}
+        ids = sum(e["ids_per_step"] for e in entries)
+        ratio = med["dynemb"] / med["torchrec"]
+        rows.append({
+            **{key: first[key] for key in config_keys},
+            "median_ms": med,
+            "p10_ms": {m: percentile(step_ms[m], 10) for m in METHODS},
+            "p90_ms": {m: percentile(step_ms[m], 90) for m in METHODS},
+            "ratio": ratio,
+            "ratio_paired": paired_ratios(step_ms["dynemb"], step_ms["torchrec"]),
+            "target": target, "passed": ratio <= target,
+            "ids_per_step_all_ranks": ids,
+            "m_ids_per_s": {m: ids / med[m] / 1e3 for m in METHODS},
+            "step_ms": step_ms,
+            "per_rank": [{"rank": r["rank"], "median_ms": {
+                m: statistics.median(r["results"][k]["step_s"][m]) * 1e3 for m in METHODS},
+                **{f: r["results"][k][f] for f in rank_fields}} for r in per_rank],
+            "max_loss_rel_diff": max(e["worst_diff"]["loss"] for e in entries),
+            "max_probe_abs_diff": max(e["worst_diff"]["probe"] for e in entries),
+            "profile": [{"rank": r["rank"], **r["results"][k]["profile"]} for r in per_rank
+                        if r["results"][k]["profile"]],
+        })
+    return rows
+
+
+def plot_steps_and_ratios(rows: List[Dict[str, Any]], path, *, names: List[str],
+                          labels: Dict[str, str], target: float, title: str, figsize,
+                          tick_size=None, parity_line: bool = False) -> None:
+    """Left: median step ms per configuration (p10-p90 whiskers) of both models. Right: the
+    ratio of median step times against ``target`` (and 1.0 dotted with ``parity_line``)."""
+    fig, (ax, ax_r) = pyplot().subplots(1, 2, figsize=figsize,
+                                        gridspec_kw={"width_ratios": [1.6, 1]})
+    x = np.arange(len(rows))
+    width = 0.38
+    for i, m in enumerate(METHODS):
+        ys = [r["median_ms"][m] for r in rows]
+        err = [[r["median_ms"][m] - r["p10_ms"][m] for r in rows],
+               [r["p90_ms"][m] - r["median_ms"][m] for r in rows]]
+        ax.bar(x + (i - 0.5) * width, ys, width, yerr=err, capsize=3, label=labels[m])
+    ax.set_xticks(x, names, fontsize=tick_size)
+    ax.set_ylabel("ms per training step (median, p10-p90)")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    bars = ax_r.bar(x, [r["ratio"] for r in rows], 0.5, color="tab:purple")
+    ax_r.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax_r.axhline(target, color="black", linestyle="--", linewidth=1,
+                 label=f"target <= {target}")
+    if parity_line:
+        ax_r.axhline(1.0, color="gray", linestyle=":", linewidth=1)
+    ax_r.set_xticks(x, names, fontsize=None if tick_size is None else tick_size - 1)
+    ax_r.set_ylabel("dynemb / TorchRec step time")
+    ax_r.set_ylim(0, max(target, max(r["ratio"] for r in rows)) * 1.25)
+    ax_r.set_title("ratio of median step times")
+    ax_r.legend(fontsize=8)
+    save_figure(fig, path)
