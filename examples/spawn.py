@@ -58,6 +58,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_device(requested: str) -> torch.device:
+    """This rank's GPU (``LOCAL_RANK``) when there is one and ``requested`` (a ``--device``
+    option: "auto" or "cpu") allows it, else the CPU."""
+    if torch.cuda.is_available() and requested != "cpu":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 def run_in_process_group(fn: Callable, *args: Any,
                          device: torch.device = torch.device("cpu")) -> Any:
     """``fn(rank, world_size, *args)`` inside the world the environment describes (``RANK``,

@@ -77,7 +77,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dlrm_data import (Batch, BatchReader, DataFormat, held_out_mask,  # noqa: E402
                        write_synthetic_criteo)
-from spawn import run_in_process_group, run_on_ranks  # noqa: E402
+from spawn import rank_device, run_in_process_group, run_on_ranks  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "output"
 DEFAULT_NPROC = 2
@@ -553,18 +553,10 @@ def _jsonable(value):
 
 
 # -- processes ---------------------------------------------------------------------------------
-def rank_device(args: argparse.Namespace) -> torch.device:
-    """This rank's GPU (``LOCAL_RANK``) when there is one and ``--device`` allows it, else
-    the CPU."""
-    if torch.cuda.is_available() and args.device != "cpu":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
 def train_rank(rank: int, world_size: int, args: argparse.Namespace,
                cfg: Config) -> Optional[Dict[str, Any]]:
     """Train on this rank of a joined process group; rank 0 returns the metrics."""
-    device = rank_device(args)
+    device = rank_device(args.device)
     if device.type == "cpu":
         # small dense ops: extra intra-op threads only add OpenMP barrier waits, and the
         # ranks share the cores
@@ -652,7 +644,7 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
     args = parse_args(argv)
     cfg = config(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # launched by torchrun
-        return run_in_process_group(train_rank, args, cfg, device=rank_device(args))
+        return run_in_process_group(train_rank, args, cfg, device=rank_device(args.device))
     args.device = "cpu"
     start = time.perf_counter()
     metrics = run_on_ranks(args.nproc, train_rank, args, cfg)[0]
