@@ -1,9 +1,20 @@
-"""Checks shared by the sharded twin tests (tests/test_sharded.py, tests/test_sharded_bag.py)."""
-from typing import Any, Dict, List, Optional
+"""What the spawned sharded tests share (tests/test_sharded.py, tests/test_sharded_bag.py,
+tests/test_stashing_sharded.py): running named scenarios on a world of ranks, and the check
+of rows on their owners."""
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
+from examples.spawn import run_on_ranks
 from tests.key_reference import owner
+
+
+def spawn_scenarios(world: int, runner: Callable, scenarios: Dict[str, Any]
+                    ) -> Dict[str, List[Any]]:
+    """``runner(rank, world, [scenario, ...])`` on ``world`` spawned ranks -> per scenario
+    name, each rank's result (rank order)."""
+    results = run_on_ranks(world, runner, list(scenarios.values()), timeout=600)
+    return {name: [per_rank[i] for per_rank in results] for i, name in enumerate(scenarios)}
 
 
 def check_rows_on_owners(ranks: List[Dict[str, Any]], sharding: str, num_ids: int,

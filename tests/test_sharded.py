@@ -14,8 +14,7 @@ keys for it. Worlds are spawned once per module; scenarios share them.
 import numpy as np
 import pytest
 
-from examples.spawn import run_on_ranks
-from tests.sharded_checks import check_rows_on_owners
+from tests.sharded_checks import check_rows_on_owners, spawn_scenarios
 from tests.sharded_twin import FEATURES, NUM_IDS, Scenario, run_scenarios
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -43,25 +42,19 @@ WORLD3 = {"sgd_pipeline": Scenario(loop="pipeline", sharding="mod"),
                                           torchrec_twin=False, cache_rows=96)}
 
 
-def _spawn(world, scenarios):
-    results = run_on_ranks(world, run_scenarios, list(scenarios.values()), timeout=600)
-    return {name: [per_rank[i] for per_rank in results]
-            for i, name in enumerate(scenarios)}
-
-
 @pytest.fixture(scope="module")
 def world2():
-    return _spawn(2, WORLD2)
+    return spawn_scenarios(2, run_scenarios, WORLD2)
 
 
 @pytest.fixture(scope="module")
 def world1():
-    return _spawn(1, WORLD1)
+    return spawn_scenarios(1, run_scenarios, WORLD1)
 
 
 @pytest.fixture(scope="module")
 def world3():
-    return _spawn(3, WORLD3)
+    return spawn_scenarios(3, run_scenarios, WORLD3)
 
 
 def _check_steps(ranks, s):

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from examples.spawn import run_on_ranks
-from tests.sharded_checks import check_rows_on_owners
+from tests.sharded_checks import check_rows_on_owners, spawn_scenarios
 from tests.sharded_bag_twin import FEATURES, NUM_IDS, BagScenario, bag_tables, run_scenarios
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -53,25 +52,19 @@ WORLD3 = {"mixed_rowwise_pipeline_twin": BagScenario(optimizer="rowwise_adagrad"
           "weighted_sgd_plain": BagScenario(pooling="weighted", loop="plain", sharding="mod")}
 
 
-def _spawn(world, scenarios):
-    results = run_on_ranks(world, run_scenarios, list(scenarios.values()), timeout=600)
-    return {name: [per_rank[i] for per_rank in results]
-            for i, name in enumerate(scenarios)}
-
-
 @pytest.fixture(scope="module")
 def world2():
-    return _spawn(2, WORLD2)
+    return spawn_scenarios(2, run_scenarios, WORLD2)
 
 
 @pytest.fixture(scope="module")
 def world1():
-    return _spawn(1, WORLD1)
+    return spawn_scenarios(1, run_scenarios, WORLD1)
 
 
 @pytest.fixture(scope="module")
 def world3():
-    return _spawn(3, WORLD3)
+    return spawn_scenarios(3, run_scenarios, WORLD3)
 
 
 def _check_steps(ranks, s):

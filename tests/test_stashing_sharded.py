@@ -9,7 +9,7 @@ hold no device memory while the dense layer runs. Worlds are spawned once per mo
 import numpy as np
 import pytest
 
-from examples.spawn import run_on_ranks
+from tests.sharded_checks import spawn_scenarios
 from tests.stashing_worker import LOOPS, OPTIMIZERS, run_stash_scenarios, scenario
 
 WORLD2 = {
@@ -40,19 +40,14 @@ WORLD1 = {
 }
 
 
-def _spawn(world, scenarios):
-    results = run_on_ranks(world, run_stash_scenarios, list(scenarios.values()), timeout=600)
-    return {name: [per_rank[i] for per_rank in results] for i, name in enumerate(scenarios)}
-
-
 @pytest.fixture(scope="module")
 def world2():
-    return _spawn(2, WORLD2)
+    return spawn_scenarios(2, run_stash_scenarios, WORLD2)
 
 
 @pytest.fixture(scope="module")
 def world1():
-    return _spawn(1, WORLD1)
+    return spawn_scenarios(1, run_stash_scenarios, WORLD1)
 
 
 def _check(ranks, s):
