@@ -10,8 +10,9 @@ from dynemb.options import DynamicEmbTableOptions
 
 def check_configs(tables, config_type: type = EmbeddingConfig) -> List[EmbeddingConfig]:
     """``tables`` as a list of ``config_type`` (``EmbeddingConfig``, or ``EmbeddingBagConfig``
-    for a pooled collection): unique non-empty names, positive dims, each feature in one table
-    (a table without feature names reads the feature named after it)."""
+    for a pooled collection): unique valid names (see :func:`check_table_name`), positive dims,
+    each feature in one table (a table without feature names reads the feature named after
+    it)."""
     kind = config_type.__name__
     if not isinstance(tables, (list, tuple)) or not tables:
         raise ValueError(f"tables must be a non-empty list of {kind}")
@@ -19,8 +20,9 @@ def check_configs(tables, config_type: type = EmbeddingConfig) -> List[Embedding
     for config in tables:
         if not isinstance(config, config_type):
             raise TypeError(f"tables must hold {kind}, got {type(config).__name__}")
-        if not config.name or config.name in seen:
-            raise ValueError(f"table names must be unique and non-empty, got {config.name!r}")
+        check_table_name(config.name)
+        if config.name in seen:
+            raise ValueError(f"table names must be unique, got {config.name!r} twice")
         seen.add(config.name)
         if config.embedding_dim <= 0:
             raise ValueError(f"table {config.name!r}: embedding_dim must be positive, got "
@@ -33,6 +35,28 @@ def check_configs(tables, config_type: type = EmbeddingConfig) -> List[Embedding
                                  f"{config.name!r}; a feature reads one table")
             features[f] = config.name
     return list(tables)
+
+
+def check_table_name(name) -> None:
+    """Refuse a table name that TorchRec's ``EmbeddingCollection`` refuses: not a string,
+    empty, or holding ``"."``. Names become ``state_dict`` keys (``dynamic_tables.<name>...``),
+    where a dot would split them, so a module with such a name could save but never load.
+
+    Example::
+
+        >>> check_table_name("items")
+        >>> check_table_name("user.ids")
+        Traceback (most recent call last):
+        KeyError: 'table name ... contains "."; ...'
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"table name must be a str, got {type(name).__name__} {name!r}")
+    if not name:
+        raise KeyError('table name can\'t be empty ""')
+    if "." in name:
+        raise KeyError(f'table name {name!r} contains "."; TorchRec\'s EmbeddingCollection '
+                       f'refuses it too (it names a module, and state_dict keys are split at '
+                       f'dots): use another separator, e.g. {name.replace(".", "_")!r}')
 
 
 def options_by_table(table_options, names) -> Dict[str, DynamicEmbTableOptions]:
