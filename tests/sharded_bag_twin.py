@@ -51,6 +51,7 @@ class BagScenario:
     with_ebc_and_dense: bool = False
     probe_bad_input: bool = False    # after training: bad KJTs must raise and change nothing
     export_state: bool = False       # return this rank's share of the dynamic tables' state
+    id_dtypes: tuple = ()           # per rank, the dtype of its KJT's ids and lengths
     seed: int = 5
 
 
@@ -121,11 +122,13 @@ def make_batches(s: BagScenario, world_size: int):
     return steps
 
 
-def to_kjt(parts: List[Dict[str, Any]], weighted: bool) -> KeyedJaggedTensor:
-    """One KJT from several ranks' batches (the global batch), or from one."""
+def to_kjt(parts: List[Dict[str, Any]], weighted: bool,
+           dtype: torch.dtype = torch.int64) -> KeyedJaggedTensor:
+    """One KJT from several ranks' batches (the global batch), or from one; ids and lengths
+    of ``dtype``."""
     def cat(i):
         return torch.cat([torch.cat([p[f][i] for p in parts]) for f in FEATURES])
-    return KeyedJaggedTensor.from_lengths_sync(FEATURES, cat(1), cat(0),
+    return KeyedJaggedTensor.from_lengths_sync(FEATURES, cat(1).to(dtype), cat(0).to(dtype),
                                                weights=cat(2) if weighted else None)
 
 
@@ -231,7 +234,8 @@ def run_scenario(rank: int, world_size: int, s: BagScenario) -> Dict[str, Any]:
     opt_config, fused_params = optimizer_configs(s.optimizer)
     weighted = POOLINGS[s.pooling][2]
     batches = make_batches(s, world_size)
-    local = [Batch(to_kjt([per_rank[rank]], weighted)) for per_rank in batches]
+    dtype = getattr(torch, s.id_dtypes[rank]) if s.id_dtypes else torch.int64
+    local = [Batch(to_kjt([per_rank[rank]], weighted, dtype)) for per_rank in batches]
     dmp = shard(BagModel(s, opt_config), world_size)
     trainer = _Trainer(dmp, local, s.loop)
     ref = DynamicEmbBagCollection(bag_tables(s), is_weighted=weighted,

@@ -40,6 +40,11 @@ WORLD2 = {
     "weighted_sgd_plain": BagScenario(pooling="weighted", loop="plain", probe_bad_input=True),
     "cache_mean_sgd_prefetch": BagScenario(mode="cache", pooling="mean", loop="prefetch"),
     "mixed_model_pipeline": BagScenario(loop="pipeline", with_ebc_and_dense=True),
+    # ranks whose KJTs differ in id and length dtype (each valid alone)
+    "int32_then_int64_ids_plain": BagScenario(pooling="weighted", loop="plain",
+                                              id_dtypes=("int32", "int64")),
+    "int64_then_int32_ids_pipeline": BagScenario(loop="pipeline",
+                                                 id_dtypes=("int64", "int32")),
 }
 WORLD1 = {"mean_sgd_pipeline_twin": BagScenario(pooling="mean", loop="pipeline", **TWIN),
           "weighted_adam_prefetch": BagScenario(pooling="weighted", optimizer="adam",

@@ -25,7 +25,8 @@ def bucketize_by_owner(kjt: KeyedJaggedTensor, schemes: Sequence[ShardingScheme]
     """``kjt`` (F features, batch B) as one KJT of ``world_size * F`` keys (rank by rank, the
     features in order), batch B: key ``r * F + f`` holds, per sample, the ids of feature
     ``f`` that rank ``r`` owns, in their original order (and their weights). ``schemes[f]``
-    is feature ``f``'s :class:`ShardingScheme`.
+    is feature ``f``'s :class:`ShardingScheme`. Ids and lengths come out int64 and weights
+    float32 whatever they were, so every rank sends the same dtypes.
 
     One pass of fbgemm's ``block_bucketize_sparse_features`` over the owner ranks (bucket
     size 1) orders the ids; its ``unbucketize_permute`` moves the ids themselves.
@@ -37,25 +38,32 @@ def bucketize_by_owner(kjt: KeyedJaggedTensor, schemes: Sequence[ShardingScheme]
         >>> out = bucketize_by_owner(kjt, [ShardingScheme.MOD], 2)
         >>> out.keys(), out.values().tolist(), out.lengths().tolist()
         (['f', 'f'], [4, 6, 3], [1, 1, 1, 0])
+        >>> bucketize_by_owner(KeyedJaggedTensor.from_lengths_sync(
+        ...     ["f"], torch.tensor([4, 3], dtype=torch.int32),
+        ...     torch.tensor([1, 1], dtype=torch.int32)), [ShardingScheme.MOD], 2).values().dtype
+        torch.int64
     """
     keys = list(kjt.keys())
-    values = kjt.values()
+    # every rank must put the same dtypes on the wire: the receiver sizes its buffers by
+    # its own tensors, so an int32 rank and an int64 rank would mix up their bytes
+    values = kjt.values().to(torch.int64)
     lengths = kjt.lengths().to(torch.int64)
-    ids = values.to(torch.int64)
+    weights = kjt.weights_or_none()
+    if weights is not None:
+        weights = weights.to(torch.float32)
     if len(set(schemes)) <= 1:
-        owners = owner_ranks(ids, world_size, schemes[0] if schemes else ShardingScheme.HASH)
+        owners = owner_ranks(values, world_size, schemes[0] if schemes else ShardingScheme.HASH)
     else:
-        owners = torch.cat([owner_ranks(jt.values().to(torch.int64), world_size, scheme)
-                            for jt, scheme in zip(kjt.split([1] * len(keys)), schemes)])
+        owners = torch.cat([owner_ranks(part, world_size, scheme) for part, scheme
+                            in zip(values.split(kjt.length_per_key()), schemes)])
     new_lengths, _, new_weights, _, permute = torch.ops.fbgemm.block_bucketize_sparse_features(
         lengths, owners, False, True,
         torch.ones(len(keys), dtype=torch.int64, device=values.device), world_size,
-        kjt.weights_or_none(), None, -1, None, True)
+        weights, None, -1, None, True)
     new_values = torch.empty_like(values)
     new_values[permute] = values
-    return KeyedJaggedTensor(keys=keys * world_size, values=new_values,
-                             lengths=new_lengths.to(kjt.lengths().dtype), weights=new_weights,
-                             stride=kjt.stride())
+    return KeyedJaggedTensor(keys=keys * world_size, values=new_values, lengths=new_lengths,
+                             weights=new_weights, stride=kjt.stride())
 
 
 class RwBagSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
