@@ -27,6 +27,10 @@ from dynemb.tables import DynamicTable, TableBatch, build_table
 from dynemb.validation import check_keys, check_kjt
 
 
+_IN_ORDER = ("call forward in the order of prefetch, with the KeyedJaggedTensor given to it "
+             "(nothing changed; clear_prefetched() drops the queued batches)")
+
+
 class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
     """``torchrec.EmbeddingCollection`` with hash-table rows: any int64 id, rows created on
     first sight, evicted by score, trained by a fused optimizer in backward.
@@ -345,14 +349,12 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         if trains:
             self._check_lr()
         if self._queue and self._queue[0].training == trains:
+            # a mismatch raises with the queue as it was: the batch prefetched is still the
+            # next one, and its lookups were counted once, by prefetch
+            self._check_state_matches(self._queue[0], kjt)
             state = self._queue.popleft()
         else:  # nothing queued, or queued for the other mode (e.g. an eval between steps)
             state = self._prefetch_now(kjt, trains)
-        try:
-            self._check_state_matches(state, kjt)
-        except ValueError:
-            self._drop(state)
-            raise
         if state.ready is not None:
             stream = torch.cuda.current_stream(self._device)
             stream.wait_event(state.ready)
@@ -407,19 +409,17 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
     def _check_state_matches(self, state: PrefetchState, kjt: KeyedJaggedTensor) -> None:
         if tuple(kjt.keys()) != state.feature_order:
             raise ValueError(f"forward got features {list(kjt.keys())} but the oldest prefetched "
-                             f"batch has {list(state.feature_order)}; call forward in the order "
-                             f"of prefetch")
+                             f"batch has {list(state.feature_order)}; {_IN_ORDER}")
         expected = sum(n for feats in state.features.values() for _, n in feats)
         values = kjt.values()
         if values.numel() != expected or not self._same(values, state.values):
             raise ValueError(f"forward got other ids ({values.numel()}) than the oldest "
-                             f"prefetched batch ({expected}); call forward in the order of "
-                             f"prefetch")
+                             f"prefetched batch ({expected}); {_IN_ORDER}")
         lengths = kjt.lengths()
         if lengths.shape != state.all_lengths.shape or not self._same(lengths,
                                                                       state.all_lengths):
-            raise ValueError("forward got the ids of the oldest prefetched batch but other "
-                             "lengths; call forward with the KeyedJaggedTensor given to prefetch")
+            raise ValueError(f"forward got the ids of the oldest prefetched batch but other "
+                             f"lengths; {_IN_ORDER}")
 
     def _same(self, got: torch.Tensor, expected: torch.Tensor) -> bool:
         """Equal tensors of equal shape. On CUDA without input validation the comparison is

@@ -146,8 +146,9 @@ def test_forward_consumes_prefetches_oldest_first():
     assert ec.pending_prefetches == 2 and state_a.storage_modes == {"t": StorageMode.HBM_DIRECT}
     assert ec.tables["t"].tier.hash.pinned_count() == 5
     with pytest.raises(ValueError, match="order of prefetch"):
-        ec(b)  # a is the oldest: mismatch detected, a's pins dropped
-    assert ec.pending_prefetches == 1
+        ec(b)  # a is the oldest: refused, the queue is left as it was
+    assert ec.pending_prefetches == 2 and ec.tables["t"].tier.hash.pinned_count() == 5
+    ec(a)["f"].values().sum().backward()
     out = ec(b)["f"].values()
     assert out.shape == (3, DIM)
     out.sum().backward()
@@ -157,9 +158,40 @@ def test_forward_consumes_prefetches_oldest_first():
 def test_forward_rejects_other_ids_of_the_same_shape():
     ec = make()
     ec.prefetch(kjt([1, 2]))
-    with pytest.raises(ValueError, match="order of prefetch"):
+    with pytest.raises(ValueError, match="order of prefetch.*nothing changed"):
         ec(kjt([3, 4]))
+    assert stored(ec, [3, 4]) == [False, False]
+    ec.clear_prefetched()
     assert ec.pending_prefetches == 0 and ec.tables["t"].tier.hash.pinned_count() == 0
+
+
+@pytest.mark.parametrize("mismatch", ["ids", "lengths", "features"])
+def test_a_refused_forward_changes_nothing_and_the_retry_counts_once(mismatch):
+    """prefetch(a), forward(b) refused, forward(a): the same counters, LFU scores and rows as
+    prefetch(a), forward(a) on a twin module."""
+    options = DynamicEmbTableOptions(initializer=INIT, score_strategy=ScorePolicy.LFU)
+    refused, twin = make(options, features=("f", "g")), make(options, features=("f", "g"))
+    a = kjt([1, 2, 2], features=("f", "g"), lengths=[2, 1])
+    b = {"ids": kjt([1, 3, 2], features=("f", "g"), lengths=[2, 1]),
+         "lengths": kjt([1, 2, 2], features=("f", "g"), lengths=[1, 2]),
+         "features": kjt([1, 2, 2], features=("g", "f"), lengths=[2, 1])}[mismatch]
+    for ec in refused, twin:
+        ec.prefetch(a)
+    before = refused.stats()["t"]
+    with pytest.raises(ValueError, match="order of prefetch"):
+        refused(b)
+    assert refused.stats()["t"] == before and refused.pending_prefetches == 1
+    for ec in refused, twin:
+        out = ec(a)
+        (out["f"].values().sum() + out["g"].values().sum()).backward()
+    assert refused.stats()["t"] == twin.stats()["t"]
+    assert refused.stats()["t"]["lookups"] == 3
+    keys = torch.tensor([1, 2, 3])
+    for got, want in zip(refused.read_rows("t", keys), twin.read_rows("t", keys)):
+        assert torch.equal(got, want)
+    hash_table = refused.tables["t"].tier.hash
+    slots = hash_table.find(keys[:2])
+    assert hash_table.scores_at(slots).tolist() == [1, 2]  # LFU: one count per occurrence
 
 
 def test_eval_forward_leaves_a_queued_training_batch_alone():
