@@ -16,30 +16,21 @@ step:
 """
 from __future__ import annotations
 
-import enum
-import math
-import numbers
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from dynemb.backends import backend_for_device
 from dynemb.flat_table import RowLayout
-from dynemb.kernels import optim_common, optim_cpu, round_common
+from dynemb.kernels import optim_common, round_common
+from dynemb.occurrence_grads import OccurrenceGrads, occurrence_csr
+from dynemb.optimizer_config import (OptimizerConfig, OptimizerType, check_number,
+                                     clip_gradients)
 from dynemb.types import SUPPORTED_DTYPES
 from dynemb.validation import check_int
 
-if TYPE_CHECKING:
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-
-
-class OptimizerType(enum.Enum):
-    SGD = "sgd"
-    ADAM = "adam"
-    ADAGRAD = "adagrad"
-    ROWWISE_ADAGRAD = "rowwise_adagrad"
-
+__all__ = ["OccurrenceGrads", "OptimizerConfig", "OptimizerType", "clip_gradients",
+           "fused_update", "occurrence_csr", "round_rows"]
 
 _KIND_CODES = {
     OptimizerType.SGD: optim_common.OPT_SGD,
@@ -47,251 +38,6 @@ _KIND_CODES = {
     OptimizerType.ADAGRAD: optim_common.OPT_ADAGRAD,
     OptimizerType.ROWWISE_ADAGRAD: optim_common.OPT_ROWWISE_ADAGRAD,
 }
-#: fbgemm's EmbOptimType name -> ours.
-_FROM_FBGEMM = {
-    "EXACT_SGD": OptimizerType.SGD,
-    "ADAM": OptimizerType.ADAM,
-    "EXACT_ADAGRAD": OptimizerType.ADAGRAD,
-    "EXACT_ROWWISE_ADAGRAD": OptimizerType.ROWWISE_ADAGRAD,
-}
-#: fbgemm's WeightDecayMode values.
-_WD_NONE, _WD_L2, _WD_DECOUPLE = 0, 1, 2
-#: fbgemm options this module does not implement, with the value that means "off".
-_UNSUPPORTED_OFF = {"max_norm": 0.0, "counter_based_regularization": None,
-                    "cowclip_regularization": None, "global_weight_decay": None,
-                    "ensemble_mode": None, "emainplace_mode": None}
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """A fused optimizer and its hyperparameters (defaults are fbgemm TBE's defaults).
-
-    - ``learning_rate``: default for ``fused_update``'s ``lr`` (which is what the kernel uses).
-    - ``eps``: added to ``sqrt(...)``, outside the square root (1e-8, fbgemm's default).
-    - ``beta1``, ``beta2``: Adam's decay rates (0.9, 0.999).
-    - ``weight_decay``: ADAM decoupled ``lr * wd * w``; ROWWISE_ADAGRAD L2 (added to the
-      gradient before squaring). SGD and ADAGRAD take none: fbgemm's EXACT_SGD and
-      EXACT_ADAGRAD have no weight decay, so ``weight_decay`` must be 0 for them.
-    - ``initial_accumulator_value``: where ADAGRAD / ROWWISE_ADAGRAD accumulators start
-      (fbgemm starts at 0). State columns hold ``accumulator - initial_accumulator_value``, so
-      a row whose state is zero-filled (a new row) starts exactly there.
-    - ``max_gradient``: gradient clipping (None = off), fbgemm's ``gradient_clipping=True`` with
-      its ``max_gradient``: each element of the gradient of every lookup *output* is clamped
-      to ``[-max_gradient, max_gradient]`` before the gradients of a row are summed: give
-      ``fused_update`` an :class:`OccurrenceGrads` with ``clip`` (the collections do), or
-      apply :func:`clip_gradients` before reducing yourself; a summed ``[rows, dim]``
-      gradient is never clipped (a sum of clipped gradients may exceed ``max_gradient``).
-
-    Example::
-
-        >>> cfg = OptimizerConfig(OptimizerType.ROWWISE_ADAGRAD, learning_rate=0.05)
-        >>> cfg.state_dim(64)
-        1
-    """
-
-    type: OptimizerType = OptimizerType.SGD
-    learning_rate: float = 0.01
-    eps: float = 1e-8
-    beta1: float = 0.9
-    beta2: float = 0.999
-    weight_decay: float = 0.0
-    initial_accumulator_value: float = 0.0
-    max_gradient: Optional[float] = None
-
-    def __post_init__(self):
-        if not isinstance(self.type, OptimizerType):
-            raise TypeError(f"type must be an OptimizerType, got {self.type!r}")
-        for name in ("learning_rate", "eps", "beta1", "beta2", "weight_decay",
-                     "initial_accumulator_value"):
-            _check_number(getattr(self, name), name)
-        for name in ("learning_rate", "eps", "weight_decay", "initial_accumulator_value"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
-        if self.weight_decay and self.type in (OptimizerType.SGD, OptimizerType.ADAGRAD):
-            raise ValueError(f"weight_decay must be 0 for {self.type.value} (fbgemm's exact "
-                             f"{self.type.value} has no weight decay), got {self.weight_decay}")
-        if self.max_gradient is not None:
-            _check_number(self.max_gradient, "max_gradient")
-            if self.max_gradient <= 0:
-                raise ValueError(f"max_gradient must be > 0 or None, got {self.max_gradient}")
-
-    def state_dim(self, dim: int) -> int:
-        """Optimizer state columns per row of width ``dim``: SGD 0, ADAM 2*dim (m then v),
-        ADAGRAD dim, ROWWISE_ADAGRAD 1."""
-        check_int(dim, "dim")
-        return {OptimizerType.SGD: 0, OptimizerType.ADAM: 2 * dim,
-                OptimizerType.ADAGRAD: dim, OptimizerType.ROWWISE_ADAGRAD: 1}[self.type]
-
-    @classmethod
-    def from_fbgemm(cls, optimizer: "EmbOptimType", /, **fused_params) -> "OptimizerConfig":
-        """The config that trains like fbgemm's TBE with ``optimizer`` (an ``EmbOptimType``) and
-        TorchRec ``fused_params``.
-
-        Reads ``learning_rate``, ``eps``, ``beta1``, ``beta2``, ``weight_decay``,
-        ``weight_decay_mode``, ``gradient_clipping`` and ``max_gradient`` (fbgemm's default 1.0
-        when clipping is on); other keys (placement, caching, precision) are ignored, except
-        optimizer features this module lacks (``max_norm``, counter-based or CowClip
-        regularization, global weight decay, ensemble / EMA modes), which raise. Weight
-        decay that fbgemm ignores is dropped: any for EXACT_SGD / EXACT_ADAGRAD, and for
-        EXACT_ROWWISE_ADAGRAD unless ``weight_decay_mode`` is L2. ADAM applies it whatever the
-        mode, like fbgemm.
-
-        Note: fbgemm's CPU row-wise AdaGrad ignores weight decay altogether on its fast path
-        (pooled lookups, fp32 weights, a table used by one feature); this config follows the
-        general path, which applies it.
-
-        Example::
-
-            >>> from fbgemm_gpu.split_embedding_configs import EmbOptimType
-            >>> OptimizerConfig.from_fbgemm(EmbOptimType.EXACT_ADAGRAD, learning_rate=0.1).type
-            <OptimizerType.ADAGRAD: 'adagrad'>
-        """
-        name = getattr(optimizer, "name", None)
-        if name not in _FROM_FBGEMM:
-            raise ValueError(f"optimizer {name or repr(optimizer)} is not supported; supported: "
-                             f"{', '.join(_FROM_FBGEMM)}")
-        kind = _FROM_FBGEMM[name]
-        params = dict(fused_params)
-        given = params.pop("optimizer", None)
-        if given is not None and getattr(given, "name", given) != name:
-            raise ValueError(f"fused_params['optimizer'] is {given!r} but optimizer is {name}")
-        kwargs = {key: float(params.pop(key)) for key in ("learning_rate", "eps", "beta1",
-                                                           "beta2", "weight_decay")
-                  if key in params}
-        mode = int(params.pop("weight_decay_mode", _WD_NONE))
-        if kind in (OptimizerType.SGD, OptimizerType.ADAGRAD):
-            kwargs.pop("weight_decay", None)
-        elif kind is OptimizerType.ROWWISE_ADAGRAD and kwargs.get("weight_decay"):
-            if mode == _WD_NONE:
-                kwargs.pop("weight_decay")
-            elif mode != _WD_L2:
-                raise ValueError(f"weight_decay_mode {mode} is not supported for row-wise "
-                                 f"AdaGrad (only NONE=0 and L2=1)")
-        elif kind is OptimizerType.ADAM and mode not in (_WD_NONE, _WD_L2, _WD_DECOUPLE):
-            raise ValueError(f"weight_decay_mode {mode} is not supported for Adam")
-        if params.get("gradient_clipping", False):
-            kwargs["max_gradient"] = float(params.get("max_gradient", 1.0))
-        for key, off in _UNSUPPORTED_OFF.items():
-            if params.get(key, off) not in (off, None):
-                raise ValueError(f"fused_params[{key!r}] is not supported, got {params[key]!r}")
-        extra = params.get("extra_optimizer_config")
-        if getattr(extra, "use_rowwise_bias_correction", False):
-            raise ValueError("fused_params['extra_optimizer_config'].use_rowwise_bias_correction "
-                             "is not supported")
-        return cls(kind, **kwargs)
-
-
-def _check_number(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-
-
-def clip_gradients(grads: torch.Tensor, config: OptimizerConfig) -> torch.Tensor:
-    """``grads`` clamped to ``[-max_gradient, max_gradient]`` (unchanged when clipping is off).
-
-    Call it on the gradients of the lookup outputs, before summing the gradients of a row:
-    that is where fbgemm clips.
-
-    Example::
-
-        >>> cfg = OptimizerConfig(max_gradient=1.0)
-        >>> clip_gradients(torch.tensor([[-3.0, 0.5]]), cfg)
-        tensor([[-1.0000,  0.5000]])
-    """
-    if config.max_gradient is None:
-        return grads
-    return grads.clamp(-config.max_gradient, config.max_gradient)
-
-
-@dataclass(frozen=True)
-class OccurrenceGrads:
-    """The gradients of a lookup's occurrences, summed per row inside the optimizer kernel.
-
-    Row ``i``'s gradient is the sum over ``k`` in ``offsets[i]:offsets[i + 1]`` of
-    ``src[order[k]]``, each clamped to ``[-clip, clip]`` (when ``clip`` is set) and times
-    ``scale[k]`` (when ``scale`` is set). So backward hands the kernel the output gradients
-    [N, dim] and a CSR of the occurrences of each row, never a summed ``[rows, dim]`` tensor.
-
-    Example::
-
-        >>> g = OccurrenceGrads.from_inverse(torch.tensor([[1.0], [2.0], [4.0]]),
-        ...                                  torch.tensor([1, 0, 1]), 2)
-        >>> g.offsets.tolist(), g.order.tolist()
-        ([0, 1, 3], [1, 0, 2])
-        >>> g.dense().flatten().tolist()  # row 0: 2.0; row 1: 1.0 + 4.0
-        [2.0, 5.0]
-    """
-
-    src: torch.Tensor
-    offsets: torch.Tensor
-    order: torch.Tensor
-    scale: Optional[torch.Tensor] = None
-    clip: Optional[float] = None
-
-    @classmethod
-    def from_inverse(cls, src: torch.Tensor, inverse: torch.Tensor, num_rows: int, *,
-                     scale: Optional[torch.Tensor] = None,
-                     clip: Optional[float] = None) -> "OccurrenceGrads":
-        """Occurrence ``i`` (``src[i]``, ``scale[i]``) belongs to row ``inverse[i]`` of
-        ``num_rows``. No host sync on CUDA."""
-        offsets, order = occurrence_csr(inverse, num_rows)
-        return cls(src.to(torch.float32).contiguous(), offsets, order,
-                   None if scale is None else scale.to(torch.float32)[order].contiguous(), clip)
-
-    @classmethod
-    def of_rows(cls, grads: torch.Tensor) -> "OccurrenceGrads":
-        """One occurrence per row: ``grads`` [U, dim] is each row's gradient."""
-        rows = torch.arange(grads.shape[0] + 1, dtype=torch.int64, device=grads.device)
-        return cls(grads.to(torch.float32).contiguous(), rows, rows[:-1])
-
-    @property
-    def num_rows(self) -> int:
-        return self.offsets.numel() - 1
-
-    def dense(self) -> torch.Tensor:
-        """The summed gradient of every row, [rows, dim] (for tests and reference paths)."""
-        g = self.src.index_select(0, self.order)
-        if self.clip is not None:
-            g = g.clamp(-self.clip, self.clip)
-        if self.scale is not None:
-            g = g * self.scale.unsqueeze(1)
-        rows = torch.repeat_interleave(torch.arange(self.num_rows, device=g.device),
-                                       self.offsets.diff())
-        return torch.zeros(self.num_rows, g.shape[1], device=g.device).index_add_(0, rows, g)
-
-    def kernel_args(self):
-        """(src, offsets, order, scale, clip) as the backends' ``fused_update`` takes them."""
-        scale = (self.scale if self.scale is not None else
-                 torch.empty(0, dtype=torch.float32, device=self.src.device))
-        return (self.src, self.offsets, self.order, scale,
-                -1.0 if self.clip is None else float(self.clip))
-
-
-def occurrence_csr(inverse: torch.Tensor, num_rows: int):
-    """(offsets [num_rows + 1], order [N]) int64: ``order[offsets[u]:offsets[u + 1]]`` are the
-    positions ``i`` with ``inverse[i] == u``, in input order. A numba counting sort on CPU;
-    a stable sort and a cumulative sum on CUDA (no host sync)."""
-    inverse = inverse.to(torch.int64).contiguous()
-    if inverse.device.type == "cpu":
-        offsets = torch.empty(num_rows + 1, dtype=torch.int64)
-        order = torch.empty_like(inverse)
-        optim_cpu.occurrence_csr_cpu(inverse.numpy(), num_rows, offsets.numpy(), order.numpy())
-        return offsets, order
-    return _occurrence_csr_torch(inverse, num_rows)
-
-
-def _occurrence_csr_torch(inverse: torch.Tensor, num_rows: int):
-    order = torch.sort(inverse, stable=True).indices
-    counts = torch.zeros(num_rows, dtype=torch.int64, device=inverse.device)
-    counts.index_add_(0, inverse, torch.ones_like(inverse))
-    offsets = torch.zeros(num_rows + 1, dtype=torch.int64, device=inverse.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    return offsets, order
 
 
 def fused_update(weights: torch.Tensor, slots: torch.Tensor,
@@ -345,7 +91,7 @@ def fused_update(weights: torch.Tensor, slots: torch.Tensor,
     if not isinstance(config, OptimizerConfig):
         raise TypeError(f"config must be an OptimizerConfig, got {type(config).__name__}")
     state_dim = config.state_dim(dim)
-    _check_number(lr, "lr")
+    check_number(lr, "lr")
     check_int(step, "step")
     _check_inputs(weights, slots, grads, dim, state_dim)
     chosen = backend_for_device(weights.device, backend)

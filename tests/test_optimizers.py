@@ -512,7 +512,7 @@ def test_occurrence_grads_equal_their_hand_summed_rows(backend, opt, clip, scale
 
 @pytest.mark.parametrize("rows,n", [(1, 0), (5, 1), (64, 1000), (1000, 64)])
 def test_occurrence_csr_lists_each_rows_positions_in_order(rows, n):
-    from dynemb.optimizers import _occurrence_csr_torch, occurrence_csr
+    from dynemb.occurrence_grads import _occurrence_csr_torch, occurrence_csr
     inverse = torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(n))
     expected_order = [i for u in range(rows) for i in range(n) if inverse[i] == u]
     expected_offsets = [0]
