@@ -114,13 +114,17 @@ def test_the_default_row_holds_a_constant_eval_initializer():
     assert bool((out["f0"].values()[-UNKNOWN.numel():] == 0.25).all())
 
 
-def test_a_non_constant_eval_initializer_gives_a_zero_default_row():
+def test_a_non_constant_eval_initializer_warns_and_gives_a_zero_default_row():
     opts = dataclasses.replace(options("hbm_direct", OPTIMIZERS["sgd"]),
                                eval_initializer=Initializer(InitializerKind.UNIFORM))
     ec = _collection(opts, OPTIMIZERS["sgd"])
     train(ec, batches(STEPS))
     live = probe(live_keys(ec, "t0"), live_keys(ec, "t1"))
-    serving = StaticServingCollection(*to_static(ec))
+    with pytest.warns(UserWarning, match=r"tables \['t0', 't1'\] have a non-constant "
+                                         r"eval_initializer \(t0: UNIFORM, t1: UNIFORM\).*"
+                                         r"unseen ids will differ from the dynamic module"):
+        export = to_static(ec)
+    serving = StaticServingCollection(*export)
     assert_same_outputs(serving(live), eval_output(ec, live))
     unknown = serving(probe(UNKNOWN))["f0"].values()
     assert torch.equal(unknown, torch.zeros_like(unknown))
