@@ -204,6 +204,20 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         check_conversion(fn, self._device)
         return super()._apply(fn, recurse)
 
+    def __getstate__(self):
+        """What ``torch.save(module)`` pickles: the whole module as it stands (rows, optimizer
+        state, scores, counters, queued prefetches and their pins). Stashed rows come back from
+        host memory first. CUDA streams do not pickle: on CUDA, save ``state_dict()`` or use
+        :func:`dynemb.checkpoint.dump` instead."""
+        if self._device.type == "cuda":
+            raise TypeError(
+                f"{type(self).__name__} on {self._device} cannot be pickled (its prefetch "
+                f"stream and events are CUDA objects); save module.state_dict() with "
+                f"torch.save, or dynemb.checkpoint.dump(module, path)")
+        if self._stash is not None and self._stash.stashed:
+            self._stash.restore()
+        return self.__dict__.copy()
+
     # -- checkpoints -------------------------------------------------------------------------
     #: ``(rank, world size)`` the tables are saved as (a sharded module's shards set theirs)
     _checkpoint_group = (0, 1)

@@ -71,6 +71,11 @@ class ScoredHashTable:
         # what the kernels take; replaced as a whole by grow()
         self._arrays = TableArrays.empty(capacity, bucket_size, self.device)
 
+    def __getstate__(self):
+        """For pickling (``torch.save`` of a module): everything but the weak reference that
+        :meth:`undo` checks, which cannot be pickled; an unpickled table has no call to undo."""
+        return {**self.__dict__, "_undoable": None}
+
     # -- sizes -------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
