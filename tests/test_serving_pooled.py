@@ -34,19 +34,19 @@ POOLINGS = {"sum": (PoolingType.SUM, PoolingType.SUM, False),
             "weighted": (PoolingType.SUM, PoolingType.SUM, True)}
 
 
-def bag_configs(pooling):
+def bag_configs(pooling, dims=DIMS):
     p0, p1, _ = POOLINGS[pooling]
-    return [EmbeddingBagConfig(name="t0", embedding_dim=DIMS["t0"], num_embeddings=1024,
+    return [EmbeddingBagConfig(name="t0", embedding_dim=dims["t0"], num_embeddings=1024,
                                feature_names=["f0", "f1"], pooling=p0),
-            EmbeddingBagConfig(name="t1", embedding_dim=DIMS["t1"], num_embeddings=1024,
+            EmbeddingBagConfig(name="t1", embedding_dim=dims["t1"], num_embeddings=1024,
                                feature_names=["f2"], pooling=p1)]
 
 
 def bag_model(mode="hbm_direct", pooling="mixed", optimizer="sgd", dtype=None, device=None,
-              **option_changes):
+              dims=DIMS, **option_changes):
     opts = dataclasses.replace(options(mode, OPTIMIZERS[optimizer], dtype=dtype),
                                **option_changes)
-    return DynamicEmbBagCollection(bag_configs(pooling), is_weighted=POOLINGS[pooling][2],
+    return DynamicEmbBagCollection(bag_configs(pooling, dims), is_weighted=POOLINGS[pooling][2],
                                    device=device, table_options=opts,
                                    optimizer=OPTIMIZERS[optimizer])
 
@@ -85,7 +85,7 @@ def train(module, kjts):
 
 
 def trained(mode="hbm_direct", pooling="mixed", optimizer="sgd", dtype=None, **changes):
-    module = bag_model(mode, pooling, optimizer, dtype, **changes)
+    module = bag_model(mode, pooling, optimizer, dtype=dtype, **changes)
     train(module, batches(STEPS, POOLINGS[pooling][2]))
     return module
 
@@ -153,6 +153,22 @@ def test_pooled_export_answers_like_the_dynamic_eval(mode, pooling, optimizer, d
         assert torch.equal(weight[:-1], rows.to(torch.float32))
     kjt = probe(POOLINGS[pooling][2])
     assert_same_keyed(StaticServingBagCollection(ebc, remaps)(kjt), eval_output(dyn, kjt))
+
+
+def test_tables_of_one_dim_export_as_bags_not_as_a_sequence_collection():
+    """Tables of one dim fit an EmbeddingCollection too: a pooled module still exports to an
+    EmbeddingBagCollection, whose serving answers KeyedTensors of the pooled bags."""
+    same_dims = {"t0": 8, "t1": 8}
+    dyn = bag_model("hbm_direct", "mixed", dims=same_dims)
+    train(dyn, batches(STEPS, weighted=False))
+    ebc, remaps = to_static(dyn)
+    assert type(ebc) is EmbeddingBagCollection
+    assert [c.pooling for c in ebc.embedding_bag_configs()] == [
+        c.pooling for c in bag_configs("mixed", same_dims)]
+    kjt = probe(weighted=False)
+    got = StaticServingBagCollection(ebc, remaps)(kjt)
+    assert got.values().shape == (kjt.stride(), 24)
+    assert_same_keyed(got, eval_output(dyn, kjt))
 
 
 def test_pooled_bags_by_hand_and_a_constant_default_row():
