@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.dynemb-installed
-want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+want=$(sha256sum pyproject.toml setup.py scripts/setup.sh | sha256sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
     exit 0
 fi
