@@ -62,11 +62,11 @@ def to_static(module, *, device: Optional[torch.device] = None,
     ``EmbeddingBagCollection``, same pooling and ``is_weighted``: see
     :func:`~dynemb.checkpoint.serving_pooled.export_bags`) for a pooled one.
 
-    Each static table has the dynamic table's name, dim and feature names, ``K + 1`` rows
-    (``K`` live keys, sorted, then the default row: see the module docstring) and the
-    table's data type: FP32 or FP16 (bfloat16 rows are stored as FP32, exactly, since
-    ``EmbeddingCollection`` holds every non-FP32 type as float16); the collection has the
-    module's ``need_indices``. The rows are read twice through :func:`iter_rows` (keys first,
+    Each static table has the dynamic table's name, dim and feature names and ``K + 1`` rows
+    (``K`` live keys, sorted, then the default row: see the module docstring). In a sequence
+    export it has the table's data type, FP32 or FP16 (bfloat16 rows are stored as FP32,
+    exactly, since ``EmbeddingCollection`` holds every non-FP32 type as float16), and the
+    collection has the module's ``need_indices``; a pooled export is FP32 throughout. The rows are read twice through :func:`iter_rows` (keys first,
     then rows into place): besides the static module, memory holds one chunk and, while they
     are sorted, a few copies of one table's keys (8 bytes a key). Run it between steps.
 
@@ -112,21 +112,24 @@ def to_static(module, *, device: Optional[torch.device] = None,
     """
     local = local_collection(module)
     device = torch.device(device) if device is not None else local.device
-    if is_pooled(module):
-        export = export_bags(module, local, device, embedding_configs, chunk_rows)
-        names = list(export.remaps)
-    else:
-        configs = _configs(module, local, embedding_configs)
-        need_indices = module.need_indices()
-        ec, remaps = export_tables(
-            local, [c.name for c in configs], device, chunk_rows,
-            lambda rows: EmbeddingCollection(
-                [_static_config(c, local.tables[c.name], rows[c.name]) for c in configs],
-                device=device, need_indices=need_indices),
-            _ec_weights)
-        export, names = StaticExport(ec, remaps), [c.name for c in configs]
-    warn_if_unseen_ids_differ(local.tables, names)
+    export = (export_bags if is_pooled(module) else _export_sequence)(
+        module, local, device, embedding_configs, chunk_rows)
+    warn_if_unseen_ids_differ(local.tables, list(export.remaps))
     return export
+
+
+def _export_sequence(module, local, device: torch.device,
+                     embedding_configs: Optional[Sequence[EmbeddingConfig]],
+                     chunk_rows: int) -> StaticExport:
+    """:func:`to_static` of a sequence module, whose rows on this rank are in ``local``."""
+    configs = _configs(module, local, embedding_configs)
+    need_indices = module.need_indices()
+    return StaticExport(*export_tables(
+        local, [c.name for c in configs], device, chunk_rows,
+        lambda rows: EmbeddingCollection(
+            [_static_config(c, local.tables[c.name], rows[c.name]) for c in configs],
+            device=device, need_indices=need_indices),
+        _ec_weights))
 
 
 def _configs(module, local, given) -> List[EmbeddingConfig]:
