@@ -107,6 +107,8 @@ def train(run: Run, kjts):
         lrs.append(run.net.sparse.fused_optimizer.lr)
         loss.backward()
         run.optimizer.step()
+        if run.saves_fused_alone:
+            run.net.sparse.fused_optimizer.step()  # does nothing; the scheduler follows it
         run.scheduler.step()
         losses.append(loss.detach())
     return lrs, torch.stack(losses)
