@@ -92,3 +92,25 @@ def assert_same_rows(a, b):
     for name in a:
         assert torch.equal(a[name][1], b[name][1]), name
         assert torch.equal(a[name][0], b[name][0]), name
+
+
+def signed(manifest):
+    """``manifest`` with its checksum computed as the format documents it (sha256 of the
+    manifest without the field, as JSON with sorted keys and no whitespace), written
+    independently of the library's own function."""
+    import hashlib
+    import json
+    rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return {**rest, "manifest_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def edit_manifest(rank_dir, edit, *, sign=True):
+    """Apply ``edit`` to the manifest of ``rank_dir`` in place and write it back, signed
+    again unless ``sign`` is False (an edit the checksum must catch)."""
+    import json
+    path = rank_dir / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(signed(manifest) if sign else manifest, indent=1))
+    return manifest

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from checkpoint_files_models import (assert_same_rows, assert_same_state, logical_rows, make,
-                                     module_state)
+from checkpoint_files_models import (assert_same_rows, assert_same_state, edit_manifest,
+                                     logical_rows, make, module_state)
 from checkpoint_models import MODES, OPTIMIZERS, batches, train
 from dynemb import ScorePolicy
 from dynemb.checkpoint import DumpInfo, dump, load
@@ -315,9 +315,7 @@ def test_a_fresh_module_loads_in_place_and_is_left_empty_if_a_file_is_damaged(tm
 def test_a_manifest_lacking_a_field_is_refused_by_name(tmp_path):
     dump(trained(), tmp_path)
     path = rank_dir(tmp_path) / "manifest.json"
-    manifest = json.loads(path.read_text())
-    del manifest["tables"]["t1"]["tiers"]["device"]["clock"]
-    path.write_text(json.dumps(manifest))
+    edit_manifest(rank_dir(tmp_path), lambda m: m["tables"]["t1"]["tiers"]["device"].pop("clock"))
     with pytest.raises(CheckpointFileError, match=r"lacks \['tables.t1.tiers.device.clock'\]"):
         load(make(), tmp_path)
     path.write_text("{not json")

@@ -5,9 +5,10 @@ checkpoints are refused with the model unchanged."""
 import pytest
 import torch
 
+from checkpoint_files_models import assert_same_state, module_state
 from checkpoint_models import (DIM, MODES, OPTIMIZERS, all_rows, batches, model, roundtrip,
                                train)
-from dynemb import ScorePolicy, TableFullError
+from dynemb import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy, TableFullError
 
 STEPS_BEFORE, STEPS_AFTER = 12, 8
 ALL_IDS = torch.arange(600) * 7919 - 1000
@@ -242,3 +243,51 @@ def test_a_grown_backing_store_comes_back_slot_for_slot():
 def _kjt(ids):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     return KeyedJaggedTensor.from_lengths_sync(["f0"], ids, torch.ones_like(ids))
+
+
+# -- images edited by hand ------------------------------------------------------------------------
+def _edited_image(how):
+    """A checkpoint of a trained module whose t0 device image was edited: a key ``moved`` to
+    an empty slot of another bucket, or written ``twice`` (the copy where its probe reaches
+    it), or a negative ``counter``."""
+    source = model("hbm_direct", "sgd")
+    train(source, batches(6))
+    state = roundtrip(source.state_dict())
+    group = "dynamic_tables.t0.rank0_of_1"
+    keys = state[f"{group}.device.keys"]
+    capacity, bucket, _ = state[f"{group}.device.layout"].tolist()
+    live = ((keys != EMPTY_KEY) & (keys != TOMBSTONE_KEY)).nonzero().squeeze(1)
+    slot = int(live[0])
+    base = slot - slot % bucket
+    if how == "moved":
+        empty = (keys == EMPTY_KEY) & (torch.arange(capacity) // bucket != slot // bucket)
+        keys[int(empty.nonzero()[0])] = keys[slot]
+        keys[slot] = EMPTY_KEY
+    elif how == "twice":
+        pos = slot % bucket
+        while int(keys[base + pos]) != EMPTY_KEY:  # on along its probe to an empty slot
+            pos = (pos + 1) % bucket
+        keys[base + pos] = keys[slot]
+    else:
+        state[f"{group}.state"][1] = -5  # lookups
+    return state
+
+
+@pytest.mark.parametrize("how, message", [
+    ("moved", r"table 't0', tier 'device'.*outside their bucket"),
+    ("twice", r"table 't0', tier 'device'.*stored twice"),
+    ("counter", r"table 't0'.*negative counters")])
+def test_an_image_with_a_key_out_of_place_or_twice_is_refused_and_nothing_changes(how, message):
+    state = _edited_image(how)
+    target = model("hbm_direct", "sgd")
+    train(target, batches(2, seed=5))
+    before = module_state(target)
+    with pytest.raises(RuntimeError, match=message):
+        target.load_state_dict(state)
+    assert_same_state(module_state(target), before)
+
+
+def test_a_score_policy_mismatch_names_the_policies():
+    state = roundtrip(model("hbm_direct", "sgd", policy=ScorePolicy.LFU).state_dict())
+    with pytest.raises(RuntimeError, match="score policy LFU in the checkpoint, LRU here"):
+        model("hbm_direct", "sgd").load_state_dict(state)

@@ -16,8 +16,8 @@ import torch
 
 from dynemb.checkpoint.changes import TierChanges, start_tracking
 from dynemb.checkpoint.files import (FORMAT, FORMAT_VERSION, DirectoryWriter, commit,
-                                     rank_dir_name, read_manifest, remove_stale,
-                                     temporary_dir, utc_now)
+                                     rank_dir_name, remove_stale, temporary_dir, utc_now)
+from dynemb.checkpoint.manifest import read_manifest
 from dynemb.checkpoint.module_tables import ModuleTables, module_tables
 from dynemb.checkpoint.table_state import TierParts, signature, tier_parts
 from dynemb.options import StorageMode

@@ -11,8 +11,9 @@ import torch
 
 from dynemb.checkpoint.changes import start_tracking
 from dynemb.checkpoint.file_dump import DumpInfo
-from dynemb.checkpoint.files import (CheckpointFileError, check_sizes, rank_dir_name,
-                                     read_file, read_manifest)
+from dynemb.checkpoint.files import (CheckpointFileError, check_paths, check_sizes,
+                                     rank_dir_name, read_file)
+from dynemb.checkpoint.manifest import read_manifest
 from dynemb.checkpoint.module_tables import ModuleTables, module_tables
 from dynemb.checkpoint.replay import holds_nothing, replay
 from dynemb.checkpoint.table_state import describe_mismatch, tier_parts
@@ -31,11 +32,14 @@ def load(module: torch.nn.Module, paths: Paths) -> DumpInfo:
     of a forward run before the load raises.
 
     Nothing in the module changes unless everything loads: the chain is checked first
-    (manifests, their order by id, this rank and world size, every table's configuration,
-    every file's size), then each table is rebuilt aside, every file's sha256 checked as it
-    is read, and only then are the tables replaced. A missing, truncated or corrupted file
-    raises :class:`~dynemb.checkpoint.files.CheckpointFileError` naming it. Files written
-    by another world size are refused (reshard through ``torch.distributed.checkpoint``).
+    (each manifest's checksum, then its fields; their order by id, this rank and world
+    size, every table's configuration, every data file's path, inside its rank directory,
+    and size), then each table is rebuilt aside, every file's sha256 checked as it is read
+    and every slot image checked (each key in its bucket, once), and only then are the
+    tables replaced. An edited manifest, a missing, truncated or corrupted file or a data
+    path leaving the directory raises :class:`~dynemb.checkpoint.files.CheckpointFileError`
+    naming it. Files written by another world size are refused (reshard through
+    ``torch.distributed.checkpoint``).
 
     Returns the :class:`DumpInfo` of the last directory, with what was read (``rows``,
     ``deleted``, ``bytes``, ``files``) and the ``seconds`` the load took. A delta may follow
@@ -70,6 +74,8 @@ def load(module: torch.nn.Module, paths: Paths) -> DumpInfo:
     chain = [read_manifest(d) for d in dirs]
     _check_chain(chain, dirs, scan)
     _check_tables(chain, dirs, scan)
+    for d, manifest in zip(dirs, chain):  # every path first: nothing outside is looked at
+        check_paths(d, manifest)
     for d, manifest in zip(dirs, chain):
         check_sizes(d, manifest)
     reader = _Reader(dirs)

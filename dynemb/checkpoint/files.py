@@ -5,7 +5,7 @@ A checkpoint is a directory holding one **rank directory** per rank that wrote i
 
 - ``manifest.json``::
 
-    {"format": "dynemb-checkpoint", "format_version": 1,
+    {"format": "dynemb-checkpoint", "format_version": 2,
      "kind": "full" | "delta", "id": "<uuid>", "previous": null | "<id of the dump before>",
      "created": "<UTC ISO 8601>", "rank": r, "world_size": w,
      "tables": {"<fqn>/<table>": {           # the table's name alone at the module's root
@@ -18,7 +18,8 @@ A checkpoint is a directory holding one **rank directory** per rank that wrote i
              "live_rows": int,               # keys the tier held at the dump
              "write": "replace" | "patch",   # the whole tier / only what changed
              "rows": int, "deleted": int, "tombstones": int,   # entries in the files
-             "files": [{"file", "content", "rows", "bytes", "sha256"}, ...]}}}}}
+             "files": [{"file", "content", "rows", "bytes", "sha256"}, ...]}}}},
+     "manifest_sha256": "<hex>"}             # see manifest_checksum
 
 - data files, safetensors, each of at most ``chunk_rows`` entries, by ``content``:
   ``entries``: ``keys`` [n] int64, ``scores`` [n] int64, ``slots`` [n] int64 (the slot
@@ -34,16 +35,20 @@ entries that changed and the keys deleted since the previous dump.
 
 Writing is atomic: a rank directory is written under a temporary sibling name, every file
 and the directory are fsynced, then it is renamed into place (exchanged with the one it
-replaces, which is removed only then). Reading checks every file's size and sha256 against
-the manifest before its content is used.
+replaces, which is removed only then). Reading (:mod:`dynemb.checkpoint.manifest`) checks
+the manifest's checksum before anything else, then its fields, and resolves every data file
+inside the rank directory (:func:`data_path`) before opening it; each file's size and
+sha256 are checked against the manifest before its content is used.
 """
 from __future__ import annotations
 
 import ctypes
 import datetime
 import errno
+import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -54,9 +59,13 @@ from dynemb.checkpoint.safetensors_io import SafetensorsError, write_file
 from dynemb.checkpoint.safetensors_io import read_file as read_safetensors
 
 FORMAT = "dynemb-checkpoint"
-#: Bumped when the meaning of the files changes.
-FORMAT_VERSION = 1
+#: Bumped when the meaning of the files changes (2: the manifest carries its checksum).
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+#: The manifest field holding :func:`manifest_checksum`.
+CHECKSUM_FIELD = "manifest_sha256"
+#: What a data file may be called: a plain name in the rank directory, as dumps write them.
+DATA_FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors")
 
 
 class CheckpointFileError(ValueError):
@@ -69,6 +78,31 @@ def rank_dir_name(rank: int, world_size: int) -> str:
 
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def manifest_checksum(manifest: Dict) -> str:
+    """sha256 (hex) of the manifest without its ``manifest_sha256`` field, serialized
+    canonically: JSON with sorted keys, no whitespace, ASCII only."""
+    rest = {k: v for k, v in manifest.items() if k != CHECKSUM_FIELD}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                           allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def data_path(rank_dir: Path, name: object) -> Path:
+    """Where data file ``name`` of a manifest is, refused (:class:`CheckpointFileError`)
+    unless it is a plain file name of the format that resolves inside ``rank_dir``, links
+    followed. Nothing is opened: the error is the same whether the path it names exists or
+    not, and says nothing of what is there."""
+    if isinstance(name, str) and DATA_FILE_NAME.fullmatch(name):
+        home = os.path.realpath(rank_dir)
+        resolved = os.path.realpath(os.path.join(home, name))
+        if os.path.dirname(resolved) == home and resolved != home:
+            return Path(resolved)
+    raise CheckpointFileError(f"{rank_dir / MANIFEST} names data file {name!r}, which is not "
+                              f"a file of {rank_dir}: data files are plain names ending in "
+                              f".safetensors, inside the rank directory (links out of it are "
+                              f"refused)")
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -103,6 +137,7 @@ class DirectoryWriter:
             finally:
                 os.close(fd)
         self._unsynced = []
+        manifest = {**manifest, CHECKSUM_FIELD: manifest_checksum(manifest)}
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
         _write_synced(self.directory / MANIFEST, data)
         self.bytes += len(data)
@@ -181,70 +216,28 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-# -- reading ----------------------------------------------------------------------------------
-def read_manifest(rank_dir: Path) -> Dict:
-    """The manifest of ``rank_dir``, checked for format and version."""
-    path = rank_dir / MANIFEST
-    if not path.is_file():
-        parent = rank_dir.parent
-        aside = sorted(parent.glob(f".{rank_dir.name}.old-*")) if parent.is_dir() else []
-        if aside:
-            raise CheckpointFileError(f"no checkpoint at {rank_dir}: a dump interrupted while "
-                                      f"replacing it left the previous one at {aside[0]} (the "
-                                      f"next dump to {parent} puts it back)")
-        others = sorted(p.name for p in parent.glob("rank*_of_*")) if parent.is_dir() else []
-        if others:
-            raise CheckpointFileError(
-                f"{parent} holds {others}, not {rank_dir.name}: it was written by another "
-                f"world size; files load into the same world size only (reshard through "
-                f"torch.distributed.checkpoint and the module's state_dict)")
-        raise CheckpointFileError(f"no checkpoint at {rank_dir} ({path} is missing)")
-    try:
-        manifest = json.loads(path.read_bytes())
-    except (OSError, ValueError) as err:
-        raise CheckpointFileError(f"{path} cannot be read: {err}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointFileError(f"{path} is not a dynemb checkpoint manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointFileError(f"{path} has format version {manifest.get('format_version')}"
-                                  f", this dynemb reads version {FORMAT_VERSION}")
-    missing = _missing_fields(manifest)
-    if missing:
-        raise CheckpointFileError(f"{path} is incomplete: it lacks {missing}")
-    return manifest
-
-
-_FIELDS = ("kind", "id", "previous", "rank", "world_size", "tables")
-_TABLE_FIELDS = ("signature", "step", "counters", "tiers")
-_TIER_FIELDS = ("capacity", "bucket_size", "clock", "live_rows", "write", "files")
-_FILE_FIELDS = ("file", "content", "rows", "bytes", "sha256")
-
-
-def _missing_fields(manifest: Dict) -> List[str]:
-    """Fields the manifest lacks, by path (``tables.t0.tiers.device.clock``)."""
-    missing = [f for f in _FIELDS if f not in manifest]
-    for key, table in manifest.get("tables", {}).items():
-        missing += [f"tables.{key}.{f}" for f in _TABLE_FIELDS if f not in table]
-        for name, tier in table.get("tiers", {}).items():
-            where = f"tables.{key}.tiers.{name}"
-            missing += [f"{where}.{f}" for f in _TIER_FIELDS if f not in tier]
-            for i, record in enumerate(tier.get("files", [])):
-                missing += [f"{where}.files[{i}].{f}" for f in _FILE_FIELDS if f not in record]
-    return missing
-
-
+# -- reading (the manifest: dynemb.checkpoint.manifest) ------------------------------------
 def file_records(manifest: Dict) -> List[Dict]:
     return [f for t in manifest["tables"].values() for tier in t["tiers"].values()
             for f in tier["files"]]
 
 
+def check_paths(rank_dir: Path, manifest: Dict) -> None:
+    """Every data file of ``manifest`` is named inside ``rank_dir`` (see :func:`data_path`);
+    nothing is opened."""
+    for record in file_records(manifest):
+        data_path(rank_dir, record["file"])
+
+
 def check_sizes(rank_dir: Path, manifest: Dict) -> None:
-    """Every data file of ``manifest`` exists with its recorded size."""
+    """Every data file of ``manifest`` (whose paths passed :func:`check_paths`) exists with
+    its recorded size."""
     for record in file_records(manifest):
         path = rank_dir / record["file"]
-        if not path.is_file():
+        real = data_path(rank_dir, record["file"])
+        if not real.is_file():
             raise CheckpointFileError(f"{path} is missing")
-        size = path.stat().st_size
+        size = real.stat().st_size
         if size != record["bytes"]:
             raise CheckpointFileError(f"{path} has {size} bytes, the manifest says "
                                       f"{record['bytes']} (truncated or replaced?)")
@@ -257,8 +250,10 @@ def read_file(rank_dir: Path, record: Dict,
     reading the next), else into a buffer of their own."""
     path = rank_dir / record["file"]
     try:
-        return read_safetensors(path, record["bytes"], record["sha256"], buffer)
+        data = read_safetensors(data_path(rank_dir, record["file"]), record["bytes"],
+                                record["sha256"], buffer)
     except OSError as err:
         raise CheckpointFileError(f"{path} cannot be read: {err}") from None
     except SafetensorsError as err:
         raise CheckpointFileError(str(err)) from None
+    return data

@@ -20,9 +20,12 @@ from typing import Callable, Dict, Iterator, List, Tuple
 import torch
 
 from dynemb.checkpoint.files import CheckpointFileError
+from dynemb.checkpoint.image_checks import (check_distinct, check_live_keys, check_slot_image,
+                                            check_tier_routing)
 from dynemb.checkpoint.table_state import (SavedTable, SavedTier, _remap_rows, restore,
                                            tier_parts)
 from dynemb.counters import COUNTER_NAMES
+from dynemb.options import StorageMode
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, TableFullError
 
 Reader = Callable[[int, Dict], Dict[str, torch.Tensor]]
@@ -91,20 +94,27 @@ class _Files:
         for record in self.tier["files"]:
             if record["content"] == content:
                 data = self.read(record)
-                self._check(data, content, record["file"])
+                self._check(data, content, record["file"], record["rows"])
                 yield data
 
-    def _check(self, data, content: str, file: str) -> None:
+    def _check(self, data, content: str, file: str, rows: int) -> None:
         fields = {"entries": ("keys", "scores", "slots"), "deleted": ("keys",),
                   "tombstones": ("slots",)}[content]
         if self.name != "admission" and content == "entries":
             fields += ("rows",)
-        n = data[fields[0]].shape[0] if fields[0] in data else -1
         for f in fields:
             t = data.get(f)
-            if t is None or t.shape[:1] != (n,) or (
+            if t is None or t.shape[:1] != (rows,) or (
                     f != "rows" and (t.dim() != 1 or t.dtype != torch.int64)):
-                raise CheckpointFileError(f"{file}: field {f!r} is missing or malformed")
+                raise CheckpointFileError(f"{file}: field {f!r} is missing or malformed (the "
+                                          f"manifest says {rows} entries)")
+        if content == "entries":
+            where = f"{file}: table {self.table.name!r}, tier {self.name!r}"
+            try:
+                check_live_keys(data["keys"], where)
+                check_distinct(data["keys"], where)
+            except ValueError as err:
+                raise CheckpointFileError(str(err)) from None
         rows = data.get("rows")
         if "rows" in fields and (rows.dim() != 2 or rows.shape[1] != self.table.width
                                  or rows.dtype != self.table.layout.dtype):
@@ -136,13 +146,33 @@ def _replace(fresh, name: str, tier: Dict, files: _Files) -> None:
             rows.index_copy_(0, slots.to(rows.device), data["rows"].to(rows.device))
     for data in files("tombstones"):
         keys[_slots(data["slots"], capacity, tier).to(h.device)] = TOMBSTONE_KEY
+    where = f"table {fresh.name!r}, tier {name!r}"
+    try:
+        check_slot_image(keys, h.bucket_size, where)
+    except ValueError as err:
+        raise CheckpointFileError(f"{_names(tier)}: {err}") from None
+    _check_routing(fresh, name, keys)
     h.load_image(keys, scores, tier["clock"])
+
+
+def _names(tier: Dict) -> str:
+    return ", ".join(f["file"] for f in tier["files"]) or "(no files)"
+
+
+def _check_routing(fresh, name: str, keys: torch.Tensor) -> None:
+    """A DEFAULT table's keys are each in the tier lookups look for them in."""
+    if fresh.mode is not StorageMode.DEFAULT or name == "admission":
+        return
+    try:
+        check_tier_routing(keys, fresh.tier.hash.capacity, fresh.host_tier.hash.capacity,
+                           name == "device", f"table {fresh.name!r}, tier {name!r}")
+    except ValueError as err:
+        raise CheckpointFileError(str(err)) from None
 
 
 def _slots(slots: torch.Tensor, capacity: int, tier: Dict) -> torch.Tensor:
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
-        files = [f["file"] for f in tier["files"]]
-        raise CheckpointFileError(f"{files}: slots outside [0, {capacity})")
+        raise CheckpointFileError(f"{_names(tier)}: slots outside [0, {capacity})")
     return slots
 
 
@@ -168,6 +198,7 @@ def _upsert(table, name: str, data: Dict[str, torch.Tensor]) -> None:
     h = tier_parts(table)[name].hash
     if data["keys"].numel() == 0:
         return
+    _check_routing(table, name, data["keys"])
     try:
         result = h.load_entries(data["keys"].to(h.device), data["scores"].to(h.device))
     except TableFullError as err:

@@ -31,12 +31,14 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from dynemb.backing_store import HostBackingStore
+from dynemb.checkpoint.image_checks import (check_distinct, check_slot_image, check_tier_routing,
+                                            is_bucketed_layout)
 from dynemb.counters import COUNTER_NAMES
 from dynemb.key_mixing import routes_to_first
 from dynemb.optimizers import OptimizerType
 from dynemb.options import StorageMode
 from dynemb.tables import DynamicTable
-from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, TableFullError
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy, TableFullError
 
 #: Bumped when the meaning of saved tensors changes.
 FORMAT_VERSION = 1
@@ -68,15 +70,22 @@ def describe_mismatch(table: DynamicTable, saved: torch.Tensor) -> Optional[str]
     saved = [int(v) for v in saved.tolist()]
     if len(saved) != len(mine) or saved[0] != FORMAT_VERSION:
         return f"checkpoint format {saved[:1]} is not {FORMAT_VERSION}"
-    names = {4: _DTYPES, 5: [o.value for o in _OPTIMIZERS], 6: [m.value for m in _MODES]}
     diffs = []
     for i, (s, m) in enumerate(zip(saved, mine)):
         if s != m:
-            show = names.get(i)
-            s_str = show[s] if show is not None and 0 <= s < len(show) else s
-            m_str = show[m] if show is not None else m
-            diffs.append(f"{_SIGNATURE_FIELDS[i]} {s_str} in the checkpoint, {m_str} here")
+            diffs.append(f"{_SIGNATURE_FIELDS[i]} {_code_name(i, s)} in the checkpoint, "
+                         f"{_code_name(i, m)} here")
     return "; ".join(diffs) or None
+
+
+_CODE_NAMES = {4: dict(enumerate(_DTYPES)), 5: {i: o.value for i, o in enumerate(_OPTIMIZERS)},
+               6: {i: m.value for i, m in enumerate(_MODES)},
+               7: {p.code: p.name for p in ScorePolicy}}
+
+
+def _code_name(field: int, code: int):
+    """What signature field ``field``'s code stands for (the code itself if unknown)."""
+    return _CODE_NAMES.get(field, {}).get(code, code)
 
 
 @dataclasses.dataclass
@@ -211,8 +220,43 @@ def check_compatible(table: DynamicTable, saved: SavedTable) -> None:
                 problem = f"rows of width {tuple(tier.rows.shape[1:])} in the checkpoint"
             elif tier.rows is not None and tier.rows.shape[0] != tier.keys.shape[0]:
                 problem = f"{tier.keys.shape[0]} keys but {tier.rows.shape[0]} rows"
+    if problem is None:
+        problem = _describe_bad_numbers(saved)
     if problem is not None:
         raise ValueError(f"table {table.name!r}: cannot load the checkpoint: {problem}")
+    check_placement(table, saved)
+
+
+def _describe_bad_numbers(saved: SavedTable) -> Optional[str]:
+    """What is out of range among the step, counters and layouts, or None."""
+    if saved.step < 0:
+        return f"step {saved.step} is negative"
+    if saved.counters.numel() != len(COUNTER_NAMES):
+        return f"{saved.counters.numel()} counters, {len(COUNTER_NAMES)} expected"
+    if bool((saved.counters < 0).any()):
+        return f"negative counters {saved.counters.tolist()}"
+    for name, tier in saved.tiers.items():
+        if tier.clock < 0 or tier.capacity < -1:
+            return f"tier {name!r}: capacity {tier.capacity}, clock {tier.clock}"
+    return None
+
+
+def check_placement(table: DynamicTable, saved: SavedTable) -> None:
+    """Raise ``ValueError`` naming the table and tier if a saved tier holds a key twice, or
+    (a full slot image) a key where lookups would not find it: in another bucket, past an
+    empty slot of its probe, or (DEFAULT) in the other tier. See
+    :mod:`dynemb.checkpoint.image_checks`."""
+    for name, tier in saved.tiers.items():
+        where = f"table {table.name!r}, tier {name!r}"
+        if tier.full_image and is_bucketed_layout(tier.capacity, tier.bucket_size):
+            check_slot_image(tier.keys, tier.bucket_size, where)
+        else:
+            check_distinct(tier.live()[0], where)
+    device, host = saved.tiers.get("device"), saved.tiers.get("host")
+    if table.mode is StorageMode.DEFAULT and device.full_image and host.full_image:
+        for name, tier in (("device", device), ("host", host)):
+            check_tier_routing(tier.keys, device.capacity, host.capacity, name == "device",
+                               f"table {table.name!r}, tier {name!r}")
 
 
 def can_restore_exactly(table: DynamicTable, saved: SavedTable) -> bool:
