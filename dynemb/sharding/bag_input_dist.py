@@ -11,13 +11,13 @@ from typing import Dict, Sequence
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.options import ShardingScheme
 from dynemb.sharding.routing import owner_ranks
+from dynemb.sharding.step_check import StepCheckedKJTAllToAll
 
 
 def bucketize_by_owner(kjt: KeyedJaggedTensor, schemes: Sequence[ShardingScheme],
@@ -76,18 +76,23 @@ class RwBagSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         pg: the process group of the all-to-all.
         features: the module's feature names, in the order of its output.
         schemes: each feature's :class:`ShardingScheme` (its table's).
+        where: what to call the module in errors (see :mod:`dynemb.sharding.step_check`).
     """
 
     def __init__(self, pg: dist.ProcessGroup, features: Sequence[str],
-                 schemes: Dict[str, ShardingScheme]) -> None:
+                 schemes: Dict[str, ShardingScheme],
+                 where: str = "a sharded dynamic module") -> None:
         super().__init__()
         self._world_size = pg.size()
         self._features = list(features)
         self._schemes = [schemes[f] for f in self._features]
-        self._dist = KJTAllToAll(pg=pg, splits=[len(self._features)] * self._world_size)
+        self._dist = StepCheckedKJTAllToAll(pg, [len(self._features)] * self._world_size,
+                                            where)
 
-    def forward(self, sparse_features: KeyedJaggedTensor
+    def forward(self, sparse_features: KeyedJaggedTensor, batch: int = 0
                 ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """Bucketize ``sparse_features`` (its features in this module's order, as
-        :meth:`select` returns them) and start the all-to-all."""
-        return self._dist(bucketize_by_owner(sparse_features, self._schemes, self._world_size))
+        :meth:`select` returns them) and start the all-to-all of the module's ``batch``-th
+        input dist."""
+        return self._dist(bucketize_by_owner(sparse_features, self._schemes, self._world_size),
+                          batch)

@@ -5,13 +5,13 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.options import ShardingScheme
 from dynemb.sharding.routing import RoutedIds, route_unique
+from dynemb.sharding.step_check import StepCheckedKJTAllToAll
 
 
 class DedupRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
@@ -27,21 +27,24 @@ class DedupRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     Args:
         pg: the process group of the all-to-all.
         tables: ``(table name, feature names, sharding scheme)`` of each table in the group.
+        where: what to call the module in errors (see :mod:`dynemb.sharding.step_check`).
     """
 
     def __init__(self, pg: dist.ProcessGroup,
-                 tables: Sequence[Tuple[str, Sequence[str], ShardingScheme]]) -> None:
+                 tables: Sequence[Tuple[str, Sequence[str], ShardingScheme]],
+                 where: str = "a sharded dynamic module") -> None:
         super().__init__()
         self._world_size = pg.size()
         self._tables = [(name, list(features), scheme) for name, features, scheme in tables]
         self._table_names = [name for name, _, _ in self._tables]
-        self._dist = KJTAllToAll(pg=pg, splits=[len(self._tables)] * self._world_size)
+        self._dist = StepCheckedKJTAllToAll(pg, [len(self._tables)] * self._world_size, where)
         self.routing: Optional[RoutedIds] = None
 
-    def forward(self, sparse_features: KeyedJaggedTensor
+    def forward(self, sparse_features: KeyedJaggedTensor, batch: int = 0
                 ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """Route ``sparse_features`` (features of other tables are ignored) and start the
-        all-to-all; the result is an awaitable of the splits, then of the KJT received."""
+        all-to-all of the module's ``batch``-th input dist; the result is an awaitable of
+        the splits, then of the KJT received."""
         self.routing = self.route(sparse_features.to_dict())
         bucketized = KeyedJaggedTensor(
             keys=self._table_names * self._world_size,
@@ -50,7 +53,7 @@ class DedupRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
             weights=self.routing.counts.to(torch.float32),
             stride=1,
         )
-        return self._dist(bucketized)
+        return self._dist(bucketized, batch)
 
     def route(self, jts: Dict[str, "torch.Tensor"]) -> RoutedIds:
         ids_per_table, schemes, segments = [], [], []

@@ -40,6 +40,7 @@ from dynemb.bag_collection import DynamicEmbBagCollection, check_bag_kjt
 from dynemb.sharding.bag_input_dist import RwBagSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_options, rows_per_rank
 from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables
+from dynemb.sharding.step_check import BackwardStepCheck
 from dynemb.validation import check_keys, check_kjt
 
 
@@ -51,6 +52,7 @@ class DynamicEmbBagShardingContext(EmbeddingBagCollectionContext):
     batch_size: int = 0
     divisor: Optional[torch.Tensor] = None
     received: Optional[KeyedJaggedTensor] = None
+    batch: int = 0  # the number of the module's input dist (checked across ranks)
 
     def record_stream(self, stream: torch.Stream) -> None:
         super().record_stream(stream)
@@ -64,12 +66,13 @@ class _PooledOutputAwaitable(LazyAwaitable[KeyedTensor]):
     """Waits for the reduce-scatter, drops the padding, divides MEAN bags, keys the result."""
 
     def __init__(self, awaitable: Awaitable[torch.Tensor], ctx: DynamicEmbBagShardingContext,
-                 keys: List[str], dims: List[int]) -> None:
+                 keys: List[str], dims: List[int], check: BackwardStepCheck) -> None:
         super().__init__()
         self._awaitable, self._ctx, self._keys, self._dims = awaitable, ctx, keys, dims
+        self._check = check
 
     def _wait_impl(self) -> KeyedTensor:
-        values = self._awaitable.wait()[:self._ctx.batch_size]
+        values = self._check.attach([self._awaitable.wait()])[0][:self._ctx.batch_size]
         if self._ctx.divisor is not None:
             values = values / self._ctx.divisor
         return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=values)
@@ -131,7 +134,8 @@ class ShardedDynamicEmbBagCollection(
         # plain lists, as TorchRec's sharded modules keep theirs (out of the state dict)
         self._input_dists: List[torch.nn.Module] = [RwBagSparseFeaturesDist(
             pg, self._features,
-            {f: options[c.name].sharding for c in configs for f in c.feature_names})]
+            {f: options[c.name].sharding for c in configs for f in c.feature_names},
+            self._where)]
         self._output_dists: List[torch.nn.Module] = [PooledEmbeddingsReduceScatter(pg)]
 
     # -- TorchRec ShardedModule API (forward, compute_and_output_dist: ShardedTables) ---------
@@ -143,8 +147,10 @@ class ShardedDynamicEmbBagCollection(
         mine = self._select(features)
         ctx.batch_size = mine.stride()
         ctx.divisor = self._divisor(mine)
+        ctx.batch = self._next_batch()
         ctx.sharding_contexts.append(EmbeddingShardingContext())
-        return KJTListSplitsAwaitable([self._input_dists[0](mine)], ctx, self._module_fqn,
+        return KJTListSplitsAwaitable([self._input_dists[0](mine, ctx.batch)], ctx,
+                                      self._module_fqn,
                                       [ShardingType.ROW_WISE.value])
 
     def _select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -189,7 +195,7 @@ class ShardedDynamicEmbBagCollection(
         batch_sizes = ctx.sharding_contexts[0].batch_size_per_rank or [ctx.batch_size]
         partial = pad_per_rank(output[0], batch_sizes)
         return _PooledOutputAwaitable(self._output_dists[0](partial), ctx, self._features,
-                                      self._dims)
+                                      self._dims, self._backward_check(ctx.batch))
 
     # -- dynemb views (the rest come from ShardedTables) ------------------------------------
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:

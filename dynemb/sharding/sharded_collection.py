@@ -32,6 +32,7 @@ from dynemb.jagged import cut_by_feature
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
 from dynemb.sharding.routing import RoutedIds
+from dynemb.sharding.step_check import BackwardStepCheck
 from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables, check_plan  # noqa: F401
 from dynemb.validation import check_keys, check_kjt
 
@@ -45,6 +46,7 @@ class DynamicEmbShardingContext(EmbeddingCollectionContext):
     feature_ids: Dict[str, torch.Tensor] = field(default_factory=dict)
     feature_order: List[str] = field(default_factory=list)
     received: Optional[KeyedJaggedTensor] = None
+    batch: int = 0  # the number of the module's input dist (checked across ranks)
 
     def record_stream(self, stream: torch.Stream) -> None:
         super().record_stream(stream)
@@ -62,17 +64,20 @@ class DynamicEmbOutputAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
     ``JaggedTensor`` per input feature."""
 
     def __init__(self, awaitables: List[Awaitable[torch.Tensor]],
-                 ctx: DynamicEmbShardingContext, need_indices: bool) -> None:
+                 ctx: DynamicEmbShardingContext, need_indices: bool,
+                 check: BackwardStepCheck) -> None:
         super().__init__()
         self._awaitables = awaitables
         self._ctx = ctx
         self._need_indices = need_indices
+        self._check = check
 
     def _wait_impl(self) -> Dict[str, JaggedTensor]:
         out: Dict[str, JaggedTensor] = {}
-        for awaitable, routing in zip(self._awaitables, self._ctx.routings):
+        received = self._check.attach([awaitable.wait() for awaitable in self._awaitables])
+        for rows, routing in zip(received, self._ctx.routings):
             ids = self._ctx.feature_ids if self._need_indices else None
-            out.update(cut_by_feature(awaitable.wait(), routing.segments,
+            out.update(cut_by_feature(rows, routing.segments,
                                       self._ctx.feature_lengths, ids))
         return {f: out[f] for f in self._ctx.feature_order if f in out}
 
@@ -127,7 +132,8 @@ class ShardedDynamicEmbCollection(
             group = dims[dim]
             self._group_tables.append([c.name for c in group])
             input_dists.append(DedupRwSparseFeaturesDist(
-                pg, [(c.name, c.feature_names, options[c.name].sharding) for c in group]))
+                pg, [(c.name, c.feature_names, options[c.name].sharding) for c in group],
+                self._where))
             output_dists.append(RwSequenceEmbeddingDist(pg, len(group), device))
         # plain lists, as TorchRec's sharded modules keep theirs: their buffers (world-size
         # dependent permutations) are not model state and stay out of the state dict
@@ -149,12 +155,13 @@ class ShardedDynamicEmbCollection(
                 check_keys(jts[f].values().to(torch.int64), jts[f].values().device,
                            name=f"ids of feature {f!r}")
         ctx.feature_order = mine
+        ctx.batch = self._next_batch()
         ctx.feature_lengths = {f: jts[f].lengths() for f in mine}
         if self._need_indices:
             ctx.feature_ids = {f: jts[f].values() for f in mine}
         awaitables = []
         for dist in self._input_dists:
-            awaitables.append(dist(features))
+            awaitables.append(dist(features, ctx.batch))
             routing = dist.routing
             ctx.routings.append(routing)
             ctx.sharding_contexts.append(SequenceShardingContext(
@@ -184,7 +191,8 @@ class ShardedDynamicEmbCollection(
                     output: List[torch.Tensor]) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         awaitables = [dist(rows, sharding_ctx) for dist, rows, sharding_ctx
                       in zip(self._output_dists, output, ctx.sharding_contexts)]
-        return DynamicEmbOutputAwaitable(awaitables, ctx, self._need_indices)
+        return DynamicEmbOutputAwaitable(awaitables, ctx, self._need_indices,
+                                         self._backward_check(ctx.batch))
 
     @staticmethod
     def _merge(dist_input: KJTList) -> KeyedJaggedTensor:

@@ -18,6 +18,7 @@ from dynemb.checkpoint.redistribute import redistribute
 from dynemb.checkpoint.table_state import tier_parts
 from dynemb.collection import DynamicEmbCollection
 from dynemb.sharding.routing import owner_ranks
+from dynemb.sharding.step_check import BackwardStepCheck
 
 SUPPORTED_SHARDING_TYPES = (ShardingType.ROW_WISE.value,)
 SUPPORTED_COMPUTE_KERNELS = (EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,)
@@ -50,6 +51,9 @@ class ShardedTables:
         self._module_fqn = module_fqn
         check_plan(configs, shardings, self._world_size, module_fqn or "")
         self._configs = list(configs)
+        self._where = f"{type(self).__name__} {module_fqn!r}" if module_fqn else type(
+            self).__name__
+        self._input_dists_run = 0
         self._table_shardings = dict(shardings)
 
     # routing and the tables run numba kernels and host-side bookkeeping: torch.compile runs
@@ -60,6 +64,16 @@ class ShardedTables:
 
     def compute_and_output_dist(self, ctx, input):
         return self.output_dist(ctx, self.compute(ctx, input))
+
+    def _next_batch(self) -> int:
+        """The number of this input dist (0, 1, ...): every rank that runs the same steps
+        gives the same number; the collectives check it (:mod:`.step_check`)."""
+        batch = self._input_dists_run
+        self._input_dists_run += 1
+        return batch
+
+    def _backward_check(self, batch: int) -> BackwardStepCheck:
+        return BackwardStepCheck(self._pg, batch, self._where)
 
     # -- checkpoints -------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

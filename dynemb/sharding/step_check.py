@@ -1,0 +1,178 @@
+"""Catch ranks that fall out of step before their collectives mix up.
+
+Collectives pair up by their order on a process group, not by what they are. A rank that
+skips a backward the others run (its loss raised, the error was caught, training went on)
+sends its next batch's ids into the others' gradient exchange: the sizes disagree (gloo
+aborts the process) or the bytes are read as the wrong thing (garbage rows, absurd batch
+sizes). So every rank numbers the input dists of a sharded module (``batch``: how many it
+ran since it was built, the same on every rank that runs the same steps) and says where it
+is in a small header that every peer reads before any exchange whose size depends on it:
+
+- input dist: the header rides in TorchRec's splits all-to-all (which already runs, and
+  already has a fixed size), ahead of the splits;
+- backward: one extra all-to-all of the same shape, before the gradients travel.
+
+Both exchanges are ``CONTROL_ROWS`` int64 per peer, so whichever two of them meet, they pair
+cleanly and both sides see the other's header: every rank raises
+:class:`RankDesyncError`, naming the ranks and their batch numbers, before any table
+changes.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.collective_utils import validate_collectives_enabled
+from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllSplitsAwaitable
+from torchrec.distributed.types import Awaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+#: Header tags: what the sending rank is doing (arbitrary, unlikely as splits or sizes).
+INPUT_DIST, BACKWARD = 0x44594E31, 0x44594E32
+PHASES = {INPUT_DIST: "the input dist", BACKWARD: "the backward"}
+#: int64 per peer of every exchange that carries a header: tag, batch, padding, then (input
+#: dist) the KJT's splits and the batch size TorchRec sends.
+CONTROL_ROWS = 8
+HEADER_ROWS = 2
+
+
+class RankDesyncError(RuntimeError):
+    """Ranks of a sharded module run different steps (one skipped a forward or backward the
+    others ran); their collectives no longer match."""
+
+
+def header(phase: int, batch: int, rows: int, world_size: int) -> List[List[int]]:
+    """``rows`` rows of ``world_size`` ints (one per peer): ``phase``, ``batch``, zeros."""
+    return [[phase] * world_size, [batch] * world_size] + [[0] * world_size] * (rows - 2)
+
+
+def check_header(received: Sequence[Sequence[int]], phase: int, batch: int, rank: int,
+                 where: str) -> None:
+    """Raise :class:`RankDesyncError` unless every peer's header (``received[0][r]``,
+    ``received[1][r]``) says ``phase`` and ``batch``.
+
+    Example::
+
+        >>> check_header([[INPUT_DIST, BACKWARD], [3, 2]], INPUT_DIST, 3, 0, "module 'm'")
+        Traceback (most recent call last):
+        dynemb.sharding.step_check.RankDesyncError: ranks out of step in module 'm': rank 0 runs the input dist of batch 3 but rank 1 runs the backward of batch 2 ...
+    """
+    lagging = [(r, p, b) for r, (p, b) in enumerate(zip(received[0], received[1]))
+               if (p, b) != (phase, batch)]
+    if not lagging:
+        return
+    others = "; ".join(
+        f"rank {r} runs {PHASES[p]} of batch {b}" if p in PHASES
+        else f"rank {r} runs another collective (not a step of this module)"
+        for r, p, b in lagging)
+    raise RankDesyncError(
+        f"ranks out of step in {where}: rank {rank} runs {PHASES[phase]} of batch {batch} but "
+        f"{others} (batches count this module's input dists). A rank skipped a forward or "
+        f"backward the others ran (an exception caught on one rank?): every rank must run "
+        f"the same steps. Their collectives no longer match; restart from a checkpoint.")
+
+
+def control_rows() -> int:
+    """Ints per peer of a header exchange (TorchRec appends a tag of its own when its
+    collective validation is on)."""
+    return CONTROL_ROWS + (1 if validate_collectives_enabled() else 0)
+
+
+class _CheckedSplitsAwaitable(KJTAllToAllSplitsAwaitable):
+    """TorchRec's splits all-to-all with a header ahead of the splits; checked on wait."""
+
+    def __init__(self, *, batch: int, where: str, **kwargs) -> None:
+        splits = kwargs.pop("tensor_splits")
+        pg = kwargs["pg"]
+        self._phase_batch, self._where = batch, where
+        # the header pads the exchange to CONTROL_ROWS ints per peer (the stride is one)
+        pad = header(INPUT_DIST, batch, CONTROL_ROWS - len(splits) - 1, pg.size())
+        super().__init__(tensor_splits=pad + list(splits), **kwargs)
+        self._header_rows = len(pad)
+        self._input_splits = self._input_splits[self._header_rows:]
+        self._output_splits = self._input_splits
+        if self._workers > 1:
+            self._splits_awaitable = _HeaderStripped(self)
+
+    def check(self, rows: List[List[int]]) -> List[List[int]]:
+        check_header(rows, INPUT_DIST, self._phase_batch, self._pg.rank(), self._where)
+        return rows[self._header_rows:]
+
+
+class _HeaderStripped(Awaitable[List[List[int]]]):
+    """The splits all-to-all's rows after the header was checked and dropped."""
+
+    def __init__(self, owner: _CheckedSplitsAwaitable) -> None:
+        super().__init__()
+        self._inner, self._owner = owner._splits_awaitable, owner
+
+    def _wait_impl(self) -> List[List[int]]:
+        return self._owner.check(self._inner.wait())
+
+
+class StepCheckedKJTAllToAll(KJTAllToAll):
+    """TorchRec's :class:`KJTAllToAll` whose splits exchange also checks that every rank
+    runs the input dist of the same ``batch`` (see the module docstring).
+
+    Args:
+        pg, splits: as :class:`KJTAllToAll`'s.
+        where: what to call the module in errors.
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, splits: List[int], where: str) -> None:
+        super().__init__(pg=pg, splits=splits)
+        self._where = where
+
+    def forward(self, input: KeyedJaggedTensor, batch: int = 0) -> Awaitable:  # noqa: A002
+        """Start the all-to-all of ``input``, the ``batch``-th input dist of the module."""
+        with torch.no_grad():
+            rank = dist.get_rank(self._pg)
+            tensor_splits = input.dist_splits(self._splits)
+            if len(tensor_splits) + 1 + HEADER_ROWS > CONTROL_ROWS:
+                raise ValueError(f"a KJT with {len(tensor_splits)} tensors to send does not "
+                                 f"fit the {CONTROL_ROWS}-row step check")
+            return _CheckedSplitsAwaitable(
+                batch=batch, where=self._where, pg=self._pg, input=input,
+                splits=self._splits, labels=input.dist_labels(), tensor_splits=tensor_splits,
+                input_tensors=input.dist_tensors(),
+                keys=input.keys()[self._splits_cumsum[rank]:self._splits_cumsum[rank + 1]],
+                device=input.device(), stagger=self._stagger)
+
+
+class _BackwardCheck(torch.autograd.Function):
+    """Identity forward; its backward checks every rank is in the backward of the same
+    batch before the gradients go on to the collectives that return them to the owners."""
+
+    @staticmethod
+    def forward(ctx, checker: "BackwardStepCheck", *tensors: torch.Tensor):
+        ctx.checker = checker
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.checker.exchange(grads[0].device)
+        return (None, *grads)
+
+
+class BackwardStepCheck:
+    """The backward's header exchange for the ``batch``-th input dist of a module."""
+
+    def __init__(self, pg: dist.ProcessGroup, batch: int, where: str) -> None:
+        self.pg, self.batch, self.where = pg, batch, where
+
+    def attach(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """``tensors`` (the module's outputs, after the collectives that brought them) as
+        they are, plus the check in their backward; unchanged without grad or peers."""
+        if self.pg.size() == 1 or not any(t.requires_grad for t in tensors):
+            return tensors
+        return list(_BackwardCheck.apply(self, *tensors))
+
+    def exchange(self, device: torch.device) -> None:
+        world = self.pg.size()
+        rows = header(BACKWARD, self.batch, control_rows(), world)
+        sent = torch.tensor(rows, dtype=torch.int64, device=device).t().contiguous().flatten()
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=self.pg)
+        check_header(received.view(world, -1).t().tolist(), BACKWARD, self.batch,
+                     self.pg.rank(), self.where)
