@@ -279,10 +279,39 @@ def test_empty_batch_is_a_no_op(backend):
     (dict(max_gradient=0.0), "max_gradient must be > 0"),
     (dict(max_gradient=math.nan), "max_gradient must be finite"),
     (dict(learning_rate=True), "learning_rate must be a number"),
+    (dict(learning_rate="0.1"), "learning_rate must be a number"),
+    (dict(learning_rate=torch.tensor(0.1)), "learning_rate must be a number"),
+    (dict(learning_rate=None), "learning_rate must be a number"),
+    (dict(learning_rate=10 ** 400), "learning_rate must be finite"),
+    (dict(beta1="0.9"), "beta1 must be a number"),
+    (dict(beta2=math.nan), "beta2 must be finite"),
+    (dict(weight_decay=False), "weight_decay must be a number"),
+    (dict(initial_accumulator_value=-math.inf), "initial_accumulator_value must be finite"),
+    (dict(max_gradient="1.0"), "max_gradient must be a number"),
+    (dict(max_gradient=True), "max_gradient must be a number"),
 ])
 def test_bad_config(kwargs, message):
-    with pytest.raises((TypeError, ValueError), match=message):
+    error = TypeError if "must be a number" in message or "OptimizerType" in message else (
+        ValueError)
+    with pytest.raises(error, match=message):
         OptimizerConfig(**kwargs)
+
+
+def test_hyperparameters_are_stored_as_floats():
+    import numpy as np
+    cfg = OptimizerConfig(learning_rate=1, eps=np.float32(0.5), max_gradient=2)
+    assert [type(v) for v in (cfg.learning_rate, cfg.eps, cfg.max_gradient)] == [float] * 3
+    assert (cfg.learning_rate, cfg.eps, cfg.max_gradient) == (1.0, 0.5, 2.0)
+
+
+@pytest.mark.parametrize("key", ["learning_rate", "eps", "beta1", "weight_decay",
+                                 "max_gradient"])
+@pytest.mark.parametrize("bad", ["0.1", True])
+def test_from_fbgemm_refuses_fused_params_that_are_not_numbers(key, bad):
+    O = pytest.importorskip("fbgemm_gpu.split_embedding_configs").EmbOptimType
+    params = {key: bad, "gradient_clipping": True, "weight_decay_mode": 1}
+    with pytest.raises(TypeError, match=rf"fused_params\['{key}'\] must be a number"):
+        OptimizerConfig.from_fbgemm(O.ADAM, **params)
 
 
 def test_state_dim():
