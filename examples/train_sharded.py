@@ -274,8 +274,9 @@ def summed_stats(dmp) -> Dict[str, Any]:
 # -- checkpoints -------------------------------------------------------------------------------
 def save_checkpoint(dmp, optimizer, path: Path, step: int) -> Dict[str, Any]:
     """The whole model (MLP, dynamic tables with their optimizer state, scores and counters)
-    and the dense optimizer, with ``torch.distributed.checkpoint``: each rank writes its own
-    share."""
+    and the optimizers (the dense Adam's state; the tables' learning rate, which their fused
+    optimizer's ``state_dict`` holds), with ``torch.distributed.checkpoint``: each rank
+    writes its own share."""
     import torch.distributed.checkpoint as dcp
     start = time.perf_counter()
     dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict(),
@@ -283,12 +284,18 @@ def save_checkpoint(dmp, optimizer, path: Path, step: int) -> Dict[str, Any]:
              checkpoint_id=str(path))
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     return {"path": str(path), "step": step, "mb": size / 2 ** 20,
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "lr": embedding_lr(dmp)}
+
+
+def embedding_lr(dmp) -> float:
+    """The learning rate the tables' next backward uses."""
+    return dmp.module.ec.fused_optimizer.lr
 
 
 def load_checkpoint(dmp, optimizer, path: Path) -> Dict[str, Any]:
     """Load a checkpoint of :func:`save_checkpoint`, saved by any number of ranks (each
-    dynamic row goes to its owner in this world); returns its progress."""
+    dynamic row goes to its owner in this world; training goes on at the saved learning
+    rate); returns its progress."""
     import torch.distributed.checkpoint as dcp
 
     from dynemb.checkpoint import DynamicEmbLoadPlanner
@@ -324,7 +331,9 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
         first_step = int(progress["step"])
         if rank == 0:
             print(f"resumed from {resume}: step {first_step}, saved by "
-                  f"{progress['world_size']} ranks, loaded on {world_size}", flush=True)
+                  f"{progress['world_size']} ranks, loaded on {world_size}; embedding lr "
+                  f"{embedding_lr(dmp):g}", flush=True)
+    first_lr = embedding_lr(dmp)  # the saved one when resumed
     # each rank its own stream; a resumed run draws batches it has not seen
     train_rng = np.random.default_rng([seed + 1, rank] + ([first_step] if first_step else []))
     if rank == 0:
@@ -395,6 +404,7 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
         "stats": stats["total"],
         "stats_per_rank": stats["per_rank"],
         "first_step": first_step,
+        "first_lr": first_lr,
         "checkpoint": checkpoint,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
