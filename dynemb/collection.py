@@ -21,14 +21,10 @@ from dynemb.module_conversion import check_conversion
 from dynemb.optimizers import OccurrenceGrads, OptimizerConfig
 from dynemb.options import (DynamicEmbTableOptions, StorageMode, check_allocation,
                              choose_storage_mode)
-from dynemb.prefetch import PrefetchState
+from dynemb.prefetch import PrefetchState, check_state_matches
 from dynemb.stashing.collection_stash import CollectionStash, resolve_stash_options
 from dynemb.tables import DynamicTable, TableBatch, build_table
-from dynemb.validation import check_keys, check_kjt
-
-
-_IN_ORDER = ("call forward in the order of prefetch, with the KeyedJaggedTensor given to it "
-             "(nothing changed; clear_prefetched() drops the queued batches)")
+from dynemb.table_inputs import split_by_table
 
 
 class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
@@ -321,31 +317,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
 
     def _split_by_table(self, kjt: KeyedJaggedTensor):
         """Validate, then concatenate each table's feature values (int64)."""
-        check_kjt(kjt, self._device, check_lengths=self._validate)
-        unknown = [f for f in kjt.keys() if f not in self._table_of_feature]
-        if unknown:
-            raise ValueError(f"features {unknown} are in no table; known features: "
-                             f"{sorted(self._table_of_feature)}")
-        values = kjt.values()
-        counted = self._weights_are_counts and kjt.weights_or_none() is not None
-        jts = kjt.to_dict()
-        out: Dict[str, Any] = {"__jt__": jts}
-        for config in self._configs:
-            present = [f for f in config.feature_names if f in jts]
-            parts = [jts[f].values().to(torch.int64) for f in present]
-            keys = (torch.cat(parts) if parts else
-                    torch.empty(0, dtype=torch.int64, device=values.device))
-            keys = keys.to(self._device)
-            if self._validate:
-                check_keys(keys, self._device, name=f"ids of table {config.name!r}")
-            occurrences = None
-            if counted:
-                occurrences = (torch.cat([jts[f].weights() for f in present]) if present else
-                               torch.empty(0, device=values.device))
-                occurrences = occurrences.to(device=self._device, dtype=torch.int64)
-            out[config.name] = (keys, [(f, part.numel()) for f, part in zip(present, parts)],
-                                occurrences)
-        return out
+        return split_by_table(kjt, self._configs, self._table_of_feature, self._device,
+                              validate=self._validate,
+                              weights_are_counts=self._weights_are_counts)
 
     # -- forward -----------------------------------------------------------------------------
     # numba kernels and host-side bookkeeping: torch.compile runs this eagerly (graph break)
@@ -365,7 +339,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         if self._queue and self._queue[0].training == trains:
             # a mismatch raises with the queue as it was: the batch prefetched is still the
             # next one, and its lookups were counted once, by prefetch
-            self._check_state_matches(self._queue[0], kjt)
+            check_state_matches(self._queue[0], kjt, sync_free=not self._validate)
             state = self._queue.popleft()
         else:  # nothing queued, or queued for the other mode (e.g. an eval between steps)
             state = self._prefetch_now(kjt, trains)
@@ -419,32 +393,6 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         """The forward's result from :meth:`_table_outputs`' parts, here every feature's
         JaggedTensor, in the KJT's feature order."""
         return {f: out[f] for f in state.feature_order}
-
-    def _check_state_matches(self, state: PrefetchState, kjt: KeyedJaggedTensor) -> None:
-        if tuple(kjt.keys()) != state.feature_order:
-            raise ValueError(f"forward got features {list(kjt.keys())} but the oldest prefetched "
-                             f"batch has {list(state.feature_order)}; {_IN_ORDER}")
-        expected = sum(n for feats in state.features.values() for _, n in feats)
-        values = kjt.values()
-        if values.numel() != expected or not self._same(values, state.values):
-            raise ValueError(f"forward got other ids ({values.numel()}) than the oldest "
-                             f"prefetched batch ({expected}); {_IN_ORDER}")
-        lengths = kjt.lengths()
-        if lengths.shape != state.all_lengths.shape or not self._same(lengths,
-                                                                      state.all_lengths):
-            raise ValueError(f"forward got the ids of the oldest prefetched batch but other "
-                             f"lengths; {_IN_ORDER}")
-
-    def _same(self, got: torch.Tensor, expected: torch.Tensor) -> bool:
-        """Equal tensors of equal shape. On CUDA without input validation the comparison is
-        asserted on the device (an error surfaces at the next sync) instead of stalling it."""
-        if got is expected:
-            return True
-        if self._validate or got.device.type != "cuda":
-            return torch.equal(got, expected.to(got.device))
-        torch._assert_async((got == expected).all(),
-                            "forward got other ids or lengths than the oldest prefetched batch")
-        return True
 
     def _drop(self, state: PrefetchState) -> None:
         for name, batch in state.batches.items():

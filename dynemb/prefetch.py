@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.tables import TableBatch
 from dynemb.options import StorageMode
@@ -51,3 +52,40 @@ class PrefetchState:
     @property
     def slots(self) -> Dict[str, Optional[torch.Tensor]]:
         return {name: b.slots for name, b in self.batches.items()}
+
+
+_IN_ORDER = ("call forward in the order of prefetch, with the KeyedJaggedTensor given to it "
+             "(nothing changed; clear_prefetched() drops the queued batches)")
+
+
+def check_state_matches(state: PrefetchState, kjt: KeyedJaggedTensor, *,
+                        sync_free: bool = False) -> None:
+    """Raise ``ValueError`` unless ``kjt`` is the batch ``state`` was prefetched for: the same
+    features in the same order, the same ids and the same lengths. Nothing is changed.
+
+    ``sync_free``: on CUDA, compare on the device (a mismatch surfaces at the next sync)
+    instead of reading the comparison on the host."""
+    if tuple(kjt.keys()) != state.feature_order:
+        raise ValueError(f"forward got features {list(kjt.keys())} but the oldest prefetched "
+                         f"batch has {list(state.feature_order)}; {_IN_ORDER}")
+    expected = sum(n for feats in state.features.values() for _, n in feats)
+    values = kjt.values()
+    if values.numel() != expected or not _same(values, state.values, sync_free):
+        raise ValueError(f"forward got other ids ({values.numel()}) than the oldest "
+                         f"prefetched batch ({expected}); {_IN_ORDER}")
+    lengths = kjt.lengths()
+    if (lengths.shape != state.all_lengths.shape
+            or not _same(lengths, state.all_lengths, sync_free)):
+        raise ValueError(f"forward got the ids of the oldest prefetched batch but other "
+                         f"lengths; {_IN_ORDER}")
+
+
+def _same(got: torch.Tensor, expected: torch.Tensor, sync_free: bool) -> bool:
+    """Equal tensors of equal shape; on CUDA with ``sync_free``, asserted on the device."""
+    if got is expected:
+        return True
+    if not sync_free or got.device.type != "cuda":
+        return torch.equal(got, expected.to(got.device))
+    torch._assert_async((got == expected).all(),
+                        "forward got other ids or lengths than the oldest prefetched batch")
+    return True

@@ -1,0 +1,60 @@
+"""From one input ``KeyedJaggedTensor`` to each table's ids: what a collection's prefetch
+looks up (shared by the sequence and pooled collections)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping
+
+import torch
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb.validation import check_keys, check_kjt
+
+
+def split_by_table(kjt: KeyedJaggedTensor, configs: List[BaseEmbeddingConfig],
+                   table_of_feature: Mapping[str, str], device: torch.device, *,
+                   validate: bool, weights_are_counts: bool = False) -> Dict[str, Any]:
+    """Validate ``kjt``, then concatenate each table's feature values as int64 ids.
+
+    Returns, by table name, ``(ids, [(feature, number of ids), ...], occurrences)``, the
+    features in the order their ids were concatenated; ``occurrences`` is the KJT's weights
+    as int64 when ``weights_are_counts`` (how many times each id occurred), else None. Under
+    ``"__jt__"``: the KJT's JaggedTensors by feature. Nothing changes anywhere: every check
+    runs here, before any table is touched.
+
+    Example::
+
+        >>> config = EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=64,
+        ...                          feature_names=["a", "b"])
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([5, 6, 7]),
+        ...                                           torch.tensor([1, 2]))
+        >>> ids, segments, _ = split_by_table(kjt, [config], {"a": "t", "b": "t"},
+        ...                                   torch.device("cpu"), validate=True)["t"]
+        >>> ids.tolist(), segments
+        ([5, 6, 7], [('a', 1), ('b', 2)])
+    """
+    check_kjt(kjt, device, check_lengths=validate)
+    unknown = [f for f in kjt.keys() if f not in table_of_feature]
+    if unknown:
+        raise ValueError(f"features {unknown} are in no table; known features: "
+                         f"{sorted(table_of_feature)}")
+    values = kjt.values()
+    counted = weights_are_counts and kjt.weights_or_none() is not None
+    jts = kjt.to_dict()
+    out: Dict[str, Any] = {"__jt__": jts}
+    for config in configs:
+        present = [f for f in config.feature_names if f in jts]
+        parts = [jts[f].values().to(torch.int64) for f in present]
+        keys = (torch.cat(parts) if parts else
+                torch.empty(0, dtype=torch.int64, device=values.device))
+        keys = keys.to(device)
+        if validate:
+            check_keys(keys, device, name=f"ids of table {config.name!r}")
+        occurrences = None
+        if counted:
+            occurrences = (torch.cat([jts[f].weights() for f in present]) if present else
+                           torch.empty(0, device=values.device))
+            occurrences = occurrences.to(device=device, dtype=torch.int64)
+        out[config.name] = (keys, [(f, part.numel()) for f, part in zip(present, parts)],
+                            occurrences)
+    return out
