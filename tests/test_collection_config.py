@@ -44,3 +44,20 @@ def test_one_options_object_serves_every_table_and_a_dict_fills_in_defaults():
 def test_bad_options_name_the_table(options, error, match):
     with pytest.raises(error, match=match):
         options_by_table(options, ["a", "b"])
+
+
+@pytest.mark.parametrize("num_embeddings", [0, -3])
+def test_a_table_without_rows_is_refused_naming_the_table_and_field(num_embeddings):
+    """TorchRec's own EmbeddingConfig divides by num_embeddings when it picks the default
+    init range (ZeroDivisionError there, before any module sees the config); with an init
+    range given, the module names the problem."""
+    from dynemb import DynamicEmbBagCollection, DynamicEmbCollection
+    from torchrec import EmbeddingBagConfig
+
+    for module, config_type in ((DynamicEmbCollection, EmbeddingConfig),
+                                (DynamicEmbBagCollection, EmbeddingBagConfig)):
+        config = config_type(name="t", embedding_dim=4, num_embeddings=num_embeddings,
+                             feature_names=["f"], weight_init_min=-0.1, weight_init_max=0.1)
+        with pytest.raises(ValueError, match=f"table 't': num_embeddings must be positive, "
+                                             f"got {num_embeddings}"):
+            module(tables=[config])
