@@ -15,6 +15,7 @@ inside, and what a process launched by ``torchrun`` calls itself::
 from __future__ import annotations
 
 import contextlib
+import datetime
 import multiprocessing.util
 import os
 import pickle
@@ -38,6 +39,10 @@ GRACE_S = 10.0
 #: run failed: a rank stuck in a collective never leaves).
 EXIT_S, EXIT_AFTER_FAILURE_S = 30.0, 5.0
 
+
+#: How long a collective waits for its peers before it fails (torch's default is 30 minutes):
+#: a rank stalled or out of step ends the run in minutes.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 
 #: What gloo says on a rank whose peer went away.
 PEER_FAILURE = ("Connection closed", "Connection reset by peer")
@@ -67,18 +72,21 @@ def rank_device(requested: str) -> torch.device:
 
 
 def run_in_process_group(fn: Callable, *args: Any,
-                         device: torch.device = torch.device("cpu")) -> Any:
+                         device: torch.device = torch.device("cpu"),
+                         collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Any:
     """``fn(rank, world_size, *args)`` inside the world the environment describes (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: set by ``torchrun`` or
-    :func:`run_on_ranks`), with NCCL on a CUDA ``device`` and gloo on the CPU. The ranks meet
-    at a barrier before leaving the world, so none tears down while another still works
+    :func:`run_on_ranks`), with NCCL on a CUDA ``device`` and gloo on the CPU. A collective
+    whose peers have not all joined after ``collective_timeout`` seconds fails. The ranks
+    meet at a barrier before leaving the world, so none tears down while another still works
     (rank 0 writing the results, say).
 
     >>> run_in_process_group(train, config, device=torch.device("cuda", 0))  # doctest: +SKIP
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=collective_timeout))
     try:
         result = fn(dist.get_rank(), dist.get_world_size(), *args)
         dist.barrier()
@@ -88,12 +96,14 @@ def run_in_process_group(fn: Callable, *args: Any,
 
 
 def run_on_ranks(world_size: int, fn: Callable, *args: Any,
-                 timeout: Optional[float] = None) -> List[Any]:
+                 timeout: Optional[float] = None,
+                 collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> List[Any]:
     """``[fn(rank, world_size, *args) for each rank]``, each rank a spawned process of one
     gloo world on this machine, with one torch thread. ``fn`` must be importable (defined at
     module level) and return something picklable. A rank that fails, dies without a result
     or is still working after ``timeout`` seconds (None: no limit) raises :class:`RankError`
-    with what went wrong on every rank, the root cause first.
+    with what went wrong on every rank, the root cause first. ``collective_timeout``: as
+    :func:`run_in_process_group`'s.
 
     >>> run_on_ranks(2, world_size_seen, timeout=60)   # doctest: +SKIP
     [2, 2]
@@ -109,7 +119,8 @@ def run_on_ranks(world_size: int, fn: Callable, *args: Any,
     try:
         for rank in range(world_size):
             with _environment(world, RANK=str(rank), LOCAL_RANK=str(rank)):
-                procs.append(ctx.Process(target=_rank_process, args=(fn, args, reports),
+                procs.append(ctx.Process(target=_rank_process,
+                                         args=(fn, args, reports, collective_timeout),
                                          name=f"rank {rank}"))
                 procs[-1].start()
         results = _collect(procs, reports, timeout)
@@ -135,14 +146,15 @@ def _environment(values: Dict[str, str], **more: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _rank_process(fn: Callable, args: tuple, reports) -> None:
+def _rank_process(fn: Callable, args: tuple, reports, collective_timeout: float) -> None:
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)  # the ranks share this machine's cores
     try:
         # pickled here, not by the queue's feeder thread: a result that cannot be pickled
         # is this rank's error, and tensors travel by value, not as shared memory that
         # goes with this process
-        report = (rank, "ok", pickle.dumps(run_in_process_group(fn, *args)))
+        report = (rank, "ok", pickle.dumps(run_in_process_group(
+            fn, *args, collective_timeout=collective_timeout)))
     except BaseException:
         report = (rank, "error", traceback.format_exc())
     reports.put(report)

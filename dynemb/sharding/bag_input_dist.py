@@ -94,5 +94,5 @@ class RwBagSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         """Bucketize ``sparse_features`` (its features in this module's order, as
         :meth:`select` returns them) and start the all-to-all of the module's ``batch``-th
         input dist."""
-        return self._dist(bucketize_by_owner(sparse_features, self._schemes, self._world_size),
-                          batch)
+        self._dist.batch = batch
+        return self._dist(bucketize_by_owner(sparse_features, self._schemes, self._world_size))

@@ -53,7 +53,8 @@ class DedupRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
             weights=self.routing.counts.to(torch.float32),
             stride=1,
         )
-        return self._dist(bucketized, batch)
+        self._dist.batch = batch
+        return self._dist(bucketized)
 
     def route(self, jts: Dict[str, "torch.Tensor"]) -> RoutedIds:
         ids_per_table, schemes, segments = [], [], []

@@ -113,7 +113,10 @@ class _HeaderStripped(Awaitable[List[List[int]]]):
 
 class StepCheckedKJTAllToAll(KJTAllToAll):
     """TorchRec's :class:`KJTAllToAll` whose splits exchange also checks that every rank
-    runs the input dist of the same ``batch`` (see the module docstring).
+    runs the input dist of the same :attr:`batch` (see the module docstring). Set
+    :attr:`batch` before each call: TorchRec's train pipelines replace ``forward`` by their
+    own, whose splits exchange is fused over modules and carries no header (there only the
+    backward is checked).
 
     Args:
         pg, splits: as :class:`KJTAllToAll`'s.
@@ -123,9 +126,10 @@ class StepCheckedKJTAllToAll(KJTAllToAll):
     def __init__(self, pg: dist.ProcessGroup, splits: List[int], where: str) -> None:
         super().__init__(pg=pg, splits=splits)
         self._where = where
+        self.batch = 0
 
-    def forward(self, input: KeyedJaggedTensor, batch: int = 0) -> Awaitable:  # noqa: A002
-        """Start the all-to-all of ``input``, the ``batch``-th input dist of the module."""
+    def forward(self, input: KeyedJaggedTensor) -> Awaitable:  # noqa: A002
+        """Start the all-to-all of ``input``, the module's :attr:`batch`-th input dist."""
         with torch.no_grad():
             rank = dist.get_rank(self._pg)
             tensor_splits = input.dist_splits(self._splits)
@@ -133,7 +137,7 @@ class StepCheckedKJTAllToAll(KJTAllToAll):
                 raise ValueError(f"a KJT with {len(tensor_splits)} tensors to send does not "
                                  f"fit the {CONTROL_ROWS}-row step check")
             return _CheckedSplitsAwaitable(
-                batch=batch, where=self._where, pg=self._pg, input=input,
+                batch=self.batch, where=self._where, pg=self._pg, input=input,
                 splits=self._splits, labels=input.dist_labels(), tensor_splits=tensor_splits,
                 input_tensors=input.dist_tensors(),
                 keys=input.keys()[self._splits_cumsum[rank]:self._splits_cumsum[rank + 1]],
