@@ -8,6 +8,7 @@ import torch
 
 from dynemb.backends import backend_for_device
 from dynemb.kernel_backend import TableArrays
+from dynemb.hash_table_images import HashTableImages, compose_remaps
 from dynemb.hash_table_checks import (MAX_BUCKETS, SLOT_BYTES, check_claim_arguments,
                                       check_scores, check_table_arguments, max_table_capacity)
 from dynemb.types import (EMPTY_KEY, TOMBSTONE_KEY, EraseResult, ExportBatch, FindOrInsertResult,
@@ -17,7 +18,7 @@ from dynemb.validation import check_index_tensor, check_int, check_keys, check_s
 __all__ = ["MAX_BUCKETS", "SLOT_BYTES", "ScoredHashTable", "max_table_capacity"]
 
 
-class ScoredHashTable:
+class ScoredHashTable(HashTableImages):
     """A bucketed open-addressing hash table from int64 keys to slots ``[0, capacity)``.
 
     Slot ``s`` is row ``s`` of the caller's flat value tables; the table stores per slot only
@@ -177,7 +178,7 @@ class ScoredHashTable:
             if new_capacity is not None and bool(stats[1]):
                 # Below max_capacity a full bucket means "grow", never "forget a key".
                 self._rollback(slots, inserted, prev_keys, prev_scores, pinned=pin)
-                remap = _compose(remap, self.grow(new_capacity))
+                remap = compose_remaps(remap, self.grow(new_capacity))
                 continue
             if on_failure == "defer" or not bool(stats[0]):
                 break
@@ -191,7 +192,7 @@ class ScoredHashTable:
                     f"(capacity {self.capacity}, size {self.size()}); the table is unchanged"
                     + ("" if remap is None else " except that it grew (see .remap)"),
                     ukeys[failed], remap)
-            remap = _compose(remap, self.grow(new_capacity))
+            remap = compose_remaps(remap, self.grow(new_capacity))
         self._undoable = weakref.ref(slots) if pin else None
         return FindOrInsertResult(ukeys, inverse, slots, inserted, prev_keys, prev_scores, failed,
                                   remap)
@@ -379,87 +380,6 @@ class ScoredHashTable:
         keys, slots, scores = self._backend.export(self._arrays, start, end)
         return ExportBatch(keys, slots, scores, end)
 
-    # -- checkpoints ---------------------------------------------------------------------------
-    def image(self):
-        """``(keys, scores)``: the table's own slot arrays (views, not copies): slot ``s``
-        holds ``keys[s]`` (``EMPTY_KEY`` / ``TOMBSTONE_KEY`` when free) with ``scores[s]``.
-        What a checkpoint saves; :meth:`load_image` puts it back."""
-        return self._arrays.keys, self._arrays.scores
-
-    def load_image(self, keys: torch.Tensor, scores: torch.Tensor, clock: int) -> None:
-        """Make the table exactly the one whose :meth:`image` is ``(keys, scores)`` and whose
-        :attr:`clock` was ``clock``: same capacity, every key in its saved slot, no pins.
-
-        Example::
-
-            >>> table = ScoredHashTable(256)
-            >>> _ = table.find_or_insert(torch.tensor([3, 4]))
-            >>> keys, scores = (t.clone() for t in table.image())
-            >>> copy = ScoredHashTable(256)
-            >>> copy.load_image(keys, scores, table.clock)
-            >>> bool((copy.find(torch.tensor([3, 4])) == table.find(torch.tensor([3, 4]))).all())
-            True
-        """
-        for name, t in (("keys", keys), ("scores", scores)):
-            if t.dtype != torch.int64 or t.shape != (self.capacity,):
-                raise ValueError(f"{name} must be int64 of shape [{self.capacity}] (one entry "
-                                 f"per slot), got {t.dtype} {tuple(t.shape)}")
-        arrays = self._arrays
-        if keys.data_ptr() != arrays.keys.data_ptr():
-            arrays.keys.copy_(keys)
-        if scores.data_ptr() != arrays.scores.data_ptr():
-            arrays.scores.copy_(scores)
-        arrays.refcnt.zero_()
-        arrays.size.copy_(((arrays.keys != EMPTY_KEY) & (arrays.keys != TOMBSTONE_KEY)).sum())
-        self._clock = int(clock)
-        self._undoable = None
-
-    def load_entries(self, keys: torch.Tensor, scores: torch.Tensor) -> FindOrInsertResult:
-        """Insert distinct ``keys`` with exactly ``scores`` whatever the policy (a key stored
-        already takes the given score), **never evicting**: for loading a checkpoint, where a
-        lost key would be a lost row. Grows as allowed; if some key still finds no slot the
-        table is unchanged (apart from growth) and :class:`TableFullError` is raised. Nothing
-        is pinned. Returns the result (``slots``, ``inserted``, ``remap``).
-
-        Example::
-
-            >>> table = ScoredHashTable(256, policy=ScorePolicy.LFU)
-            >>> slots = table.load_entries(torch.tensor([9, 5]), torch.tensor([40, 2])).slots
-            >>> table.scores_at(slots).tolist()
-            [40, 2]
-        """
-        check_keys(keys, self.device)
-        check_index_tensor(scores, "scores", self.device)
-        if scores.shape != keys.shape:
-            raise ValueError(f"scores has shape {tuple(scores.shape)} but keys has "
-                             f"{tuple(keys.shape)}")
-        if torch.unique(keys).numel() != keys.numel():
-            raise ValueError("keys must be distinct (one entry per key)")
-        self._undoable = None
-        counts = keys.new_ones(1).expand(keys.shape)
-        remap = self._grow_for(keys) if self.grow_at_load_factor is not None else None
-        while True:
-            slots, inserted, prev_keys, prev_scores, failed, stats = self._find_or_insert_once(
-                keys, counts, scores, False, ScorePolicy.CUSTOMIZED, allow_evict=False)
-            self._clock -= 1  # loading is no scoring call
-            if not bool(stats[0]):
-                break
-            self._clock += 1  # _rollback steps the clock back
-            self._rollback(slots, inserted, prev_keys, prev_scores, pinned=False)
-            new_capacity = self._next_capacity(self.capacity + 1)
-            if new_capacity is None:
-                raise TableFullError(
-                    f"{int(stats[0])} of {keys.numel()} keys found no free slot (capacity "
-                    f"{self.capacity}, size {self.size()}, buckets of {self.bucket_size}); "
-                    f"nothing was inserted", keys[failed], remap)
-            remap = _compose(remap, self.grow(new_capacity))
-        return FindOrInsertResult(keys, torch.arange(keys.numel(), device=self.device), slots,
-                                  inserted, prev_keys, prev_scores, failed, remap)
-
-    def set_clock(self, clock: int) -> None:
-        """Advance the clock to at least ``clock`` (after loading scores of a later clock)."""
-        self._clock = max(self._clock, int(clock))
-
     def grow(self, new_capacity: int) -> torch.Tensor:
         """Rehash into ``new_capacity`` slots; returns ``remap`` [old capacity] (old -> new slot,
         -1 for empty slots). Scores and pins move with their keys; apply ``remap`` to any slot
@@ -509,13 +429,3 @@ class ScoredHashTable:
     def __repr__(self) -> str:
         return (f"ScoredHashTable(capacity={self.capacity}, bucket_size={self.bucket_size}, "
                 f"policy={self.policy.name}, device={self.device}, backend={self._backend.name})")
-
-
-def _compose(first: Optional[torch.Tensor], then: torch.Tensor) -> torch.Tensor:
-    """Remap of two successive growths (``first`` may be None)."""
-    if first is None:
-        return then
-    out = first.clone()
-    live = first >= 0
-    out[live] = then[first[live]]
-    return out
