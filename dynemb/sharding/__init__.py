@@ -5,6 +5,7 @@ from dynemb.sharding.routing import owner_ranks
 from dynemb.sharding.sharded_bag_collection import ShardedDynamicEmbBagCollection
 from dynemb.sharding.sharded_collection import ShardedDynamicEmbCollection
 from dynemb.sharding.sharder import DynamicEmbBagCollectionSharder, DynamicEmbCollectionSharder
+from dynemb.sharding.step_check import RankDesyncError
 
-__all__ = ["DynamicEmbBagCollectionSharder", "DynamicEmbCollectionSharder",
+__all__ = ["DynamicEmbBagCollectionSharder", "DynamicEmbCollectionSharder", "RankDesyncError",
            "ShardedDynamicEmbBagCollection", "ShardedDynamicEmbCollection", "owner_ranks"]
