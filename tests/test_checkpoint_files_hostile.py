@@ -184,6 +184,8 @@ BAD_FIELDS = {
                             "tables.t0.tiers.device.rows"),
     "signature not a list": (lambda m: m["tables"]["t0"].update(signature="abc"),
                              "tables.t0.signature"),
+    "signature beyond int64": (lambda m: m["tables"]["t0"]["signature"].append(2 ** 64),
+                               "tables.t0.signature"),
     "a full dump following another": (lambda m: m.update(previous="abc"), "previous"),
 }
 

@@ -152,8 +152,9 @@ def _check_table(fields: "_Fields", table: Dict, where: str, kind: str) -> None:
         if name in table:
             fields.text(table[name], f"{where}.{name}", empty=True)
     signature = table["signature"]
-    if not isinstance(signature, list) or not all(_is_int(v) for v in signature):
-        fields.fail(f"{where}.signature", signature, "a list of ints")
+    if not isinstance(signature, list) or not all(
+            _is_int(v) and -_INT64_MAX <= v <= _INT64_MAX for v in signature):
+        fields.fail(f"{where}.signature", signature, "a list of int64s")
     for name, column in (("dim", 1), ("row_width", 2)):
         if name in table:
             value = fields.integer(table[name], f"{where}.{name}", low=1)
