@@ -151,7 +151,7 @@ def _replace(fresh, name: str, tier: Dict, files: _Files) -> None:
         check_slot_image(keys, h.bucket_size, where)
     except ValueError as err:
         raise CheckpointFileError(f"{_names(tier)}: {err}") from None
-    _check_routing(fresh, name, keys)
+    _check_routing(fresh, name, keys, f"{_names(tier)}: ")
     h.load_image(keys, scores, tier["clock"])
 
 
@@ -159,13 +159,14 @@ def _names(tier: Dict) -> str:
     return ", ".join(f["file"] for f in tier["files"]) or "(no files)"
 
 
-def _check_routing(fresh, name: str, keys: torch.Tensor) -> None:
-    """A DEFAULT table's keys are each in the tier lookups look for them in."""
+def _check_routing(fresh, name: str, keys: torch.Tensor, files: str = "") -> None:
+    """A DEFAULT table's keys are each in the tier lookups look for them in (errors start
+    with ``files``)."""
     if fresh.mode is not StorageMode.DEFAULT or name == "admission":
         return
     try:
         check_tier_routing(keys, fresh.tier.hash.capacity, fresh.host_tier.hash.capacity,
-                           name == "device", f"table {fresh.name!r}, tier {name!r}")
+                           name == "device", f"{files}table {fresh.name!r}, tier {name!r}")
     except ValueError as err:
         raise CheckpointFileError(str(err)) from None
 
