@@ -15,7 +15,8 @@ is in a small header that every peer reads before any exchange whose size depend
 Both exchanges are ``CONTROL_ROWS`` int64 per peer, so whichever two of them meet, they pair
 cleanly and both sides see the other's header: every rank raises
 :class:`RankDesyncError`, naming the ranks and their batch numbers, before any table
-changes.
+changes. TorchRec's train pipelines replace the splits exchange by their own (fused over
+modules, without the header): there only the backward is checked.
 """
 from __future__ import annotations
 
