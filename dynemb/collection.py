@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import collections
-import math
 from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -11,13 +10,14 @@ from torchrec.modules.embedding_modules import EmbeddingCollectionInterface
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from dynemb.checkpoint.module_state import NAMESPACE, collect_saved, save_tables
-from dynemb.checkpoint.table_state import SavedTable, can_restore_exactly, check_compatible, restore
+from dynemb.checkpoint.module_state import (NAMESPACE, check_saved_tables, collect_saved,
+                                           save_tables)
+from dynemb.checkpoint.table_state import SavedTable, restore
 from dynemb.collection_config import check_configs, options_by_table
-from dynemb.fused_optimizer import DynamicEmbFusedOptimizer
+from dynemb.fused_optimizer import DynamicEmbFusedOptimizer, checked_lr
 from dynemb.initializers import table_identity
 from dynemb.jagged import cut_by_feature
-from dynemb.module_conversion import check_conversion
+from dynemb.module_conversion import check_conversion, prepare_pickle
 from dynemb.optimizers import OccurrenceGrads, OptimizerConfig
 from dynemb.options import (DynamicEmbTableOptions, StorageMode, check_allocation,
                              choose_storage_mode)
@@ -201,17 +201,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         return super()._apply(fn, recurse)
 
     def __getstate__(self):
-        """What ``torch.save(module)`` pickles: the whole module as it stands (rows, optimizer
-        state, scores, counters, queued prefetches and their pins). Stashed rows come back from
-        host memory first. CUDA streams do not pickle: on CUDA, save ``state_dict()`` or use
-        :func:`dynemb.checkpoint.dump` instead."""
-        if self._device.type == "cuda":
-            raise TypeError(
-                f"{type(self).__name__} on {self._device} cannot be pickled (its prefetch "
-                f"stream and events are CUDA objects); save module.state_dict() with "
-                f"torch.save, or dynemb.checkpoint.dump(module, path)")
-        if self._stash is not None and self._stash.stashed:
-            self._stash.restore()
+        """``torch.save(module)`` pickles the whole module (see
+        :func:`~dynemb.module_conversion.prepare_pickle`)."""
+        prepare_pickle(self)
         return self.__dict__.copy()
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -248,14 +240,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         or score policy raises ``ValueError`` naming it, and nothing changes). Then queued
         prefetches are dropped and pins of lookups awaiting backward end: a backward of a
         forward run before the load raises instead of updating the loaded rows."""
-        for name, parts in saved.items():
-            if name not in self.tables:
-                raise ValueError(f"the checkpoint has table {name!r}, this module has "
-                                 f"{list(self.tables)}")
-            for part in parts:
-                check_compatible(self.tables[name], part)
-        exact = {n for n, parts in saved.items()
-                 if len(parts) == 1 and can_restore_exactly(self.tables[n], parts[0])}
+        exact = check_saved_tables(self.tables, saved)
         # fallible loads (by key, into new tables) first; in-place ones cannot fail
         restored = {n: restore(self.tables[n], parts) for n, parts in saved.items()
                     if n not in exact}
@@ -421,13 +406,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
     def _check_lr(self) -> float:
         given = self._fused_optimizer.param_groups[0]["lr"]
         try:
-            lr = float(given)
-        except (TypeError, ValueError):
-            lr = math.nan
-        if isinstance(given, bool) or not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"fused_optimizer.param_groups[0]['lr'] must be a finite number "
-                             f">= 0, got {given!r}; nothing was updated")
-        return lr
+            return checked_lr(given, "fused_optimizer.param_groups[0]['lr']")
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{err}; nothing was updated") from None
 
     def _apply_gradients(self, name: str, batch: TableBatch, grads: torch.Tensor,
                          generation: int) -> None:

@@ -1,5 +1,5 @@
 """What ``nn.Module`` conversions (``.to()``, ``.half()``, ``.cuda()``...) may do to a module
-whose tables are not parameters: nothing, or raise."""
+whose tables are not parameters: nothing, or raise; and what pickling it takes."""
 from __future__ import annotations
 
 import torch
@@ -48,3 +48,17 @@ def _probe(fn, device: torch.device):
         f"DynamicEmbCollection on {device} cannot be moved or converted by this call "
         f"({type(failure).__name__}: {failure}); its tables are not parameters. To use another "
         f"device, {_DEVICE_HOW}") from failure
+
+
+def prepare_pickle(module) -> None:
+    """Ready a dynamic collection for ``torch.save(module)``, which pickles it whole as it
+    stands (rows, optimizer state, scores, counters, queued prefetches and their pins):
+    stashed rows come back from host memory first. A module on CUDA cannot be pickled (its
+    prefetch stream and events are CUDA objects): raise naming what to save instead."""
+    if module.device.type == "cuda":
+        raise TypeError(
+            f"{type(module).__name__} on {module.device} cannot be pickled (its prefetch "
+            f"stream and events are CUDA objects); save module.state_dict() with torch.save, "
+            f"or dynemb.checkpoint.dump(module, path)")
+    if module.memory_stash is not None and module.memory_stash.stashed:
+        module.memory_stash.restore()

@@ -77,7 +77,8 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dlrm_data import (Batch, BatchReader, DataFormat, held_out_mask,  # noqa: E402
                        write_synthetic_criteo)
-from spawn import rank_device, run_in_process_group, run_on_ranks  # noqa: E402
+from spawn import (DEFAULT_COLLECTIVE_TIMEOUT_S, rank_device,  # noqa: E402
+                   run_in_process_group, run_on_ranks)
 
 OUT_DIR = Path(__file__).resolve().parent / "output"
 DEFAULT_NPROC = 2
@@ -609,6 +610,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="under torchrun: CUDA with NCCL when there is a GPU (auto), or "
                              "force CPU and gloo; spawned ranks always run on CPU")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+                        help="seconds a collective waits for its peers before failing "
+                             "(default %(default)s)")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR,
                         help=f"where the plot and the metrics go (default {OUT_DIR})")
     args = parser.parse_args(argv)
@@ -618,6 +622,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.eval_fraction is not None and not 0 < args.eval_fraction < 1:
         parser.error("--eval-fraction must be in (0, 1)")
+    if not args.timeout > 0:
+        parser.error("--timeout must be > 0")
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
     if args.data is not None and not args.data.is_file():
@@ -644,10 +650,12 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
     args = parse_args(argv)
     cfg = config(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # launched by torchrun
-        return run_in_process_group(train_rank, args, cfg, device=rank_device(args.device))
+        return run_in_process_group(train_rank, args, cfg, device=rank_device(args.device),
+                                    collective_timeout=args.timeout)
     args.device = "cpu"
     start = time.perf_counter()
-    metrics = run_on_ranks(args.nproc, train_rank, args, cfg)[0]
+    metrics = run_on_ranks(args.nproc, train_rank, args, cfg,
+                           collective_timeout=args.timeout)[0]
     metrics["wall_seconds"] = time.perf_counter() - start
     print(f"wall time {metrics['wall_seconds']:.1f} s (start-up, data, training, evaluation)")
     return metrics

@@ -166,6 +166,16 @@ def test_a_negative_learning_rate_set_on_the_optimizer_is_rejected_at_backward()
     torch.testing.assert_close(row(ec, 1), torch.full((DIM,), 1.0 - LR))
 
 
+@pytest.mark.parametrize("bad_lr, error", [("0.1", TypeError), (True, TypeError),
+                                           (float("nan"), ValueError)])
+def test_an_lr_that_is_not_a_number_is_rejected_at_forward_before_any_change(bad_lr, error):
+    ec = make()
+    ec.fused_optimizer.param_groups[0]["lr"] = bad_lr
+    with pytest.raises(error, match=r"param_groups\[0\]\['lr'\].*nothing was updated"):
+        ec(batch({"f_t": [2]}))
+    assert row(ec, 2) is None and ec.stats()["t"]["lookups"] == 0
+
+
 # -- no_grad -----------------------------------------------------------------------------------
 def test_no_grad_in_training_mode_reads_without_inserting_or_rescoring():
     ec = make(capacity=4, bucket=4, score_strategy=ScorePolicy.LRU)
@@ -209,6 +219,8 @@ def test_forward_with_the_prefetched_ids_but_other_lengths_is_rejected(validate)
     other = KeyedJaggedTensor.from_lengths_sync(["a", "b"], ids, torch.tensor([2, 0, 1, 1]))
     with pytest.raises(ValueError, match="other lengths"):
         ec(other)
+    assert ec.pending_prefetches == 1 and pinned(ec) == 4  # refused: nothing changed
+    ec.clear_prefetched()
     assert ec.pending_prefetches == 0 and pinned(ec) == 0
     out = ec(other)  # inline now, with its own lengths
     assert out["a"].lengths().tolist() == [2, 0] and out["b"].lengths().tolist() == [1, 1]

@@ -80,3 +80,16 @@ def test_train_sharded_quick_learns(tmp_path):
     assert resumed["hr10_curve"][0][1] == pytest.approx(m["hr10"], abs=1e-3)
     # loaded by key into another world: every saved item row is in the backing store
     assert resumed["stats"]["items"]["rows_backing"] >= m["stats"]["items"]["rows_backing"]
+
+
+@pytest.mark.parametrize("name", ["train_sharded.py", "train_dlrm.py"])
+def test_the_collective_timeout_is_an_argument_and_must_be_positive(name, tmp_path):
+    """The spawned process group gets a finite timeout (a stalled peer fails its collective,
+    tests/test_sharded_desync.py); the examples take it as --timeout and refuse nonsense."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--timeout", "0"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--timeout must be > 0" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--help"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "--timeout" in proc.stdout and "default 300" in proc.stdout

@@ -21,7 +21,8 @@ from typing import Dict, List, Mapping, Tuple
 
 import torch
 
-from dynemb.checkpoint.table_state import SavedTable, capture, parse
+from dynemb.checkpoint.table_state import (SavedTable, can_restore_exactly, capture,
+                                          check_compatible, parse)
 
 NAMESPACE = "dynamic_tables"
 _GROUP = re.compile(r"^rank(\d+)_of_(\d+)\.(.+)$")
@@ -76,3 +77,19 @@ def collect_saved(state_dict: Mapping[str, torch.Tensor], prefix: str,
                   where=f"table {table!r} ({group_name(rank, world)})")
             for (rank, world), entries in sorted(groups.items())]
     return saved, unexpected
+
+
+def check_saved_tables(tables: Mapping[str, object],
+                       saved: Mapping[str, List[SavedTable]]) -> set:
+    """Check every saved image against the table it would replace (a table this module
+    lacks, another dim, optimizer, dtype, storage mode or score policy, a damaged slot image:
+    ``ValueError`` naming it) before anything changes; return the names of the tables that
+    can be restored in place (one image of the same layout), which cannot fail."""
+    for name, parts in saved.items():
+        if name not in tables:
+            raise ValueError(f"the checkpoint has table {name!r}, this module has "
+                             f"{list(tables)}")
+        for part in parts:
+            check_compatible(tables[name], part)
+    return {n for n, parts in saved.items()
+            if len(parts) == 1 and can_restore_exactly(tables[n], parts[0])}
