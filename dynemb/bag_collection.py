@@ -24,6 +24,7 @@ from dynemb.optimizers import OccurrenceGrads, OptimizerConfig, occurrence_csr
 from dynemb.options import DynamicEmbTableOptions
 from dynemb.prefetch import PrefetchState
 from dynemb.tables import DynamicTable, TableBatch
+from dynemb.validation import check_kjt
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -33,8 +34,8 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
     first sight, evicted by score, trained by a fused optimizer in backward.
 
     Same input and output as ``EmbeddingBagCollection``: ``forward(kjt)`` returns a
-    ``KeyedTensor`` whose keys are the feature names in config order (table by table) and
-    whose values [B, sum of the features' dims] hold, per sample and feature, the SUM (times
+    ``KeyedTensor`` whose keys are the output names in config order (table by table: the
+    feature's name, ``feature@table`` for a feature that several tables read) and whose values [B, sum of the features' dims] hold, per sample and feature, the SUM (times
     the KJT's per-id weights when ``is_weighted``) or the MEAN of the feature's rows. An empty
     bag gives zeros. In backward each row of a bag gets the bag's gradient (times its weight,
     divided by the bag length for MEAN), summed per unique id, then the fused update.
@@ -42,14 +43,17 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
     Args:
         tables: TorchRec ``EmbeddingBagConfig``s with ``pooling`` SUM or MEAN;
             ``num_embeddings`` is the capacity hint (default ``max_capacity``); several
-            features may share a table.
-        is_weighted: the KJT carries one weight per id (SUM pooling only).
+            features may share a table, and a feature may feed several tables.
+        is_weighted: the KJT carries one weight per id (SUM pooling only); an unweighted
+            collection ignores the KJT's weights, as ``EmbeddingBagCollection`` does.
         device, table_options, optimizer, validate_inputs, backend: as for
             :class:`~dynemb.collection.DynamicEmbCollection`.
 
     Every feature of the collection must be in each KJT (as ``EmbeddingBagCollection``
-    requires); a KJT with an unknown feature, with weights on an unweighted collection or
-    without them on a weighted one raises ``ValueError`` before any table changes.
+    requires; features of no table are ignored); a KJT without one, or without weights on a
+    weighted collection, raises ``ValueError`` before any table changes. KJTs with a batch
+    size per feature (variable batch) are refused: the pooled output has one batch size.
+    On ``device="meta"`` ``forward`` returns a meta ``KeyedTensor`` of the right shape.
 
     Example::
 
@@ -68,6 +72,8 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
     """
 
     _config_type = EmbeddingBagConfig
+    # the pooled output is [B, sum of dims]: one batch size for every feature
+    _variable_batch = False
 
     def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False,
                  device: Optional[torch.device] = None, *,
@@ -86,10 +92,11 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
         super().__init__(tables, device, table_options=table_options, optimizer=optimizer,
                          need_indices=False, validate_inputs=validate_inputs, backend=backend)
         self._is_weighted = bool(is_weighted)
-        self._embedding_names = [f for c in self._configs for f in c.feature_names]
+        self._embedding_names = list(self._output_names)  # output keys, config order
+        self._features = list(dict.fromkeys(f for c in self._configs for f in c.feature_names))
         self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
         self._mode_of_table = {c.name: _MODES[c.pooling] for c in self._configs}
-        self._column = {}  # each feature's first column in the output
+        self._column = {}  # each output's first column
         for feature, dim in zip(self._embedding_names, self._dims):
             self._column[feature] = sum(self._dims[:len(self._column)])
 
@@ -110,11 +117,17 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
     # -- input checks (run before any table changes: prefetch and forward both come here) --
     def _split_by_table(self, kjt: KeyedJaggedTensor):
         if isinstance(kjt, KeyedJaggedTensor):  # anything else: the shared check names it
-            # with unknown features, the shared check below names them instead
-            unknown = set(kjt.keys()) - set(self._embedding_names)
-            check_bag_kjt(kjt, self._embedding_names, self._is_weighted,
-                          missing_ok=bool(unknown))
+            check_bag_kjt(kjt, self._features, self._is_weighted)
         return super()._split_by_table(kjt)
+
+    def _meta_outputs(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
+        """``forward`` on the meta device: a meta [B, sum of dims] ``KeyedTensor``, as
+        TorchRec's ``EmbeddingBagCollection`` gives there; no table is read."""
+        check_kjt(kjt, kjt.values().device, check_lengths=False)
+        check_bag_kjt(kjt, self._features, self._is_weighted)
+        values = torch.empty(kjt.stride(), sum(self._dims), device="meta")
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims,
+                           values=values)
 
     # -- pooling -----------------------------------------------------------------------------
     def _table_outputs(self, name: str, state: PrefetchState, kjt: KeyedJaggedTensor,
@@ -131,8 +144,9 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
             jts = kjt.to_dict()
             weights = torch.cat([jts[f].weights() for f, _ in segments]).to(
                 device=self._device, dtype=torch.float32)
+        first = self._output_name[(name, segments[0][0])]
         return {name: _Bags(offsets, lengths, weights, self._mode_of_table[name],
-                            self._column[segments[0][0]], len(segments))}
+                            self._column[first], len(segments))}
 
     def _collect_outputs(self, out: Dict[str, Any], state: PrefetchState,
                          kjt: KeyedJaggedTensor, trains: bool) -> KeyedTensor:
@@ -151,13 +165,12 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
 
 
 
-def check_bag_kjt(kjt: KeyedJaggedTensor, features: List[str], is_weighted: bool, *,
-                  missing_ok: bool = False) -> None:
-    """Raise ``ValueError`` unless ``kjt`` has every one of ``features`` (unless
-    ``missing_ok``) and per-id weights exactly when ``is_weighted``."""
+def check_bag_kjt(kjt: KeyedJaggedTensor, features: List[str], is_weighted: bool) -> None:
+    """Raise ``ValueError`` unless ``kjt`` has every one of ``features``, and per-id weights
+    when ``is_weighted`` (an unweighted collection ignores them, as TorchRec's does)."""
     keys = set(kjt.keys())
     missing = [f for f in features if f not in keys]
-    if missing and not missing_ok:
+    if missing:
         raise ValueError(f"features {missing} of this collection are not in the KJT (its "
                          f"features: {list(kjt.keys())}); every feature must be given, with "
                          f"zero-length bags where it has no ids")
@@ -165,9 +178,6 @@ def check_bag_kjt(kjt: KeyedJaggedTensor, features: List[str], is_weighted: bool
     if is_weighted and not has_weights:
         raise ValueError("this collection is weighted (is_weighted=True) but the KJT has no "
                          "weights; give one weight per id")
-    if not is_weighted and has_weights:
-        raise ValueError("the KJT has weights but this collection is unweighted; build it "
-                         "with is_weighted=True, or pass the KJT without weights")
 
 
 @dataclass

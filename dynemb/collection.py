@@ -5,7 +5,7 @@ import collections
 from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
-from torchrec.modules.embedding_configs import EmbeddingConfig, data_type_to_dtype
+from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollectionInterface
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
@@ -13,18 +13,19 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from dynemb.checkpoint.module_state import (NAMESPACE, check_saved_tables, collect_saved,
                                            save_tables)
 from dynemb.checkpoint.table_state import SavedTable, restore
-from dynemb.collection_config import check_configs, options_by_table
+from dynemb.collection_config import (build_configured_table, check_configs, options_by_table,
+                                      output_name_of, output_names_by_table)
 from dynemb.fused_optimizer import DynamicEmbFusedOptimizer, checked_lr
-from dynemb.initializers import table_identity
-from dynemb.jagged import cut_by_feature
+from dynemb.jagged import cut_by_feature, meta_outputs
 from dynemb.module_conversion import check_conversion, prepare_pickle
-from dynemb.optimizers import OccurrenceGrads, OptimizerConfig
-from dynemb.options import (DynamicEmbTableOptions, StorageMode, check_allocation,
-                             choose_storage_mode)
-from dynemb.prefetch import PrefetchState, check_state_matches
+from dynemb.occurrence_lookup import OccurrenceLookup
+from dynemb.optimizers import OptimizerConfig
+from dynemb.options import DynamicEmbTableOptions, StorageMode
+from dynemb.prefetch import PrefetchState, check_state_matches, prefetch_on_stream
 from dynemb.stashing.collection_stash import CollectionStash, resolve_stash_options
-from dynemb.tables import DynamicTable, TableBatch, build_table
+from dynemb.tables import DynamicTable, TableBatch
 from dynemb.table_inputs import split_by_table
+from dynemb.validation import check_kjt
 
 
 class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
@@ -36,7 +37,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
 
     Args:
         tables: TorchRec ``EmbeddingConfig``s. ``num_embeddings`` is the capacity hint
-            (default ``max_capacity``); several features may share a table.
+            (default ``max_capacity``); several features may share a table, and a feature
+            read by several tables gives one output per table, ``feature@table`` (TorchRec's
+            names).
         device: where the tables live.
         table_options: one :class:`DynamicEmbTableOptions` for every table, or a dict by
             table name (tables left out get the defaults).
@@ -50,7 +53,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             run the CUDA kernels under numba's simulator).
 
     On ``device="meta"`` no table is allocated: the module only describes its tables, for
-    :class:`~dynemb.sharding.DynamicEmbCollectionSharder` to build them on each rank.
+    :class:`~dynemb.sharding.DynamicEmbCollectionSharder` to build them on each rank; its
+    ``forward`` returns meta outputs of the right shapes, as TorchRec's does.
 
     Example::
 
@@ -70,6 +74,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
     _weights_are_counts = False
     #: the config class ``tables`` must hold
     _config_type = EmbeddingConfig
+    #: accept KJTs with a batch size per feature (each output keeps its feature's lengths)
+    _variable_batch = True
 
     def __init__(self, tables: List[EmbeddingConfig], device: Optional[torch.device] = None, *,
                  table_options: Union[DynamicEmbTableOptions,
@@ -90,19 +96,12 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         self._validate = validate_inputs
         self.tables: Dict[str, DynamicTable] = {}
         for config in self._configs:
-            state_dim = self._optimizer_config.state_dim(config.embedding_dim)
-            layout = choose_storage_mode(
-                options[config.name], name=config.name, num_embeddings=config.num_embeddings,
-                width=config.embedding_dim + state_dim, state_dim=state_dim,
-                config_dtype=data_type_to_dtype(config.data_type))
-            if self._device.type == "meta":
-                continue
-            check_allocation(layout, options[config.name], name=config.name, device=self._device)
-            self.tables[config.name] = build_table(
-                config.name, table_identity(config.name), config.embedding_dim, layout,
-                options[config.name],
-                self._optimizer_config, self._device, backend)
-        self._table_of_feature = {f: c.name for c in self._configs for f in c.feature_names}
+            table = self._build_table(config)
+            if table is not None:  # None on the meta device
+                self.tables[config.name] = table
+        self._output_name = output_name_of(self._configs)  # (table, feature) -> output
+        self._output_names = [n for names in output_names_by_table(self._configs)
+                              for n in names]
         self._queue: Deque[PrefetchState] = collections.deque()
         # batches looked up by training forwards whose backward has not run: pinned until
         # their backward or the next training forward (see forward)
@@ -114,6 +113,39 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
                                  if self._device.type == "cuda" else None)
         # memory stashing (dynemb.stashing): None unless a table's options ask for it
         self._stash = CollectionStash.build(self.tables, self._device, self._prefetch_stream)
+
+    def _build_table(self, config: EmbeddingConfig) -> Optional[DynamicTable]:
+        return build_configured_table(config, self._table_options[config.name],
+                                      self._optimizer_config, self._device, self._backend)
+
+    def reset_parameters(self) -> None:
+        """Empty every table, as TorchRec's ``reset_parameters`` re-draws its weights: each
+        table is as just constructed (rows, optimizer state, scores, backing store or host
+        tier, admission counts and ``stats()`` counters gone; steps back to 0), so every id
+        reads its initial row again, the same as before (it depends only on seed, table and
+        id). Queued prefetches and pins end; a backward of an earlier forward raises. The
+        learning rate in :attr:`fused_optimizer` stays. Nothing to do on the meta device.
+
+        Example::
+
+            >>> ec = DynamicEmbCollection([EmbeddingConfig(
+            ...     name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])])
+            >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([3]),
+            ...                                           torch.tensor([1]))
+            >>> first = ec(kjt)["f"].values()
+            >>> first.sum().backward()  # trains the row of id 3
+            >>> ec.reset_parameters()
+            >>> torch.equal(ec(kjt)["f"].values(), first)
+            True
+        """
+        if self._device.type == "meta":
+            return
+        self.clear_prefetched()
+        for config in self._configs:
+            del self.tables[config.name]  # its memory goes before the new table takes its own
+            self.tables[config.name] = self._build_table(config)
+            self._steps[config.name] = 0
+        self._generation += 1
 
     # -- configuration views -----------------------------------------------------------------
     def embedding_configs(self) -> List[EmbeddingConfig]:
@@ -129,7 +161,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         return dims[0]
 
     def embedding_names_by_table(self) -> List[List[str]]:
-        return [list(c.feature_names) for c in self._configs]
+        """The output names of each table's features (TorchRec's: ``feature@table`` for a
+        feature that several tables read)."""
+        return output_names_by_table(self._configs)
 
     @property
     def table_options(self) -> Dict[str, DynamicEmbTableOptions]:
@@ -265,18 +299,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         if self._prefetch_stream is None:
             state = self._prefetch_now(kjt, self.training)
         else:
-            # the input is ready on the calling stream (TorchRec's prefetch pipeline calls
-            # from its own); table updates of earlier steps run on the forward stream
-            current = torch.cuda.current_stream(self._device)
-            self._prefetch_stream.wait_stream(current)
-            if forward_stream is not None and forward_stream != current:
-                self._prefetch_stream.wait_stream(forward_stream)
-            with torch.cuda.stream(self._prefetch_stream):
-                state = self._prefetch_now(kjt, self.training)
-                state.ready = torch.cuda.Event()
-                state.ready.record(self._prefetch_stream)
-            for tensor in kjt.values(), kjt.lengths():
-                tensor.record_stream(self._prefetch_stream)
+            state = prefetch_on_stream(
+                lambda: self._prefetch_now(kjt, self.training), kjt, self._prefetch_stream,
+                self._device, forward_stream)
         self._queue.append(state)
         return state
 
@@ -302,9 +327,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
 
     def _split_by_table(self, kjt: KeyedJaggedTensor):
         """Validate, then concatenate each table's feature values (int64)."""
-        return split_by_table(kjt, self._configs, self._table_of_feature, self._device,
-                              validate=self._validate,
-                              weights_are_counts=self._weights_are_counts)
+        return split_by_table(kjt, self._configs, self._device, validate=self._validate,
+                              weights_are_counts=self._weights_are_counts,
+                              variable_batch=self._variable_batch)
 
     # -- forward -----------------------------------------------------------------------------
     # numba kernels and host-side bookkeeping: torch.compile runs this eagerly (graph break)
@@ -318,6 +343,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         ``torch.no_grad()`` the lookup is read-only: nothing is inserted, rescored or
         updated, unseen ids get the eval initializer, and queued training batches are left
         for the training forward they were prefetched for."""
+        if self._device.type == "meta":
+            return self._meta_outputs(kjt)
         trains = self.training and torch.is_grad_enabled()
         if trains:
             self._check_lr()
@@ -366,18 +393,27 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         batch = state.batches[name]
         if trains:
             anchor = torch.empty(0, device=self._device, requires_grad=True)
-            rows = _DynamicOccurrenceLookup.apply(anchor, self, name, batch)
+            rows = OccurrenceLookup.apply(anchor, self, name, batch)
         else:
             rows = self.tables[name].lookup_occurrences(batch)
-        segments = state.features[name]
-        ids = {f: kjt[f].values() for f, _ in segments} if self._need_indices else None
-        return cut_by_feature(rows, segments, state.lengths, ids)
+        named = [(self._output_name[(name, f)], count) for f, count in state.features[name]]
+        feature_of = {self._output_name[(name, f)]: f for f, _ in state.features[name]}
+        ids = ({f: kjt[f].values() for f, _ in state.features[name]} if self._need_indices
+               else None)
+        return cut_by_feature(rows, named, state.lengths, ids, feature_of)
 
     def _collect_outputs(self, out: Dict[str, Any], state: PrefetchState,
                          kjt: KeyedJaggedTensor, trains: bool) -> Dict[str, JaggedTensor]:
-        """The forward's result from :meth:`_table_outputs`' parts, here every feature's
-        JaggedTensor, in the KJT's feature order."""
-        return {f: out[f] for f in state.feature_order}
+        """The forward's result from :meth:`_table_outputs`' parts, here every output's
+        JaggedTensor in config order (table by table), as TorchRec's."""
+        return {n: out[n] for n in self._output_names if n in out}
+
+    def _meta_outputs(self, kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        """``forward`` on the meta device: meta outputs of the right shapes (see
+        :func:`dynemb.jagged.meta_outputs`); no table is read."""
+        check_kjt(kjt, kjt.values().device, check_lengths=False,
+                  variable_batch=self._variable_batch)
+        return meta_outputs(kjt, self._configs, self._output_name, self._need_indices)
 
     def _drop(self, state: PrefetchState) -> None:
         for name, batch in state.batches.items():
@@ -414,8 +450,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
                          generation: int) -> None:
         if generation != self._generation:
             raise RuntimeError(
-                f"table {name!r} was loaded from a checkpoint after this forward; its "
-                f"backward would update rows that are no longer there. Run a new forward")
+                f"table {name!r} was loaded from a checkpoint or reset after this forward; "
+                f"its backward would update rows that are no longer there. Run a new forward")
         lr = self._check_lr()  # read here: a scheduler may change it after the forward
         if not batch.applied:
             self._steps[name] += 1
@@ -423,26 +459,3 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
 
     def extra_repr(self) -> str:
         return ", ".join(repr(t) for t in self.tables.values())
-
-
-class _DynamicOccurrenceLookup(torch.autograd.Function):
-    """Rows of one table's input keys, one per occurrence; backward hands their gradients
-    [N, dim] with the batch's inverse index to the fused optimizer kernel, which clips each
-    (as fbgemm does, before the per-row sum), sums them per row and updates the row: no
-    [U, dim] gradient is built."""
-
-    @staticmethod
-    def forward(ctx, anchor, module: DynamicEmbCollection, name: str, batch: TableBatch):
-        ctx.module, ctx.name, ctx.batch = module, name, batch
-        ctx.generation = module._generation
-        return module.tables[name].lookup_occurrences(batch)
-
-    @staticmethod
-    def backward(ctx, grad_rows):
-        module, batch = ctx.module, ctx.batch
-        if module._stash is not None:  # stashed rows come back now at the latest
-            module._stash.restore()
-        grads = OccurrenceGrads.from_inverse(grad_rows, batch.inverse, batch.keys.numel(),
-                                             clip=module._optimizer_config.max_gradient)
-        module._apply_gradients(ctx.name, batch, grads, ctx.generation)
-        return None, None, None, None

@@ -1,22 +1,28 @@
 """Checks of a collection's table configs and the per-table options they are given."""
 from __future__ import annotations
 
-from typing import Dict, List, Mapping
+from typing import Dict, List, Mapping, Optional, Tuple
 
-from torchrec.modules.embedding_configs import EmbeddingConfig
+import torch
+from torchrec.modules.embedding_configs import (BaseEmbeddingConfig, EmbeddingConfig,
+                                                data_type_to_dtype)
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
-from dynemb.options import DynamicEmbTableOptions
+from dynemb.initializers import table_identity
+from dynemb.optimizers import OptimizerConfig
+from dynemb.options import (DynamicEmbTableOptions, check_allocation, choose_storage_mode)
 
 
 def check_configs(tables, config_type: type = EmbeddingConfig) -> List[EmbeddingConfig]:
     """``tables`` as a list of ``config_type`` (``EmbeddingConfig``, or ``EmbeddingBagConfig``
     for a pooled collection): unique valid names (see :func:`check_table_name`), positive dims,
-    each feature in one table (a table without feature names reads the feature named after
-    it)."""
+    each feature at most once per table (a table without feature names reads the feature
+    named after it). A feature may feed several tables, as in TorchRec: its outputs are then
+    named ``feature@table`` (see :func:`output_names_by_table`)."""
     kind = config_type.__name__
     if not isinstance(tables, (list, tuple)) or not tables:
         raise ValueError(f"tables must be a non-empty list of {kind}")
-    seen, features = set(), {}
+    seen = set()
     for config in tables:
         if not isinstance(config, config_type):
             raise TypeError(f"tables must hold {kind}, got {type(config).__name__}")
@@ -29,12 +35,34 @@ def check_configs(tables, config_type: type = EmbeddingConfig) -> List[Embedding
                              f"{config.embedding_dim}")
         if not config.feature_names:
             config.feature_names = [config.name]
-        for f in config.feature_names:
-            if f in features:
-                raise ValueError(f"feature {f!r} is in tables {features[f]!r} and "
-                                 f"{config.name!r}; a feature reads one table")
-            features[f] = config.name
+        twice = sorted({f for f in config.feature_names if config.feature_names.count(f) > 1})
+        if twice:
+            raise ValueError(f"table {config.name!r} lists features {twice} more than once; "
+                             f"a table reads each feature once")
     return list(tables)
+
+
+def output_names_by_table(configs: List[BaseEmbeddingConfig]) -> List[List[str]]:
+    """TorchRec's output names, table by table, each table's features in config order: the
+    feature's name, or ``feature@table`` for a feature that several tables read
+    (``torchrec.modules.embedding_modules.get_embedding_names_by_table``).
+
+    Example::
+
+        >>> output_names_by_table([
+        ...     EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=8,
+        ...                     feature_names=["f1", "f2"]),
+        ...     EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=8,
+        ...                     feature_names=["f2"])])
+        [['f1', 'f2@t1'], ['f2@t2']]
+    """
+    return get_embedding_names_by_table(list(configs))
+
+
+def output_name_of(configs: List[BaseEmbeddingConfig]) -> Dict[Tuple[str, str], str]:
+    """``(table, feature) -> output name`` (see :func:`output_names_by_table`)."""
+    return {(c.name, f): name for c, names in zip(configs, output_names_by_table(configs))
+            for f, name in zip(c.feature_names, names)}
 
 
 def check_table_name(name) -> None:
@@ -76,3 +104,22 @@ def options_by_table(table_options, names) -> Dict[str, DynamicEmbTableOptions]:
             raise TypeError(f"table_options[{n!r}] must be DynamicEmbTableOptions, got {opt!r}")
         out[n] = opt
     return out
+
+
+def build_configured_table(config: BaseEmbeddingConfig, options: DynamicEmbTableOptions,
+                           optimizer: OptimizerConfig, device: torch.device,
+                           backend: Optional[str]):
+    """``config``'s table, empty, in the storage mode its options choose; None on the meta
+    device (after checking the options), where nothing is allocated."""
+    from dynemb.tables import build_table  # the tables import the options checked here
+
+    state_dim = optimizer.state_dim(config.embedding_dim)
+    layout = choose_storage_mode(
+        options, name=config.name, num_embeddings=config.num_embeddings,
+        width=config.embedding_dim + state_dim, state_dim=state_dim,
+        config_dtype=data_type_to_dtype(config.data_type))
+    if device.type == "meta":
+        return None
+    check_allocation(layout, options, name=config.name, device=device)
+    return build_table(config.name, table_identity(config.name), config.embedding_dim, layout,
+                       options, optimizer, device, backend)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -68,7 +68,7 @@ def check_state_matches(state: PrefetchState, kjt: KeyedJaggedTensor, *,
     if tuple(kjt.keys()) != state.feature_order:
         raise ValueError(f"forward got features {list(kjt.keys())} but the oldest prefetched "
                          f"batch has {list(state.feature_order)}; {_IN_ORDER}")
-    expected = sum(n for feats in state.features.values() for _, n in feats)
+    expected = state.values.numel()
     values = kjt.values()
     if values.numel() != expected or not _same(values, state.values, sync_free):
         raise ValueError(f"forward got other ids ({values.numel()}) than the oldest "
@@ -89,3 +89,23 @@ def _same(got: torch.Tensor, expected: torch.Tensor, sync_free: bool) -> bool:
     torch._assert_async((got == expected).all(),
                         "forward got other ids or lengths than the oldest prefetched batch")
     return True
+
+
+def prefetch_on_stream(run: Callable[[], PrefetchState], kjt: KeyedJaggedTensor,
+                       stream: torch.cuda.Stream, device: torch.device,
+                       forward_stream: Optional[torch.cuda.Stream]) -> PrefetchState:
+    """``run()`` (a collection's prefetch of ``kjt``) on the side ``stream``, after the
+    current stream and ``forward_stream``; the state's ``ready`` event marks its end."""
+    # the input is ready on the calling stream (TorchRec's prefetch pipeline calls from its
+    # own); table updates of earlier steps run on the forward stream
+    current = torch.cuda.current_stream(device)
+    stream.wait_stream(current)
+    if forward_stream is not None and forward_stream != current:
+        stream.wait_stream(forward_stream)
+    with torch.cuda.stream(stream):
+        state = run()
+        state.ready = torch.cuda.Event()
+        state.ready.record(stream)
+    for tensor in kjt.values(), kjt.lengths():
+        tensor.record_stream(stream)
+    return state

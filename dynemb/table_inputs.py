@@ -2,7 +2,7 @@
 looks up (shared by the sequence and pooled collections)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List
 
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
@@ -12,32 +12,31 @@ from dynemb.validation import check_keys, check_kjt
 
 
 def split_by_table(kjt: KeyedJaggedTensor, configs: List[BaseEmbeddingConfig],
-                   table_of_feature: Mapping[str, str], device: torch.device, *,
-                   validate: bool, weights_are_counts: bool = False) -> Dict[str, Any]:
+                   device: torch.device, *, validate: bool, weights_are_counts: bool = False,
+                   variable_batch: bool = False) -> Dict[str, Any]:
     """Validate ``kjt``, then concatenate each table's feature values as int64 ids.
 
     Returns, by table name, ``(ids, [(feature, number of ids), ...], occurrences)``, the
     features in the order their ids were concatenated; ``occurrences`` is the KJT's weights
     as int64 when ``weights_are_counts`` (how many times each id occurred), else None. Under
-    ``"__jt__"``: the KJT's JaggedTensors by feature. Nothing changes anywhere: every check
-    runs here, before any table is touched.
+    ``"__jt__"``: the KJT's JaggedTensors by feature. A feature read by several tables is in
+    each of them; features no table reads are ignored, as TorchRec's modules do (one KJT
+    often feeds several modules). ``variable_batch``: accept a KJT with a batch size per
+    feature. Nothing changes anywhere: every check runs here, before any table is touched.
 
     Example::
 
         >>> config = EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=64,
         ...                          feature_names=["a", "b"])
-        >>> kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([5, 6, 7]),
-        ...                                           torch.tensor([1, 2]))
-        >>> ids, segments, _ = split_by_table(kjt, [config], {"a": "t", "b": "t"},
-        ...                                   torch.device("cpu"), validate=True)["t"]
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b", "c"],
+        ...                                           torch.tensor([5, 6, 7, 8]),
+        ...                                           torch.tensor([1, 2, 1]))
+        >>> ids, segments, _ = split_by_table(kjt, [config], torch.device("cpu"),
+        ...                                   validate=True)["t"]
         >>> ids.tolist(), segments
         ([5, 6, 7], [('a', 1), ('b', 2)])
     """
-    check_kjt(kjt, device, check_lengths=validate)
-    unknown = [f for f in kjt.keys() if f not in table_of_feature]
-    if unknown:
-        raise ValueError(f"features {unknown} are in no table; known features: "
-                         f"{sorted(table_of_feature)}")
+    check_kjt(kjt, device, check_lengths=validate, variable_batch=variable_batch)
     values = kjt.values()
     counted = weights_are_counts and kjt.weights_or_none() is not None
     jts = kjt.to_dict()

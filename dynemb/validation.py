@@ -96,15 +96,22 @@ def check_kjt_lengths(kjt) -> None:
     total = int(lengths.sum()) if lengths.numel() else 0
     if total != kjt.values().numel():
         raise ValueError(f"lengths add up to {total} but there are {kjt.values().numel()} ids")
-    if lengths.numel() != len(kjt.keys()) * kjt.stride():
+    if kjt.variable_stride_per_key():
+        strides = dict(zip(kjt.keys(), kjt.stride_per_key()))
+        if lengths.numel() != sum(strides.values()):
+            raise ValueError(f"lengths has {lengths.numel()} entries, expected one per sample "
+                             f"of each feature: {sum(strides.values())} (batch sizes {strides})")
+    elif lengths.numel() != len(kjt.keys()) * kjt.stride():
         raise ValueError(f"lengths has {lengths.numel()} entries, expected "
                          f"{len(kjt.keys())} features x batch {kjt.stride()}")
 
 
-def check_kjt(kjt, device: torch.device, *, check_lengths: bool = True) -> None:
+def check_kjt(kjt, device: torch.device, *, check_lengths: bool = True,
+              variable_batch: bool = False) -> None:
     """What every input KeyedJaggedTensor must be, checked before any table changes: int64 or
-    int32 ids on ``device``, each feature once, one batch size for every feature. With
-    ``check_lengths`` also its lengths, offsets and weights (reads them on the host).
+    int32 ids on ``device``, each feature once, one batch size for every feature (unless
+    ``variable_batch``). With ``check_lengths`` also its lengths, offsets and weights (reads
+    them on the host).
 
     Example::
 
@@ -128,7 +135,7 @@ def check_kjt(kjt, device: torch.device, *, check_lengths: bool = True) -> None:
                          f"keys {keys}; each feature must appear once (put all its ids under "
                          f"one key, or give each copy its own name in the table's "
                          f"feature_names)")
-    if kjt.variable_stride_per_key():
+    if kjt.variable_stride_per_key() and not variable_batch:
         raise ValueError(f"the KJT has a different batch size per feature (variable batch, "
                          f"strides {dict(zip(keys, kjt.stride_per_key()))}); only KJTs with "
                          f"one batch size for every feature are supported: give every feature "

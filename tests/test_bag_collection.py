@@ -266,11 +266,15 @@ def _kjt(features, ids, lengths, weights=None):
 
 
 @pytest.mark.parametrize("pooling,kjt,message", [
-    ("sum", _kjt(FEATURES + ["g"], [900, 901, 902, 903], [1, 1, 1, 1]), "in no table"),
     ("sum", _kjt(["f0", "f2"], [900, 901], [1, 1]), r"\['f1'\] of this collection are not"),
-    ("sum", _kjt(FEATURES, [900, 901, 902], [1, 1, 1], torch.ones(3)), "unweighted"),
+    ("sum", _kjt(["f0", "f2", "g"], [900, 901, 902], [1, 1, 1]),
+     r"\['f1'\] of this collection are not"),
     ("weighted", _kjt(FEATURES, [900, 901, 902], [1, 1, 1]), "has no weights"),
-], ids=["unknown_feature", "missing_feature", "weights_on_unweighted", "no_weights"])
+    ("sum", KeyedJaggedTensor(FEATURES, torch.tensor([900, 901, 902]),
+                              lengths=torch.tensor([1, 1, 1, 0]),
+                              stride_per_key_per_rank=[[2], [1], [1]]),
+     "different batch size per feature"),
+], ids=["missing_feature", "missing_feature_with_unknown", "no_weights", "variable_batch"])
 def test_bad_input_is_refused_and_changes_nothing(pooling, kjt, message):
     dyn = _trained(pooling)
     before = _snapshot(dyn)

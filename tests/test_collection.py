@@ -285,23 +285,22 @@ MALFORMED = {
     "duplicated_feature": (lambda: KeyedJaggedTensor.from_lengths_sync(
         ["f", "f"], torch.tensor([1, 2, 5]), torch.tensor([1, 1, 1, 0])), ValueError,
         r"feature 'f' appears 2 times in the KJT's keys \['f', 'f'\]; each feature must appear"),
-    "variable_batch": (lambda: KeyedJaggedTensor(
-        ["f", "g"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]),
-        stride_per_key_per_rank=[[2], [1]]), ValueError,
-        r"different batch size per feature .*strides \{'f': 2, 'g': 1\}.* one batch size for "
-        r"every feature are supported"),
 }
 
 
 @pytest.mark.parametrize("bad, error, match", [
-    (lambda: kjt([1, 2], features=("nope",)), ValueError, "in no table"),
     (lambda: KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1.0, 2.0]),
                                                  torch.tensor([2])), TypeError, "int64"),
     (lambda: KeyedJaggedTensor(["f"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1])),
      ValueError, "add up to 2"),
     (lambda: kjt([1, -2**63]), ValueError, "reserved"),
+    (lambda: KeyedJaggedTensor(["f", "g"], torch.tensor([1, 2, 3]),
+                               lengths=torch.tensor([1, 1, 1, 0]),
+                               stride_per_key_per_rank=[[2], [1]]), ValueError,
+     r"lengths has 4 entries, expected one per sample of each feature: 3 \(batch sizes "
+     r"\{'f': 2, 'g': 1\}\)"),
     *MALFORMED.values(),
-], ids=["unknown_feature", "float_ids", "lengths", "reserved_id", *MALFORMED])
+], ids=["float_ids", "lengths", "reserved_id", "variable_batch_lengths", *MALFORMED])
 def test_bad_input_is_rejected_before_any_change(bad, error, match):
     _check_rejected_before_any_change(make(features=("f", "g")), bad, error, match)
 
@@ -373,8 +372,11 @@ def test_unworkable_table_configs():
         make({"other": DynamicEmbTableOptions()})
     tables = [EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=8, feature_names=["f"])
               for n in ("a", "b")]
-    with pytest.raises(ValueError, match="feature 'f' is in tables"):
-        DynamicEmbCollection(tables)
+    assert DynamicEmbCollection(tables).embedding_names_by_table() == [["f@a"], ["f@b"]]
+    twice = EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=8,
+                            feature_names=["f", "g", "f"])
+    with pytest.raises(ValueError, match=r"table 't' lists features \['f'\] more than once"):
+        DynamicEmbCollection([twice])
 
 
 # -- the CUDA kernels (simulator without a GPU) give the same training -----------------------

@@ -11,6 +11,16 @@ def config(name, features=None, dim=4):
                            feature_names=list(features) if features is not None else [])
 
 
+def test_a_feature_of_several_tables_is_named_feature_at_table_as_in_torchrec():
+    from torchrec.modules.embedding_modules import get_embedding_names_by_table
+    from dynemb.collection_config import output_name_of, output_names_by_table
+    tables = check_configs([config("a", ["f", "g"]), config("b", ["f"]), config("c", ["h"])])
+    names = [["f@a", "g"], ["f@b"], ["h"]]
+    assert output_names_by_table(tables) == get_embedding_names_by_table(tables) == names
+    assert output_name_of(tables) == {("a", "f"): "f@a", ("a", "g"): "g", ("b", "f"): "f@b",
+                                      ("c", "h"): "h"}
+
+
 def test_a_table_without_features_reads_the_feature_named_after_it():
     (c,) = check_configs([config("users")])
     assert c.feature_names == ["users"]
@@ -21,7 +31,7 @@ def test_a_table_without_features_reads_the_feature_named_after_it():
     ("t", ValueError, "non-empty list"),
     ([object()], TypeError, "EmbeddingConfig"),
     ([config("t"), config("t")], ValueError, "unique"),
-    ([config("a", ["f"]), config("b", ["f"])], ValueError, "feature 'f' is in tables 'a' and 'b'"),
+    ([config("a", ["f", "g", "f"])], ValueError, r"table 'a' lists features \['f'\] more than"),
 ])
 def test_bad_configs_are_rejected(tables, error, match):
     with pytest.raises(error, match=match):
