@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -116,3 +118,102 @@ def table_identity(name: str) -> int:
         raise ValueError(f"a table name must be a non-empty str, got {name!r}")
     digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+#: The ``torch.nn.init`` functions a config's ``init_fn`` may be (alone or in a
+#: ``functools.partial``), with the :class:`Initializer` each one's arguments make.
+_TORCH_INITS = {
+    torch.nn.init.uniform_: lambda a: Initializer(InitializerKind.UNIFORM, low=a["a"],
+                                                  high=a["b"]),
+    torch.nn.init.normal_: lambda a: Initializer(InitializerKind.NORMAL, mean=a["mean"],
+                                                 std=a["std"]),
+    torch.nn.init.trunc_normal_: lambda a: Initializer(
+        InitializerKind.TRUNCATED_NORMAL, mean=a["mean"], std=a["std"], low=a["a"], high=a["b"]),
+    torch.nn.init.constant_: lambda a: Initializer(InitializerKind.CONSTANT, value=a["val"]),
+    torch.nn.init.zeros_: lambda a: Initializer(InitializerKind.CONSTANT, value=0.0),
+    torch.nn.init.ones_: lambda a: Initializer(InitializerKind.CONSTANT, value=1.0),
+}
+
+
+def initializer_from_config(config) -> Initializer:
+    """The :class:`Initializer` that starts new rows as TorchRec starts ``config``'s table
+    (an ``EmbeddingConfig`` or ``EmbeddingBagConfig``).
+
+    TorchRec fills ``init_fn`` in with ``uniform_`` over ``[weight_init_min,
+    weight_init_max]``, each bound defaulting to ``-+sqrt(1 / num_embeddings)``; that range
+    is taken. A given ``init_fn`` that is one of ``torch.nn.init``'s ``uniform_``,
+    ``normal_``, ``trunc_normal_``, ``constant_``, ``zeros_`` or ``ones_`` (alone or in a
+    ``functools.partial``) is drawn per id with the same distribution. Any other function
+    cannot run on the rows of ids as they first appear and raises ``ValueError`` naming the
+    supported way, ``DynamicEmbTableOptions(initializer=Initializer(...))``.
+
+    Example::
+
+        >>> config = EmbeddingConfig(name="items", embedding_dim=8, num_embeddings=100,
+        ...                          weight_init_min=-1.0, weight_init_max=1.0)
+        >>> init = initializer_from_config(config)
+        >>> init.kind.name, init.low, init.high
+        ('UNIFORM', -1.0, 1.0)
+        >>> initializer_from_config(EmbeddingConfig(name="t", embedding_dim=8,
+        ...                                         num_embeddings=10_000)).high  # sqrt(1/n)
+        0.01
+    """
+    init_fn = config.init_fn
+    if init_fn is None:  # cleared after TorchRec's __post_init__ filled it in
+        return _uniform(config, config.get_weight_init_min(), config.get_weight_init_max())
+    func, args, keywords = _unwrap(init_fn)
+    make = _TORCH_INITS.get(func)
+    if make is None:
+        raise ValueError(_unsupported(config, init_fn))
+    try:
+        bound = inspect.signature(func).bind(None, *args, **keywords)
+    except TypeError as err:
+        raise ValueError(f"table {config.name!r}: init_fn {init_fn!r} does not fit "
+                         f"{func.__name__}'s arguments ({err})") from None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    if arguments.get("generator") is not None:
+        raise ValueError(
+            f"table {config.name!r}: init_fn passes a torch.Generator, which cannot seed rows "
+            f"drawn per id; a dynamic table's rows depend on (seed, table name, id): set "
+            f"DynamicEmbTableOptions(seed=...) instead")
+    if func is torch.nn.init.uniform_:
+        return _uniform(config, arguments["a"], arguments["b"])
+    try:
+        return make(arguments)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"table {config.name!r}: init_fn {init_fn!r}: {err}") from None
+
+
+def _unwrap(init_fn):
+    """(function, positional arguments after the tensor, keyword arguments) of an init_fn."""
+    if isinstance(init_fn, functools.partial):
+        return init_fn.func, init_fn.args, dict(init_fn.keywords)
+    return init_fn, (), {}
+
+
+def _uniform(config, low, high) -> Initializer:
+    """Uniform over ``[low, high]`` as ``torch.nn.init.uniform_`` takes it (equal bounds give
+    that value; reversed ones are refused, as torch refuses them)."""
+    for name, value in (("weight_init_min", low), ("weight_init_max", high)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+                value):
+            raise ValueError(f"table {config.name!r}: {name} (or init_fn's bound) must be a "
+                             f"finite number, got {value!r}")
+    if low > high:
+        raise ValueError(f"table {config.name!r}: weight_init_min ({low}) is above "
+                         f"weight_init_max ({high})")
+    if low == high:
+        return Initializer(InitializerKind.CONSTANT, value=float(low))
+    return Initializer(InitializerKind.UNIFORM, low=float(low), high=float(high))
+
+
+def _unsupported(config, init_fn) -> str:
+    supported = ", ".join(f.__name__ for f in _TORCH_INITS)
+    return (f"table {config.name!r}: init_fn {init_fn!r} cannot start the rows of a dynamic "
+            f"table, which are drawn per id as ids first appear, from (seed, table name, id), "
+            f"not by calling a function on a whole weight tensor. Supported as init_fn: "
+            f"torch.nn.init's {supported} (alone or in functools.partial), or leave init_fn "
+            f"unset and give weight_init_min / weight_init_max; otherwise choose the rows' "
+            f"distribution with DynamicEmbTableOptions(initializer=Initializer(...)) (UNIFORM, "
+            f"NORMAL, TRUNCATED_NORMAL or CONSTANT), which takes precedence over the config")

@@ -1,6 +1,7 @@
 """Per-table options of :class:`DynamicEmbCollection` and the storage mode they lead to."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import os
@@ -11,7 +12,8 @@ import torch
 
 from dynemb.flat_table import RowLayout
 from dynemb.hash_table import SLOT_BYTES, max_table_capacity
-from dynemb.initializers import Initializer, InitializerKind
+from dynemb.hash_table_checks import slots_for_keys
+from dynemb.initializers import Initializer, InitializerKind, initializer_from_config
 from dynemb.types import MAX_BUCKET_SIZE, SUPPORTED_DTYPES, ScorePolicy
 from dynemb.validation import check_bucket_size, check_int
 
@@ -113,13 +115,19 @@ class DynamicEmbTableOptions:
             None with ``local_hbm_for_values`` None: unlimited (HBM_DIRECT).
         local_hbm_for_values: device budget on each rank; overrides the global one.
         init_capacity: rows allocated at the start (default: ``max_capacity``).
-        max_capacity: most rows the table holds (default: the config's ``num_embeddings``);
-            beyond it the score policy evicts.
+        max_capacity: most rows (hash slots) the table allocates; when a key's bucket is
+            full the score policy evicts. Default: room for the config's ``num_embeddings``
+            distinct ids without evicting, ``slots_for_keys(num_embeddings, bucket_size)``
+            (:func:`dynemb.hash_table_checks.slots_for_keys`: about 1.7-2.1x
+            ``num_embeddings`` with buckets of 128), since keys fill buckets unevenly.
         max_load_factor: grow (doubling, up to ``max_capacity``) once the table would be
             fuller than this.
         bucket_size: hash-table bucket size, a power of two <= ``MAX_BUCKET_SIZE`` (128).
         score_strategy: eviction order, a :class:`ScorePolicy` (LRU is the timestamp policy).
-        initializer: start value of new rows in training.
+        initializer: start value of new rows in training; None (the default): the table's
+            ``EmbeddingConfig`` decides, as in TorchRec (``weight_init_min`` /
+            ``weight_init_max``, default ``-+sqrt(1 / num_embeddings)``, or a supported
+            ``init_fn``: :func:`resolve_initializer`).
         eval_initializer: value returned for unseen keys in eval mode (nothing is stored).
         admission: a :class:`FrequencyAdmission`, or None to admit every key.
         embedding_dtype: dtype of the stored rows (default: the config's ``data_type``).
@@ -154,7 +162,7 @@ class DynamicEmbTableOptions:
     max_load_factor: float = 0.75
     bucket_size: int = MAX_BUCKET_SIZE
     score_strategy: ScorePolicy = ScorePolicy.LRU
-    initializer: Initializer = field(default_factory=Initializer)
+    initializer: Optional[Initializer] = None
     eval_initializer: Initializer = field(
         default_factory=lambda: Initializer(InitializerKind.CONSTANT, value=0.0))
     admission: Optional[FrequencyAdmission] = None
@@ -182,9 +190,12 @@ class DynamicEmbTableOptions:
         if self.score_strategy is ScorePolicy.CUSTOMIZED:
             raise ValueError("score_strategy CUSTOMIZED needs per-key scores, which "
                              "DynamicEmbCollection does not take; use the ScoredHashTable directly")
-        for name in ("initializer", "eval_initializer"):
-            if not isinstance(getattr(self, name), Initializer):
-                raise TypeError(f"{name} must be an Initializer, got {getattr(self, name)!r}")
+        if self.initializer is not None and not isinstance(self.initializer, Initializer):
+            raise TypeError(f"initializer must be an Initializer or None (from the config), "
+                            f"got {self.initializer!r}")
+        if not isinstance(self.eval_initializer, Initializer):
+            raise TypeError(f"eval_initializer must be an Initializer, got "
+                            f"{self.eval_initializer!r}")
         if self.admission is not None and not isinstance(self.admission, FrequencyAdmission):
             raise TypeError(f"admission must be a FrequencyAdmission or None, got "
                             f"{self.admission!r}")
@@ -216,6 +227,7 @@ class TableLayout:
     max_capacity: int           # most rows the table holds, all tiers together
     device_capacity: int        # most rows on the device
     row_bytes: int
+    target_rows: int            # distinct ids it is sized for: num_embeddings or max_capacity
 
     @property
     def host_tier_rows(self) -> int:
@@ -232,10 +244,11 @@ def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embed
     """Resolve a table's options into a :class:`TableLayout`; errors name the field at fault.
 
     ``width`` is the embedding dim plus the optimizer state dim, ``state_dim`` the latter
-    (float32 whatever the dtype: ``row_bytes`` is :attr:`RowLayout.row_bytes`). The table
-    goes to HBM_DIRECT when ``max_capacity`` rows fit the per-rank budget; otherwise to CACHE
-    (``caching``) or DEFAULT with as many device rows as the budget holds, rounded down to
-    whole buckets.
+    (float32 whatever the dtype: ``row_bytes`` is :attr:`RowLayout.row_bytes`).
+    ``max_capacity`` defaults to the slots that hold ``num_embeddings`` distinct ids without
+    evicting (:func:`~dynemb.hash_table_checks.slots_for_keys`). The table goes to HBM_DIRECT
+    when ``max_capacity`` rows fit the per-rank budget; otherwise to CACHE (``caching``) or
+    DEFAULT with as many device rows as the budget holds, rounded down to whole buckets.
 
     Example::
 
@@ -250,9 +263,11 @@ def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embed
                          f"{SUPPORTED_DTYPES} (or set embedding_dtype)")
     check_int(num_embeddings, f"table {name!r}: num_embeddings")
     bucket = options.bucket_size
-    max_capacity = _round_up(options.max_capacity or num_embeddings, bucket)
+    target_rows = options.max_capacity or num_embeddings
+    max_capacity = (_round_up(options.max_capacity, bucket) if options.max_capacity
+                    else slots_for_keys(num_embeddings, bucket))
     init_capacity = _round_up(options.init_capacity or max_capacity, bucket)
-    _check_max_capacity(options, name, max_capacity, bucket)
+    _check_max_capacity(options, name, max_capacity, bucket, num_embeddings)
     if not 0 <= state_dim < width:
         raise ValueError(f"table {name!r}: state_dim must be in [0, width={width}), got "
                          f"{state_dim}")
@@ -262,7 +277,7 @@ def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embed
         budget = options.global_hbm_for_values // world_size
     if budget is None or max_capacity * row_bytes <= budget:
         return TableLayout(StorageMode.HBM_DIRECT, dtype, bucket, init_capacity, max_capacity,
-                           max_capacity, row_bytes)
+                           max_capacity, row_bytes, target_rows)
     device_rows = budget // row_bytes // bucket * bucket
     field_name = ("local_hbm_for_values" if options.local_hbm_for_values is not None
                   else "global_hbm_for_values")
@@ -279,7 +294,31 @@ def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embed
             f"{device_rows} rows and must evict some to load others. Use LRU, LFU or STEP, "
             f"raise {field_name} so the whole table fits, or caching=False (rows split "
             f"between device and host memory, nothing evicted)")
-    return TableLayout(mode, dtype, bucket, device_rows, max_capacity, device_rows, row_bytes)
+    return TableLayout(mode, dtype, bucket, device_rows, max_capacity, device_rows, row_bytes,
+                       target_rows)
+
+
+def resolve_initializer(options: DynamicEmbTableOptions, config) -> DynamicEmbTableOptions:
+    """``options`` with its ``initializer`` settled for ``config``'s table: an explicit one
+    stays; None takes the config's, as TorchRec would start the table
+    (:func:`dynemb.initializers.initializer_from_config`; an ``init_fn`` that cannot be drawn
+    per id raises ``ValueError``). Call it with the global (unsharded) config: TorchRec's
+    default range depends on ``num_embeddings``.
+
+    Example::
+
+        >>> config = EmbeddingConfig(name="t", embedding_dim=8, num_embeddings=100,
+        ...                          weight_init_min=-1.0, weight_init_max=1.0)
+        >>> resolve_initializer(DynamicEmbTableOptions(), config).initializer.high
+        1.0
+        >>> explicit = DynamicEmbTableOptions(initializer=Initializer(value=0.5,
+        ...                                   kind=InitializerKind.CONSTANT))
+        >>> resolve_initializer(explicit, config) is explicit
+        True
+    """
+    if options.initializer is not None:
+        return options
+    return dataclasses.replace(options, initializer=initializer_from_config(config))
 
 
 def check_allocation(layout: TableLayout, options: DynamicEmbTableOptions, *, name: str,
@@ -295,7 +334,7 @@ def check_allocation(layout: TableLayout, options: DynamicEmbTableOptions, *, na
         >>> check_allocation(layout, DynamicEmbTableOptions(), name="t",
         ...                  device=torch.device("cpu"))
         Traceback (most recent call last):
-        ValueError: table 't': the 68719476736 rows allocated up front (init_capacity, ...
+        ValueError: table 't': the 151284754176 rows allocated up front (init_capacity, ...
     """
     slot = layout.row_bytes + SLOT_BYTES
     host_rows = layout.host_tier_rows
@@ -321,7 +360,8 @@ def _upfront_rows(layout: TableLayout, options: DynamicEmbTableOptions, host_row
     elif options.max_capacity is not None:
         source = "init_capacity, which defaults to max_capacity"
     else:
-        source = "init_capacity, which defaults to max_capacity, which defaults to num_embeddings"
+        source = ("init_capacity, which defaults to max_capacity, which defaults to room for "
+                  "num_embeddings ids")
     return f"the {layout.init_capacity} rows allocated up front ({source})"
 
 
@@ -338,13 +378,19 @@ def _allocate_less(layout: TableLayout) -> str:
             f"(a backing store that grows as rows arrive holds the rest)")
 
 
-def _check_max_capacity(options, name: str, max_capacity: int, bucket: int) -> None:
+def _check_max_capacity(options, name: str, max_capacity: int, bucket: int,
+                        num_embeddings: int) -> None:
     limit = max_table_capacity(bucket)
     if max_capacity <= limit:
         return
-    source = " (num_embeddings, as max_capacity is not set)" if options.max_capacity is None else ""
+    source = (f" (room for num_embeddings={num_embeddings} ids in buckets of {bucket}, as "
+              f"max_capacity is not set)" if options.max_capacity is None else "")
+    # larger buckets hold more slots, and need less headroom for the same ids
+    with_largest = (max_capacity if options.max_capacity is not None
+                    else slots_for_keys(num_embeddings, MAX_BUCKET_SIZE))
     buckets = (f", or a larger bucket_size (up to {MAX_BUCKET_SIZE})"
-               if max_capacity <= max_table_capacity(MAX_BUCKET_SIZE) else "")
+               if bucket < MAX_BUCKET_SIZE and with_largest <= max_table_capacity(MAX_BUCKET_SIZE)
+               else "")
     raise ValueError(
         f"table {name!r}: max_capacity {max_capacity} rows{source} is beyond the {limit} rows "
         f"one hash table can hold with bucket_size {bucket}. num_embeddings and max_capacity "

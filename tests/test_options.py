@@ -19,10 +19,12 @@ def make(num_embeddings, device=None, **options):
 
 
 # -- storage mode and layout ------------------------------------------------------------------
+# 1000 ids need 1664 slots (13 buckets of 128) to fit without evicting: slots_for_keys
 @pytest.mark.parametrize("budget_rows, caching, mode, device_rows", [
-    (None, False, StorageMode.HBM_DIRECT, 1024),
-    (1024, False, StorageMode.HBM_DIRECT, 1024),
-    (1000, True, StorageMode.CACHE, 896),      # rounded down to whole buckets of 128
+    (None, False, StorageMode.HBM_DIRECT, 1664),
+    (1664, False, StorageMode.HBM_DIRECT, 1664),
+    (1663, True, StorageMode.CACHE, 1536),     # rounded down to whole buckets of 128
+    (1000, True, StorageMode.CACHE, 896),
     (300, False, StorageMode.DEFAULT, 256),
 ])
 def test_storage_mode_choice(budget_rows, caching, mode, device_rows):
@@ -32,16 +34,18 @@ def test_storage_mode_choice(budget_rows, caching, mode, device_rows):
         DynamicEmbTableOptions(caching=caching, local_hbm_for_values=budget), name="t",
         num_embeddings=1000, width=width, config_dtype=torch.float32)
     assert layout.mode is mode and layout.device_capacity == device_rows
-    assert layout.max_capacity == 1024 and layout.row_bytes == 36
+    assert layout.max_capacity == 1664 and layout.row_bytes == 36
+    assert layout.target_rows == 1000
 
 
 def test_global_budget_is_split_over_ranks():
-    opts = DynamicEmbTableOptions(caching=True, global_hbm_for_values=4 * 1024 * 8 * 4)
+    opts = DynamicEmbTableOptions(caching=True, global_hbm_for_values=4 * 1024 * 8 * 4,
+                                  max_capacity=4096)
     kw = dict(name="t", num_embeddings=4096, width=8, config_dtype=torch.float32)
     assert choose_storage_mode(opts, **kw).mode is StorageMode.HBM_DIRECT  # 4096 rows fit
     split = choose_storage_mode(opts, world_size=4, **kw)
     assert split.mode is StorageMode.CACHE and split.device_capacity == 1024
-    opts = DynamicEmbTableOptions(global_hbm_for_values=4096 * 8 * 2)
+    opts = DynamicEmbTableOptions(global_hbm_for_values=4096 * 8 * 2, max_capacity=4096)
     layout = choose_storage_mode(opts, **kw, world_size=1)
     assert layout.mode is StorageMode.DEFAULT
     with pytest.raises(ValueError, match="data_type"):
@@ -62,22 +66,29 @@ def test_half_rows_count_a_float32_optimizer_state():
 def test_max_capacity_beyond_one_hash_table_names_the_capacity_options():
     assert max_table_capacity(128) < 2**40
     with pytest.raises(ValueError, match=(
-            r"table 't': max_capacity 1099511627776 rows \(num_embeddings, as max_capacity is "
-            r"not set\) is beyond the 274877906816 rows one hash table can hold with "
+            r"table 't': max_capacity 2515946192000 rows \(room for "
+            r"num_embeddings=1099511627776 ids in buckets of 128, as max_capacity is not set\) "
+            r"is beyond the 274877906816 rows one hash table can hold with "
             r"bucket_size 128\. .*not the id range.*Set a smaller max_capacity or "
             r"num_embeddings; .*set init_capacity .* or a memory budget")):
         make(2**40)
     with pytest.raises(ValueError, match=r"max_capacity 1099511627776 rows is beyond"):
         make(1024, max_capacity=2**40, init_capacity=1024)
+    # room for 2**36 ids: 227,455,856,960 slots in buckets of 64 (beyond one table), but
+    # 151,284,754,176 in buckets of 128, which fit
     with pytest.raises(ValueError, match=r"or a larger bucket_size \(up to 128\)"):
-        make(2**37, bucket_size=64, init_capacity=1024)
+        make(2**36, bucket_size=64, init_capacity=1024)
+    with pytest.raises(ValueError) as err:   # too large even with buckets of 128
+        make(2**38, init_capacity=1024)
+    assert "larger bucket_size" not in str(err.value)
 
 
 def test_rows_allocated_up_front_beyond_memory_name_init_capacity_and_a_budget():
-    # 2**36 rows of (4 floats + a hash slot) are 2.3 TiB, beyond any host this runs on
+    # room for 2**36 ids: 151,284,754,176 rows of (4 floats + a hash slot), 5 TiB
     with pytest.raises(ValueError, match=(
-            r"table 't': the 68719476736 rows allocated up front \(init_capacity, which "
-            r"defaults to max_capacity, which defaults to num_embeddings\) need 2304\.0 GiB on "
+            r"table 't': the 151284754176 rows allocated up front \(init_capacity, which "
+            r"defaults to max_capacity, which defaults to room for num_embeddings ids\) need "
+            r"5072\.2 GiB on "
             r"cpu, which has .* GiB; set init_capacity to start smaller .*"
             r"local_hbm_for_values / global_hbm_for_values\) with caching=True")):
         make(2**36)
@@ -102,7 +113,7 @@ def test_meta_collection_allocates_nothing_so_is_not_checked_against_memory():
 def test_caching_with_no_eviction_is_rejected_when_the_table_resolves_to_cache():
     with pytest.raises(ValueError, match=(
             r"table 't': caching=True needs an evicting score_strategy, got "
-            r"score_strategy=NO_EVICTION: the table \(4096 rows x 16 bytes\) does not fit "
+            r"score_strategy=NO_EVICTION: the table \(6912 rows x 16 bytes\) does not fit "
             r"local_hbm_for_values \(8192 bytes per rank\), so the device caches 512 rows")):
         make(4096, caching=True, local_hbm_for_values=8192,
              score_strategy=ScorePolicy.NO_EVICTION)

@@ -138,7 +138,7 @@ def test_planned_rows_of_a_user_store_count_rows_only():
     table = _rank_collection(table_config(), options, OptimizerConfig(), 1).tables["t"]
     planned = type(table).planned_rows(table.layout, table.options)
     assert planned == PlannedRows(table.layout.device_capacity,
-                                  host_rows=table.layout.max_capacity, host_hash_slots=0,
+                                  host_rows=ROWS, host_hash_slots=0,
                                   host_exact=False)
 
 
@@ -153,22 +153,23 @@ def test_fixed_memory_is_what_every_table_holds():
 
 # -- hand-computed small cases ---------------------------------------------------------------------
 def test_hand_computed_hbm_direct_adam():
-    # 1000 rows over 2 ranks: 500 per rank, rounded up to whole 128-slot buckets = 512 rows
+    # 1000 rows over 2 ranks: 500 ids per rank, which fit without evicting in 6 buckets of
+    # 128 slots (slots_for_keys(500) = 768 rows)
     fp = table_footprint(table_config(rows=1000, dim=8), DynamicEmbTableOptions(),
                          OptimizerConfig(OptimizerType.ADAM), world_size=2, batch_size=64,
                          input_lengths=[3.0], unique_ratio=0.5,
                          pipeline_type=PipelineType.TRAIN_SPARSE_DIST)
-    assert fp.mode is StorageMode.HBM_DIRECT and fp.device_rows == 512
-    assert fp.values_bytes == 512 * 8 * 4                 # 16,384
-    assert fp.optimizer_bytes == 512 * 16 * 4             # Adam m and v: 32,768
-    assert fp.hash_bytes == 512 * (8 + 8 + 4) + 8         # key, score, refcount; size: 10,248
+    assert fp.mode is StorageMode.HBM_DIRECT and fp.device_rows == 768
+    assert fp.values_bytes == 768 * 8 * 4                 # 24,576
+    assert fp.optimizer_bytes == 768 * 16 * 4             # Adam m and v: 49,152
+    assert fp.hash_bytes == 768 * (8 + 8 + 4) + 8         # key, score, refcount; size: 15,368
     assert fp.admission_bytes == 0
     assert fp.input_bytes == 64 * 3 // 2 * 8              # 96 distinct ids of 192: 768
     assert fp.output_bytes == 64 * 3 * 8 * 4              # float32 rows per occurrence: 6,144
     assert fp.io_bytes == 2 * 768                         # TRAIN_SPARSE_DIST: 2 x input
-    assert fp.device_bytes == 16_384 + 32_768 + 10_248 + 96 + 1_536
+    assert fp.device_bytes == 24_576 + 49_152 + 15_368 + 96 + 1_536
     assert fp.host_bytes == 8
-    assert fp.storage() == Storage(hbm=61_032, ddr=8)
+    assert fp.storage() == Storage(hbm=90_728, ddr=8)
 
 
 def test_hand_computed_cache_fp16_sgd_prefetch_pipeline():
@@ -184,9 +185,9 @@ def test_hand_computed_cache_fp16_sgd_prefetch_pipeline():
     assert fp.values_bytes == 512 * 4 * 2 and fp.optimizer_bytes == 0
     assert fp.hash_bytes == 512 * 20 + 8
     assert fp.admission_bytes == 512 * 20 + 8             # 1000 / 2 ranks -> 4 buckets of 128
-    # the store has room for twice the rank's 5000 rows (rounded to 40 buckets of 128 = 5120)
-    assert fp.host_rows == 10_240
-    assert fp.host_bytes == 10_240 * 4 * 2 + 10_240 * 20 + 8 + 8
+    # the store has room for twice the rank's 5000 rows, in whole buckets: 78 x 128 = 9984
+    assert fp.host_rows == 9_984
+    assert fp.host_bytes == 9_984 * 4 * 2 + 9_984 * 20 + 8 + 8
     ids = 100 * 2 + 100 * 1                               # per rank and batch
     assert fp.input_bytes == ids * 8 and fp.prefetch_bytes == ids * 8
     assert fp.output_bytes == ids * 4 * 4                 # float32 out, not fp16
@@ -195,13 +196,13 @@ def test_hand_computed_cache_fp16_sgd_prefetch_pipeline():
 
 
 def test_hand_computed_default_on_cpu_topology():
-    # DEFAULT: device 256 rows, host tier takes the other 1024 - 256 = 768 rows
+    # DEFAULT: device 256 rows; 1024 ids need 1664 slots, the host tier takes the other 1408
     options = DynamicEmbTableOptions(local_hbm_for_values=256 * 8 * 4)
     fp = table_footprint(table_config(rows=1024, dim=8), options, OptimizerConfig(),
                          batch_size=10, compute_device="cpu")
     assert fp.mode is StorageMode.DEFAULT
-    assert (fp.device_rows, fp.host_rows) == (256, 768)
-    assert fp.host_bytes == 768 * 32 + 768 * 20 + 8 + 8
+    assert (fp.device_rows, fp.host_rows) == (256, 1408)
+    assert fp.host_bytes == 1408 * 32 + 1408 * 20 + 8 + 8
     # CPU: one memory, input and output counted once (TorchRec's CPU rule)
     assert fp.storage() == Storage(hbm=0, ddr=256 * 32 + 256 * 20 + 8 + 96 + fp.host_bytes
                                    + 10 * 8 + 10 * 8 * 4)

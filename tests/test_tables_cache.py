@@ -47,11 +47,12 @@ def test_evicted_rows_go_to_a_custom_store_and_come_back_trained():
 
 
 # -- CACHE: the default store holds every row the table may have ---------------------------------
-def test_cache_filled_to_max_capacity_loses_no_row():
+def test_cache_filled_to_num_embeddings_loses_no_row():
     ec = make(20_000, caching=True, local_hbm_for_values=1024 * DIM * 4)
     table = ec.tables["t"]
-    assert table.mode is StorageMode.CACHE and table.layout.max_capacity == 20_096
-    keys = torch.arange(table.layout.max_capacity) * 2654435761 + 12345
+    assert table.mode is StorageMode.CACHE and table.layout.target_rows == 20_000
+    assert table.store.max_capacity == 39_936        # 2 x 20,000 in whole buckets of 128
+    keys = torch.arange(20_000) * 2654435761 + 12345
     for chunk in keys.split(256):
         train_step(ec, chunk)
     stats = ec.stats()["t"]

@@ -28,7 +28,8 @@ def test_keys_live_in_the_tier_the_placement_hash_gives():
     ec = make(1024, local_hbm_for_values=256 * DIM * 4)
     table = ec.tables["t"]
     assert table.mode is StorageMode.DEFAULT
-    assert (table.tier.hash.capacity, table.host_tier.hash.capacity) == (256, 768)
+    # 1024 ids fit without evicting in 1664 slots: the host tier holds the other 1408
+    assert (table.tier.hash.capacity, table.host_tier.hash.capacity) == (256, 1408)
     keys = list(range(-200, 200, 3)) + [2**62 + 1, -(2**63) + 5]
     train_step(ec, keys)
     dev, host = split_by_tier(table, keys)
@@ -62,7 +63,7 @@ def _snapshot(ec, keys):
 @pytest.mark.parametrize("full_tier", ["host", "device"])
 def test_no_eviction_failure_leaves_both_tiers_unchanged(full_tier):
     # 4 device rows and 4 host rows, one bucket each: the fifth key of a tier finds no slot.
-    ec = make(8, caching=False, local_hbm_for_values=4 * DIM * 4, bucket_size=4,
+    ec = make(8, caching=False, local_hbm_for_values=4 * DIM * 4, bucket_size=4, max_capacity=8,
               score_strategy=ScorePolicy.NO_EVICTION)
     table = ec.tables["t"]
     assert table.mode is StorageMode.DEFAULT and table.host_tier.hash.capacity == 4

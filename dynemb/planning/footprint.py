@@ -8,13 +8,21 @@ belong to the table layer (``planned_rows`` and ``fixed_memory`` of
 :data:`dynemb.hash_table.SLOT_BYTES`); this module adds the pipeline's I/O the way TorchRec's
 planner counts it.
 
+Capacity headroom: unless ``max_capacity`` is set, a rank's table has room for its share of
+``num_embeddings`` distinct ids without evicting, which takes more slots than ids because
+keys fill the hash buckets unevenly (:func:`dynemb.hash_table_checks.slots_for_keys`: with
+buckets of 128, 1.66x the ids at 1,000 per rank, 1.86x at a million, 2.1x at a billion).
+Every slot holds a row (values and optimizer state) and 20 bytes of hash metadata, so the
+footprint, like the table, counts the slots, not the ids: 1024 ids on 2 ranks below are
+896 slots per rank.
+
 Example::
 
     >>> config = EmbeddingConfig(name="items", embedding_dim=16, num_embeddings=1024,
     ...                          feature_names=["item"])
     >>> fp = table_footprint(config, DynamicEmbTableOptions(), OptimizerConfig(), world_size=2)
     >>> fp.storage()  # what the planner reserves for the shard
-    Storage(hbm=43112, ddr=8, ssd=0)
+    Storage(hbm=75368, ddr=8, ssd=0)
 """
 from __future__ import annotations
 
@@ -226,8 +234,8 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
         >>> fp = table_footprint(config, DynamicEmbTableOptions(), OptimizerConfig(),
         ...                      world_size=2, batch_size=64,
         ...                      pipeline_type=PipelineType.TRAIN_SPARSE_DIST)
-        >>> fp.mode, fp.device_rows
-        (<StorageMode.HBM_DIRECT: 'hbm_direct'>, 512)
+        >>> fp.mode, fp.device_rows       # room for 512 ids in buckets of 128
+        (<StorageMode.HBM_DIRECT: 'hbm_direct'>, 896)
     """
     if not 0.0 < unique_ratio <= 1.0:
         raise ValueError(f"unique_ratio must be in (0, 1], got {unique_ratio!r}")
@@ -333,7 +341,7 @@ def footprints(model: nn.Module, *, world_size: int, batch_size: int,
         >>> model = torch.nn.Sequential(DynamicEmbCollection(tables=[EmbeddingConfig(
         ...     name="items", embedding_dim=16, num_embeddings=1024, feature_names=["item"])]))
         >>> sum(f.device_bytes for f in footprints(model, world_size=2, batch_size=256))
-        123088
+        187600
     """
     out: List[TableFootprint] = []
     for _, module in dynamic_collections(model):

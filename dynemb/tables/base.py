@@ -13,6 +13,7 @@ input length (``EMPTY_KEY`` entries, slot -1) so the hot path never reads a size
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -22,6 +23,7 @@ from dynemb.backends import backend_for_device
 from dynemb.counters import COUNTER_NAMES, TableCounters
 from dynemb.dedup import unique_keys
 from dynemb.flat_table import RowLayout
+from dynemb.initializers import Initializer
 from dynemb.optimizers import OccurrenceGrads, OptimizerConfig, fused_update
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.batch import TableBatch
@@ -33,7 +35,12 @@ from dynemb.validation import check_keys
 
 class DynamicTable:
     """The shared part of the storage-mode classes; built by
-    :func:`dynemb.tables.build_table` (through :class:`~dynemb.DynamicEmbCollection`)."""
+    :func:`dynemb.tables.build_table` (through :class:`~dynemb.DynamicEmbCollection`).
+
+    The collections settle ``options.initializer`` from the table's config first
+    (:func:`dynemb.options.resolve_initializer`); a table built from options whose
+    initializer is still None (no config to read) starts its rows from ``Initializer()``.
+    """
 
     mode: StorageMode
 
@@ -47,6 +54,8 @@ class DynamicTable:
         self.table_id = table_id
         self.dim = dim
         self.layout = layout
+        if options.initializer is None:
+            options = dataclasses.replace(options, initializer=Initializer())
         self.options = options
         self.optimizer = optimizer
         self.device = torch.device(device)

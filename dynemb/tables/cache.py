@@ -30,7 +30,7 @@ class CacheTable(HbmDirectTable):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        factory = self.options.backing_store or default_store(self.layout.max_capacity)
+        factory = self.options.backing_store or default_store(self.layout.target_rows)
         self.store = factory(self.width, self.layout.dtype, self.device)
         if not isinstance(self.store, BackingStore) or self.store.width != self.width:
             raise TypeError(f"table {self.name!r}: backing_store must build a BackingStore of "
@@ -40,7 +40,8 @@ class CacheTable(HbmDirectTable):
     def planned_rows(cls, layout: TableLayout, options: DynamicEmbTableOptions) -> PlannedRows:
         """The cache's rows, and the backing store at its largest: the default store's
         :func:`~dynemb.backing_store.default_store_slots` (a row and a hash slot each), or the
-        ``max_capacity`` rows a user's store must hold (its own structures unknown).
+        rows a user's store must hold (its own structures unknown): the rows the table is
+        sized for, ``layout.target_rows`` (``num_embeddings``, or ``max_capacity`` when set).
 
         Example::
 
@@ -48,13 +49,13 @@ class CacheTable(HbmDirectTable):
             >>> options = DynamicEmbTableOptions(caching=True, global_hbm_for_values=512 * 32)
             >>> layout = choose_storage_mode(options, name="t", num_embeddings=5000, width=8,
             ...                              config_dtype=torch.float32)
-            >>> CacheTable.planned_rows(layout, options)  # 512 cached of 5000 rows
-            PlannedRows(device_rows=512, host_rows=10240, host_hash_slots=10240, host_exact=True)
+            >>> CacheTable.planned_rows(layout, options)  # 512 cached, 2 x 5000 in the store
+            PlannedRows(device_rows=512, host_rows=9984, host_hash_slots=9984, host_exact=True)
         """
         if options.backing_store is not None:
-            return PlannedRows(layout.device_capacity, host_rows=layout.max_capacity,
+            return PlannedRows(layout.device_capacity, host_rows=layout.target_rows,
                                host_exact=False)
-        slots = default_store_slots(layout.max_capacity)
+        slots = default_store_slots(layout.target_rows)
         return PlannedRows(layout.device_capacity, host_rows=slots, host_hash_slots=slots)
 
     def _present(self, keys: torch.Tensor) -> torch.Tensor:

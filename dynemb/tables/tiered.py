@@ -41,8 +41,8 @@ class TieredTable(DynamicTable):
             >>> options = DynamicEmbTableOptions(global_hbm_for_values=256 * 32)  # 256 rows of 32 bytes
             >>> layout = choose_storage_mode(options, name="t", num_embeddings=1024, width=8,
             ...                              config_dtype=torch.float32)
-            >>> TieredTable.planned_rows(layout, options)  # 256 of 1024 rows fit the device
-            PlannedRows(device_rows=256, host_rows=768, host_hash_slots=768, host_exact=True)
+            >>> TieredTable.planned_rows(layout, options)  # 256 of the 1664 slots for 1024 ids
+            PlannedRows(device_rows=256, host_rows=1408, host_hash_slots=1408, host_exact=True)
         """
         host = layout.host_tier_rows
         return PlannedRows(layout.device_capacity, host_rows=host, host_hash_slots=host)
