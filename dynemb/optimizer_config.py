@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -162,6 +163,51 @@ class OptimizerConfig:
             raise ValueError("fused_params['extra_optimizer_config'].use_rowwise_bias_correction "
                              "is not supported")
         return cls(kind, **kwargs)
+
+
+class DefaultOptimizerNotice:
+    """Says once, at a module's first training use, that no optimizer was configured.
+
+    A dynamic module built without ``optimizer=`` may still get one from its sharder's
+    ``fused_params`` when DistributedModelParallel shards it, so construction says nothing;
+    the module calls :meth:`at_training` on each training forward, and the first one warns
+    (``UserWarning``) naming the default it trains with. ``torchrec.optim.
+    apply_optimizer_in_backward`` does not reach dynamic tables (they are not parameters),
+    so the warning names the two places that do.
+
+    Example::
+
+        >>> notice = DefaultOptimizerNotice("DynamicEmbCollection", given=False)
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     notice.at_training(OptimizerConfig())
+        ...     notice.at_training(OptimizerConfig())
+        >>> len(seen), "learning_rate=0.01" in str(seen[0].message)
+        (1, True)
+    """
+
+    def __init__(self, owner: str, given: bool) -> None:
+        self.owner = owner
+        self.given = bool(given)
+        self._said = self.given
+
+    def at_training(self, config: OptimizerConfig) -> None:
+        """Warn if no optimizer was configured and this is the first call."""
+        if self._said:
+            return
+        self._said = True
+        warnings.warn(default_optimizer_message(self.owner, config), UserWarning, stacklevel=3)
+
+
+def default_optimizer_message(owner: str, config: OptimizerConfig) -> str:
+    """The text of :class:`DefaultOptimizerNotice`'s warning."""
+    return (f"{owner} trains with the default optimizer {config} (fbgemm's EXACT_SGD "
+            f"defaults): no optimizer was configured. Pass optimizer=OptimizerConfig(...) "
+            f"to the module, or fused_params={{'optimizer': EmbOptimType..., "
+            f"'learning_rate': ...}} to its sharder; torchrec.optim."
+            f"apply_optimizer_in_backward does not reach dynamic tables, which hold no "
+            f"parameters")
 
 
 def check_number(value, name: str) -> float:

@@ -37,11 +37,13 @@ from torchrec.distributed.types import CacheParams, PipelineType, ShardingPlan, 
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
 from dynemb.collection import DynamicEmbCollection
+from dynemb.optimizer_config import OptimizerConfig
 from dynemb.options import StorageMode
 from dynemb.planning.footprint import (TableFootprint, UniqueRatios, dynamic_collections,
                                        is_pooled, rank_layout, table_footprint,
                                        unique_ratio_of)
 from dynemb.planning.report import format_footprints
+from dynemb.sharding.fused_params import fused_params_optimizer, sharder_override
 
 # Named after the public module users import the planner from, so that is the logger they
 # configure.
@@ -80,6 +82,17 @@ def _config_of(option: ShardingOption) -> Tuple[DynamicEmbCollection, EmbeddingC
                    f"{option.module[0]!r}")
 
 
+def planned_optimizer(option: ShardingOption,
+                      sharder_data_map: Optional[SharderDataMap] = None) -> OptimizerConfig:
+    """The optimizer a dynamic table's option will train with: its sharder's
+    ``fused_params`` (in ``sharder_data_map``) or its module's (conflicts raise, as when DMP
+    shards the module)."""
+    module = option.module[1]
+    data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
+    fused = fused_params_optimizer(data.fused_params) if data is not None else None
+    return sharder_override(module, fused, option.module[0]) or module.optimizer_config
+
+
 class DynamicEmbStorageEstimator(ShardEstimator):
     """Storage estimator: dynamic tables get :func:`table_footprint`'s bytes per shard
     (HBM = device tables + hash metadata + admission counter + pipelined I/O, DDR = host
@@ -92,6 +105,11 @@ class DynamicEmbStorageEstimator(ShardEstimator):
         unique_ratios: expected fraction of distinct ids in a batch (one float, or a dict by
             table name; default 1.0, i.e. no duplicates). Scales the input ids a shard
             receives, since each rank sends each distinct id once.
+        torchrec_estimator: the TorchRec storage estimator other options go to (default: a
+            new ``EmbeddingStorageEstimator`` with the same arguments).
+
+    A table's optimizer state is sized for the optimizer it will train with: its sharder's
+    ``fused_params`` or its module's ``optimizer=`` (:func:`planned_optimizer`).
 
     Example::
 
@@ -104,14 +122,16 @@ class DynamicEmbStorageEstimator(ShardEstimator):
                  constraints: Optional[Dict[str, ParameterConstraints]] = None,
                  pipeline_type: PipelineType = PipelineType.NONE,
                  run_embedding_at_peak_memory: bool = False, is_inference: bool = False,
-                 *, unique_ratios: UniqueRatios = None) -> None:
+                 *, unique_ratios: UniqueRatios = None,
+                 torchrec_estimator: Optional[ShardEstimator] = None) -> None:
         self._topology = topology
         self._constraints = constraints
         self._pipeline_type = pipeline_type
         self._count_ephemeral = run_embedding_at_peak_memory
         self._is_inference = is_inference
         self._unique_ratios = unique_ratios
-        self._torchrec = EmbeddingStorageEstimator(
+        self._sharder_data_map: Optional[SharderDataMap] = None  # of the last estimate
+        self._torchrec = torchrec_estimator or EmbeddingStorageEstimator(
             topology=topology, constraints=constraints, pipeline_type=pipeline_type,
             run_embedding_at_peak_memory=run_embedding_at_peak_memory,
             is_inference=is_inference)
@@ -122,8 +142,11 @@ class DynamicEmbStorageEstimator(ShardEstimator):
 
     def footprint(self, option: ShardingOption, rank: int = 0,
                   sharder_data_map: Optional[SharderDataMap] = None) -> TableFootprint:
-        """The :class:`TableFootprint` of one shard of a dynamic table's sharding option."""
+        """The :class:`TableFootprint` of one shard of a dynamic table's sharding option
+        (``sharder_data_map``: default, the last :meth:`estimate`'s)."""
         module, config = _config_of(option)
+        if sharder_data_map is None:
+            sharder_data_map = self._sharder_data_map
         constraints = self._constraints.get(option.name) if self._constraints else None
         num_poolings = get_num_poolings(self._constraints, option)
         batch_sizes = (constraints.batch_sizes if constraints and constraints.batch_sizes
@@ -134,7 +157,8 @@ class DynamicEmbStorageEstimator(ShardEstimator):
             if data is not None:
                 mpp = data.fused_params.get("multipass_prefetch_config")
         return table_footprint(
-            config, module.table_options[config.name], module.optimizer_config,
+            config, module.table_options[config.name],
+            planned_optimizer(option, sharder_data_map),
             world_size=self._topology.world_size, rank=rank,
             input_lengths=option.input_lengths, num_poolings=num_poolings,
             batch_sizes=batch_sizes,
@@ -147,6 +171,7 @@ class DynamicEmbStorageEstimator(ShardEstimator):
 
     def estimate(self, sharding_options: List[ShardingOption],
                  sharder_data_map: Optional[SharderDataMap] = None) -> None:
+        self._sharder_data_map = sharder_data_map
         ours = _estimate_others(self._torchrec, sharding_options, sharder_data_map)
         for option in ours:
             if option.sharding_type != DYNEMB_SHARDING_TYPE:
@@ -163,7 +188,8 @@ class DynamicEmbPerfEstimator(ShardEstimator):
     as the nearest TorchRec kernel (``fused`` for HBM_DIRECT; ``fused_uvm_caching`` with the
     table's real device/total row ratio as cache load factor for CACHE and DEFAULT on a CUDA
     topology), then get their ``customized_kernel`` label (and cache params) back. Other
-    options go to TorchRec's estimator as they are.
+    options go to TorchRec's estimator (``torchrec_estimator``, default a new
+    ``EmbeddingPerfEstimator``) as they are.
 
     Example::
 
@@ -173,16 +199,20 @@ class DynamicEmbPerfEstimator(ShardEstimator):
 
     def __init__(self, topology: Topology,
                  constraints: Optional[Dict[str, ParameterConstraints]] = None,
-                 is_inference: bool = False) -> None:
+                 is_inference: bool = False, *,
+                 torchrec_estimator: Optional[ShardEstimator] = None) -> None:
         self._topology = topology
-        self._torchrec = EmbeddingPerfEstimator(topology=topology, constraints=constraints,
-                                                is_inference=is_inference)
+        self._torchrec = torchrec_estimator or EmbeddingPerfEstimator(
+            topology=topology, constraints=constraints, is_inference=is_inference)
 
-    def proxy_kernel(self, option: ShardingOption) -> Tuple[str, Optional[float]]:
+    def proxy_kernel(self, option: ShardingOption,
+                     sharder_data_map: Optional[SharderDataMap] = None
+                     ) -> Tuple[str, Optional[float]]:
         """The TorchRec kernel (and cache load factor) a dynamic table is timed as."""
         module, config = _config_of(option)
         layout = rank_layout(config, module.table_options[config.name],
-                             module.optimizer_config, self._topology.world_size)
+                             planned_optimizer(option, sharder_data_map),
+                             self._topology.world_size)
         if layout.mode is StorageMode.HBM_DIRECT or self._topology.compute_device != "cuda":
             return EmbeddingComputeKernel.FUSED.value, None
         return (EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
@@ -196,7 +226,7 @@ class DynamicEmbPerfEstimator(ShardEstimator):
         saved = [(o, o.compute_kernel, o.cache_params) for o in ours]
         try:
             for option in ours:
-                kernel, ratio = self.proxy_kernel(option)
+                kernel, ratio = self.proxy_kernel(option, sharder_data_map)
                 option.compute_kernel = kernel
                 if ratio is not None:
                     option.cache_params = dataclasses.replace(

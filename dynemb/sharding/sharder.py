@@ -3,15 +3,18 @@ planner and DistributedModelParallel shard :class:`DynamicEmbCollection` and
 :class:`DynamicEmbBagCollection` modules."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Mapping, Optional, Type
 
 import torch
 from torchrec.distributed.types import (EmbeddingModuleShardingPlan, ModuleSharder,
-                                        ShardingEnv)
+                                        QuantizedCommCodecs, ShardingEnv)
 from torchrec.modules.embedding_configs import data_type_to_dtype
 
 from dynemb.bag_collection import DynamicEmbBagCollection
 from dynemb.collection import DynamicEmbCollection
+from dynemb.optimizer_config import OptimizerConfig
+from dynemb.sharding.fused_params import (checked_fused_params, fused_params_optimizer,
+                                          sharder_override)
 from dynemb.sharding.sharded_bag_collection import ShardedDynamicEmbBagCollection
 from dynemb.sharding.sharded_collection import ShardedDynamicEmbCollection
 from dynemb.sharding.sharded_tables import SUPPORTED_COMPUTE_KERNELS, SUPPORTED_SHARDING_TYPES
@@ -22,20 +25,61 @@ class DynamicEmbCollectionSharder(ModuleSharder[DynamicEmbCollection]):
 
     The planner sees each table as a ``num_embeddings x embedding_dim`` parameter on the meta
     device (nothing is allocated), sharding type ``row_wise`` and compute kernel
-    ``customized_kernel``; constrain dynamic tables to those. Which rank owns a key is the
-    table's :attr:`DynamicEmbTableOptions.sharding`.
+    ``customized_kernel`` (the only ones it offers). Which rank owns a key is the table's
+    :attr:`DynamicEmbTableOptions.sharding`.
+
+    Args:
+        fused_params: TorchRec's sharder ``fused_params``; the optimizer keys
+            (``optimizer``, ``learning_rate``, ``eps``, ...) configure the tables' fused
+            optimizer (:func:`~dynemb.sharding.fused_params.fused_params_optimizer`), which
+            must then agree with any ``optimizer=`` given to the module; other keys are
+            ignored. Checked here: an unsupported optimizer raises at construction.
+        qcomm_codecs_registry: accepted as TorchRec's sharders do; unused (ids and rows
+            travel unquantized).
+
+    Building one also lets TorchRec's default planner (``DistributedModelParallel``
+    without a plan, ``EmbeddingShardingPlanner()``) estimate dynamic tables
+    (:func:`~dynemb.planning.defaults.install_default_estimators`).
 
     Example::
 
-        >>> sharders = [DynamicEmbCollectionSharder(), EmbeddingCollectionSharder()]  # doctest: +SKIP
-        >>> plan = planner.collective_plan(model, sharders, pg)  # doctest: +SKIP
-        >>> model = DistributedModelParallel(model, plan=plan, sharders=sharders)  # doctest: +SKIP
+        >>> from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        >>> sharder = DynamicEmbCollectionSharder(fused_params={
+        ...     "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1})
+        >>> sharder.optimizer_config.type
+        <OptimizerType.ROWWISE_ADAGRAD: 'rowwise_adagrad'>
+        >>> model = DistributedModelParallel(model, sharders=[sharder])  # doctest: +SKIP
     """
+
+    def __init__(self, fused_params: Optional[Mapping[str, Any]] = None,
+                 qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None
+                 ) -> None:
+        super().__init__(qcomm_codecs_registry=qcomm_codecs_registry)
+        self._fused_params = checked_fused_params(fused_params)
+        self._fused_optimizer = fused_params_optimizer(self._fused_params)
+        from dynemb.planning.defaults import install_default_estimators  # import cycle
+        install_default_estimators()
+
+    @property
+    def fused_params(self) -> Optional[Dict[str, Any]]:
+        return self._fused_params
+
+    @property
+    def optimizer_config(self) -> Optional[OptimizerConfig]:
+        """The optimizer ``fused_params`` configure (None: they configure none)."""
+        return self._fused_optimizer
 
     def shard(self, module: DynamicEmbCollection, params: EmbeddingModuleShardingPlan,
               env: ShardingEnv, device: Optional[torch.device] = None,
               module_fqn: Optional[str] = None) -> ShardedDynamicEmbCollection:
-        return ShardedDynamicEmbCollection(module, dict(params), env, device, module_fqn)
+        return ShardedDynamicEmbCollection(module, dict(params), env, device, module_fqn,
+                                           **self._override(module, module_fqn))
+
+    def _override(self, module: DynamicEmbCollection, module_fqn: Optional[str]) -> dict:
+        """The sharded module's ``optimizer=`` when ``fused_params`` configure one (else the
+        module's own applies)."""
+        optimizer = sharder_override(module, self._fused_optimizer, module_fqn)
+        return {} if optimizer is None else {"optimizer": optimizer}
 
     @property
     def module_type(self) -> Type[DynamicEmbCollection]:
@@ -68,7 +112,8 @@ class DynamicEmbBagCollectionSharder(DynamicEmbCollectionSharder):
     def shard(self, module: DynamicEmbBagCollection, params: EmbeddingModuleShardingPlan,
               env: ShardingEnv, device: Optional[torch.device] = None,
               module_fqn: Optional[str] = None) -> ShardedDynamicEmbBagCollection:
-        return ShardedDynamicEmbBagCollection(module, dict(params), env, device, module_fqn)
+        return ShardedDynamicEmbBagCollection(module, dict(params), env, device, module_fqn,
+                                              **self._override(module, module_fqn))
 
     @property
     def module_type(self) -> Type[DynamicEmbBagCollection]:
