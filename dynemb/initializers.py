@@ -165,13 +165,7 @@ def initializer_from_config(config) -> Initializer:
     make = _TORCH_INITS.get(func)
     if make is None:
         raise ValueError(_unsupported(config, init_fn))
-    try:
-        bound = inspect.signature(func).bind(None, *args, **keywords)
-    except TypeError as err:
-        raise ValueError(f"table {config.name!r}: init_fn {init_fn!r} does not fit "
-                         f"{func.__name__}'s arguments ({err})") from None
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
+    arguments = _arguments(config, init_fn, func, args, keywords)
     if arguments.get("generator") is not None:
         raise ValueError(
             f"table {config.name!r}: init_fn passes a torch.Generator, which cannot seed rows "
@@ -183,6 +177,24 @@ def initializer_from_config(config) -> Initializer:
         return make(arguments)
     except (TypeError, ValueError) as err:
         raise ValueError(f"table {config.name!r}: init_fn {init_fn!r}: {err}") from None
+
+
+def _arguments(config, init_fn, func, args, keywords) -> dict:
+    """The arguments ``func`` gets when TorchRec calls ``init_fn(weight)``: a partial's
+    positional arguments come before the weight, which must land on the tensor parameter."""
+    weight = object()
+    try:
+        bound = inspect.signature(func).bind(*args, weight, **keywords)
+    except TypeError as err:
+        raise ValueError(f"table {config.name!r}: init_fn {init_fn!r} cannot be called with "
+                         f"the weight tensor ({err})") from None
+    bound.apply_defaults()
+    if bound.arguments.get("tensor") is not weight:
+        raise ValueError(f"table {config.name!r}: init_fn {init_fn!r} would get the weight "
+                         f"tensor after its positional arguments, not as {func.__name__}'s "
+                         f"tensor (TorchRec calls init_fn(weight)); pass the other arguments "
+                         f"by keyword")
+    return dict(bound.arguments)
 
 
 def _unwrap(init_fn):
