@@ -1,7 +1,7 @@
 """Input distribution of a row-wise sharded dynamic table group: dedup, route, all-to-all."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,12 +28,16 @@ class DedupRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         pg: the process group of the all-to-all.
         tables: ``(table name, feature names, sharding scheme)`` of each table in the group.
         where: what to call the module in errors (see :mod:`dynemb.sharding.step_check`).
+        output_names: ``(table, feature) -> output name`` where they differ (a feature read
+            by several tables: ``feature@table``); the routing's segments carry these names.
     """
 
     def __init__(self, pg: dist.ProcessGroup,
                  tables: Sequence[Tuple[str, Sequence[str], ShardingScheme]],
-                 where: str = "a sharded dynamic module") -> None:
+                 where: str = "a sharded dynamic module",
+                 output_names: Optional[Mapping[Tuple[str, str], str]] = None) -> None:
         super().__init__()
+        self._output_names = dict(output_names or {})
         self._world_size = pg.size()
         self._tables = [(name, list(features), scheme) for name, features, scheme in tables]
         self._table_names = [name for name, _, _ in self._tables]
@@ -59,13 +63,14 @@ class DedupRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     def route(self, jts: Dict[str, "torch.Tensor"]) -> RoutedIds:
         ids_per_table, schemes, segments = [], [], []
         device = next(iter(jts.values())).values().device if jts else torch.device("cpu")
-        for _, features, scheme in self._tables:
+        for table, features, scheme in self._tables:
             parts = []
             for feature in features:
                 if feature in jts:
                     ids = jts[feature].values().to(torch.int64)
                     parts.append(ids)
-                    segments.append((feature, ids.numel()))
+                    name = self._output_names.get((table, feature), feature)
+                    segments.append((name, ids.numel()))
             ids_per_table.append(torch.cat(parts) if parts else
                                  torch.empty(0, dtype=torch.int64, device=device))
             schemes.append(scheme)

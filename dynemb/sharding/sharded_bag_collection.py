@@ -37,6 +37,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from dynemb.bag_collection import DynamicEmbBagCollection, check_bag_kjt
+from dynemb.collection_config import output_names_by_table
 from dynemb.sharding.bag_input_dist import RwBagSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_options, rows_per_rank
 from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables
@@ -83,12 +84,15 @@ class LocalBagShard(SavedBySharded, DynamicEmbBagCollection):
     features, pooling every bag by SUM (MEAN is applied after the reduce-scatter)."""
 
 
-def local_bag_config(config: EmbeddingBagConfig, world_size: int) -> EmbeddingBagConfig:
-    """One rank's config of ``config``'s table: a share of its rows, pooled by SUM."""
+def local_bag_config(config: EmbeddingBagConfig, world_size: int,
+                     feature_names: Optional[List[str]] = None) -> EmbeddingBagConfig:
+    """One rank's config of ``config``'s table: a share of its rows, pooled by SUM, read by
+    ``feature_names`` (default: the table's; the sharded module passes its output names, so
+    that a feature read by several tables reaches each under its own name)."""
     return EmbeddingBagConfig(
         name=config.name, embedding_dim=config.embedding_dim,
         num_embeddings=rows_per_rank(config.num_embeddings, world_size),
-        feature_names=list(config.feature_names), data_type=config.data_type,
+        feature_names=list(feature_names or config.feature_names), data_type=config.data_type,
         pooling=PoolingType.SUM)
 
 
@@ -105,7 +109,9 @@ class ShardedDynamicEmbBagCollection(
     share of every table in :attr:`local`, so ``stats()``, ``storage_modes()`` and
     ``read_rows`` work per rank. Features of the input KJT that belong to no table of this
     module are ignored (one KJT often feeds several modules); every feature of the module
-    must be there.
+    must be there. A feature read by several tables travels once per table, under its
+    output name (``feature@table``); an unweighted module drops the KJT's weights before
+    they travel.
     """
 
     def __init__(self, module: DynamicEmbBagCollection,
@@ -119,22 +125,26 @@ class ShardedDynamicEmbBagCollection(
         self._is_weighted = module.is_weighted()
         options = module.table_options
         device = torch.device(device if device is not None else "cpu")
+        names = output_names_by_table(configs)
         self.local = LocalBagShard(
-            [local_bag_config(c, self._world_size) for c in configs],
+            [local_bag_config(c, self._world_size, n) for c, n in zip(configs, names)],
             is_weighted=self._is_weighted, device=device,
             table_options={c.name: local_table_options(options[c.name], self._world_size)
                            for c in configs},
             optimizer=module.optimizer_config, validate_inputs=False,  # checked at input dist
             backend=module.backend)
         self._validate = module.validate_inputs
-        self._features = [f for c in configs for f in c.feature_names]
+        # outputs (and what travels) in config order; each reads its source feature
+        self._features = [n for table_names in names for n in table_names]
+        self._sources = [f for c in configs for f in c.feature_names]
         self._dims = [c.embedding_dim for c in configs for _ in c.feature_names]
-        self._mean_features = {f for c in configs if c.pooling == PoolingType.MEAN
-                               for f in c.feature_names}
+        self._mean_features = {n for c, table_names in zip(configs, names)
+                               if c.pooling == PoolingType.MEAN for n in table_names}
         # plain lists, as TorchRec's sharded modules keep theirs (out of the state dict)
         self._input_dists: List[torch.nn.Module] = [RwBagSparseFeaturesDist(
             pg, self._features,
-            {f: options[c.name].sharding for c in configs for f in c.feature_names},
+            {n: options[c.name].sharding for c, table_names in zip(configs, names)
+             for n in table_names},
             self._where)]
         self._output_dists: List[torch.nn.Module] = [PooledEmbeddingsReduceScatter(pg)]
 
@@ -154,13 +164,21 @@ class ShardedDynamicEmbBagCollection(
                                       [ShardingType.ROW_WISE.value])
 
     def _select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """This module's features of ``features``, in config order, checked (on the sending
-        rank, before any collective, so a bad batch changes no rank's tables)."""
+        """This module's features of ``features``, in config order under their output names
+        (a feature of several tables once per table), checked (on the sending rank, before
+        any collective, so a bad batch changes no rank's tables). An unweighted module drops
+        the weights: every rank must send the same kind of KJT."""
         check_kjt(features, self.local.device, check_lengths=self._validate)
-        check_bag_kjt(features, self._features, self._is_weighted)
+        check_bag_kjt(features, list(dict.fromkeys(self._sources)), self._is_weighted)
         index = {f: i for i, f in enumerate(features.keys())}
-        order = [index[f] for f in self._features]
+        order = [index[f] for f in self._sources]
         mine = features if order == list(range(len(index))) else features.permute(order)
+        if mine.keys() != self._features or (not self._is_weighted
+                                             and mine.weights_or_none() is not None):
+            mine = KeyedJaggedTensor(
+                keys=self._features, values=mine.values(), lengths=mine.lengths(),
+                weights=mine.weights_or_none() if self._is_weighted else None,
+                stride=mine.stride())
         if self._validate:
             check_keys(mine.values().to(torch.int64), mine.values().device,
                        name=f"ids of features {self._features}")

@@ -28,6 +28,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from dynemb.collection import DynamicEmbCollection
+from dynemb.collection_config import output_name_of, output_names_by_table
 from dynemb.jagged import cut_by_feature
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
@@ -65,9 +66,10 @@ class DynamicEmbOutputAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
 
     def __init__(self, awaitables: List[Awaitable[torch.Tensor]],
                  ctx: DynamicEmbShardingContext, need_indices: bool,
-                 check: BackwardStepCheck) -> None:
+                 check: BackwardStepCheck, feature_of: Dict[str, str]) -> None:
         super().__init__()
         self._awaitables = awaitables
+        self._feature_of = feature_of  # output name -> the input feature it reads
         self._ctx = ctx
         self._need_indices = need_indices
         self._check = check
@@ -78,7 +80,7 @@ class DynamicEmbOutputAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
         for rows, routing in zip(received, self._ctx.routings):
             ids = self._ctx.feature_ids if self._need_indices else None
             out.update(cut_by_feature(rows, routing.segments,
-                                      self._ctx.feature_lengths, ids))
+                                      self._ctx.feature_lengths, ids, self._feature_of))
         return {f: out[f] for f in self._ctx.feature_order if f in out}
 
 
@@ -101,7 +103,8 @@ class ShardedDynamicEmbCollection(
     :class:`DynamicEmbCollection` with one feature per table), so ``stats()``,
     ``storage_modes()`` and ``read_rows`` work per rank. Features of the input KJT that
     belong to no table of this module are ignored, as TorchRec's sharded modules do (one KJT
-    often feeds several modules).
+    often feeds several modules); outputs are named and ordered as the unsharded module's
+    (``feature@table`` for a feature that several tables read).
     """
 
     def __init__(self, module: DynamicEmbCollection,
@@ -123,6 +126,9 @@ class ShardedDynamicEmbCollection(
             backend=module.backend)
         self._validate = module.validate_inputs
         self._features = {f for c in configs for f in c.feature_names}
+        output_name = output_name_of(configs)
+        self._output_names = [n for names in output_names_by_table(configs) for n in names]
+        self._feature_of = {n: f for (_, f), n in output_name.items()}
         self._group_tables: List[List[str]] = []
         dims: Dict[int, List] = {}
         for c in configs:
@@ -133,7 +139,7 @@ class ShardedDynamicEmbCollection(
             self._group_tables.append([c.name for c in group])
             input_dists.append(DedupRwSparseFeaturesDist(
                 pg, [(c.name, c.feature_names, options[c.name].sharding) for c in group],
-                self._where))
+                self._where, output_name))
             output_dists.append(RwSequenceEmbeddingDist(pg, len(group), device))
         # plain lists, as TorchRec's sharded modules keep theirs: their buffers (world-size
         # dependent permutations) are not model state and stay out of the state dict
@@ -154,7 +160,7 @@ class ShardedDynamicEmbCollection(
             for f in mine:
                 check_keys(jts[f].values().to(torch.int64), jts[f].values().device,
                            name=f"ids of feature {f!r}")
-        ctx.feature_order = mine
+        ctx.feature_order = [n for n in self._output_names if self._feature_of[n] in jts]
         ctx.batch = self._next_batch()
         ctx.feature_lengths = {f: jts[f].lengths() for f in mine}
         if self._need_indices:
@@ -192,7 +198,7 @@ class ShardedDynamicEmbCollection(
         awaitables = [dist(rows, sharding_ctx) for dist, rows, sharding_ctx
                       in zip(self._output_dists, output, ctx.sharding_contexts)]
         return DynamicEmbOutputAwaitable(awaitables, ctx, self._need_indices,
-                                         self._backward_check(ctx.batch))
+                                         self._backward_check(ctx.batch), self._feature_of)
 
     @staticmethod
     def _merge(dist_input: KJTList) -> KeyedJaggedTensor:
