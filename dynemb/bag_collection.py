@@ -35,7 +35,8 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
 
     Same input and output as ``EmbeddingBagCollection``: ``forward(kjt)`` returns a
     ``KeyedTensor`` whose keys are the output names in config order (table by table: the
-    feature's name, ``feature@table`` for a feature that several tables read) and whose values [B, sum of the features' dims] hold, per sample and feature, the SUM (times
+    feature's name, ``feature@table`` for a feature that several tables read) and whose
+    values [B, sum of the features' dims] hold, per sample and feature, the SUM (times
     the KJT's per-id weights when ``is_weighted``) or the MEAN of the feature's rows. An empty
     bag gives zeros. In backward each row of a bag gets the bag's gradient (times its weight,
     divided by the bag length for MEAN), summed per unique id, then the fused update.

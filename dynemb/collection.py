@@ -119,12 +119,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
                                       self._optimizer_config, self._device, self._backend)
 
     def reset_parameters(self) -> None:
-        """Empty every table, as TorchRec's ``reset_parameters`` re-draws its weights: each
-        table is as just constructed (rows, optimizer state, scores, backing store or host
-        tier, admission counts and ``stats()`` counters gone; steps back to 0), so every id
-        reads its initial row again, the same as before (it depends only on seed, table and
-        id). Queued prefetches and pins end; a backward of an earlier forward raises. The
-        learning rate in :attr:`fused_optimizer` stays. Nothing to do on the meta device.
+        """Empty every table as just constructed (rows, optimizer state, scores, store or
+        host tier, admission counts, counters; steps back to 0): each id reads its initial
+        row again. Prefetches and pins end; the learning rate stays. No-op on meta.
 
         Example::
 
@@ -141,10 +138,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         if self._device.type == "meta":
             return
         self.clear_prefetched()
-        for config in self._configs:
-            del self.tables[config.name]  # its memory goes before the new table takes its own
-            self.tables[config.name] = self._build_table(config)
-            self._steps[config.name] = 0
+        for config in self._configs:  # one table's memory goes before its new one comes
+            del self.tables[config.name]
+            self.tables[config.name], self._steps[config.name] = self._build_table(config), 0
         self._generation += 1
 
     # -- configuration views -----------------------------------------------------------------
@@ -160,9 +156,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
             raise ValueError(f"tables have different embedding dims {dims}")
         return dims[0]
 
-    def embedding_names_by_table(self) -> List[List[str]]:
-        """The output names of each table's features (TorchRec's: ``feature@table`` for a
-        feature that several tables read)."""
+    def embedding_names_by_table(self) -> List[List[str]]:  # TorchRec's (feature@table)
         return output_names_by_table(self._configs)
 
     @property
@@ -409,8 +403,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         return {n: out[n] for n in self._output_names if n in out}
 
     def _meta_outputs(self, kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        """``forward`` on the meta device: meta outputs of the right shapes (see
-        :func:`dynemb.jagged.meta_outputs`); no table is read."""
+        """``forward`` on the meta device (see :func:`dynemb.jagged.meta_outputs`)."""
         check_kjt(kjt, kjt.values().device, check_lengths=False,
                   variable_batch=self._variable_batch)
         return meta_outputs(kjt, self._configs, self._output_name, self._need_indices)
