@@ -26,6 +26,7 @@ import torch
 from dynemb.kernel_backend import KernelBackend, TableArrays
 from dynemb.kernels import dedup_cpu, init_cpu, optim_cpu, pool_cpu, round_cpu, table_cpu
 from dynemb.kernels.constants import EMPTY_KEY, TOMBSTONE_KEY, cuda_simulator_enabled
+from dynemb.threads import apply_defaults as apply_thread_defaults
 
 _THREADS_PER_BLOCK = 256
 _SIMULATED_THREADS_PER_BLOCK = 32
@@ -41,6 +42,11 @@ class CpuBackend:
     #: Slot failures raise at once (reading a count costs nothing on CPU); unique keys are
     #: exact, never padded.
     defers_failures = False
+
+    def __init__(self):
+        # numba one core short of the process's (dynemb.threads): created once per process,
+        # before the first CPU kernel runs
+        apply_thread_defaults()
 
     def check_device(self, device: torch.device) -> None:
         if device.type != "cpu":
