@@ -19,6 +19,7 @@ from dynemb.fused_optimizer import DynamicEmbFusedOptimizer, checked_lr
 from dynemb.jagged import cut_by_feature, meta_outputs
 from dynemb.module_conversion import check_conversion, prepare_pickle
 from dynemb.occurrence_lookup import OccurrenceLookup
+from dynemb.optimizer_config import DefaultOptimizerNotice
 from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode
 from dynemb.prefetch import PrefetchState, check_state_matches, prefetch_on_stream
@@ -88,6 +89,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         self._optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
         if not isinstance(self._optimizer_config, OptimizerConfig):
             raise TypeError(f"optimizer must be an OptimizerConfig, got {optimizer!r}")
+        # a sharder's fused_params may still configure it: say so at first training use
+        self._optimizer_notice = DefaultOptimizerNotice(type(self).__name__,
+                                                        given=optimizer is not None)
         options = options_by_table(table_options, [c.name for c in self._configs])
         options = resolve_stash_options(options, self._configs, self._optimizer_config)
         self._table_options = options
@@ -166,6 +170,12 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
     @property
     def optimizer_config(self) -> OptimizerConfig:
         return self._optimizer_config
+
+    @property
+    def optimizer_given(self) -> bool:
+        """Whether ``optimizer=`` was passed (if not, a sharder's ``fused_params`` may
+        configure it; else the default applies and warns at first training use)."""
+        return self._optimizer_notice.given
 
     @property
     def validate_inputs(self) -> bool:
@@ -342,6 +352,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         trains = self.training and torch.is_grad_enabled()
         if trains:
             self._check_lr()
+            self._optimizer_notice.at_training(self._optimizer_config)
         if self._queue and self._queue[0].training == trains:
             # a mismatch raises with the queue as it was: the batch prefetched is still the
             # next one, and its lookups were counted once, by prefetch

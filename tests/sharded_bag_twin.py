@@ -347,13 +347,12 @@ def probe_bad_input(dmp, batch: Dict[str, Any], weighted: bool) -> Dict[str, Any
         "missing_feature": KeyedJaggedTensor(
             keys=["f1", "f2"], values=values[n0:], lengths=lengths[good.stride():],
             weights=good.weights()[n0:] if weighted else None),
-        "weights_flipped": KeyedJaggedTensor(
-            keys=FEATURES, values=values, lengths=lengths,
-            weights=None if weighted else torch.ones(values.numel())),
         "reserved_id": KeyedJaggedTensor(
             keys=FEATURES, values=torch.full_like(values, EMPTY_KEY), lengths=lengths,
             weights=good.weights() if weighted else None),
     }
+    if weighted:  # an unweighted module ignores weights, as TorchRec's does
+        cases["no_weights"] = KeyedJaggedTensor(keys=FEATURES, values=values, lengths=lengths)
     errors = {}
     for name, kjt in cases.items():
         try:

@@ -38,6 +38,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from dynemb.bag_collection import DynamicEmbBagCollection, check_bag_kjt
 from dynemb.collection_config import output_names_by_table
+from dynemb.optimizer_config import OptimizerConfig
 from dynemb.sharding.bag_input_dist import RwBagSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_options, rows_per_rank
 from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables
@@ -117,7 +118,8 @@ class ShardedDynamicEmbBagCollection(
     def __init__(self, module: DynamicEmbBagCollection,
                  table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, device: Optional[torch.device] = None,
-                 module_fqn: Optional[str] = None) -> None:
+                 module_fqn: Optional[str] = None,
+                 optimizer: Optional[OptimizerConfig] = None) -> None:
         super().__init__()
         configs = module.embedding_bag_configs()
         self._join(env, configs, table_name_to_parameter_sharding, module_fqn)
@@ -131,7 +133,9 @@ class ShardedDynamicEmbBagCollection(
             is_weighted=self._is_weighted, device=device,
             table_options={c.name: local_table_options(options[c.name], self._world_size)
                            for c in configs},
-            optimizer=module.optimizer_config, validate_inputs=False,  # checked at input dist
+            optimizer=(optimizer if optimizer is not None  # the sharder's fused_params
+                       else module.optimizer_config if module.optimizer_given else None),
+            validate_inputs=False,  # checked at input dist
             backend=module.backend)
         self._validate = module.validate_inputs
         # outputs (and what travels) in config order; each reads its source feature

@@ -30,6 +30,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from dynemb.collection import DynamicEmbCollection
 from dynemb.collection_config import output_name_of, output_names_by_table
 from dynemb.jagged import cut_by_feature
+from dynemb.optimizer_config import OptimizerConfig
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
 from dynemb.sharding.routing import RoutedIds
@@ -110,7 +111,8 @@ class ShardedDynamicEmbCollection(
     def __init__(self, module: DynamicEmbCollection,
                  table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, device: Optional[torch.device] = None,
-                 module_fqn: Optional[str] = None) -> None:
+                 module_fqn: Optional[str] = None,
+                 optimizer: Optional[OptimizerConfig] = None) -> None:
         super().__init__()
         configs = module.embedding_configs()
         self._join(env, configs, table_name_to_parameter_sharding, module_fqn)
@@ -122,7 +124,9 @@ class ShardedDynamicEmbCollection(
             [local_table_config(c, self._world_size) for c in configs], device,
             table_options={c.name: local_table_options(options[c.name], self._world_size)
                            for c in configs},
-            optimizer=module.optimizer_config, validate_inputs=False,  # checked at input dist
+            optimizer=(optimizer if optimizer is not None  # the sharder's fused_params
+                       else module.optimizer_config if module.optimizer_given else None),
+            validate_inputs=False,  # checked at input dist
             backend=module.backend)
         self._validate = module.validate_inputs
         self._features = {f for c in configs for f in c.feature_names}
