@@ -211,3 +211,26 @@ def test_the_named_way_scripts():
     for feature in FEATURES:
         torch.testing.assert_close(out[feature].values(), expected[feature].values(),
                                    rtol=0, atol=0)
+
+
+class KjtBuildingModel(torch.nn.Module):
+    """Builds its KJT from plain tensors inside forward (traced as a Proxy too)."""
+
+    def __init__(self, ec: torch.nn.Module):
+        super().__init__()
+        self.ec = ec
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        kjt = KeyedJaggedTensor(keys=FEATURES, values=values, lengths=lengths)
+        return self.ec(kjt)["g"].values()
+
+
+def test_a_kjt_built_inside_the_traced_forward():
+    eager = KjtBuildingModel(_dynamic(pooled=False).ec)
+    traced = torchrec.fx.symbolic_trace(KjtBuildingModel(_dynamic(pooled=False).ec))
+    reference = torchrec.fx.symbolic_trace(KjtBuildingModel(_torchrec_twin(
+        SequenceModel(eager.ec)).ec))
+    kjt = next(_batches(1))
+    expected = eager(kjt.values(), kjt.lengths())
+    torch.testing.assert_close(traced(kjt.values(), kjt.lengths()), expected, rtol=0, atol=0)
+    torch.testing.assert_close(reference(kjt.values(), kjt.lengths()), expected)
