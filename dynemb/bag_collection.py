@@ -43,7 +43,7 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
 
     Args:
         tables: TorchRec ``EmbeddingBagConfig``s with ``pooling`` SUM or MEAN;
-            ``num_embeddings`` is the capacity hint (default ``max_capacity``); several
+            the default ``max_capacity`` has room for ``num_embeddings`` distinct ids; several
             features may share a table, and a feature may feed several tables.
         is_weighted: the KJT carries one weight per id (SUM pooling only); an unweighted
             collection ignores the KJT's weights, as ``EmbeddingBagCollection`` does.

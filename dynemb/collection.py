@@ -21,7 +21,7 @@ from dynemb.module_conversion import check_conversion, prepare_pickle
 from dynemb.occurrence_lookup import OccurrenceLookup
 from dynemb.optimizer_config import DefaultOptimizerNotice
 from dynemb.optimizers import OptimizerConfig
-from dynemb.options import DynamicEmbTableOptions, StorageMode
+from dynemb.options import DynamicEmbTableOptions, StorageMode, resolve_initializer
 from dynemb.prefetch import PrefetchState, check_state_matches, prefetch_on_stream
 from dynemb.stashing.collection_stash import CollectionStash, resolve_stash_options
 from dynemb.tables import DynamicTable, TableBatch
@@ -37,10 +37,11 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
     ``JaggedTensor`` of float32 embeddings per feature, with the KJT's lengths.
 
     Args:
-        tables: TorchRec ``EmbeddingConfig``s. ``num_embeddings`` is the capacity hint
-            (default ``max_capacity``); several features may share a table, and a feature
-            read by several tables gives one output per table, ``feature@table`` (TorchRec's
-            names).
+        tables: TorchRec ``EmbeddingConfig``s. The default ``max_capacity`` has room for
+            ``num_embeddings`` distinct ids without evicting; several features may share a
+            table, and a feature read by several tables gives one output per table,
+            ``feature@table`` (TorchRec's names). Initial rows follow the config's
+            ``weight_init_min/max`` (or ``init_fn``) as TorchRec's do.
         device: where the tables live.
         table_options: one :class:`DynamicEmbTableOptions` for every table, or a dict by
             table name (tables left out get the defaults).
@@ -94,6 +95,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
                                                         given=optimizer is not None)
         options = options_by_table(table_options, [c.name for c in self._configs])
         options = resolve_stash_options(options, self._configs, self._optimizer_config)
+        options = {c.name: resolve_initializer(options[c.name], c) for c in self._configs}
         self._table_options = options
         self._backend = backend
         self._need_indices = need_indices

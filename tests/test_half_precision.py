@@ -190,8 +190,8 @@ def test_built_half_table_matches_the_planner():
                              feature_names=["f"], data_type=DataType.FP16)
     ec = DynamicEmbCollection([config], optimizer=optimizer)
     weights = ec.tables["t"].tier.flat.weights
-    assert weights.shape == (1024, 8 + 28) and weights.is_contiguous()
+    assert weights.shape == (1664, 8 + 28) and weights.is_contiguous()
     actual = measure_allocated(ec)["t"]
     estimate = table_footprint(config, DynamicEmbTableOptions(), optimizer)
-    assert actual.values_bytes == estimate.values_bytes == 1024 * 8 * 2
-    assert actual.optimizer_bytes == estimate.optimizer_bytes == 1024 * 14 * 4
+    assert actual.values_bytes == estimate.values_bytes == 1664 * 8 * 2
+    assert actual.optimizer_bytes == estimate.optimizer_bytes == 1664 * 14 * 4

@@ -216,7 +216,7 @@ class DynamicEmbPerfEstimator(ShardEstimator):
         if layout.mode is StorageMode.HBM_DIRECT or self._topology.compute_device != "cuda":
             return EmbeddingComputeKernel.FUSED.value, None
         return (EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
-                layout.device_capacity / layout.max_capacity)
+                layout.device_capacity / layout.target_rows)
 
     def estimate(self, sharding_options: List[ShardingOption],
                  sharder_data_map: Optional[SharderDataMap] = None) -> None:
