@@ -13,6 +13,8 @@ set when the first CPU table is built (:class:`~dynemb.backends.CpuBackend`), fo
 that builds it (numba's thread count is per thread). Whatever the user chose wins:
 
 - ``NUMBA_NUM_THREADS`` in the environment: numba's count is left as it is;
+- ``OMP_WAIT_POLICY=PASSIVE`` in the environment (set before Python starts, so both OpenMP
+  runtimes sleep when idle): nothing spins, and numba keeps every core;
 - ``DYNEMB_THREADS=off``: no default at all (numba uses every core, as before);
 - ``numba.set_num_threads(n)`` after the first table is built: that count from then on.
 
@@ -50,7 +52,8 @@ def available_cores() -> int:
 def default_numba_threads(environ: Optional[Mapping[str, str]] = None,
                           cores: Optional[int] = None) -> Optional[int]:
     """numba threads for dynemb's kernels: ``cores - 1`` (at least 1), or None to leave
-    numba as it is (the user set ``NUMBA_NUM_THREADS`` or ``DYNEMB_THREADS=off``).
+    numba as it is (the user set ``NUMBA_NUM_THREADS``, ``OMP_WAIT_POLICY=PASSIVE`` or
+    ``DYNEMB_THREADS=off``).
     ``environ`` defaults to ``os.environ``, ``cores`` to :func:`available_cores`.
 
     Example::
@@ -62,6 +65,8 @@ def default_numba_threads(environ: Optional[Mapping[str, str]] = None,
     """
     env = os.environ if environ is None else environ
     if env.get(SWITCH, "").strip().lower() in _OFF or "NUMBA_NUM_THREADS" in env:
+        return None
+    if env.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
         return None
     cores = available_cores() if cores is None else cores
     return max(1, cores - 1)

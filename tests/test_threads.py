@@ -18,9 +18,14 @@ def test_numba_gets_one_core_less_than_the_process(cores, expected):
 
 
 @pytest.mark.parametrize("environ", [{"NUMBA_NUM_THREADS": "2"}, {"DYNEMB_THREADS": "off"},
-                                     {"DYNEMB_THREADS": "OFF", "NUMBA_NUM_THREADS": "1"}])
+                                     {"DYNEMB_THREADS": "OFF", "NUMBA_NUM_THREADS": "1"},
+                                     {"OMP_WAIT_POLICY": "passive"}])
 def test_the_users_settings_leave_numba_alone(environ):
     assert default_numba_threads(environ=environ, cores=16) is None
+
+
+def test_an_active_wait_policy_keeps_the_cap():
+    assert default_numba_threads(environ={"OMP_WAIT_POLICY": "ACTIVE"}, cores=4) == 3
 
 
 @pytest.fixture
@@ -55,7 +60,7 @@ print(numba.get_num_threads())
 
 def _threads_in_a_plain_script(**env) -> int:
     environ = {k: v for k, v in os.environ.items()
-               if k not in ("NUMBA_NUM_THREADS", "DYNEMB_THREADS")}
+               if k not in ("NUMBA_NUM_THREADS", "DYNEMB_THREADS", "OMP_WAIT_POLICY")}
     environ.update(env)
     out = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=environ,
                          capture_output=True, text=True, timeout=300)
