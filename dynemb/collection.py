@@ -13,23 +13,24 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from dynemb.checkpoint.module_state import (NAMESPACE, check_saved_tables, collect_saved,
                                            save_tables)
 from dynemb.checkpoint.table_state import SavedTable, restore
-from dynemb.collection_config import (build_configured_table, check_configs, options_by_table,
-                                      output_name_of, output_names_by_table)
+from dynemb.collection_config import (build_configured_table, check_configs, output_name_of,
+                                      output_names_by_table, settle_table_options)
 from dynemb.fused_optimizer import DynamicEmbFusedOptimizer, checked_lr
 from dynemb.jagged import cut_by_feature, meta_outputs
 from dynemb.module_conversion import check_conversion, prepare_pickle
 from dynemb.occurrence_lookup import OccurrenceLookup
 from dynemb.optimizer_config import DefaultOptimizerNotice
 from dynemb.optimizers import OptimizerConfig
-from dynemb.options import DynamicEmbTableOptions, StorageMode, resolve_initializer
+from dynemb.options import DynamicEmbTableOptions, StorageMode
 from dynemb.prefetch import PrefetchState, check_state_matches, prefetch_on_stream
-from dynemb.stashing.collection_stash import CollectionStash, resolve_stash_options
+from dynemb.stashing.collection_stash import CollectionStash
 from dynemb.tables import DynamicTable, TableBatch
 from dynemb.table_inputs import split_by_table
+from dynemb.tracing import ScriptingRefused, call_as_leaf, is_traced
 from dynemb.validation import check_kjt
 
 
-class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
+class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule, ScriptingRefused):
     """``torchrec.EmbeddingCollection`` with hash-table rows: any int64 id, rows created on
     first sight, evicted by score, trained by a fused optimizer in backward.
 
@@ -93,10 +94,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         # a sharder's fused_params may still configure it: say so at first training use
         self._optimizer_notice = DefaultOptimizerNotice(type(self).__name__,
                                                         given=optimizer is not None)
-        options = options_by_table(table_options, [c.name for c in self._configs])
-        options = resolve_stash_options(options, self._configs, self._optimizer_config)
-        options = {c.name: resolve_initializer(options[c.name], c) for c in self._configs}
-        self._table_options = options
+        self._table_options = settle_table_options(table_options, self._configs,
+                                                   self._optimizer_config)
         self._backend = backend
         self._need_indices = need_indices
         self._validate = validate_inputs
@@ -222,21 +221,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
 
     # -- nn.Module conversions ---------------------------------------------------------------
     def _apply(self, fn, recurse=True):
-        """Where ``.to()``, ``.cuda()``, ``.half()``, ``.to_empty()``... reach this module.
-
-        The tables are not parameters, so these calls could not move or convert them: any
-        that would change the device or the dtype raises instead of being ignored. Calls that
-        change nothing (``.float()``, ``.cpu()`` on CPU, ``.to(own device)``, what
-        ``DistributedModelParallel`` does) pass.
-
-        Example::
-
-            >>> ec = DynamicEmbCollection(tables=[EmbeddingConfig(
-            ...     name="t", embedding_dim=8, num_embeddings=1024, feature_names=["f"])])
-            >>> ec.half()
-            Traceback (most recent call last):
-            RuntimeError: DynamicEmbCollection cannot be converted to torch.float16 ...
-        """
+        """Where ``.to()``, ``.cuda()``, ``.half()``... reach this module: any call that would
+        move or convert the tables raises (see :func:`~dynemb.module_conversion.check_conversion`)."""
         check_conversion(fn, self._device)
         return super()._apply(fn, recurse)
 
@@ -349,6 +335,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule):
         ``torch.no_grad()`` the lookup is read-only: nothing is inserted, rescored or
         updated, unseen ids get the eval initializer, and queued training batches are left
         for the training forward they were prefetched for."""
+        if is_traced(kjt):  # symbolic tracing: one call_module node (dynemb.tracing)
+            return call_as_leaf(self, kjt)
         if self._device.type == "meta":
             return self._meta_outputs(kjt)
         trains = self.training and torch.is_grad_enabled()

@@ -10,7 +10,9 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
 from dynemb.initializers import table_identity
 from dynemb.optimizers import OptimizerConfig
-from dynemb.options import (DynamicEmbTableOptions, check_allocation, choose_storage_mode)
+from dynemb.options import (DynamicEmbTableOptions, check_allocation, choose_storage_mode,
+                            resolve_initializer)
+from dynemb.stashing.collection_stash import resolve_stash_options
 
 
 def check_configs(tables, config_type: type = EmbeddingConfig) -> List[EmbeddingConfig]:
@@ -85,6 +87,16 @@ def check_table_name(name) -> None:
         raise KeyError(f'table name {name!r} contains "."; TorchRec\'s EmbeddingCollection '
                        f'refuses it too (it names a module, and state_dict keys are split at '
                        f'dots): use another separator, e.g. {name.replace(".", "_")!r}')
+
+
+def settle_table_options(table_options, configs: List[BaseEmbeddingConfig],
+                         optimizer: OptimizerConfig) -> Dict[str, DynamicEmbTableOptions]:
+    """Each table's options as the module runs them: :func:`options_by_table`, then the stash
+    mode (from TorchRec's ``stash_weights``) and the initializer (from the config's
+    ``weight_init_min/max`` or ``init_fn``) settled against the table's config."""
+    options = options_by_table(table_options, [c.name for c in configs])
+    options = resolve_stash_options(options, configs, optimizer)
+    return {c.name: resolve_initializer(options[c.name], c) for c in configs}
 
 
 def options_by_table(table_options, names) -> Dict[str, DynamicEmbTableOptions]:

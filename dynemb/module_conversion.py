@@ -12,7 +12,22 @@ _DEVICE_HOW = ("build it on the target device (DynamicEmbCollection(..., device=
 
 def check_conversion(fn, device: torch.device) -> None:
     """Raise if ``fn`` (an ``nn.Module._apply`` function) would move or cast a float32 tensor
-    on ``device``: the tables would not follow."""
+    on ``device``: the tables would not follow.
+
+    ``.to()``, ``.cuda()``, ``.half()``, ``.to_empty()``... reach a dynamic collection through
+    ``nn.Module._apply``. Its tables are not parameters, so these calls could not move or
+    convert them: any that would change the device or the dtype raises instead of being
+    ignored. Calls that change nothing (``.float()``, ``.cpu()`` on CPU, ``.to(own
+    device)``, what ``DistributedModelParallel`` does) pass.
+
+    Example::
+
+        >>> ec = DynamicEmbCollection(tables=[EmbeddingConfig(
+        ...     name="t", embedding_dim=8, num_embeddings=1024, feature_names=["f"])])
+        >>> ec.half()
+        Traceback (most recent call last):
+        RuntimeError: DynamicEmbCollection cannot be converted to torch.float16 ...
+    """
     probe, out = _probe(fn, device)
     if not isinstance(out, torch.Tensor):
         return
