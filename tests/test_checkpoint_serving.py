@@ -293,9 +293,18 @@ def test_bad_input_is_refused_clearly():
     with pytest.raises(ValueError, match="the remap has 1 keys, the table 1 rows"):
         StaticServingCollection(static, {**remaps, "t0": IdRemap(torch.tensor([5]))})
     serving = StaticServingCollection(static, remaps)
-    with pytest.raises(ValueError, match=r"features \['g'\] are in no table"):
+    with pytest.raises(ValueError, match=r"features \['f0', 'f1'\] of this collection are "
+                                         r"not in the KJT"):
         serving(KeyedJaggedTensor.from_lengths_sync(["g"], torch.tensor([1]),
                                                     torch.tensor([1])))
+    # a feature of no table is ignored, as by TorchRec's EmbeddingCollection and the module
+    with_g = KeyedJaggedTensor.from_lengths_sync(["f0", "g", "f1"], torch.tensor([5, 1, 7]),
+                                                 torch.tensor([1, 1, 1]))
+    assert_same_outputs(serving(with_g), eval_output(ec, with_g))
+    shared = DynamicEmbCollection([EmbeddingConfig(name=t, embedding_dim=4, num_embeddings=64,
+                                                   feature_names=["f"]) for t in ("a", "b")])
+    with pytest.raises(ValueError, match=r"read by several tables \{'f': \['a', 'b'\]\}"):
+        StaticServingCollection(*to_static(shared))
 
 
 def _collection(opts, optimizer, **kwargs):

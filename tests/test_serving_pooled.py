@@ -346,8 +346,9 @@ def test_pooled_export_refuses_bad_input_clearly():
     with pytest.raises(ValueError, match=r"features \['f2'\] of this collection are not in"):
         serving(KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.cat(one[:2]),
                                                     torch.tensor([1, 1])))
-    with pytest.raises(ValueError, match="unweighted but the KJT has weights"):
-        serving(bag_kjt(one, [torch.tensor([1])] * 3, weighted=True))
-    with pytest.raises(ValueError, match=r"features \['g'\] are in no table"):
-        serving(KeyedJaggedTensor.from_lengths_sync(
-            FEATURES + ["g"], torch.cat(one + one[:1]), torch.ones(4, dtype=torch.long)))
+    # as TorchRec's EBC and the dynamic module: weights on an unweighted collection and
+    # features of no table are ignored
+    plain = serving(bag_kjt(one, [torch.tensor([1])] * 3, weighted=False))
+    assert_same_keyed(serving(bag_kjt(one, [torch.tensor([1])] * 3, weighted=True)), plain)
+    assert_same_keyed(serving(KeyedJaggedTensor.from_lengths_sync(
+        FEATURES + ["g"], torch.cat(one + one[:1]), torch.ones(4, dtype=torch.long))), plain)

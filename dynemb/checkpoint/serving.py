@@ -30,7 +30,8 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from dynemb.checkpoint.serving_pooled import (StaticBagExport, StaticServingBagCollection,
                                               export_bags, merge_bag_exports)
-from dynemb.checkpoint.serving_remap import IdRemap, check_remaps, remap_kjt
+from dynemb.checkpoint.serving_remap import (IdRemap, check_remaps, remap_kjt,
+                                             table_of_each_feature)
 from dynemb.checkpoint.serving_tables import (CHUNK_ROWS, default_value, export_tables,
                                               is_pooled, iter_rows, local_collection,
                                               merge_tables, warn_if_unseen_ids_differ)
@@ -213,7 +214,7 @@ def merge_exports(exports: Sequence[Union[StaticExport, StaticBagExport]]
 class StaticServingCollection(torch.nn.Module):
     """A static export used like the dynamic module: ``forward(kjt)`` maps each feature's
     raw ids to rows with its table's :class:`IdRemap` and runs the ``EmbeddingCollection``;
-    float32 outputs per feature, in the KJT's feature order, with the raw ids as weights when
+    float32 outputs per feature, in the config's order (TorchRec's), with the raw ids as weights when
     the collection has ``need_indices``. Pooled exports are served by
     :class:`StaticServingBagCollection`.
 
@@ -247,7 +248,7 @@ class StaticServingCollection(torch.nn.Module):
         self.remaps = check_remaps(
             {c.name: ec.embeddings[c.name].weight.shape[0] for c in configs}, remaps)
         self.ec = ec
-        self._table_of_feature = {f: c.name for c in configs for f in c.feature_names}
+        self._table_of_feature = table_of_each_feature(configs)
 
     def remap(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``kjt`` with each id replaced by its row index (same features and lengths), for a
@@ -255,9 +256,13 @@ class StaticServingCollection(torch.nn.Module):
         return remap_kjt(kjt, self.remaps, self._table_of_feature)
 
     def forward(self, kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        missing = [f for f in self._table_of_feature if f not in kjt.keys()]
+        if missing:
+            raise ValueError(f"features {missing} of this collection are not in the KJT (its "
+                             f"features: {list(kjt.keys())})")
         out = self.ec(self.remap(kjt))
         if not self.ec.need_indices():
-            return {f: out[f] for f in kjt.keys()}
-        ids = kjt.to_dict()
-        return {f: JaggedTensor(values=out[f].values(), lengths=out[f].lengths(),
-                                weights=ids[f].values()) for f in kjt.keys()}
+            return out
+        ids = kjt.to_dict()  # the raw ids, not the rows they were remapped to
+        return {f: JaggedTensor(values=jt.values(), lengths=jt.lengths(),
+                                weights=ids[f].values()) for f, jt in out.items()}

@@ -23,7 +23,8 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dynemb.checkpoint.serving_remap import IdRemap, check_remaps, remap_kjt
+from dynemb.checkpoint.serving_remap import (IdRemap, check_remaps, remap_kjt,
+                                             table_of_each_feature)
 from dynemb.checkpoint.serving_tables import export_tables, merge_tables
 
 
@@ -166,7 +167,7 @@ class StaticServingBagCollection(torch.nn.Module):
         self.remaps = check_remaps(
             {c.name: ebc.embedding_bags[c.name].weight.shape[0] for c in configs}, remaps)
         self.ebc = ebc
-        self._table_of_feature = {f: c.name for c in configs for f in c.feature_names}
+        self._table_of_feature = table_of_each_feature(configs)
 
     def remap(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``kjt`` with each id replaced by its row index (same features, lengths and
@@ -179,8 +180,7 @@ class StaticServingBagCollection(torch.nn.Module):
             raise ValueError(f"features {missing} of this collection are not in the KJT (its "
                              f"features: {list(kjt.keys())}); every feature must be given, "
                              f"with zero-length bags where it has no ids")
-        has_weights = kjt.weights_or_none() is not None
-        if has_weights != self.ebc.is_weighted():
-            raise ValueError(f"the collection is {'' if self.ebc.is_weighted() else 'un'}"
-                             f"weighted but the KJT has {'' if has_weights else 'no '}weights")
+        if self.ebc.is_weighted() and kjt.weights_or_none() is None:
+            # an unweighted collection ignores weights, as TorchRec's and the dynamic one do
+            raise ValueError("the collection is weighted but the KJT has no weights")
         return self.ebc(self.remap(kjt))

@@ -87,16 +87,30 @@ def check_remaps(rows_by_table: Mapping[str, int],
 def remap_kjt(kjt: KeyedJaggedTensor, remaps: torch.nn.ModuleDict,
               table_of_feature: Dict[str, str]) -> KeyedJaggedTensor:
     """``kjt`` with each id replaced by its row in its feature's table (same features,
-    lengths and per-id weights); ``ValueError`` for a feature of no table."""
-    unknown = [f for f in kjt.keys() if f not in table_of_feature]
-    if unknown:
-        raise ValueError(f"features {unknown} are in no table; known features: "
-                         f"{sorted(table_of_feature)}")
+    lengths and per-id weights); the ids of features of no table pass unchanged (the
+    collection ignores them, as TorchRec's does)."""
     segments = torch.split(kjt.values(), kjt.length_per_key())
-    values: List[torch.Tensor] = [remaps[table_of_feature[f]](ids)
+    values: List[torch.Tensor] = [remaps[table_of_feature[f]](ids) if f in table_of_feature
+                                  else ids.to(torch.int64)
                                   for f, ids in zip(kjt.keys(), segments)]
     return KeyedJaggedTensor(
         keys=kjt.keys(), lengths=kjt.lengths(), stride=kjt.stride(),
         weights=kjt.weights_or_none(),
         values=(torch.cat(values) if values else
                 torch.empty(0, dtype=torch.int64, device=kjt.values().device)))
+
+
+def table_of_each_feature(configs) -> Dict[str, str]:
+    """Feature name -> the one table that reads it; a feature read by several tables raises:
+    a static wrapper remaps a feature's raw ids with one table's :class:`IdRemap`."""
+    tables: Dict[str, List[str]] = {}
+    for config in configs:
+        for feature in config.feature_names:
+            tables.setdefault(feature, []).append(config.name)
+    shared = {f: names for f, names in tables.items() if len(names) > 1}
+    if shared:
+        raise ValueError(f"features read by several tables {shared} cannot be served by a "
+                         f"static wrapper (it remaps each feature's raw ids with one table's "
+                         f"IdRemap); remap with each table's IdRemap yourself and run the "
+                         f"exported collection")
+    return {f: names[0] for f, names in tables.items()}

@@ -11,11 +11,11 @@ Example::
     >>> print(footprint_report(model, world_size=2, batch_size=256))
     Dynamic embedding footprint (batch size 256 per rank)
     ...
-    total: device 123,088 bytes (120.20 KiB), host 16 bytes (0.02 KiB), all 123,104 bytes
+    total: device 187,600 bytes (183.20 KiB), host 16 bytes (0.02 KiB), all 187,616 bytes
     >>> print(format_allocated(measure_allocated(model)))
-    table    values  optim    hash  admit  other  device  host  in flight
-    -------  ------  -----  ------  -----  -----  ------  ----  ---------
-    0.items  65,536      0  20,488      0     96  86,120     8          0
+    table     values  optim    hash  admit  other   device  host  in flight
+    -------  -------  -----  ------  -----  -----  -------  ----  ---------
+    0.items  106,496      0  33,288      0     96  139,880     8          0
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def format_footprints(items: Sequence[TableFootprint], *, title: str = "",
         Dynamic embedding footprint
         world size 1, pipeline none (pipe I/O = input + output), compute device cuda, sizes in KiB
         ...
-        total: device 86,120 bytes (84.10 KiB), host 8 bytes (0.01 KiB), all 86,128 bytes
+        total: device 139,880 bytes (136.60 KiB), host 8 bytes (0.01 KiB), all 139,888 bytes
     """
     if not items:
         return "no dynamic tables"
@@ -171,7 +171,7 @@ def measure_table(table: DynamicTable) -> AllocatedBytes:
         >>> collection = DynamicEmbCollection(tables=[EmbeddingConfig(
         ...     name="items", embedding_dim=16, num_embeddings=1024, feature_names=["item"])])
         >>> measure_table(collection.tables["items"]).device_bytes
-        86120
+        139880
     """
     return table.memory_breakdown()
 
@@ -209,9 +209,9 @@ def format_allocated(allocated: Mapping[str, AllocatedBytes]) -> str:
         >>> collection = DynamicEmbCollection(tables=[EmbeddingConfig(
         ...     name="items", embedding_dim=16, num_embeddings=1024, feature_names=["item"])])
         >>> print(format_allocated(measure_allocated(collection)))
-        table  values  optim    hash  admit  other  device  host  in flight
-        -----  ------  -----  ------  -----  -----  ------  ----  ---------
-        items  65,536      0  20,488      0     96  86,120     8          0
+        table   values  optim    hash  admit  other   device  host  in flight
+        -----  -------  -----  ------  -----  -----  -------  ----  ---------
+        items  106,496      0  33,288      0     96  139,880     8          0
     """
     fields = ("values_bytes", "optimizer_bytes", "hash_bytes", "admission_bytes",
               "other_bytes", "device_bytes", "host_bytes", "in_flight_bytes")
