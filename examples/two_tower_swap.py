@@ -31,9 +31,12 @@ dense optimizer (Adam). It trains both twice:
 2. **Sharded** by ``DistributedModelParallel`` **without a plan** over ``--nproc`` spawned CPU
    ranks (gloo), under TorchRec's ``TrainPipelineSparseDist``. The code is the same for both:
    the sharders list holds both libraries' sharders with the same ``fused_params``
-   (row-wise AdaGrad), and DMP's default planner picks each library's own sharding for each
-   collection (TorchRec's EBC sharder offers no row-wise sharding on CPU; dynemb's tables
-   are always row-wise).
+   (row-wise AdaGrad; a TorchRec script adds dynemb's sharder to its list, docs/migrating.md
+   step 5), and DMP's default planner picks each library's own sharding for each collection
+   (on 2 CPU ranks TorchRec's tables go table-wise, since its EBC sharder offers no row-wise
+   sharding on CPU; dynemb's tables are always row-wise). On one rank TorchRec's planner
+   may make a small table data-parallel, which the dense optimizer then trains, as in any
+   TorchRec model.
 
 The rows start from different random draws (TorchRec's from torch's generator, dynemb's from
 a hash of (seed, table, id), both uniform in the configs' ``weight_init_min/max``), so the
@@ -110,8 +113,8 @@ class Config:
     max_history: int = 6
 
 
-FULL = Config(steps=400, batch=128, items=2000, clusters=40, users=4000, eval_examples=2000)
-QUICK = Config(steps=200, batch=64, items=400, clusters=10, users=500, eval_examples=500)
+FULL = Config(steps=1000, batch=128, items=2000, clusters=40, users=4000, eval_examples=2000)
+QUICK = Config(steps=300, batch=64, items=400, clusters=10, users=500, eval_examples=2000)
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -411,6 +414,9 @@ def print_summary(m: Dict[str, Any]) -> None:
             print(f"{mode:>14} {name:>8}: loss {r['initial_loss']:.3f} -> "
                   f"{r['final_loss']:.3f}, recall@{TOP_K} {r['recall10']:.3f}, "
                   f"{r['seconds']:.1f} s")
+            if "plan" in r:
+                kinds = sorted({k for module in r["plan"].values() for k in module.values()})
+                print(f"{'':>24}sharded as {', '.join(kinds)}")
     print(f"plot: {m['plot']}; metrics: {m['json']}; wall time {m['wall_seconds']:.0f} s")
 
 
@@ -439,7 +445,7 @@ def plot(m: Dict[str, Any], path: Path) -> Path:
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, help="training steps (default 400; quick 200)")
+    parser.add_argument("--steps", type=int, help="training steps (default 1000; quick 300)")
     parser.add_argument("--quick", action="store_true", help="small catalog, seconds-long run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nproc", type=int, default=2, help="CPU ranks to spawn (default 2)")
@@ -465,6 +471,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, steps=args.steps)
     torch.set_num_threads(1)   # tiny dense ops; the ranks share the cores
+    quiet_torchrec()
     start = time.perf_counter()
     single = {name: train_single_process(cls, cfg, args.seed)
               for name, cls in LIBRARIES.items()}
