@@ -100,3 +100,13 @@ def roundtrip(state):
 def all_rows(ec, table, keys):
     rows, found = ec.read_rows(table, keys, with_state=True)
     return rows, found
+
+
+def eval_output(module, kjt):
+    """``module(kjt)`` in eval mode under ``torch.no_grad()``, the module left training."""
+    module.eval()
+    try:
+        with torch.no_grad():
+            return module(kjt)
+    finally:
+        module.train()

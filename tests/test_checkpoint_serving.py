@@ -11,7 +11,7 @@ from torchrec.distributed.sharding_plan import construct_module_sharding_plan, r
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from checkpoint_models import MODES, OPTIMIZERS, batches, model, options, train
+from checkpoint_models import MODES, OPTIMIZERS, batches, eval_output, model, options, train
 from dynemb import DynamicEmbCollection, Initializer, InitializerKind
 from dynemb.checkpoint import (IdRemap, StaticExport, StaticServingCollection, iter_rows,
                                merge_exports, to_static)
@@ -39,15 +39,6 @@ def probe(f0_ids=None, f1_ids=None):
                for ids in (f0_ids, f1_ids)]
     return KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.cat([f0_ids, f1_ids]),
                                                torch.cat(lengths))
-
-
-def eval_output(module, kjt):
-    module.eval()
-    try:
-        with torch.no_grad():
-            return module(kjt)
-    finally:
-        module.train()
 
 
 def live_keys(ec, table):

@@ -15,7 +15,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from checkpoint_models import MODES, OPTIMIZERS, options
+from checkpoint_models import MODES, OPTIMIZERS, eval_output, options
 from dynemb import DynamicEmbBagCollection, Initializer, InitializerKind
 from dynemb.checkpoint import (IdRemap, StaticBagExport, StaticServingBagCollection,
                                StaticServingCollection, iter_rows, merge_exports, to_static)
@@ -102,15 +102,6 @@ def probe(weighted, seed=1):
         lengths.append(torch.cat([torch.ones(everything.numel(), dtype=torch.long),
                                   torch.full((60,), 3), torch.zeros(1, dtype=torch.long)]))
     return bag_kjt(ids, lengths, weighted, seed=seed)
-
-
-def eval_output(module, kjt):
-    module.eval()
-    try:
-        with torch.no_grad():
-            return module(kjt)
-    finally:
-        module.train()
 
 
 def assert_same_keyed(got, expected):

@@ -30,8 +30,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from dynemb.checkpoint.serving_pooled import (StaticBagExport, StaticServingBagCollection,
                                               export_bags, merge_bag_exports)
-from dynemb.checkpoint.serving_remap import (IdRemap, check_remaps, remap_kjt,
-                                             table_of_each_feature)
+from dynemb.checkpoint.serving_remap import IdRemap, RemappedServing
 from dynemb.checkpoint.serving_tables import (CHUNK_ROWS, default_value, export_tables,
                                               is_pooled, iter_rows, local_collection,
                                               merge_tables, warn_if_unseen_ids_differ)
@@ -211,7 +210,7 @@ def merge_exports(exports: Sequence[Union[StaticExport, StaticBagExport]]
 
 
 # -- serving --------------------------------------------------------------------------------
-class StaticServingCollection(torch.nn.Module):
+class StaticServingCollection(RemappedServing):
     """A static export used like the dynamic module: ``forward(kjt)`` maps each feature's
     raw ids to rows with its table's :class:`IdRemap` and runs the ``EmbeddingCollection``;
     float32 outputs per feature, in the config's order (TorchRec's), with the raw ids as weights when
@@ -239,27 +238,17 @@ class StaticServingCollection(torch.nn.Module):
     """
 
     def __init__(self, ec: EmbeddingCollection, remaps: Dict[str, IdRemap]):
-        super().__init__()
         if not isinstance(ec, EmbeddingCollection):
             raise TypeError(f"expected a TorchRec EmbeddingCollection, got "
                             f"{type(ec).__name__} (pooled exports: "
                             f"StaticServingBagCollection)")
         configs = ec.embedding_configs()
-        self.remaps = check_remaps(
-            {c.name: ec.embeddings[c.name].weight.shape[0] for c in configs}, remaps)
+        super().__init__(configs, {c.name: ec.embeddings[c.name].weight.shape[0]
+                                   for c in configs}, remaps)
         self.ec = ec
-        self._table_of_feature = table_of_each_feature(configs)
-
-    def remap(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """``kjt`` with each id replaced by its row index (same features and lengths), for a
-        serving stack that runs the ``EmbeddingCollection`` itself."""
-        return remap_kjt(kjt, self.remaps, self._table_of_feature)
 
     def forward(self, kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        missing = [f for f in self._table_of_feature if f not in kjt.keys()]
-        if missing:
-            raise ValueError(f"features {missing} of this collection are not in the KJT (its "
-                             f"features: {list(kjt.keys())})")
+        self.check_features(kjt)
         out = self.ec(self.remap(kjt))
         if not self.ec.need_indices():
             return out

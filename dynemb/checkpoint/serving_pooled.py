@@ -23,8 +23,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dynemb.checkpoint.serving_remap import (IdRemap, check_remaps, remap_kjt,
-                                             table_of_each_feature)
+from dynemb.checkpoint.serving_remap import IdRemap, RemappedServing
 from dynemb.checkpoint.serving_tables import export_tables, merge_tables
 
 
@@ -129,7 +128,7 @@ def merge_bag_exports(exports: Sequence[StaticBagExport]) -> StaticBagExport:
                                          _ebc_weights))
 
 
-class StaticServingBagCollection(torch.nn.Module):
+class StaticServingBagCollection(RemappedServing):
     """A pooled static export used like the dynamic module: ``forward(kjt)`` maps each
     feature's raw ids to rows with its table's :class:`IdRemap` (per-id weights kept) and
     runs the ``EmbeddingBagCollection``: a ``KeyedTensor`` [B, sum of dims], float32, keyed
@@ -158,28 +157,17 @@ class StaticServingBagCollection(torch.nn.Module):
     """
 
     def __init__(self, ebc: EmbeddingBagCollection, remaps: Dict[str, IdRemap]):
-        super().__init__()
         if not isinstance(ebc, EmbeddingBagCollection):
             raise TypeError(f"expected a TorchRec EmbeddingBagCollection, got "
                             f"{type(ebc).__name__} (sequence exports: "
                             f"StaticServingCollection)")
         configs = ebc.embedding_bag_configs()
-        self.remaps = check_remaps(
-            {c.name: ebc.embedding_bags[c.name].weight.shape[0] for c in configs}, remaps)
+        super().__init__(configs, {c.name: ebc.embedding_bags[c.name].weight.shape[0]
+                                   for c in configs}, remaps)
         self.ebc = ebc
-        self._table_of_feature = table_of_each_feature(configs)
-
-    def remap(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """``kjt`` with each id replaced by its row index (same features, lengths and
-        weights), for a serving stack that runs the ``EmbeddingBagCollection`` itself."""
-        return remap_kjt(kjt, self.remaps, self._table_of_feature)
 
     def forward(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
-        missing = [f for f in self._table_of_feature if f not in kjt.keys()]
-        if missing:
-            raise ValueError(f"features {missing} of this collection are not in the KJT (its "
-                             f"features: {list(kjt.keys())}); every feature must be given, "
-                             f"with zero-length bags where it has no ids")
+        self.check_features(kjt)
         if self.ebc.is_weighted() and kjt.weights_or_none() is None:
             # an unweighted collection ignores weights, as TorchRec's and the dynamic one do
             raise ValueError("the collection is weighted but the KJT has no weights")

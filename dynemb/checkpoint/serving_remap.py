@@ -3,7 +3,8 @@
 - :class:`IdRemap`: one table's sorted live keys; ``torch.searchsorted`` finds an id's row, any
   other id reads the default row (index ``num_keys``);
 - :func:`check_remaps`: a remap for every table of a static module, sized to its rows;
-- :func:`remap_kjt`: a KJT's ids replaced by their rows, table by table.
+- :func:`remap_kjt`: a KJT's ids replaced by their rows, table by table;
+- :class:`RemappedServing`: what the serving wrappers of both export kinds share.
 
 Shapes: ``N`` ids, ``K`` live keys of a table.
 """
@@ -114,3 +115,33 @@ def table_of_each_feature(configs) -> Dict[str, str]:
                          f"IdRemap); remap with each table's IdRemap yourself and run the "
                          f"exported collection")
     return {f: names[0] for f, names in tables.items()}
+
+
+class RemappedServing(torch.nn.Module):
+    """The base of the serving wrappers: one :class:`IdRemap` per table of a static
+    collection, each feature's raw ids remapped with its table's.
+
+    Args:
+        configs: the static collection's table configs.
+        rows_by_table: rows of each static table (its remap's keys plus the default row).
+        remaps: the :class:`IdRemap` of each table.
+    """
+
+    def __init__(self, configs, rows_by_table: Mapping[str, int],
+                 remaps: Mapping[str, IdRemap]):
+        super().__init__()
+        self.remaps = check_remaps(rows_by_table, remaps)
+        self._table_of_feature = table_of_each_feature(configs)
+
+    def remap(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``kjt`` with each id replaced by its row index (same features, lengths and
+        weights), for a serving stack that runs the static collection itself."""
+        return remap_kjt(kjt, self.remaps, self._table_of_feature)
+
+    def check_features(self, kjt: KeyedJaggedTensor) -> None:
+        """Every feature the collection reads must be in ``kjt`` (empty where it has no ids)."""
+        missing = [f for f in self._table_of_feature if f not in kjt.keys()]
+        if missing:
+            raise ValueError(f"features {missing} of this collection are not in the KJT (its "
+                             f"features: {list(kjt.keys())}); every feature must be given, "
+                             f"with no ids where it has none")
