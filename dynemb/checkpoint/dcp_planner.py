@@ -11,7 +11,8 @@ reads whatever was saved:
 - another world size: every rank reads ``1 / world_size`` of every saved share (contiguous
   slot ranges) and the module's ``load_state_dict`` sends each row to its new owner.
 
-It never loads into the live tables: what it reads goes to new host tensors, put into the
+A checkpoint saved before fused optimizers saved their learning rate loads too: the
+optimizer keeps its current one. It never loads into the live tables: what it reads goes to new host tensors, put into the
 state dict in place of the module's own entries, and ``load_state_dict`` checks them before
 anything changes. Row width and dtype are checked from the checkpoint's metadata before any
 data is read.
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from dynemb.checkpoint.module_state import NAMESPACE
+from dynemb.fused_optimizer import GROUP_STATE_KEY, PARAM_KEY
 
 _SHARE = re.compile(rf"^(?P<base>(?:.*\.)?{NAMESPACE}\.[^.]+)\.rank(?P<rank>\d+)_of_"
                     rf"(?P<world>\d+)\.(?P<rest>.+)$")
@@ -51,6 +53,7 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self._parts: Dict[str, Tuple[torch.Tensor, List[int]]] = {}
         self._insert: List[Tuple[Tuple, torch.Tensor]] = []
+        self._keep_unsaved_learning_rates()
         shares = self._own_shares()
         saved = self._saved_shares(set(shares))
         for base, (rank, world, entries) in shares.items():
@@ -72,6 +75,17 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
                     self._read_part(fqn, rest, split, anchor, base, k, w)
 
     # -- which entries ------------------------------------------------------------------------
+    def _keep_unsaved_learning_rates(self) -> None:
+        """A checkpoint written before fused optimizers saved their param group holds no
+        ``...dynamic_tables.param_group...`` entries: those keep their current values (the
+        learning rate the optimizer was built with) instead of failing the load."""
+        if self.metadata is None:
+            return
+        marker = f".{PARAM_KEY}.{GROUP_STATE_KEY}"
+        saved = self.metadata.state_dict_metadata
+        for fqn in [f for f in self.state_dict if marker in f and f not in saved]:
+            del self.state_dict[fqn]
+
     def _own_shares(self) -> Dict[str, Tuple[int, int, Dict[str, str]]]:
         shares: Dict[str, Tuple[int, int, Dict[str, str]]] = {}
         for fqn in self.state_dict:
