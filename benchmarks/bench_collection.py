@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import numba
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ from benchmarks.common import (add_run_options, check, config_of, fill_defaults,
                                verdict, write_report, zipf_ranks)
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig, OptimizerType,
                     StorageMode)
+from dynemb import threads as dynemb_threads
 from dynemb.counters import COUNTER_NAMES
 
 FILE_STEM = "collection_cpu"
@@ -657,6 +659,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also cProfile this many HBM_DIRECT and CACHE steps (first dim "
                              "and optimizer) and report dynemb's heaviest functions")
+    parser.add_argument("--numba-threads", type=int, default=0,
+                        help="numba threads of dynemb's kernels (default 0: every core, as the "
+                             "results in benchmarks/README.md were measured; the library's own "
+                             "default, one core less, is what bench_threads.py measures)")
     add_run_options(parser, f"tiny smoke run (dim 16, batch 128); writes {FILE_STEM}_quick.*")
     cfg = parser.parse_args(argv)
     quick = {"dims": [16], "batch": 128, "length": 20, "warmup": 2, "steps": 3,
@@ -672,7 +678,18 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         parser.error("--profile cannot exceed --steps (it profiles the timed batches)")
     if cfg.zipf <= 1.0:
         parser.error("--zipf must be > 1 (numpy's Zipf sampler)")
+    if cfg.numba_threads < 0:
+        parser.error("--numba-threads must be >= 0")
     return cfg
+
+
+def set_numba_threads(count: int) -> int:
+    """Run dynemb's kernels on ``count`` numba threads (0: every core), instead of the
+    library's default (dynemb.threads), which would cap them when the first table is built;
+    returns the count in use."""
+    os.environ[dynemb_threads.SWITCH] = "off"
+    numba.set_num_threads(count or numba.config.NUMBA_NUM_THREADS)
+    return numba.get_num_threads()
 
 
 def check_cache_fits(cfg, wl: Workload) -> None:
@@ -687,6 +704,7 @@ def check_cache_fits(cfg, wl: Workload) -> None:
 def main(argv: Optional[List[str]] = None) -> dict:
     """Run the benchmark, print the tables and targets, write JSON and PNG; returns the report."""
     cfg = parse_args(argv)
+    numba_threads = set_numba_threads(cfg.numba_threads)
     start, git, load_start = time.perf_counter(), git_state(), load_before_run()
     wl = make_workload(cfg)
     check_cache_fits(cfg, wl)
@@ -704,7 +722,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     goals = targets(comps)
     machine = machine_info(git, packages=("torchrec", "fbgemm_gpu"))
     machine.update({"loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-                    "torch_threads": torch.get_num_threads()})
+                    "torch_threads": torch.get_num_threads(), "numba_threads": numba_threads})
     report = {
         "machine": machine,
         "config": config_of(cfg),
