@@ -15,6 +15,7 @@ inside, and what a process launched by ``torchrun`` calls itself::
 from __future__ import annotations
 
 import contextlib
+import argparse
 import datetime
 import multiprocessing.util
 import os
@@ -69,6 +70,20 @@ def rank_device(requested: str) -> torch.device:
     if torch.cuda.is_available() and requested != "cpu":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def add_timeout_argument(parser) -> None:
+    """The examples' ``--timeout``: seconds a collective waits for its peers before failing
+    (``collective_timeout`` of :func:`run_on_ranks`); a value that is not > 0 is refused."""
+    def seconds(text: str) -> float:
+        value = float(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError("--timeout must be > 0")
+        return value
+
+    parser.add_argument("--timeout", type=seconds, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+                        help="seconds a collective waits for its peers before failing "
+                             "(default %(default)s)")
 
 
 def run_in_process_group(fn: Callable, *args: Any,

@@ -77,7 +77,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dlrm_data import (Batch, BatchReader, DataFormat, held_out_mask,  # noqa: E402
                        write_synthetic_criteo)
-from spawn import (DEFAULT_COLLECTIVE_TIMEOUT_S, rank_device,  # noqa: E402
+from spawn import (add_timeout_argument, rank_device,  # noqa: E402
                    run_in_process_group, run_on_ranks)
 
 OUT_DIR = Path(__file__).resolve().parent / "output"
@@ -610,9 +610,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="under torchrun: CUDA with NCCL when there is a GPU (auto), or "
                              "force CPU and gloo; spawned ranks always run on CPU")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
-                        help="seconds a collective waits for its peers before failing "
-                             "(default %(default)s)")
+    add_timeout_argument(parser)
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR,
                         help=f"where the plot and the metrics go (default {OUT_DIR})")
     args = parser.parse_args(argv)
@@ -622,8 +620,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.eval_fraction is not None and not 0 < args.eval_fraction < 1:
         parser.error("--eval-fraction must be in (0, 1)")
-    if not args.timeout > 0:
-        parser.error("--timeout must be > 0")
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
     if args.data is not None and not args.data.is_file():

@@ -66,7 +66,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spawn import (DEFAULT_COLLECTIVE_TIMEOUT_S, rank_device,  # noqa: E402
+from spawn import (add_timeout_argument, rank_device,  # noqa: E402
                    run_in_process_group, run_on_ranks)
 from train_next_item import (DENSE_LR, OUT_DIR, TOP_K, Config, CountSketch,  # noqa: E402
                              NextItemModel, SessionWorld, build_collection, evaluation_steps,
@@ -462,9 +462,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="under torchrun: CUDA with NCCL when there is a GPU (auto), or "
                              "force CPU and gloo; spawned ranks always run on CPU")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
-                        help="seconds a collective waits for its peers before failing "
-                             "(default %(default)s)")
+    add_timeout_argument(parser)
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR,
                         help=f"where the plot, the metrics and the checkpoint go (default "
                              f"{OUT_DIR})")
@@ -474,8 +472,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be >= 1")
-    if not args.timeout > 0:
-        parser.error("--timeout must be > 0")
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
     return args

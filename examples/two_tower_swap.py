@@ -81,7 +81,7 @@ from torchrec.streamable import Pipelineable  # noqa: E402
 from dynemb import DynamicEmbBagCollection  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spawn import DEFAULT_COLLECTIVE_TIMEOUT_S, run_on_ranks  # noqa: E402
+from spawn import add_timeout_argument, run_on_ranks  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "output"
 LIBRARIES = {"torchrec": EmbeddingBagCollection, "dynemb": DynamicEmbBagCollection}
@@ -449,9 +449,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small catalog, seconds-long run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nproc", type=int, default=2, help="CPU ranks to spawn (default 2)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
-                        help="seconds a collective waits for its peers before failing "
-                             "(default %(default)s)")
+    add_timeout_argument(parser)
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR,
                         help=f"where the plot and metrics go (default {OUT_DIR})")
     args = parser.parse_args(argv)
@@ -459,8 +457,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         parser.error("--steps must be >= 1")
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
-    if not args.timeout > 0:
-        parser.error("--timeout must be > 0")
     return args
 
 
