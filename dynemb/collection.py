@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import collections
-from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig
@@ -221,8 +221,8 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule, S
 
     # -- nn.Module conversions ---------------------------------------------------------------
     def _apply(self, fn, recurse=True):
-        """Where ``.to()``, ``.cuda()``, ``.half()``... reach this module: any call that would
-        move or convert the tables raises (see :func:`~dynemb.module_conversion.check_conversion`)."""
+        """Where ``.to()``, ``.cuda()``, ``.half()``... reach this module: a call that would
+        move or convert the tables raises (:func:`dynemb.module_conversion.check_conversion`)."""
         check_conversion(fn, self._device)
         return super()._apply(fn, recurse)
 
@@ -309,8 +309,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule, S
                 keys, _, occurrences = per_table[name]
                 batches[name] = table.prefetch(keys, training, occurrences=occurrences)
         except Exception:
-            for name, batch in batches.items():
-                self.tables[name].release(batch)
+            self._release(batches.items())
             raise
         features = {name: per_table[name][1] for name in self.tables}
         lengths = {f: jt.lengths() for f, jt in per_table["__jt__"].items()}
@@ -374,7 +373,7 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule, S
             if trains:
                 self._release(earlier)
             else:  # read-only lookups hold their pins until their rows are read
-                self._drop(state)
+                self._release(state.batches.items())
         if trains and self._stash is not None:  # every lookup is enqueued: the rows can go
             self._stash.after_lookup()
         return result
@@ -409,28 +408,26 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule, S
                   variable_batch=self._variable_batch)
         return meta_outputs(kjt, self._configs, self._output_name, self._need_indices)
 
-    def _drop(self, state: PrefetchState) -> None:
-        for name, batch in state.batches.items():
-            self.tables[name].release(batch)
-
     def clear_prefetched(self) -> None:
         """Drop every queued prefetch, and end the pins of looked-up batches whose backward
         has not run (such a backward still updates the rows that are still stored)."""
         while self._queue:
-            self._drop(self._queue.popleft())
-        self._release(self._awaiting_backward)
-        self._awaiting_backward = []
+            self._release(self._queue.popleft().batches.items())
+        self._end_awaiting_backward()
 
-    def _release(self, looked_up: List[Tuple[str, TableBatch]]) -> None:
+    def _release(self, looked_up: Iterable[Tuple[str, TableBatch]]) -> None:
         for name, batch in looked_up:
             self.tables[name].release(batch)
+
+    def _end_awaiting_backward(self) -> None:
+        self._release(self._awaiting_backward)
+        self._awaiting_backward = []
 
     def train(self, mode: bool = True) -> "DynamicEmbCollection":
         """``nn.Module.train``; leaving training also ends the pins of looked-up batches
         whose backward has not run."""
         if not mode:
-            self._release(self._awaiting_backward)
-            self._awaiting_backward = []
+            self._end_awaiting_backward()
         return super().train(mode)
 
     def _check_lr(self) -> float:
