@@ -18,6 +18,7 @@ from dynemb.collection_config import (build_configured_table, check_configs, out
 from dynemb.fused_optimizer import DynamicEmbFusedOptimizer, checked_lr
 from dynemb.jagged import cut_by_feature, meta_outputs
 from dynemb.module_conversion import check_conversion, prepare_pickle
+from dynemb.module_interface import DynamicModuleInterface
 from dynemb.occurrence_lookup import OccurrenceLookup
 from dynemb.optimizer_config import DefaultOptimizerNotice
 from dynemb.optimizers import OptimizerConfig
@@ -30,7 +31,8 @@ from dynemb.tracing import ScriptingRefused, call_as_leaf, is_traced
 from dynemb.validation import check_kjt
 
 
-class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule, ScriptingRefused):
+class DynamicEmbCollection(EmbeddingCollectionInterface, DynamicModuleInterface,
+                           FusedOptimizerModule, ScriptingRefused):
     """``torchrec.EmbeddingCollection`` with hash-table rows: any int64 id, rows created on
     first sight, evicted by score, trained by a fused optimizer in backward.
 
@@ -219,6 +221,19 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule, S
     def pending_prefetches(self) -> int:
         return len(self._queue)
 
+    @property
+    def steps(self) -> Dict[str, int]:
+        """Each table's optimizer step (a copy)."""
+        return dict(self._steps)
+
+    @property
+    def generation(self) -> int:
+        """How many times the tables were loaded or reset since construction."""
+        return self._generation
+
+    def table_configs(self) -> List[EmbeddingConfig]:
+        return self._configs
+
     # -- nn.Module conversions ---------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         """Where ``.to()``, ``.cuda()``, ``.half()``... reach this module: a call that would
@@ -272,9 +287,16 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, FusedOptimizerModule, S
                     if n not in exact}
         self.clear_prefetched()
         restored.update({n: restore(self.tables[n], saved[n]) for n in exact})
-        for name, table in restored.items():
+        self.install_tables(restored, {n: max(p.step for p in saved[n]) for n in restored})
+
+    def install_tables(self, tables: Dict[str, DynamicTable], steps: Dict[str, int]) -> None:
+        """Swap in ``tables`` (rebuilt from a checkpoint) with their optimizer ``steps``:
+        queued prefetches are dropped, pins of lookups awaiting backward end, and a backward
+        of a forward run before raises instead of updating the new rows."""
+        self.clear_prefetched()
+        for name, table in tables.items():
             self.tables[name] = table
-            self._steps[name] = max(p.step for p in saved[name])
+            self._steps[name] = steps[name]
         self._generation += 1
 
     # -- prefetch ----------------------------------------------------------------------------

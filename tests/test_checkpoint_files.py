@@ -22,6 +22,7 @@ from dynemb import ScorePolicy
 from dynemb.checkpoint import DumpInfo, dump, load
 from dynemb.checkpoint import files
 from dynemb.checkpoint.files import CheckpointFileError
+from dynemb.module_interface import ShardedDynamicModuleInterface
 
 KJTS = batches(24, seed=11, batch=12)  # small batches: they fit 32 device rows
 BEFORE = 14
@@ -339,10 +340,14 @@ def test_files_of_another_world_size_or_table_set_are_refused(tmp_path, monkeypa
 
 
 def test_a_sharded_rank_writes_its_own_directory(tmp_path, monkeypatch):
-    class Sharded(torch.nn.Module):  # the shape of ShardedDynamicEmbCollection
+    class Sharded(ShardedDynamicModuleInterface, torch.nn.Module):  # a sharded module's face
         def __init__(self):
             super().__init__()
-            self.local = make()
+            self.local = make()  # nn.Module keeps it in _modules
+
+        @property
+        def local(self):
+            return self._modules["local"]
 
     model = Sharded()
     train(model.local, KJTS[:4])

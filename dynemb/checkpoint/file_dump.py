@@ -102,7 +102,7 @@ def dump(module: torch.nn.Module, path: Union[str, os.PathLike], *,
         tables = {}
         for index, (key, fqn, collection, name) in enumerate(scan.tables()):
             table = collection.tables[name]
-            tables[key] = describe(table, fqn, name, collection._steps[name])
+            tables[key] = describe(table, fqn, name, collection.steps[name])
             stem = f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', key)}"
             tracker = table.changes if previous is not None else None
             tables[key]["tiers"] = _TableWriter(writer, stem, table, chunk_rows).write(tracker)
@@ -117,7 +117,7 @@ def dump(module: torch.nn.Module, path: Union[str, os.PathLike], *,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for collection in scan.collections.values():
-        start_tracking(collection.tables, dump_id, collection._generation)
+        start_tracking(collection.tables, dump_id, collection.generation)
     tiers = [t for table in tables.values() for t in table["tiers"].values()]
     return DumpInfo(str(path), dump_id, "full" if previous is None else "delta", previous,
                     scan.rank, scan.world_size, rows=sum(t["rows"] for t in tiers),
@@ -144,7 +144,7 @@ def _latest_dump(scan: ModuleTables, since, final: Path) -> str:
             raise ValueError(f"table {key!r} has not been dumped or loaded from checkpoint "
                              f"files since it was built or loaded otherwise: nothing says "
                              f"what changed since; write a full dump (since=None)")
-        if tracker.generation != collection._generation:
+        if tracker.generation != collection.generation:
             raise ValueError(f"table {key!r} was loaded from a checkpoint after dump "
                              f"{tracker.dump_id}: write a full dump (since=None)")
     if isinstance(since, DumpInfo):

@@ -98,25 +98,15 @@ def load(module: torch.nn.Module, paths: Paths) -> DumpInfo:
     last = chain[-1]
     for fqn, collection in scan.collections.items():
         keys = {name: key for key, owner, _, name in scan.tables() if owner == fqn}
-        _install(collection, {name: fresh[key] for name, key in keys.items()},
-                 {name: int(last["tables"][key]["step"]) for name, key in keys.items()})
-        start_tracking(collection.tables, last["id"], collection._generation)
+        # the tables go in as rebuilt: one that grew since the dump gets its capacity back
+        collection.install_tables({name: fresh[key] for name, key in keys.items()},
+                                  {name: int(last["tables"][key]["step"])
+                                   for name, key in keys.items()})
+        start_tracking(collection.tables, last["id"], collection.generation)
     return DumpInfo(str(paths[-1]), last["id"], last["kind"], last["previous"], scan.rank,
                     scan.world_size, rows=reader.rows, deleted=reader.deleted,
                     bytes=reader.bytes, files=reader.files,
                     seconds=time.perf_counter() - start)
-
-
-def _install(collection, tables: Dict[str, object], steps: Dict[str, int]) -> None:
-    """Swap the rebuilt tables into ``collection`` as ``load_tables`` does once its checks
-    passed: queued prefetches dropped, pins of lookups awaiting backward ended, the load
-    generation bumped (a backward of an older forward raises). The tables go in as rebuilt:
-    a table that grew since the dump gets the dump's capacity back."""
-    collection.clear_prefetched()
-    for name, table in tables.items():
-        collection.tables[name] = table
-        collection._steps[name] = steps[name]
-    collection._generation += 1
 
 
 class _EmptyTable:

@@ -32,8 +32,9 @@ from dynemb.checkpoint.serving_pooled import (StaticBagExport, StaticServingBagC
                                               export_bags, merge_bag_exports)
 from dynemb.checkpoint.serving_remap import IdRemap, RemappedServing
 from dynemb.checkpoint.serving_tables import (CHUNK_ROWS, default_value, export_tables,
-                                              is_pooled, iter_rows, local_collection,
-                                              merge_tables, warn_if_unseen_ids_differ)
+                                              iter_rows, local_collection, merge_tables,
+                                              warn_if_unseen_ids_differ)
+from dynemb.module_interface import is_pooled
 
 __all__ = ["CHUNK_ROWS", "IdRemap", "StaticBagExport", "StaticExport",
            "StaticServingBagCollection", "StaticServingCollection", "default_value",

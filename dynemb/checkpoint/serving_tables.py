@@ -23,6 +23,7 @@ import torch
 from dynemb.checkpoint.serving_remap import IdRemap
 from dynemb.checkpoint.table_state import live_chunks
 from dynemb.initializers import InitializerKind
+from dynemb.module_interface import DynamicModuleInterface, local_module
 from dynemb.validation import check_int
 
 #: Rows read per chunk by default (a chunk's copy is ``chunk_rows`` rows of the table).
@@ -77,25 +78,14 @@ def embedding_chunks(table, chunk_rows: int):
                    rows[lo:lo + chunk_rows, :table.dim].contiguous())
 
 
-def local_collection(module):
-    """The DynamicEmbCollection (or DynamicEmbBagCollection) holding ``module``'s rows on this
-    rank: the module itself, or a sharded module's ``local`` share."""
-    # imported here: dynemb.collection imports this package for its state_dict
-    from dynemb.collection import DynamicEmbCollection
-    from dynemb.sharding.sharded_tables import ShardedTables
-    if isinstance(module, ShardedTables):
-        return module.local
-    if isinstance(module, DynamicEmbCollection):
-        return module
-    raise TypeError(f"expected a DynamicEmbCollection, a DynamicEmbBagCollection or their "
-                    f"sharded form, got {type(module).__name__}")
-
-
-def is_pooled(module) -> bool:
-    """Whether ``module`` (a dynamic module or its sharded form) pools its bags."""
-    from dynemb.bag_collection import DynamicEmbBagCollection
-    from dynemb.sharding import ShardedDynamicEmbBagCollection
-    return isinstance(module, (DynamicEmbBagCollection, ShardedDynamicEmbBagCollection))
+def local_collection(module) -> DynamicModuleInterface:
+    """The dynamic module holding ``module``'s rows on this rank: the module itself, or a
+    sharded module's ``local`` share."""
+    local = local_module(module)
+    if local is None:
+        raise TypeError(f"expected a DynamicEmbCollection, a DynamicEmbBagCollection or their "
+                        f"sharded form, got {type(module).__name__}")
+    return local
 
 
 # -- the default row ------------------------------------------------------------------------

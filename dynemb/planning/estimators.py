@@ -37,10 +37,11 @@ from torchrec.distributed.types import CacheParams, PipelineType, ShardingPlan, 
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
 from dynemb.collection import DynamicEmbCollection
+from dynemb.module_interface import is_pooled
 from dynemb.optimizer_config import OptimizerConfig
 from dynemb.options import StorageMode
 from dynemb.planning.footprint import (TableFootprint, UniqueRatios, dynamic_collections,
-                                       is_pooled, rank_layout, table_footprint,
+                                       rank_layout, table_footprint,
                                        unique_ratio_of)
 from dynemb.planning.report import format_footprints
 from dynemb.sharding.fused_params import fused_params_optimizer, sharder_override

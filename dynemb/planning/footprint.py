@@ -39,9 +39,9 @@ from torchrec.distributed.types import PipelineType
 from torchrec.modules.embedding_configs import EmbeddingConfig, data_type_to_dtype
 
 from dynemb.admission import counter_slots
-from dynemb.collection import DynamicEmbCollection
 from dynemb.flat_table import RowLayout
 from dynemb.hash_table import SLOT_BYTES
+from dynemb.module_interface import DynamicModuleInterface, find_dynamic_modules, is_pooled
 from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout, choose_storage_mode
 from dynemb.sharding.plan_rows import local_table_config, local_table_options
@@ -286,13 +286,10 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
 
 
 # -- every table of a model --------------------------------------------------------------------
-def dynamic_collections(model: nn.Module) -> List[Tuple[str, DynamicEmbCollection]]:
+def dynamic_collections(model: nn.Module) -> List[Tuple[str, DynamicModuleInterface]]:
     """``(module path, collection)`` of every :class:`DynamicEmbCollection` in ``model`` (or
     ``model`` itself); raises if there is none."""
-    if isinstance(model, DynamicEmbCollection):
-        return [("", model)]
-    found = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, DynamicEmbCollection)]
+    found = list(find_dynamic_modules(model).items())
     if not found:
         raise ValueError(f"{type(model).__name__} holds no DynamicEmbCollection")
     return found
@@ -317,12 +314,6 @@ def _constraint_inputs(constraints: Optional[Mapping[str, ParameterConstraints]]
     sizes = (list(c.batch_sizes) if c is not None and c.batch_sizes
              else [batch_size] * len(lengths))
     return lengths, poolings, sizes
-
-
-def is_pooled(module: nn.Module) -> bool:
-    """Whether a dynamic module pools its outputs (a ``DynamicEmbBagCollection``)."""
-    from dynemb.bag_collection import DynamicEmbBagCollection
-    return isinstance(module, DynamicEmbBagCollection)
 
 
 def footprints(model: nn.Module, *, world_size: int, batch_size: int,

@@ -25,7 +25,7 @@ from torch import nn
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import PipelineType
 
-from dynemb.collection import DynamicEmbCollection
+from dynemb.module_interface import find_dynamic_modules
 from dynemb.planning.footprint import TableFootprint, UniqueRatios, footprints
 from dynemb.tables import DynamicTable, MemoryBreakdown
 
@@ -188,16 +188,10 @@ def measure_allocated(module: nn.Module) -> Dict[str, AllocatedBytes]:
         >>> measure_allocated(collection)["items"].host_bytes
         8
     """
-    local = getattr(module, "local", None)
-    if isinstance(local, DynamicEmbCollection):
-        module = local
-    if isinstance(module, DynamicEmbCollection):
-        return {name: measure_table(t) for name, t in module.tables.items()}
     out: Dict[str, AllocatedBytes] = {}
-    for path, m in module.named_modules():
-        if isinstance(m, DynamicEmbCollection):
-            for name, t in m.tables.items():
-                out[f"{path}.{name}" if path else name] = measure_table(t)
+    for path, m in find_dynamic_modules(module).items():
+        for name, t in m.tables.items():
+            out[f"{path}.{name}" if path else name] = measure_table(t)
     return out
 
 

@@ -17,6 +17,7 @@ from dynemb.checkpoint.module_state import NAMESPACE, collect_saved, save_tables
 from dynemb.checkpoint.redistribute import redistribute
 from dynemb.checkpoint.table_state import tier_parts
 from dynemb.collection import DynamicEmbCollection
+from dynemb.module_interface import ShardedDynamicModuleInterface
 from dynemb.sharding.routing import owner_ranks
 from dynemb.sharding.step_check import BackwardStepCheck
 
@@ -35,12 +36,15 @@ class SavedBySharded:
         pass
 
 
-class ShardedTables:
+class ShardedTables(ShardedDynamicModuleInterface):
     """Mixin for a sharded module whose share of the tables is the
     :class:`DynamicEmbCollection` in ``self.local``; needs ``_rank``, ``_world_size``,
     ``_pg``, ``_configs`` and ``_table_shardings``."""
 
-    local: DynamicEmbCollection
+    @property
+    def local(self) -> DynamicEmbCollection:
+        """This rank's share of the tables (the submodule ``local``)."""
+        return self._modules["local"]
 
     def _join(self, env, configs, shardings: Dict[str, ParameterSharding],
               module_fqn: Optional[str]) -> None:
@@ -79,7 +83,7 @@ class ShardedTables:
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """This rank's share of every table, named ``rank<r>_of_<world>`` under the names the
         unsharded module uses (see :mod:`dynemb.checkpoint.module_state`)."""
-        save_tables(self.local.tables, self.local._steps, destination, prefix, self._rank,
+        save_tables(self.local.tables, self.local.steps, destination, prefix, self._rank,
                     self._world_size)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

@@ -24,6 +24,7 @@ from typing import List
 import torch
 from torch import nn
 
+from dynemb.module_interface import find_dynamic_modules
 from dynemb.options import StashMode
 from dynemb.stashing.collection_stash import CollectionStash, resolve_stash_options
 from dynemb.stashing.table_stash import (StashedRows, TableStash, stashed_bytes_per_row,
@@ -33,9 +34,8 @@ from dynemb.stashing.table_stash import (StashedRows, TableStash, stashed_bytes_
 def collection_stashes(model: nn.Module) -> List[CollectionStash]:
     """The :class:`CollectionStash` of every dynamic collection in ``model`` that stashes
     (a sharded module's are those of its ``local`` collection)."""
-    from dynemb.collection import DynamicEmbCollection
-    return [m.memory_stash for m in model.modules()
-            if isinstance(m, DynamicEmbCollection) and m.memory_stash is not None]
+    return [m.memory_stash for m in find_dynamic_modules(model).values()
+            if m.memory_stash is not None]
 
 
 def restore(model: nn.Module) -> None:
