@@ -1,35 +1,33 @@
 """``DynamicEmbBagCollection``: a drop-in ``EmbeddingBagCollection`` backed by dynamic tables.
 
-It is a :class:`~dynemb.collection.DynamicEmbCollection` (same tables, prefetch queue, pins,
-admission, scores, fused optimizers, checkpoints and memory stashing) that pools each
-feature's rows per sample instead of returning them one by one.
-
-Shapes: B samples, F features, U unique ids of a table in the batch, N ids of a table (all its
-features), D a table's embedding dim.
+It is the sibling of :class:`~dynemb.collection.DynamicEmbCollection`: the same dynamic core
+(tables, prefetch queue, pins, admission, scores, fused optimizers, checkpoints and memory
+stashing, :mod:`dynemb.dynamic_module`), pooling each feature's rows per sample
+(:mod:`dynemb.pooling`) instead of returning them one by one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import List, Mapping, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dynemb.collection import DynamicEmbCollection
-from dynemb.collection_config import check_configs
-from dynemb.optimizers import OccurrenceGrads, OptimizerConfig, occurrence_csr
+from dynemb.collection_config import check_configs, output_name_of, output_names_by_table
+from dynemb.dynamic_core import trains_now
+from dynemb.dynamic_module import DynamicModule
+from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions
+from dynemb.pooling import Bags, PooledLookup, TableBags, pool_all
 from dynemb.prefetch import PrefetchState
-from dynemb.tables import DynamicTable, TableBatch
+from dynemb.tracing import call_as_leaf, is_traced
 from dynemb.validation import check_kjt
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
 
-class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterface):
+class DynamicEmbBagCollection(EmbeddingBagCollectionInterface, DynamicModule):
     """``torchrec.EmbeddingBagCollection`` with hash-table rows: any int64 id, rows created on
     first sight, evicted by score, trained by a fused optimizer in backward.
 
@@ -72,7 +70,6 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
         >>> out.values().sum().backward()  # Adam updates the rows of ids 10**12 and 7
     """
 
-    _config_type = EmbeddingBagConfig
     # the pooled output is [B, sum of dims]: one batch size for every feature
     _variable_batch = False
 
@@ -82,7 +79,9 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
                                       Mapping[str, DynamicEmbTableOptions], None] = None,
                  optimizer: Optional[OptimizerConfig] = None, validate_inputs: bool = True,
                  backend: Optional[str] = None):
-        for config in check_configs(tables, EmbeddingBagConfig):
+        super().__init__()
+        configs = check_configs(tables, EmbeddingBagConfig)
+        for config in configs:
             if config.pooling not in _MODES:
                 raise ValueError(f"table {config.name!r}: pooling must be PoolingType.SUM or "
                                  f"PoolingType.MEAN, got {config.pooling}")
@@ -90,36 +89,52 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
                 raise ValueError(f"table {config.name!r}: a weighted collection pools by "
                                  f"SUM only (per-id weights with {config.pooling.name} are "
                                  f"not supported, as in EmbeddingBagCollection)")
-        super().__init__(tables, device, table_options=table_options, optimizer=optimizer,
-                         need_indices=False, validate_inputs=validate_inputs, backend=backend)
+        self._build_core(configs, device, table_options=table_options, optimizer=optimizer,
+                         validate_inputs=validate_inputs, backend=backend)
         self._is_weighted = bool(is_weighted)
-        self._embedding_names = list(self._output_names)  # output keys, config order
-        self._features = list(dict.fromkeys(f for c in self._configs for f in c.feature_names))
-        self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
-        self._mode_of_table = {c.name: _MODES[c.pooling] for c in self._configs}
-        self._column = {}  # each output's first column
+        # output keys in config order (table by table; feature@table where several tables
+        # read a feature), each output's dim and first column
+        self._embedding_names = [n for names in output_names_by_table(configs) for n in names]
+        self._features = list(dict.fromkeys(f for c in configs for f in c.feature_names))
+        self._dims = [c.embedding_dim for c in configs for _ in c.feature_names]
+        self._mode_of_table = {c.name: _MODES[c.pooling] for c in configs}
+        self._output_name = output_name_of(configs)  # (table, feature) -> output
+        self._column = {}
         for feature, dim in zip(self._embedding_names, self._dims):
             self._column[feature] = sum(self._dims[:len(self._column)])
 
+    # -- TorchRec's EmbeddingBagCollectionInterface ------------------------------------------
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
-        return self._configs
+        return self._core.configs
 
     def is_weighted(self) -> bool:
         return self._is_weighted
 
+    # -- forward -----------------------------------------------------------------------------
+    @torch.compiler.disable
     def forward(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings of ``kjt``: a ``KeyedTensor`` [B, sum of dims] keyed by feature.
 
         Lookups, pins, prefetch and eval behave as in
         :meth:`DynamicEmbCollection.forward <dynemb.collection.DynamicEmbCollection.forward>`.
         """
-        return super().forward(kjt)
+        if is_traced(kjt):  # symbolic tracing: one call_module node (dynemb.tracing)
+            return call_as_leaf(self, kjt)
+        if self._core.is_meta:
+            return self._meta_outputs(kjt)
+        self._check_input(kjt)
+        trains = trains_now(self)
+        with self._core.lookup(kjt, trains) as state:
+            tables = [(name, state.batches[name], self._table_bags(name, state, kjt))
+                      for name in self._core.tables]
+            values = self._pool(tables, kjt.stride(), trains)
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims,
+                           values=values)
 
-    # -- input checks (run before any table changes: prefetch and forward both come here) --
-    def _split_by_table(self, kjt: KeyedJaggedTensor):
+    def _check_input(self, kjt: KeyedJaggedTensor) -> None:
+        # runs before any table changes (prefetch and forward both come here)
         if isinstance(kjt, KeyedJaggedTensor):  # anything else: the shared check names it
             check_bag_kjt(kjt, self._features, self._is_weighted)
-        return super()._split_by_table(kjt)
 
     def _meta_outputs(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
         """``forward`` on the meta device: a meta [B, sum of dims] ``KeyedTensor``, as
@@ -131,39 +146,34 @@ class DynamicEmbBagCollection(DynamicEmbCollection, EmbeddingBagCollectionInterf
                            values=values)
 
     # -- pooling -----------------------------------------------------------------------------
-    def _table_outputs(self, name: str, state: PrefetchState, kjt: KeyedJaggedTensor,
-                       trains: bool) -> Dict[str, Any]:
+    def _table_bags(self, name: str, state: PrefetchState, kjt: KeyedJaggedTensor) -> Bags:
         """One table's bags: their offsets, lengths and weights over its ids (feature by
-        feature); :meth:`_collect_outputs` pools every table into one output."""
+        feature)."""
+        device = self._core.device
         segments = state.features[name]
         lengths = torch.cat([state.lengths[f] for f, _ in segments]).to(
-            device=self._device, dtype=torch.int64)
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=self._device)
+            device=device, dtype=torch.int64)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
         torch.cumsum(lengths, 0, out=offsets[1:])
         weights = None
         if self._is_weighted:
             jts = kjt.to_dict()
             weights = torch.cat([jts[f].weights() for f, _ in segments]).to(
-                device=self._device, dtype=torch.float32)
+                device=device, dtype=torch.float32)
         first = self._output_name[(name, segments[0][0])]
-        return {name: _Bags(offsets, lengths, weights, self._mode_of_table[name],
-                            self._column[first], len(segments))}
+        return Bags(offsets, lengths, weights, self._mode_of_table[name], self._column[first],
+                    len(segments))
 
-    def _collect_outputs(self, out: Dict[str, Any], state: PrefetchState,
-                         kjt: KeyedJaggedTensor, trains: bool) -> KeyedTensor:
+    def _pool(self, tables: List[TableBags], size: int, trains: bool) -> torch.Tensor:
         """Every table's bags pooled into one [B, sum of dims] output, each feature in its
         columns. In training its backward hands each bag's gradient (divided by its length
         for MEAN) to the fused optimizer kernel, which clips it, scales it by each id's
         weight and sums it per row: no per-table output, concatenation or [U, D] gradient."""
-        tables = [(name, state.batches[name], out[name]) for name in self.tables]
+        columns = sum(self._dims)
         if trains:
-            anchor = torch.empty(0, device=self._device, requires_grad=True)
-            values = _PooledLookup.apply(anchor, self, tables, kjt.stride())
-        else:
-            values = _pool_all(self, tables, kjt.stride())
-        return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims,
-                           values=values)
-
+            anchor = torch.empty(0, device=self._core.device, requires_grad=True)
+            return PooledLookup.apply(anchor, self._core, tables, size, columns)
+        return pool_all(self._core, tables, size, columns)
 
 
 def check_bag_kjt(kjt: KeyedJaggedTensor, features: List[str], is_weighted: bool) -> None:
@@ -179,98 +189,3 @@ def check_bag_kjt(kjt: KeyedJaggedTensor, features: List[str], is_weighted: bool
     if is_weighted and not has_weights:
         raise ValueError("this collection is weighted (is_weighted=True) but the KJT has no "
                          "weights; give one weight per id")
-
-
-@dataclass
-class _Bags:
-    """One table's bags in a batch: ``offsets`` [F * B + 1] and ``lengths`` [F * B] over its
-    ids (feature by feature), per-id ``weights`` [N] or None, ``mode`` "sum" or "mean", and
-    the first output column of its ``num_features`` features (their columns are adjacent)."""
-
-    offsets: torch.Tensor
-    lengths: torch.Tensor
-    weights: Optional[torch.Tensor]
-    mode: str
-    column: int
-    num_features: int
-
-    def pool_into(self, out: torch.Tensor, table: DynamicTable, batch: TableBatch) -> None:
-        """Write the bags into their columns of ``out`` [B, C]: straight from the table's
-        rows by a kernel when they can be read in place, else by ``embedding_bag`` over the
-        looked-up unique rows."""
-        size, dim = out.shape[0], table.dim
-        in_place = table.rows_in_place(batch)
-        if in_place is not None:
-            weights, occ_slots = in_place
-            cols = self.column + dim * torch.arange(self.num_features, device=out.device)
-            scale = (self.weights if self.weights is not None else
-                     torch.empty(0, dtype=torch.float32, device=out.device))
-            table.kernels.pool_bags(weights, occ_slots, self.offsets, scale,
-                                    self.mode == "mean", size, cols, dim, out)
-            return
-        pooled = F.embedding_bag(batch.inverse, table.lookup(batch), self.offsets,
-                                 mode=self.mode, per_sample_weights=self.weights,
-                                 include_last_offset=True)  # [F * B, D]
-        out[:, self.column:self.column + self.num_features * dim] = (
-            pooled.view(self.num_features, size, dim).transpose(0, 1).reshape(size, -1))
-
-    def occurrence_grads(self, grad_out: torch.Tensor, inverse: torch.Tensor, num_rows: int,
-                         dim: int, clip: Optional[float], strided: bool) -> OccurrenceGrads:
-        """Each id's gradient as the kernel sums it, from the output's gradient [B, C]: its
-        bag's gradient (divided by the bag length for MEAN: the gradient of the sum, where
-        fbgemm clips), times the id's weight. ``strided``: the kernel may read the bags'
-        gradients in place from ``grad_out``'s columns. No host sync."""
-        size = grad_out.shape[0]
-        cols = grad_out[:, self.column:self.column + self.num_features * dim]
-        if self.num_features == 1:
-            grad_bags = cols if strided else cols.contiguous()
-        else:  # bag i * B + b is feature i of sample b
-            grad_bags = cols.reshape(size, self.num_features, dim).transpose(0, 1).reshape(
-                -1, dim)
-        scale = self.weights
-        if self.mode == "mean":
-            per_bag = self.lengths.clamp(min=1).to(torch.float32)
-            if clip is not None:  # clipped after the division: divide the bags' gradients
-                grad_bags = grad_bags / per_bag.unsqueeze(1)
-            else:  # no clipping: the division rides on each id's scale
-                bag_scale = (1.0 / per_bag).repeat_interleave(self.lengths,
-                                                              output_size=inverse.numel())
-                scale = bag_scale if scale is None else scale * bag_scale
-        bag_of_id = torch.repeat_interleave(
-            torch.arange(self.lengths.numel(), device=inverse.device), self.lengths,
-            output_size=inverse.numel())
-        offsets, order = occurrence_csr(inverse, num_rows)
-        return OccurrenceGrads(grad_bags.to(torch.float32), offsets,
-                               bag_of_id[order].contiguous(),
-                               None if scale is None else scale[order].contiguous(), clip)
-
-
-def _pool_all(module: DynamicEmbBagCollection, tables, size: int) -> torch.Tensor:
-    out = torch.empty(size, sum(module._dims), device=module._device)
-    for name, batch, bags in tables:
-        bags.pool_into(out, module.tables[name], batch)
-    return out
-
-
-class _PooledLookup(torch.autograd.Function):
-    """Every table's bags [B, sum of dims]; backward applies each table's fused optimizer
-    straight from the output's gradient (no per-table gradient or [U, D] tensor)."""
-
-    @staticmethod
-    def forward(ctx, anchor, module: DynamicEmbBagCollection, tables, size: int):
-        ctx.module, ctx.tables = module, tables
-        ctx.generation = module._generation
-        return _pool_all(module, tables, size)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        module = ctx.module
-        if module._stash is not None:  # stashed rows come back now at the latest
-            module._stash.restore()
-        clip = module._optimizer_config.max_gradient
-        for name, batch, bags in ctx.tables:
-            table = module.tables[name]
-            grads = bags.occurrence_grads(grad_out, batch.inverse, batch.keys.numel(),
-                                          table.dim, clip, table.kernels.name == "cpu")
-            module._apply_gradients(name, batch, grads, ctx.generation)
-        return None, None, None, None

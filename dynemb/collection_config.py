@@ -13,6 +13,7 @@ from dynemb.optimizers import OptimizerConfig
 from dynemb.options import (DynamicEmbTableOptions, check_allocation, choose_storage_mode,
                             resolve_initializer)
 from dynemb.stashing.collection_stash import resolve_stash_options
+from dynemb.tables import build_table
 
 
 def check_configs(tables, config_type: type = EmbeddingConfig) -> List[EmbeddingConfig]:
@@ -123,8 +124,6 @@ def build_configured_table(config: BaseEmbeddingConfig, options: DynamicEmbTable
                            backend: Optional[str]):
     """``config``'s table, empty, in the storage mode its options choose; None on the meta
     device (after checking the options), where nothing is allocated."""
-    from dynemb.tables import build_table  # the tables import the options checked here
-
     state_dim = optimizer.state_dim(config.embedding_dim)
     layout = choose_storage_mode(
         options, name=config.name, num_embeddings=config.num_embeddings,

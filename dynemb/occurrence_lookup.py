@@ -2,15 +2,11 @@
 in backward (used by :class:`~dynemb.collection.DynamicEmbCollection`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from dynemb.dynamic_core import DynamicCore
 from dynemb.optimizers import OccurrenceGrads
 from dynemb.tables import TableBatch
-
-if TYPE_CHECKING:
-    from dynemb.collection import DynamicEmbCollection
 
 
 class OccurrenceLookup(torch.autograd.Function):
@@ -20,17 +16,16 @@ class OccurrenceLookup(torch.autograd.Function):
     [U, dim] gradient is built."""
 
     @staticmethod
-    def forward(ctx, anchor, module: "DynamicEmbCollection", name: str, batch: TableBatch):
-        ctx.module, ctx.name, ctx.batch = module, name, batch
-        ctx.generation = module._generation
-        return module.tables[name].lookup_occurrences(batch)
+    def forward(ctx, anchor, core: DynamicCore, name: str, batch: TableBatch):
+        ctx.core, ctx.name, ctx.batch = core, name, batch
+        ctx.generation = core.generation
+        return core.tables[name].lookup_occurrences(batch)
 
     @staticmethod
     def backward(ctx, grad_rows):
-        module, batch = ctx.module, ctx.batch
-        if module._stash is not None:  # stashed rows come back now at the latest
-            module._stash.restore()
+        core, batch = ctx.core, ctx.batch
+        core.before_backward()
         grads = OccurrenceGrads.from_inverse(grad_rows, batch.inverse, batch.keys.numel(),
-                                             clip=module._optimizer_config.max_gradient)
-        module._apply_gradients(ctx.name, batch, grads, ctx.generation)
+                                             clip=core.max_gradient)
+        core.apply_gradients(ctx.name, batch, grads, ctx.generation)
         return None, None, None, None

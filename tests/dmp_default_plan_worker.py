@@ -65,7 +65,7 @@ def hand_plan(model: SeqAndBagModel, world_size: int):
     for name, module, sharder in (("ec", model.ec, ec_sharder), ("ebc", model.ebc, ebc_sharder)):
         plans[name] = construct_module_sharding_plan(
             module, {c.name: row_wise(compute_kernel="customized_kernel")
-                     for c in module.embedding_configs()},
+                     for c in module.table_configs()},
             sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")
     return ShardingPlan(plans)
 

@@ -9,13 +9,14 @@ import torch
 from torchrec import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig,
-                    OptimizerType, ScoredHashTable, ScorePolicy, StorageMode)
+from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig, OptimizerType,
+                    ScorePolicy, StorageMode)
+from dynemb.hash_table import ScoredHashTable
 from dynemb.hash_table_checks import (OVERFLOW_PROBABILITY, bucket_overflow_probability,
                                       slots_for_keys)
 from dynemb.options import choose_storage_mode
-from dynemb.planner import measure_allocated, table_footprint
-from dynemb.sharding.plan_rows import local_table_config, local_table_options
+from dynemb.planning import measure_allocated, table_footprint
+from dynemb.rank_share import local_table_config, local_table_options
 
 DIM = 4
 

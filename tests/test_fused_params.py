@@ -13,9 +13,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
                     OptimizerConfig, OptimizerType)
 from dynemb.optimizer_config import DefaultOptimizerNotice
-from dynemb.planner import table_footprint
+from dynemb.planning import table_footprint
 from dynemb.sharding import DynamicEmbCollectionSharder
-from dynemb.sharding.fused_params import fused_params_optimizer
+from dynemb.fused_params import fused_params_optimizer
+from tests.torchrec_probes import SearchSpaceRecorder
 from tests.torchrec_twin import TorchRecTwin, ensure_single_process_group, same_batches
 
 NUM_IDS, BATCH, STEPS = 200, 6, 8
@@ -120,10 +121,12 @@ def test_sharder_refuses_fused_params_it_cannot_honour():
 
 def test_planner_sizes_optimizer_state_from_fused_params():
     model = _Model()  # no optimizer on the module: Adam comes from the sharder
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cuda"))
+    recorder = SearchSpaceRecorder()
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cuda"),
+                                       stats=recorder.planner_stats())
     planner.plan(model, [DynamicEmbCollectionSharder(
         fused_params={"optimizer": EmbOptimType.ADAM, "learning_rate": 0.01})])
-    (option,) = planner._enumerator.last_stored_search_space
+    (option,) = recorder.search_space
     expected = table_footprint(_tables()[0], OPTIONS, OptimizerConfig(OptimizerType.ADAM),
                                batch_size=option.batch_size,
                                input_lengths=option.input_lengths)

@@ -36,15 +36,14 @@ from torchrec.distributed.planner.types import (ParameterConstraints, SharderDat
 from torchrec.distributed.types import CacheParams, PipelineType, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
-from dynemb.collection import DynamicEmbCollection
-from dynemb.module_interface import is_pooled
+from dynemb.module_interface import DynamicModuleInterface, is_pooled
 from dynemb.optimizer_config import OptimizerConfig
 from dynemb.options import StorageMode
 from dynemb.planning.footprint import (TableFootprint, UniqueRatios, dynamic_collections,
                                        rank_layout, table_footprint,
                                        unique_ratio_of)
 from dynemb.planning.report import format_footprints
-from dynemb.sharding.fused_params import fused_params_optimizer, sharder_override
+from dynemb.fused_params import fused_params_optimizer, sharder_override
 
 # Named after the public module users import the planner from, so that is the logger they
 # configure.
@@ -63,20 +62,16 @@ def _estimate_others(torchrec_estimator: ShardEstimator, options: List[ShardingO
     if others:
         torchrec_estimator.estimate(others, sharder_data_map=sharder_data_map)
     ours = [o for o in options if _is_dynamic(o)]
-    for option in ours:
-        # TorchRec calls every EmbeddingCollectionInterface unpooled, and the bag module is
-        # one (it extends DynamicEmbCollection): time its output as the pooled reduce-scatter
-        option._is_pooled = is_pooled(option.module[1])
     return ours
 
 
 def _is_dynamic(option: ShardingOption) -> bool:
-    return isinstance(option.module[1], DynamicEmbCollection)
+    return isinstance(option.module[1], DynamicModuleInterface)
 
 
-def _config_of(option: ShardingOption) -> Tuple[DynamicEmbCollection, EmbeddingConfig]:
+def _config_of(option: ShardingOption) -> Tuple[DynamicModuleInterface, EmbeddingConfig]:
     module = option.module[1]
-    for config in module.embedding_configs():
+    for config in module.table_configs():
         if config.name == option.name:
             return module, config
     raise KeyError(f"no table {option.name!r} in the DynamicEmbCollection at "
@@ -301,7 +296,7 @@ def dynemb_constraints(model: nn.Module,
     """
     out = dict(constraints or {})
     for _, module in dynamic_collections(model):
-        for config in module.embedding_configs():
+        for config in module.table_configs():
             base = out.get(config.name)
             fields = dict(sharding_types=[DYNEMB_SHARDING_TYPE], compute_kernels=[DYNEMB_KERNEL])
             out[config.name] = (dataclasses.replace(base, **fields) if base is not None

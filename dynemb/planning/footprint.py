@@ -44,7 +44,7 @@ from dynemb.hash_table import SLOT_BYTES
 from dynemb.module_interface import DynamicModuleInterface, find_dynamic_modules, is_pooled
 from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout, choose_storage_mode
-from dynemb.sharding.plan_rows import local_table_config, local_table_options
+from dynemb.rank_share import local_table_config, local_table_options
 from dynemb.stashing.table_stash import stashed_bytes_per_row
 from dynemb.tables import TABLE_CLASSES, DynamicTable
 
@@ -337,7 +337,7 @@ def footprints(model: nn.Module, *, world_size: int, batch_size: int,
     out: List[TableFootprint] = []
     for _, module in dynamic_collections(model):
         options = module.table_options
-        for config in module.embedding_configs():
+        for config in module.table_configs():
             lengths, poolings, sizes = _constraint_inputs(constraints, config.name, batch_size)
             for rank in range(world_size):
                 out.append(table_footprint(

@@ -40,7 +40,7 @@ from dynemb.bag_collection import DynamicEmbBagCollection, check_bag_kjt
 from dynemb.collection_config import output_names_by_table
 from dynemb.optimizer_config import OptimizerConfig
 from dynemb.sharding.bag_input_dist import RwBagSparseFeaturesDist
-from dynemb.sharding.plan_rows import local_table_options, rows_per_rank
+from dynemb.rank_share import local_table_options, rows_per_rank
 from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables
 from dynemb.sharding.step_check import BackwardStepCheck
 from dynemb.validation import check_keys, check_kjt

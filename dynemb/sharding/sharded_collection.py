@@ -32,7 +32,7 @@ from dynemb.collection_config import output_name_of, output_names_by_table
 from dynemb.jagged import cut_by_feature
 from dynemb.optimizer_config import OptimizerConfig
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
-from dynemb.sharding.plan_rows import local_table_config, local_table_options
+from dynemb.rank_share import local_table_config, local_table_options
 from dynemb.sharding.routing import RoutedIds
 from dynemb.sharding.step_check import BackwardStepCheck
 from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables, check_plan  # noqa: F401

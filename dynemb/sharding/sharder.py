@@ -12,8 +12,9 @@ from torchrec.modules.embedding_configs import data_type_to_dtype
 
 from dynemb.bag_collection import DynamicEmbBagCollection
 from dynemb.collection import DynamicEmbCollection
+from dynemb.planning.defaults import install_default_estimators
 from dynemb.optimizer_config import OptimizerConfig
-from dynemb.sharding.fused_params import (checked_fused_params, fused_params_optimizer,
+from dynemb.fused_params import (checked_fused_params, fused_params_optimizer,
                                           sharder_override)
 from dynemb.sharding.sharded_bag_collection import ShardedDynamicEmbBagCollection
 from dynemb.sharding.sharded_collection import ShardedDynamicEmbCollection
@@ -31,7 +32,7 @@ class DynamicEmbCollectionSharder(ModuleSharder[DynamicEmbCollection]):
     Args:
         fused_params: TorchRec's sharder ``fused_params``; the optimizer keys
             (``optimizer``, ``learning_rate``, ``eps``, ...) configure the tables' fused
-            optimizer (:func:`~dynemb.sharding.fused_params.fused_params_optimizer`), which
+            optimizer (:func:`~dynemb.fused_params.fused_params_optimizer`), which
             must then agree with any ``optimizer=`` given to the module; other keys are
             ignored. Checked here: an unsupported optimizer raises at construction.
         qcomm_codecs_registry: accepted as TorchRec's sharders do; unused (ids and rows
@@ -57,7 +58,6 @@ class DynamicEmbCollectionSharder(ModuleSharder[DynamicEmbCollection]):
         super().__init__(qcomm_codecs_registry=qcomm_codecs_registry)
         self._fused_params = checked_fused_params(fused_params)
         self._fused_optimizer = fused_params_optimizer(self._fused_params)
-        from dynemb.planning.defaults import install_default_estimators  # import cycle
         install_default_estimators()
 
     @property
@@ -89,7 +89,7 @@ class DynamicEmbCollectionSharder(ModuleSharder[DynamicEmbCollection]):
         return {c.name: torch.nn.Parameter(
                     torch.empty(c.num_embeddings, c.embedding_dim, device="meta",
                                 dtype=data_type_to_dtype(c.data_type)), requires_grad=False)
-                for c in module.embedding_configs()}
+                for c in module.table_configs()}
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return list(SUPPORTED_SHARDING_TYPES)

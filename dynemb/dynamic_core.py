@@ -1,0 +1,297 @@
+"""``DynamicCore``: what both drop-in modules share, composed by each (see
+:mod:`dynemb.dynamic_module`): the tables, the prefetch queue, the pins of lookups awaiting
+backward, memory stashing, the fused optimizer's step and learning rate, and the checkpoint
+state.
+
+A training lookup (:meth:`DynamicCore.lookup`) takes the oldest prefetched batch (or prefetches
+inline), pins its rows until its backward or the next training lookup, and hands the batch
+to the module, which turns rows into its outputs (per occurrence or pooled) and, in backward,
+calls :meth:`DynamicCore.apply_gradients`.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import (Any, Deque, Dict, Iterable, Iterator, List, Mapping, Optional,
+                    Tuple)
+
+import torch
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb.checkpoint.module_state import (NAMESPACE, check_saved_tables, collect_saved,
+                                           save_tables)
+from dynemb.checkpoint.table_state import SavedTable, restore
+from dynemb.collection_config import build_configured_table, settle_table_options
+from dynemb.fused_optimizer import DynamicEmbFusedOptimizer, checked_lr
+from dynemb.optimizer_config import DefaultOptimizerNotice
+from dynemb.optimizers import OptimizerConfig
+from dynemb.options import DynamicEmbTableOptions, StorageMode
+from dynemb.prefetch import PrefetchState, check_state_matches, prefetch_on_stream
+from dynemb.stashing.collection_stash import CollectionStash
+from dynemb.table_inputs import split_by_table
+from dynemb.tables import DynamicTable, TableBatch
+
+
+class DynamicCore:
+    """The dynamic tables of one module and everything that happens to them in a step.
+
+    Args:
+        owner: the owning module's class name (for messages).
+        configs: the tables' TorchRec configs, checked.
+        device, backend, validate_inputs: as the modules take them.
+        table_options: as the modules take them (one for all, a dict by name, or None).
+        optimizer: the fused optimizer's config, None for the default.
+        weights_are_counts: read each KJT's weights as occurrence counts (the sharded
+            modules' shares get deduplicated ids).
+        variable_batch: accept KJTs with a batch size per feature.
+    """
+
+    def __init__(self, owner: str, configs: List[BaseEmbeddingConfig], device: torch.device,
+                 *, table_options, optimizer: Optional[OptimizerConfig],
+                 backend: Optional[str], validate_inputs: bool, weights_are_counts: bool,
+                 variable_batch: bool):
+        self.configs = configs
+        self.device = device
+        self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
+        if not isinstance(self.optimizer_config, OptimizerConfig):
+            raise TypeError(f"optimizer must be an OptimizerConfig, got {optimizer!r}")
+        # a sharder's fused_params may still configure it: say so at first training use
+        self.optimizer_notice = DefaultOptimizerNotice(owner, given=optimizer is not None)
+        self.table_options: Dict[str, DynamicEmbTableOptions] = settle_table_options(
+            table_options, configs, self.optimizer_config)
+        self.backend = backend
+        self.validate_inputs = validate_inputs
+        self._weights_are_counts = weights_are_counts
+        self._variable_batch = variable_batch
+        self.tables: Dict[str, DynamicTable] = {}
+        for config in configs:
+            table = self._build_table(config)
+            if table is not None:  # None on the meta device
+                self.tables[config.name] = table
+        self._queue: Deque[PrefetchState] = collections.deque()
+        # batches looked up by training lookups whose backward has not run: pinned until
+        # their backward or the next training lookup (see lookup)
+        self._awaiting_backward: List[Tuple[str, TableBatch]] = []
+        self._steps = {name: 0 for name in self.tables}
+        self._generation = 0  # bumped by every checkpoint load: older lookups cannot backward
+        self.fused_optimizer = DynamicEmbFusedOptimizer(self.optimizer_config.learning_rate)
+        self._prefetch_stream = (torch.cuda.Stream(device=device)
+                                 if device.type == "cuda" else None)
+        # memory stashing (dynemb.stashing): None unless a table's options ask for it
+        self.memory_stash = CollectionStash.build(self.tables, device, self._prefetch_stream)
+
+    def _build_table(self, config: BaseEmbeddingConfig) -> Optional[DynamicTable]:
+        return build_configured_table(config, self.table_options[config.name],
+                                      self.optimizer_config, self.device, self.backend)
+
+    # -- views -------------------------------------------------------------------------------
+    @property
+    def is_meta(self) -> bool:
+        return self.device.type == "meta"
+
+    @property
+    def steps(self) -> Dict[str, int]:
+        return dict(self._steps)
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def pending_prefetches(self) -> int:
+        return len(self._queue)
+
+    @property
+    def max_gradient(self) -> Optional[float]:
+        return self.optimizer_config.max_gradient
+
+    def storage_modes(self) -> Dict[str, StorageMode]:
+        return {name: t.mode for name, t in self.tables.items()}
+
+    def stats(self) -> Dict[str, Dict[str, Any]]:
+        return {name: t.stats() for name, t in self.tables.items()}
+
+    def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
+        if table not in self.tables:
+            raise KeyError(f"no table {table!r}; tables: {list(self.tables)}")
+        return self.tables[table].read_rows(keys, with_state=with_state)
+
+    def reset(self) -> None:
+        """Every table empty as just built, steps back to 0; prefetches and pins end."""
+        if self.is_meta:
+            return
+        self.clear_prefetched()
+        for config in self.configs:  # one table's memory goes before its new one comes
+            del self.tables[config.name]
+            self.tables[config.name], self._steps[config.name] = self._build_table(config), 0
+        self._generation += 1
+
+    # -- prefetch ----------------------------------------------------------------------------
+    def prefetch(self, kjt: KeyedJaggedTensor, training: bool,
+                 forward_stream: Optional[torch.cuda.Stream] = None) -> PrefetchState:
+        """Resolve ``kjt``'s ids to slots and queue the result (on CUDA on the side stream,
+        after the current stream and ``forward_stream``)."""
+        if self._prefetch_stream is None:
+            state = self._prefetch_now(kjt, training)
+        else:
+            state = prefetch_on_stream(lambda: self._prefetch_now(kjt, training), kjt,
+                                       self._prefetch_stream, self.device, forward_stream)
+        self._queue.append(state)
+        return state
+
+    def _prefetch_now(self, kjt: KeyedJaggedTensor, training: bool) -> PrefetchState:
+        per_table = split_by_table(kjt, self.configs, self.device, validate=self.validate_inputs,
+                                   weights_are_counts=self._weights_are_counts,
+                                   variable_batch=self._variable_batch)
+        batches: Dict[str, TableBatch] = {}
+        try:
+            for name, table in self.tables.items():
+                keys, _, occurrences = per_table[name]
+                batches[name] = table.prefetch(keys, training, occurrences=occurrences)
+        except Exception:
+            self._release(batches.items())
+            raise
+        features = {name: per_table[name][1] for name in self.tables}
+        lengths = {f: jt.lengths() for f, jt in per_table["__jt__"].items()}
+        return PrefetchState(batches, features, tuple(kjt.keys()), training,
+                             lengths=lengths, values=kjt.values(), all_lengths=kjt.lengths())
+
+    # -- lookup ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lookup(self, kjt: KeyedJaggedTensor, trains: bool) -> Iterator[PrefetchState]:
+        """The batch of ``kjt`` looked up, for the module to read its rows in the ``with``
+        block. ``trains`` (a training forward with autograd on): the oldest batch queued for
+        training is taken (or ``kjt`` is prefetched inline) and its pins last until its
+        backward or the next training lookup; else the lookup is read-only and its pins end
+        with the block."""
+        if trains:
+            self._check_lr()
+            self.optimizer_notice.at_training(self.optimizer_config)
+        state = self._take(kjt, trains)
+        if trains:
+            # the previous step's lookups end their pins now, after this batch pinned its
+            # own rows: a lookup whose backward never comes (a table unused by the loss, an
+            # output dropped, an exception) cannot hold rows for ever
+            earlier, self._awaiting_backward = self._awaiting_backward, []
+        try:
+            for name in self.tables:
+                batch = state.batches[name]
+                batch.consumed = True
+                if trains:
+                    self._awaiting_backward.append((name, batch))
+            yield state
+        finally:
+            if trains:
+                self._release(earlier)
+            else:  # read-only lookups hold their pins until their rows are read
+                self._release(state.batches.items())
+        if trains and self.memory_stash is not None:  # every lookup is done: rows can go
+            self.memory_stash.after_lookup()
+
+    def _take(self, kjt: KeyedJaggedTensor, trains: bool) -> PrefetchState:
+        if self._queue and self._queue[0].training == trains:
+            # a mismatch raises with the queue as it was: the batch prefetched is still the
+            # next one, and its lookups were counted once, by prefetch
+            check_state_matches(self._queue[0], kjt, sync_free=not self.validate_inputs)
+            state = self._queue.popleft()
+        else:  # nothing queued, or queued for the other mode (e.g. an eval between steps)
+            state = self._prefetch_now(kjt, trains)
+        if state.ready is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(state.ready)
+            for batch in state.batches.values():  # made on the prefetch stream, used here
+                for tensor in batch.tensors():
+                    tensor.record_stream(stream)
+        return state
+
+    def clear_prefetched(self) -> None:
+        """Drop every queued prefetch, and end the pins of looked-up batches whose backward
+        has not run (such a backward still updates the rows that are still stored)."""
+        while self._queue:
+            self._release(self._queue.popleft().batches.items())
+        self.end_awaiting_backward()
+
+    def end_awaiting_backward(self) -> None:
+        """End the pins of the looked-up batches whose backward has not run."""
+        self._release(self._awaiting_backward)
+        self._awaiting_backward = []
+
+    def _release(self, looked_up: Iterable[Tuple[str, TableBatch]]) -> None:
+        for name, batch in looked_up:
+            self.tables[name].release(batch)
+
+    # -- backward ----------------------------------------------------------------------------
+    def before_backward(self) -> None:
+        """Stashed rows come back now at the latest."""
+        if self.memory_stash is not None:
+            self.memory_stash.restore()
+
+    def apply_gradients(self, name: str, batch: TableBatch, grads, generation: int) -> None:
+        """The fused update of table ``name``'s rows of ``batch`` (looked up at load
+        ``generation``) from ``grads`` (:class:`~dynemb.optimizers.OccurrenceGrads`)."""
+        if generation != self._generation:
+            raise RuntimeError(
+                f"table {name!r} was loaded from a checkpoint or reset after this forward; "
+                f"its backward would update rows that are no longer there. Run a new forward")
+        lr = self._check_lr()  # read here: a scheduler may change it after the forward
+        if not batch.applied:
+            self._steps[name] += 1
+        self.tables[name].apply_gradients(batch, grads, lr=lr, step=self._steps[name])
+
+    def _check_lr(self) -> float:
+        given = self.fused_optimizer.param_groups[0]["lr"]
+        try:
+            return checked_lr(given, "fused_optimizer.param_groups[0]['lr']")
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{err}; nothing was updated") from None
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_state(self, destination, prefix: str, rank: int, world_size: int) -> None:
+        """Every table's rows, scores, optimizer state, step and counters into a state dict
+        (see :mod:`dynemb.checkpoint.module_state`): views of the tables."""
+        save_tables(self.tables, self._steps, destination, prefix, rank, world_size)
+
+    def load_state(self, state_dict: Mapping[str, Any], prefix: str, strict: bool,
+                   missing_keys: List[str], unexpected_keys: List[str]) -> None:
+        """``nn.Module._load_from_state_dict``'s part for the tables; errors raise
+        (DistributedModelParallel's loader drops ``error_msgs``)."""
+        try:
+            saved, unexpected = collect_saved(state_dict, prefix, list(self.tables))
+        except ValueError as err:
+            raise RuntimeError(str(err)) from None
+        unexpected_keys.extend(unexpected)
+        absent = [n for n in self.tables if n not in saved]
+        missing_keys.extend(f"{prefix}{NAMESPACE}.{n}.signature" for n in absent)
+        if absent and strict:
+            return  # load_state_dict raises on the missing keys; nothing changed
+        try:
+            self.load_tables(saved)
+        except ValueError as err:
+            raise RuntimeError(str(err)) from None
+
+    def load_tables(self, saved: Dict[str, List[SavedTable]]) -> None:
+        """Replace the named tables' contents with their saved images, all or nothing (see
+        :meth:`dynemb.dynamic_module.DynamicModule.load_tables`)."""
+        exact = check_saved_tables(self.tables, saved)
+        # fallible loads (by key, into new tables) first; in-place ones cannot fail
+        restored = {n: restore(self.tables[n], parts) for n, parts in saved.items()
+                    if n not in exact}
+        self.clear_prefetched()
+        restored.update({n: restore(self.tables[n], saved[n]) for n in exact})
+        self.install_tables(restored, {n: max(p.step for p in saved[n]) for n in restored})
+
+    def install_tables(self, tables: Dict[str, DynamicTable], steps: Dict[str, int]) -> None:
+        """Swap in ``tables`` with their optimizer ``steps``: queued prefetches drop, pins
+        end, and a backward of an earlier lookup raises instead of updating the new rows."""
+        self.clear_prefetched()
+        for name, table in tables.items():
+            self.tables[name] = table
+            self._steps[name] = steps[name]
+        self._generation += 1
+
+
+def trains_now(module: torch.nn.Module) -> bool:
+    """A training forward with autograd on (anything else reads rows only)."""
+    return module.training and torch.is_grad_enabled()
+

@@ -1,0 +1,220 @@
+"""``DynamicModule``: the ``nn.Module`` face both drop-in modules share.
+
+:class:`~dynemb.collection.DynamicEmbCollection` and
+:class:`~dynemb.bag_collection.DynamicEmbBagCollection` are siblings, as TorchRec's
+``EmbeddingCollection`` and ``EmbeddingBagCollection`` are: each is its TorchRec interface
+plus this class, which holds a :class:`~dynemb.dynamic_core.DynamicCore` (tables, prefetch
+queue, pins, stash, fused optimizer, checkpoint state) and answers the PyTorch habits
+(``state_dict``, ``.to()``, pickling, ``train()``) for it. Each sibling only says how rows
+become its outputs.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.optim.fused import FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb.checkpoint.table_state import SavedTable
+from dynemb.dynamic_core import DynamicCore
+from dynemb.fused_optimizer import DynamicEmbFusedOptimizer
+from dynemb.module_conversion import check_conversion, prepare_pickle
+from dynemb.module_interface import DynamicModuleInterface
+from dynemb.optimizers import OptimizerConfig
+from dynemb.options import DynamicEmbTableOptions, StorageMode
+from dynemb.prefetch import PrefetchState
+from dynemb.stashing.collection_stash import CollectionStash
+from dynemb.tables import DynamicTable
+from dynemb.tracing import ScriptingRefused
+
+_META_HINT = ("is on the meta device and holds no rows: shard it (DistributedModelParallel "
+              "with its dynemb sharder) or build it on a real device")
+
+
+class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefused):
+    """The part of a dynamic module that is the same for sequence and pooled outputs; the
+    subclass builds ``self._core`` (:meth:`_build_core`) in its ``__init__``."""
+
+    #: Read the KJT's weights as how many times each id occurred: the sharded modules feed
+    #: their shares deduplicated ids this way, so admission, LFU scores and the lookup
+    #: counters still count every occurrence.
+    _weights_are_counts = False
+    #: accept KJTs with a batch size per feature
+    _variable_batch = True
+    #: ``(rank, world size)`` the tables are saved as
+    _checkpoint_group = (0, 1)
+
+    def _build_core(self, configs: List[BaseEmbeddingConfig], device, *, table_options,
+                    optimizer, validate_inputs: bool, backend: Optional[str]) -> None:
+        self._core = DynamicCore(
+            type(self).__name__, configs, torch.device(device if device is not None else "cpu"),
+            table_options=table_options, optimizer=optimizer, backend=backend,
+            validate_inputs=validate_inputs, weights_are_counts=self._weights_are_counts,
+            variable_batch=self._variable_batch)
+
+    # -- configuration views -----------------------------------------------------------------
+    @property
+    def tables(self) -> Dict[str, DynamicTable]:
+        """Each table's :class:`~dynemb.tables.DynamicTable`, by name (none on meta)."""
+        return self._core.tables
+
+    def table_configs(self) -> List[BaseEmbeddingConfig]:
+        return self._core.configs
+
+    @property
+    def table_options(self) -> Dict[str, DynamicEmbTableOptions]:
+        return dict(self._core.table_options)
+
+    @property
+    def optimizer_config(self) -> OptimizerConfig:
+        return self._core.optimizer_config
+
+    @property
+    def optimizer_given(self) -> bool:
+        """Whether ``optimizer=`` was passed (if not, a sharder's ``fused_params`` may
+        configure it; else the default applies and warns at first training use)."""
+        return self._core.optimizer_notice.given
+
+    @property
+    def validate_inputs(self) -> bool:
+        return self._core.validate_inputs
+
+    @property
+    def backend(self) -> Optional[str]:
+        return self._core.backend
+
+    @property
+    def device(self) -> torch.device:
+        return self._core.device
+
+    @property
+    def fused_optimizer(self) -> DynamicEmbFusedOptimizer:
+        return self._core.fused_optimizer
+
+    @property
+    def memory_stash(self) -> Optional[CollectionStash]:
+        """The stashes of the tables whose rows wait in host memory between a training
+        forward and its backward (see :mod:`dynemb.stashing`); None if no table stashes."""
+        return self._core.memory_stash
+
+    @property
+    def steps(self) -> Dict[str, int]:
+        """Each table's optimizer step (a copy)."""
+        return self._core.steps
+
+    @property
+    def generation(self) -> int:
+        """How many times the tables were loaded or reset since construction."""
+        return self._core.generation
+
+    @property
+    def pending_prefetches(self) -> int:
+        return self._core.pending_prefetches
+
+    def storage_modes(self) -> Dict[str, StorageMode]:
+        """The storage mode each table runs in."""
+        return self._core.storage_modes()
+
+    def stats(self) -> Dict[str, Dict[str, Any]]:
+        """Per-table counters and sizes (see :mod:`dynemb.counters`); one device read each."""
+        return self._core.stats()
+
+    def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
+        """``(rows, found)``: the current rows of ``keys`` in ``table`` (see
+        :meth:`dynemb.tables.DynamicTable.read_rows`); nothing is inserted or rescored."""
+        return self._core.read_rows(table, keys, with_state=with_state)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """Empty every table as just constructed (rows, optimizer state, scores, store or
+        host tier, admission counts, counters; steps back to 0): each id reads its initial
+        row again. Prefetches and pins end; the learning rate stays. No-op on meta.
+
+        Example::
+
+            >>> ec = DynamicEmbCollection([EmbeddingConfig(
+            ...     name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])])
+            >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([3]),
+            ...                                           torch.tensor([1]))
+            >>> first = ec(kjt)["f"].values()
+            >>> first.sum().backward()  # trains the row of id 3
+            >>> ec.reset_parameters()
+            >>> torch.equal(ec(kjt)["f"].values(), first)
+            True
+        """
+        self._core.reset()
+
+    @torch.compiler.disable
+    def prefetch(self, kjt: KeyedJaggedTensor,
+                 forward_stream: Optional[torch.cuda.Stream] = None) -> PrefetchState:
+        """Resolve ``kjt``'s ids to slots ahead of ``forward`` and queue the result.
+
+        On CUDA the work runs on a side stream, after the current stream (where the input is
+        ready) and ``forward_stream`` (where earlier steps update the tables); ``forward``
+        waits for it. Rows of queued batches stay pinned: a cache too small for all of them
+        raises ``TableFullError``.
+        """
+        if self._core.is_meta:
+            raise RuntimeError(f"this {type(self).__name__} {_META_HINT}")
+        self._check_input(kjt)
+        return self._core.prefetch(kjt, self.training, forward_stream)
+
+    def _check_input(self, kjt: KeyedJaggedTensor) -> None:
+        """Checks of a sibling's own, before any table changes (the shared ones run in the
+        core)."""
+
+    def clear_prefetched(self) -> None:
+        """Drop every queued prefetch, and end the pins of looked-up batches whose backward
+        has not run (such a backward still updates the rows that are still stored)."""
+        self._core.clear_prefetched()
+
+    def train(self, mode: bool = True):
+        """``nn.Module.train``; leaving training also ends the pins of looked-up batches
+        whose backward has not run."""
+        if not mode:
+            self._core.end_awaiting_backward()
+        return super().train(mode)
+
+    # -- nn.Module conversions ---------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        """Where ``.to()``, ``.cuda()``, ``.half()``... reach this module: a call that would
+        move or convert the tables raises (:func:`dynemb.module_conversion.check_conversion`)."""
+        check_conversion(fn, self._core.device)
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        """``torch.save(module)`` pickles the whole module (see
+        :func:`~dynemb.module_conversion.prepare_pickle`)."""
+        prepare_pickle(self)
+        return self.__dict__.copy()
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """Every table's rows, scores, optimizer state, step and counters (see
+        :mod:`dynemb.checkpoint.module_state`): views of the tables, nothing is copied."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        self._core.save_state(destination, prefix, *self._checkpoint_group)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        self._core.load_state(state_dict, prefix, strict, missing_keys, unexpected_keys)
+
+    def load_tables(self, saved: Dict[str, List[SavedTable]]) -> None:
+        """Replace the named tables' contents with their saved images, all or nothing.
+
+        Every image is checked first (a table of another dim, optimizer, dtype, storage mode
+        or score policy raises ``ValueError`` naming it, and nothing changes). Then queued
+        prefetches are dropped and pins of lookups awaiting backward end: a backward of a
+        forward run before the load raises instead of updating the loaded rows."""
+        self._core.load_tables(saved)
+
+    def install_tables(self, tables: Dict[str, DynamicTable], steps: Dict[str, int]) -> None:
+        """Swap in ``tables`` (rebuilt from a checkpoint) with their optimizer ``steps``:
+        queued prefetches are dropped, pins of lookups awaiting backward end, and a backward
+        of a forward run before raises instead of updating the new rows."""
+        self._core.install_tables(tables, steps)
+
+    def extra_repr(self) -> str:
+        return ", ".join(repr(t) for t in self._core.tables.values())
