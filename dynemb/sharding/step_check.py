@@ -25,9 +25,8 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 from torchrec.distributed.collective_utils import validate_collectives_enabled
-from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllSplitsAwaitable
-from torchrec.distributed.types import Awaitable
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb.bridges.kjt_all_to_all import Head, KJTAllToAllWithHead
 
 #: Header tags: what the sending rank is doing (arbitrary, unlikely as splits or sizes).
 INPUT_DIST, BACKWARD = 0x44594E31, 0x44594E32
@@ -80,39 +79,7 @@ def control_rows() -> int:
     return CONTROL_ROWS + (1 if validate_collectives_enabled() else 0)
 
 
-class _CheckedSplitsAwaitable(KJTAllToAllSplitsAwaitable):
-    """TorchRec's splits all-to-all with a header ahead of the splits; checked on wait."""
-
-    def __init__(self, *, batch: int, where: str, **kwargs) -> None:
-        splits = kwargs.pop("tensor_splits")
-        pg = kwargs["pg"]
-        self._phase_batch, self._where = batch, where
-        # the header pads the exchange to CONTROL_ROWS ints per peer (the stride is one)
-        pad = header(INPUT_DIST, batch, CONTROL_ROWS - len(splits) - 1, pg.size())
-        super().__init__(tensor_splits=pad + list(splits), **kwargs)
-        self._header_rows = len(pad)
-        self._input_splits = self._input_splits[self._header_rows:]
-        self._output_splits = self._input_splits
-        if self._workers > 1:
-            self._splits_awaitable = _HeaderStripped(self)
-
-    def check(self, rows: List[List[int]]) -> List[List[int]]:
-        check_header(rows, INPUT_DIST, self._phase_batch, self._pg.rank(), self._where)
-        return rows[self._header_rows:]
-
-
-class _HeaderStripped(Awaitable[List[List[int]]]):
-    """The splits all-to-all's rows after the header was checked and dropped."""
-
-    def __init__(self, owner: _CheckedSplitsAwaitable) -> None:
-        super().__init__()
-        self._inner, self._owner = owner._splits_awaitable, owner
-
-    def _wait_impl(self) -> List[List[int]]:
-        return self._owner.check(self._inner.wait())
-
-
-class StepCheckedKJTAllToAll(KJTAllToAll):
+class StepCheckedKJTAllToAll(KJTAllToAllWithHead):
     """TorchRec's :class:`KJTAllToAll` whose splits exchange also checks that every rank
     runs the input dist of the same :attr:`batch` (see the module docstring). Set
     :attr:`batch` before each call: TorchRec's train pipelines replace ``forward`` by their
@@ -126,23 +93,18 @@ class StepCheckedKJTAllToAll(KJTAllToAll):
 
     def __init__(self, pg: dist.ProcessGroup, splits: List[int], where: str) -> None:
         super().__init__(pg=pg, splits=splits)
-        self._where = where
+        self._group, self._where = pg, where
         self.batch = 0
 
-    def forward(self, input: KeyedJaggedTensor) -> Awaitable:  # noqa: A002
-        """Start the all-to-all of ``input``, the module's :attr:`batch`-th input dist."""
-        with torch.no_grad():
-            rank = dist.get_rank(self._pg)
-            tensor_splits = input.dist_splits(self._splits)
-            if len(tensor_splits) + 1 + HEADER_ROWS > CONTROL_ROWS:
-                raise ValueError(f"a KJT with {len(tensor_splits)} tensors to send does not "
-                                 f"fit the {CONTROL_ROWS}-row step check")
-            return _CheckedSplitsAwaitable(
-                batch=self.batch, where=self._where, pg=self._pg, input=input,
-                splits=self._splits, labels=input.dist_labels(), tensor_splits=tensor_splits,
-                input_tensors=input.dist_tensors(),
-                keys=input.keys()[self._splits_cumsum[rank]:self._splits_cumsum[rank + 1]],
-                device=input.device(), stagger=self._stagger)
+    def head(self, num_splits: int) -> Head:
+        """This call's header, padding the exchange to ``CONTROL_ROWS`` ints per peer (the
+        splits, then the batch size TorchRec sends, follow), and its check."""
+        if num_splits + 1 + HEADER_ROWS > CONTROL_ROWS:
+            raise ValueError(f"a KJT with {num_splits} tensors to send does not fit the "
+                             f"{CONTROL_ROWS}-row step check")
+        batch, rank, where = self.batch, self._group.rank(), self._where
+        rows = header(INPUT_DIST, batch, CONTROL_ROWS - num_splits - 1, self._group.size())
+        return rows, lambda received: check_header(received, INPUT_DIST, batch, rank, where)
 
 
 class _BackwardCheck(torch.autograd.Function):
