@@ -1,9 +1,12 @@
 """Frequency admission: a key gets a row only after it was seen ``threshold`` times."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from dynemb.hash_table import ScoredHashTable
+from dynemb.kernel_backend import KernelBackend
 from dynemb.options import FrequencyAdmission
 from dynemb.types import EMPTY_KEY, MAX_BUCKET_SIZE, ScorePolicy
 
@@ -12,6 +15,7 @@ class AdmissionCounter:
     """Counts occurrences of keys that are not admitted yet, in an LFU-scored hash table.
 
     Keys come padded (``EMPTY_KEY`` entries are ignored) so shapes never depend on data.
+    ``kernels``: those of the owning table (None: the kernels of ``device``).
 
     Example::
 
@@ -21,10 +25,11 @@ class AdmissionCounter:
         [True, False]
     """
 
-    def __init__(self, config: FrequencyAdmission, device: torch.device, backend=None):
+    def __init__(self, config: FrequencyAdmission, device: torch.device,
+                 kernels: Optional[KernelBackend] = None):
         self.threshold = config.threshold
         self.table = ScoredHashTable(counter_slots(config), policy=ScorePolicy.LFU,
-                                     device=device, backend=backend)
+                                     device=device, kernels=kernels)
 
     def admit(self, keys: torch.Tensor, counts: torch.Tensor,
               candidates: torch.Tensor) -> torch.Tensor:

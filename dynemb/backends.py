@@ -264,7 +264,12 @@ class CudaBackend:
                        out_failed, out_stats):
         """Look up and pin every key, then claim slots for the missing ones: the pins keep a
         batch's slots from being claimed by its other keys; without ``pin`` they are dropped
-        at the end. Stats are computed on the device (no host sync)."""
+        at the end. Stats are computed on the device (no host sync).
+
+        Separate launches (lookup, claims, then the unpin without ``pin``): every hit must
+        hold its pin before any key picks a victim, and every claim must be done before the
+        pins drop; a launch has no barrier across its blocks. Nothing is read on the host
+        between them."""
         self.lookup_update(table, ukeys, counts, given, policy, clock, True, out_slots,
                            out_prev_scores)
         hit = out_slots >= 0
@@ -386,7 +391,31 @@ def get_backend(name: str) -> KernelBackend:
 
 
 def backend_for_device(device: torch.device, backend: str | None = None) -> KernelBackend:
-    """The backend for ``device``; ``backend`` overrides it (e.g. "cuda" under the simulator)."""
+    """The backend for ``device``; ``backend`` overrides it (e.g. "cuda" under the simulator).
+
+    What a top-level owner (a table, a user's own ``ScoredHashTable``) calls once; the objects
+    and calls below it take the result as ``kernels``."""
     chosen = get_backend(backend or ("cuda" if device.type == "cuda" else "cpu"))
     chosen.check_device(device)
     return chosen
+
+
+def resolve_kernels(device: torch.device, backend: str | None = None,
+                    kernels: KernelBackend | None = None) -> KernelBackend:
+    """``kernels`` when the caller's owner resolved them already (passed down as they are),
+    else :func:`backend_for_device` of ``device`` and the user-facing ``backend`` string: for
+    the objects and functions a user may also build or call on their own.
+
+    Example::
+
+        >>> cpu = backend_for_device(torch.device("cpu"))
+        >>> resolve_kernels(torch.device("cpu"), kernels=cpu) is cpu
+        True
+        >>> resolve_kernels(torch.device("cpu"), "cpu", kernels=cpu).name
+        'cpu'
+    """
+    if kernels is None:
+        return backend_for_device(device, backend)
+    if backend is not None and backend != kernels.name:
+        raise ValueError(f"backend {backend!r} contradicts the {kernels.name!r} kernels given")
+    return kernels

@@ -12,6 +12,7 @@ from typing import Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
+from dynemb.backends import backend_for_device
 from dynemb.flat_table import FlatTable
 from dynemb.hash_table import ScoredHashTable
 from dynemb.row_moves import copy_rows
@@ -74,11 +75,13 @@ class HostBackingStore:
         bucket = min(MAX_BUCKET_SIZE, initial_capacity)
         self.width = width
         self.device = torch.device(device)
+        host = torch.device("cpu")
+        kernels = backend_for_device(host)
         # CUSTOMIZED: the store ranks rows by the scores the device table gave them.
         self._table = ScoredHashTable(initial_capacity, bucket_size=bucket,
                                       policy=ScorePolicy.CUSTOMIZED, grow_at_load_factor=0.75,
-                                      max_capacity=max_capacity)
-        self._rows = FlatTable(initial_capacity, width, dtype=dtype)
+                                      max_capacity=max_capacity, device=host, kernels=kernels)
+        self._rows = FlatTable(initial_capacity, width, dtype=dtype, device=host, kernels=kernels)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu")

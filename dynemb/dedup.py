@@ -11,7 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from dynemb.backends import backend_for_device
+from dynemb.backends import resolve_kernels
+from dynemb.kernel_backend import KernelBackend
 from dynemb.types import EMPTY_KEY
 
 
@@ -52,14 +53,15 @@ def padded_unique(keys: torch.Tensor) -> Unique:
 
 
 def unique_keys(keys: torch.Tensor, backend: str | None = None, *,
-                num_buckets: int | None = None) -> Unique:
-    """Exact unique keys on the CPU backend, :func:`padded_unique` on CUDA.
+                num_buckets: int | None = None, kernels: KernelBackend | None = None) -> Unique:
+    """Exact unique keys on the CPU backend, :func:`padded_unique` on CUDA: ``kernels`` (what
+    the owning table resolved), else the ``backend`` of the keys' device.
 
     On CPU the keys come in first-occurrence order, or with ``num_buckets`` (the keys go to a
     hash table of that many buckets next) sorted by bucket, ties in first-occurrence order:
     the table's ``find_or_insert`` then claims them in place, without a sort of its own.
     """
-    impl = backend_for_device(keys.device, backend)
+    impl = resolve_kernels(keys.device, backend, kernels)
     if impl.name == "cpu":
         ukeys, inverse, counts = impl.dedup(keys, num_buckets)
         return Unique(ukeys, inverse, counts, torch.tensor([ukeys.numel()]))

@@ -7,7 +7,9 @@ from typing import Optional
 
 import torch
 
+from dynemb.backends import resolve_kernels
 from dynemb.initializers import Initializer
+from dynemb.kernel_backend import KernelBackend
 from dynemb.row_moves import remap_rows
 from dynemb.types import SUPPORTED_DTYPES
 from dynemb.validation import check_index_tensor, check_int, check_slots
@@ -118,7 +120,9 @@ class FlatTable:
     (a :class:`RowLayout`): the embedding (``dim`` columns), then the optimizer state of that
     row (always started at zero; float32 whatever the dtype). For float32 tables the width
     is ``dim + optimizer_state_dim``. Gather and scatter are torch's ``index_select`` /
-    ``index_copy_``.
+    ``index_copy_``. Rows start from the initializer on ``kernels`` (what the owner resolved
+    for ``device``), else on the ``backend`` ("cpu" / "cuda", None: by device) resolved once
+    here.
 
     Example::
 
@@ -131,13 +135,14 @@ class FlatTable:
     """
 
     def __init__(self, capacity: int, dim: int, *, optimizer_state_dim: int = 0,
-                 dtype: torch.dtype = torch.float32, device=None, backend: Optional[str] = None):
+                 dtype: torch.dtype = torch.float32, device=None, backend: Optional[str] = None,
+                 kernels: Optional[KernelBackend] = None):
         check_int(capacity, "capacity")
         self.layout = RowLayout(dim, optimizer_state_dim, dtype)
         self.dim = dim
         self.optimizer_state_dim = optimizer_state_dim
-        self.backend = backend
         self.weights = torch.zeros(capacity, self.layout.width, dtype=dtype, device=device)
+        self.kernels = resolve_kernels(self.weights.device, backend, kernels)
 
     @property
     def capacity(self) -> int:
@@ -181,7 +186,7 @@ class FlatTable:
         if keys.shape != slots.shape:
             raise ValueError(f"keys has shape {tuple(keys.shape)} but slots has "
                              f"{tuple(slots.shape)}")
-        rows = initializer.rows(keys, self.dim, seed=seed, table_id=table_id, backend=self.backend)
+        rows = initializer.rows(keys, self.dim, seed=seed, table_id=table_id, kernels=self.kernels)
         if self.optimizer_state_dim:
             rows = torch.cat([rows, rows.new_zeros(rows.shape[0], self.optimizer_state_dim)], 1)
         self.scatter(slots, rows)
@@ -192,7 +197,7 @@ class FlatTable:
         float32 rows are written by one kernel without a host sync."""
         if self.weights.dtype == torch.float32:
             initializer.write_rows(self.weights, slots, keys, mask, dim=self.dim, seed=seed,
-                                   table_id=table_id, backend=self.backend)
+                                   table_id=table_id, kernels=self.kernels)
             return
         pick = mask & (slots >= 0)
         if bool(pick.any()):

@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from dynemb.backends import backend_for_device
-from dynemb.kernel_backend import TableArrays
+from dynemb.backends import resolve_kernels
+from dynemb.kernel_backend import KernelBackend, TableArrays
 from dynemb.hash_table_images import HashTableImages, compose_remaps
 from dynemb.hash_table_checks import (MAX_BUCKETS, SLOT_BYTES, check_claim_arguments,
                                       check_scores, check_table_arguments, max_table_capacity)
@@ -41,6 +41,8 @@ class ScoredHashTable(HashTableImages):
         max_capacity: upper bound for growth (default: unbounded when growth is on).
         backend: "cpu" or "cuda" to override the choice by device (the CUDA simulator runs the
             "cuda" backend on CPU tensors).
+        kernels: the kernels its owner resolved for ``device`` (a table passes its own);
+            instead of ``backend``.
 
     Example::
 
@@ -57,11 +59,12 @@ class ScoredHashTable(HashTableImages):
     def __init__(self, capacity: int, *, bucket_size: Optional[int] = None,
                  policy: ScorePolicy = ScorePolicy.LRU, device=None,
                  grow_at_load_factor: Optional[float] = None,
-                 max_capacity: Optional[int] = None, backend: Optional[str] = None):
+                 max_capacity: Optional[int] = None, backend: Optional[str] = None,
+                 kernels: Optional[KernelBackend] = None):
         bucket_size = check_table_arguments(capacity, bucket_size, policy, grow_at_load_factor,
                                             max_capacity)
         self.device = torch.device(device if device is not None else "cpu")
-        self._backend = backend_for_device(self.device, backend)
+        self._backend = resolve_kernels(self.device, backend, kernels)
         self.policy = policy
         self.bucket_size = bucket_size
         self.grow_at_load_factor = grow_at_load_factor
@@ -90,6 +93,11 @@ class ScoredHashTable(HashTableImages):
     def clock(self) -> int:
         """Calls that updated scores so far (the LRU/STEP score of the latest call)."""
         return self._clock
+
+    @property
+    def kernels(self) -> KernelBackend:
+        """The kernels the table runs (resolved once, when it was built)."""
+        return self._backend
 
     def size(self) -> int:
         """Number of live keys (synchronizes with the device on CUDA)."""
@@ -171,6 +179,11 @@ class ScoredHashTable(HashTableImages):
         counts = dedup_counts if counts is None else counts
         self._undoable = None
         remap = self._grow_for(ukeys) if self.grow_at_load_factor is not None else None
+        # One backend call per round (lookup, claims and stats in one find_or_insert). A round
+        # ends on the host: whether to roll back and grow, and to what capacity, depends on
+        # its stats, and the grown arrays are allocated here; so rounds cannot merge into one
+        # call. The usual call (nothing failed, no growth) is a single round, and with growth
+        # off and "defer" it reads nothing back.
         while True:
             attempt = self._find_or_insert_once(ukeys, counts, given, pin)
             slots, inserted, prev_keys, prev_scores, failed, stats = attempt

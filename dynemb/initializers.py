@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dynemb.backends import backend_for_device
+from dynemb.backends import resolve_kernels
+from dynemb.kernel_backend import KernelBackend
 from dynemb.kernels import init_common
 from dynemb.validation import check_index_tensor
 
@@ -82,24 +83,25 @@ class Initializer:
         return self.mean, self.std
 
     def rows(self, keys: torch.Tensor, dim: int, *, seed: int, table_id: int,
-             backend: str | None = None) -> torch.Tensor:
-        """[N, dim] float32 initial rows of ``keys`` on the keys' device."""
+             backend: str | None = None, kernels: KernelBackend | None = None) -> torch.Tensor:
+        """[N, dim] float32 initial rows of ``keys`` on the keys' device, by ``kernels`` (what
+        the owning table resolved) or else the ``backend`` of the keys' device."""
         check_index_tensor(keys, "keys", keys.device)
         out = torch.empty(keys.numel(), dim, dtype=torch.float32, device=keys.device)
         p0, p1 = self._params()
-        backend_for_device(keys.device, backend).init_rows(
+        resolve_kernels(keys.device, backend, kernels).init_rows(
             out, keys, int(seed), int(table_id), _KIND_CODES[self.kind], float(p0), float(p1),
             float(self.low), float(self.high))
         return out
 
     def write_rows(self, weights: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
                    mask: torch.Tensor, *, dim: int, seed: int, table_id: int,
-                   backend: str | None = None) -> None:
+                   backend: str | None = None, kernels: KernelBackend | None = None) -> None:
         """In float32 ``weights`` [C, W], start the rows ``slots[i]`` with ``mask[i]`` (and
         ``slots[i] >= 0``) from ``keys[i]``: initial values in ``[0, dim)``, zeros after.
-        One kernel, no host sync."""
+        One kernel, no host sync; ``backend`` / ``kernels`` as for :meth:`rows`."""
         p0, p1 = self._params()
-        backend_for_device(weights.device, backend).init_rows_at(
+        resolve_kernels(weights.device, backend, kernels).init_rows_at(
             weights, slots, keys, mask, int(dim), int(seed), int(table_id),
             _KIND_CODES[self.kind], float(p0), float(p1), float(self.low), float(self.high))
 

@@ -20,8 +20,9 @@ from typing import Optional, Union
 
 import torch
 
-from dynemb.backends import backend_for_device
+from dynemb.backends import resolve_kernels
 from dynemb.flat_table import RowLayout
+from dynemb.kernel_backend import KernelBackend
 from dynemb.kernels import optim_common, round_common
 from dynemb.occurrence_grads import OccurrenceGrads, occurrence_csr
 from dynemb.optimizer_config import (OptimizerConfig, OptimizerType, check_number,
@@ -44,7 +45,8 @@ def fused_update(weights: torch.Tensor, slots: torch.Tensor,
                  grads: Union[torch.Tensor, OccurrenceGrads], *, dim: int,
                  config: OptimizerConfig, lr: float, step: int, backend=None,
                  keys: Optional[torch.Tensor] = None, seed: int = 0, table_id: int = 0,
-                 stochastic_rounding: bool = True) -> None:
+                 stochastic_rounding: bool = True,
+                 kernels: Optional[KernelBackend] = None) -> None:
     """Apply one optimizer step to the rows at ``slots``, in place.
 
     For each ``i`` with ``slots[i] >= 0``, row ``weights[slots[i]]`` (laid out as
@@ -65,6 +67,7 @@ def fused_update(weights: torch.Tensor, slots: torch.Tensor,
         step: 1-based global step (Adam's bias correction ``1 - beta^step``).
         backend: None picks it from ``weights.device``; "cpu" or "cuda" (under the CUDA
             simulator the "cuda" backend runs on CPU tensors).
+        kernels: the kernels the owning table resolved, instead of ``backend``.
         keys: [U] int64, the key of each row: float16 / bfloat16 weights with
             ``stochastic_rounding`` need them (the rounding noise follows the key, not the
             slot); float32 weights ignore them, as they do ``seed`` and ``table_id``.
@@ -94,7 +97,7 @@ def fused_update(weights: torch.Tensor, slots: torch.Tensor,
     check_number(lr, "lr")
     check_int(step, "step")
     _check_inputs(weights, slots, grads, dim, state_dim)
-    chosen = backend_for_device(weights.device, backend)
+    chosen = resolve_kernels(weights.device, backend, kernels)
     if weights.dtype != torch.float32:
         _check_rounding_inputs(keys, slots.numel(), weights.device, stochastic_rounding)
     if not slots.numel():
@@ -117,15 +120,16 @@ def fused_update(weights: torch.Tensor, slots: torch.Tensor,
     row_keys = keys if keys is not None else torch.zeros_like(slots)
     layout.embeddings(rows).copy_(round_rows(
         logical[:, :dim], weights.dtype, keys=row_keys, step=int(step), seed=seed,
-        table_id=table_id, stochastic=stochastic_rounding, backend=chosen.name))
+        table_id=table_id, stochastic=stochastic_rounding, kernels=chosen))
     layout.state(rows).copy_(logical[:, dim:])
     weights.index_copy_(0, slots[live], rows[live])
 
 
 def round_rows(values: torch.Tensor, dtype: torch.dtype, *, keys: torch.Tensor, step: int,
                seed: int = 0, table_id: int = 0, stochastic: bool = True,
-               backend=None) -> torch.Tensor:
-    """``values`` [N, D] float32 rounded to ``dtype`` (float16 or bfloat16).
+               backend=None, kernels: Optional[KernelBackend] = None) -> torch.Tensor:
+    """``values`` [N, D] float32 rounded to ``dtype`` (float16 or bfloat16), by ``kernels``
+    (what the caller resolved) or else the ``backend`` of the values' device.
 
     Stochastic rounding rounds each value to one of its two neighbours in ``dtype``, the
     upper one with probability ``(value - lower) / (upper - lower)``: the expected result is
@@ -149,7 +153,7 @@ def round_rows(values: torch.Tensor, dtype: torch.dtype, *, keys: torch.Tensor, 
     if values.dim() != 2:
         raise ValueError(f"values must be 2-D, got shape {tuple(values.shape)}")
     _check_rounding_inputs(keys, values.shape[0], values.device, stochastic)
-    chosen = backend_for_device(values.device, backend)
+    chosen = resolve_kernels(values.device, backend, kernels)
     src = values.to(torch.float32).contiguous()
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
     if src.numel():

@@ -9,11 +9,12 @@ embeddings expand to one per occurrence and their gradients sum per unique id.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from dynemb.backends import backend_for_device
+from dynemb.backends import resolve_kernels
+from dynemb.kernel_backend import KernelBackend
 from dynemb.key_mixing import owner_rank_hash
 from dynemb.options import ShardingScheme
 
@@ -54,13 +55,18 @@ class RoutedIds:
 
 
 def route_unique(ids_per_table: Sequence[torch.Tensor], schemes: Sequence[ShardingScheme],
-                 world_size: int, segments: List[Tuple[str, int]]) -> RoutedIds:
-    """Dedup each table's ids and order the distinct ids by (owner rank, table)."""
+                 world_size: int, segments: List[Tuple[str, int]],
+                 kernels: Optional[KernelBackend] = None) -> RoutedIds:
+    """Dedup each table's ids and order the distinct ids by (owner rank, table).
+
+    ``kernels`` dedup the ids of every table (default: the kernels of the ids' device, one
+    device for all tables)."""
     num_tables = len(ids_per_table)
     device = ids_per_table[0].device
+    kernels = resolve_kernels(device, kernels=kernels)
     uniques, inverses, counts, groups = [], [], [], []
     for t, (ids, scheme) in enumerate(zip(ids_per_table, schemes)):
-        unique, inverse, count = backend_for_device(ids.device).dedup(ids)
+        unique, inverse, count = kernels.dedup(ids)
         uniques.append(unique)
         inverses.append(inverse)
         counts.append(count)

@@ -65,8 +65,8 @@ class DynamicTable:
         self.row_layout = RowLayout(dim, self.state_dim, layout.dtype)
         self.width = self.row_layout.width  # physical columns of a row, as stores hold them
         self.tier = Tier(layout, layout.init_capacity, dim, self.state_dim, options, self.device,
-                         backend, grow=self._grows)
-        self.admission = (AdmissionCounter(options.admission, self.device, backend)
+                         self.kernels, grow=self._grows)
+        self.admission = (AdmissionCounter(options.admission, self.device, self.kernels)
                           if options.admission is not None else None)
         self.counters = TableCounters(self.device)
         self._held: List[TableBatch] = []
@@ -148,7 +148,7 @@ class DynamicTable:
         stands for (ids deduplicated upstream); counts and counters use it."""
         self._deferred.check(self.name)
         # in the bucket order of the device tier, where training claims them
-        unique = unique_keys(keys, self.backend, num_buckets=self.tier.hash.num_buckets)
+        unique = unique_keys(keys, kernels=self.kernels, num_buckets=self.tier.hash.num_buckets)
         counts = unique.counts
         if occurrences is not None:
             counts = torch.zeros_like(counts).index_add_(0, unique.inverse, occurrences)
@@ -171,7 +171,7 @@ class DynamicTable:
         self.counters.add("admission_rejects", (valid & ~admitted).sum())
         batch.fallback = self.options.initializer.rows(
             batch.keys, self.dim, seed=self.options.seed, table_id=self.table_id,
-            backend=self.backend)
+            kernels=self.kernels)
         return admitted
 
     def _claim(self, tier: Tier, keys: torch.Tensor, counts: torch.Tensor):
@@ -245,7 +245,7 @@ class DynamicTable:
 
     def _eval_rows(self, keys: torch.Tensor) -> torch.Tensor:
         return self.options.eval_initializer.rows(keys, self.dim, seed=self.options.seed,
-                                                  table_id=self.table_id, backend=self.backend)
+                                                  table_id=self.table_id, kernels=self.kernels)
 
     def _with_fallback(self, rows, stored, fallback):
         if fallback is not None:
@@ -291,7 +291,7 @@ class DynamicTable:
         """The optimizer step of ``weights[slots[i]]``, the row of ``keys[i]`` (float16 /
         bfloat16 rows round with noise drawn from the key, so every storage mode agrees)."""
         fused_update(weights, slots, grads, dim=self.dim, config=self.optimizer, lr=lr,
-                     step=step, backend=self.backend, keys=keys, seed=self.options.seed,
+                     step=step, kernels=self.kernels, keys=keys, seed=self.options.seed,
                      table_id=self.table_id,
                      stochastic_rounding=self.options.stochastic_rounding)
 

@@ -6,9 +6,10 @@ from typing import Optional
 
 import torch
 
-from dynemb.backends import backend_for_device
+from dynemb.backends import resolve_kernels
 from dynemb.flat_table import FlatTable
 from dynemb.hash_table import ScoredHashTable
+from dynemb.kernel_backend import KernelBackend
 from dynemb.options import DynamicEmbTableOptions, TableLayout
 from dynemb.types import TableFullError
 
@@ -18,20 +19,22 @@ class Tier:
 
     ``grow``: the hash table doubles, up to ``layout.max_capacity``, once it passes
     ``options.max_load_factor`` (HBM_DIRECT tables that start below their maximum).
+    ``kernels``: those its table resolved, handed to both (None: the kernels of ``device``,
+    e.g. for a host tier on the CPU).
     """
 
     def __init__(self, layout: TableLayout, capacity: int, dim: int, state_dim: int,
-                 options: DynamicEmbTableOptions, device: torch.device, backend: Optional[str],
-                 *, grow: bool = False):
+                 options: DynamicEmbTableOptions, device: torch.device,
+                 kernels: Optional[KernelBackend], *, grow: bool = False):
         self.device = torch.device(device)
-        self.kernels = backend_for_device(self.device, backend)
+        self.kernels = resolve_kernels(self.device, kernels=kernels)
         self.hash = ScoredHashTable(
             capacity, bucket_size=layout.bucket_size, policy=options.score_strategy,
-            device=self.device, backend=backend,
+            device=self.device, kernels=self.kernels,
             grow_at_load_factor=options.max_load_factor if grow else None,
             max_capacity=layout.max_capacity if grow else None)
         self.flat = FlatTable(capacity, dim, optimizer_state_dim=state_dim, dtype=layout.dtype,
-                              device=self.device, backend=backend)
+                              device=self.device, kernels=self.kernels)
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """Whole rows (embedding and state) at ``slots`` [U]; -1 entries read row 0."""
