@@ -13,9 +13,10 @@ from torchrec.distributed.planner.utils import bytes_to_gb
 from torchrec.distributed.types import PipelineType
 
 from dynemb import StorageMode
-from dynemb.planner import (DynamicEmbPerfEstimator, DynamicEmbStorageEstimator,
-                            dynamic_embedding_enumerator, footprints, make_planner)
+from dynemb.planning import (DynamicEmbPerfEstimator, DynamicEmbStorageEstimator,
+                             dynamic_embedding_enumerator, footprints, make_planner)
 from tests.planning_models import BATCH, MixedModel, mixed_constraints, sharders, topology
+from tests.torchrec_probes import sharder_data_map
 
 
 def test_dynemb_constraints_only_touch_dynamic_tables():
@@ -95,7 +96,7 @@ def test_perf_estimator_restores_labels_and_leaves_others_alone():
     assert kernel == "fused_uvm_caching"
     layout_ratio = (256 << 20) // 2 // (64 * 3 * 4) // 128 * 128 / 2_000_000
     assert ratio == pytest.approx(layout_ratio)
-    perf.estimate(options, enumerator._sharder_data_map)
+    perf.estimate(options, sharder_data_map(enumerator))
     assert [(o.name, o.compute_kernel, o.cache_params) for o in options] == before
     assert all(s.perf is not None for o in options for s in o.shards)
 
@@ -106,7 +107,7 @@ def test_stats_table_shows_dynamic_footprint(caplog):
     constraints = mixed_constraints(model)
     pipeline = PipelineType.TRAIN_SPARSE_DIST
     caplog.set_level(logging.INFO, logger="torchrec.distributed.planner.stats")
-    caplog.set_level(logging.INFO, logger="dynemb.planner")
+    caplog.set_level(logging.INFO, logger="dynemb.planning")
     make_planner(topology(), constraints, batch_size=BATCH,
                  pipeline_type=pipeline).plan(model, sharders())
     stats = [r.getMessage() for r in caplog.records
@@ -128,20 +129,20 @@ def test_stats_table_shows_dynamic_footprint(caplog):
     kernel_total = (f"customized_kernel: HBM: {round(bytes_to_gb(total_hbm), 3)} GB, "
                     f"DDR: {round(bytes_to_gb(total_ddr), 3)} GB")
     assert any(kernel_total in line for line in stats), kernel_total
-    ours = "\n".join(r.getMessage() for r in caplog.records if r.name == "dynemb.planner")
+    ours = "\n".join(r.getMessage() for r in caplog.records if r.name == "dynemb.planning")
     assert re.search(r"^dyn\.items\s+0\s+CACHE", ours, re.M)
     assert re.search(r"^dyn\.users\s+1\s+HBM_DIRECT", ours, re.M)
 
 
 def test_bag_tables_are_estimated_as_pooled():
-    # TorchRec calls every EmbeddingCollectionInterface unpooled; DynamicEmbBagCollection
-    # extends DynamicEmbCollection, so the estimators mark its options pooled themselves
+    # TorchRec calls every EmbeddingCollectionInterface unpooled and everything else pooled:
+    # DynamicEmbBagCollection is an EmbeddingBagCollectionInterface, as TorchRec's EBC
     import torch
     from torchrec.distributed.planner import Topology
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
     from dynemb import DynamicEmbBagCollection
-    from dynemb.planner import dynemb_constraints
+    from dynemb.planning import dynemb_constraints
     from dynemb.sharding import DynamicEmbBagCollectionSharder
 
     class Model(torch.nn.Module):
@@ -158,5 +159,5 @@ def test_bag_tables_are_estimated_as_pooled():
                                      estimator=[DynamicEmbStorageEstimator(topo, constraints)])
     options = enumerator.enumerate(model, [DynamicEmbBagCollectionSharder()])
     assert options and all(o.is_pooled for o in options)
-    DynamicEmbPerfEstimator(topo, constraints).estimate(options, enumerator._sharder_data_map)
+    DynamicEmbPerfEstimator(topo, constraints).estimate(options, sharder_data_map(enumerator))
     assert all(s.perf is not None for o in options for s in o.shards)

@@ -47,7 +47,7 @@ from dynemb.fused_params import fused_params_optimizer, sharder_override
 
 # Named after the public module users import the planner from, so that is the logger they
 # configure.
-logger: logging.Logger = logging.getLogger("dynemb.planner")
+logger: logging.Logger = logging.getLogger("dynemb.planning")
 
 #: The only sharding type and compute kernel a dynamic table is planned with.
 DYNEMB_SHARDING_TYPE = ShardingType.ROW_WISE.value
@@ -235,7 +235,7 @@ class DynamicEmbPerfEstimator(ShardEstimator):
 
 
 class DynamicEmbStats(Stats):
-    """Logs (logger ``dynemb.planner``, INFO) the footprint breakdown of the dynamic tables of
+    """Logs (logger ``dynemb.planning``, INFO) the footprint breakdown of the dynamic tables of
     the chosen plan, one line per table and rank, as
     :func:`~dynemb.planning.report.footprint_report` prints it. Use it next to TorchRec's
     ``EmbeddingStats`` (:func:`make_planner` does).
