@@ -42,7 +42,7 @@ from benchmarks.common import (add_run_options, check, config_of, fill_defaults,
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig, OptimizerType)
 from dynemb.flat_table import RowLayout
 from dynemb.options import StashMode, choose_storage_mode
-from dynemb.stashing import TableStash
+from dynemb.stashing.table_stash import TableStash
 from dynemb.stashing.transfers import transfers_for
 from dynemb.tables.tier import Tier
 

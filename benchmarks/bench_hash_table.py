@@ -27,11 +27,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import dynemb
 from benchmarks.common import (ALL_THREADS, add_run_options, check, config_of, fill_defaults,
                                format_optional, git_state, machine_info, new_parser,
                                peak_rss_gib, pyplot, report_stem, run_command, save_figure,
                                verdict, write_report)
+from dynemb import ScorePolicy
+from dynemb.hash_table import ScoredHashTable
 
 FILE_STEM = "hash_table_cpu"
 #: Keys per fill call: at most 2^20 and an eighth of the capacity, so that no bucket receives
@@ -136,12 +137,12 @@ def time_calls(fn: Callable, repeats: int, setup: Optional[Callable] = None):
 
 
 # -- tables and baselines --------------------------------------------------------------------
-def fill_chunk(table: dynemb.ScoredHashTable) -> int:
+def fill_chunk(table: ScoredHashTable) -> int:
     """Keys per insert call while filling (see ``FILL_CHUNK``)."""
     return min(FILL_CHUNK, table.capacity // FILL_CHUNK_FRACTION)
 
 
-def fill(table: dynemb.ScoredHashTable, stream: KeyStream, target_size: int) -> None:
+def fill(table: ScoredHashTable, stream: KeyStream, target_size: int) -> None:
     """Insert fresh keys in chunks until the table holds ``target_size`` keys (inserts into full
     buckets evict, so this may take more keys than ``target_size``)."""
     chunk = fill_chunk(table)
@@ -150,14 +151,14 @@ def fill(table: dynemb.ScoredHashTable, stream: KeyStream, target_size: int) -> 
         table.find_or_insert(stream.take(n), assume_unique=True)
 
 
-def overfill(table: dynemb.ScoredHashTable, stream: KeyStream) -> None:
+def overfill(table: ScoredHashTable, stream: KeyStream) -> None:
     """Insert ``EVICT_OVERFILL * capacity`` fresh keys so that the buckets are full."""
     total, chunk = int(EVICT_OVERFILL * table.capacity), fill_chunk(table)
     for start in range(0, total, chunk):
         table.find_or_insert(stream.take(min(chunk, total - start)), assume_unique=True)
 
 
-def live_entries(table: dynemb.ScoredHashTable) -> Tuple[torch.Tensor, torch.Tensor]:
+def live_entries(table: ScoredHashTable) -> Tuple[torch.Tensor, torch.Tensor]:
     """(keys, slots) of every key in the table."""
     batch = table.export()
     check(batch.keys.numel() == table.size(), "export() and size() disagree")
@@ -202,7 +203,7 @@ class Scenario:
 
     capacity_log2: int
     load_target: Optional[float]
-    table: dynemb.ScoredHashTable
+    table: ScoredHashTable
     baselines: Baselines
     repeats: int
     dict_keys: int
@@ -304,16 +305,16 @@ def bench_dict_insert(sc: Scenario, op: str, new_keys: torch.Tensor) -> None:
 
 
 def make_scenario(cfg: argparse.Namespace, capacity_log2: int, load_target: Optional[float],
-                  table: dynemb.ScoredHashTable) -> Scenario:
+                  table: ScoredHashTable) -> Scenario:
     """Wrap a filled table with baselines holding the same keys."""
     keys, slots = live_entries(table)
     return Scenario(capacity_log2, load_target, table, Baselines(keys, slots), cfg.repeats,
                     cfg.dict_keys, rows=[])
 
 
-def new_table(capacity_log2: int) -> dynemb.ScoredHashTable:
+def new_table(capacity_log2: int) -> ScoredHashTable:
     """An empty table with the default bucket size and the LRU policy."""
-    return dynemb.ScoredHashTable(1 << capacity_log2, policy=dynemb.ScorePolicy.LRU, device="cpu")
+    return ScoredHashTable(1 << capacity_log2, policy=ScorePolicy.LRU, device="cpu")
 
 
 def run_load(cfg, capacity_log2: int, load: float, pool: torch.Tensor, gen: torch.Generator,

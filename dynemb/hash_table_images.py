@@ -26,6 +26,7 @@ class HashTableImages:
 
         Example::
 
+            >>> from dynemb.hash_table import ScoredHashTable
             >>> table = ScoredHashTable(256)
             >>> _ = table.find_or_insert(torch.tensor([3, 4]))
             >>> keys, scores = (t.clone() for t in table.image())
@@ -57,6 +58,7 @@ class HashTableImages:
 
         Example::
 
+            >>> from dynemb.hash_table import ScoredHashTable
             >>> table = ScoredHashTable(256, policy=ScorePolicy.LFU)
             >>> slots = table.load_entries(torch.tensor([9, 5]), torch.tensor([40, 2])).slots
             >>> table.scores_at(slots).tolist()

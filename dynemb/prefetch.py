@@ -7,6 +7,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dynemb.bridges.device_assert import assert_on_device
 from dynemb.tables import TableBatch
 from dynemb.options import StorageMode
 
@@ -86,8 +87,8 @@ def _same(got: torch.Tensor, expected: torch.Tensor, sync_free: bool) -> bool:
         return True
     if not sync_free or got.device.type != "cuda":
         return torch.equal(got, expected.to(got.device))
-    torch._assert_async((got == expected).all(),
-                        "forward got other ids or lengths than the oldest prefetched batch")
+    assert_on_device((got == expected).all(),
+                     "forward got other ids or lengths than the oldest prefetched batch")
     return True
 
 

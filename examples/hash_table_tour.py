@@ -6,7 +6,9 @@ import argparse
 
 import torch
 
-from dynemb import FlatTable, Initializer, ScoredHashTable, ScorePolicy, TableFullError
+from dynemb import Initializer, ScorePolicy, TableFullError
+from dynemb.flat_table import FlatTable
+from dynemb.hash_table import ScoredHashTable
 
 
 def main(backend: str = "cpu") -> None:

@@ -10,7 +10,7 @@ vocabulary), and each table keeps a row for every id it has seen, up to ``--tabl
 rows (then the least recently used rows make room).
 
 The collection is built on the meta device, planned by TorchRec's planner with dynemb's
-estimators (:func:`dynemb.planner.make_planner`) and sharded by ``DistributedModelParallel``
+estimators (:func:`dynemb.planning.make_planner`) and sharded by ``DistributedModelParallel``
 with :class:`~dynemb.sharding.DynamicEmbBagCollectionSharder`: every id goes to the rank that
 owns it, that rank pools its share of each bag, and TorchRec's pooled reduce-scatter adds the
 partial sums, so one vector per sample and feature travels back, not one per id. The rows
@@ -165,7 +165,7 @@ def shard(model: DLRMTrain, cfg: Config, device: torch.device, mean_ids: float):
     from torchrec.distributed.planner import ParameterConstraints, Topology
     from torchrec.distributed.types import PipelineType, ShardingEnv
 
-    from dynemb.planner import dynemb_constraints, make_planner
+    from dynemb.planning import dynemb_constraints, make_planner
     from dynemb.sharding import DynamicEmbBagCollectionSharder
     world_size = dist.get_world_size()
     sharders = [DynamicEmbBagCollectionSharder()]

@@ -8,7 +8,7 @@ history and target features, and a ``users`` table with frequency admission; an 
 pooled history and the user scores the target against in-batch negatives.
 
 What changes is the distribution: the ``DynamicEmbCollection`` is built on the meta device,
-TorchRec's planner (with dynemb's estimators, :func:`dynemb.planner.make_planner`) plans it,
+TorchRec's planner (with dynemb's estimators, :func:`dynemb.planning.make_planner`) plans it,
 ``DistributedModelParallel`` shards it with :class:`~dynemb.sharding.DynamicEmbCollectionSharder`
 (every rank owns the ids that hash to it), and ``TrainPipelineSparseDist`` overlaps the next
 batch's id all-to-all with the current step. Each rank draws its own batches from the same
@@ -170,7 +170,7 @@ def shard(model: ShardedNextItem, cfg: Config, device: torch.device):
     from torchrec.distributed.planner import ParameterConstraints, Topology
     from torchrec.distributed.types import PipelineType, ShardingEnv
 
-    from dynemb.planner import dynemb_constraints, make_planner
+    from dynemb.planning import dynemb_constraints, make_planner
     from dynemb.sharding import DynamicEmbCollectionSharder
     world_size = dist.get_world_size()
     sharders = [DynamicEmbCollectionSharder()]
@@ -208,7 +208,7 @@ def combined_optimizer(dmp):
 def make_pipeline(kind: str, dmp, optimizer, device: torch.device):
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from dynemb.pipeline import PrefetchTrainPipelineSparseDist
+    from dynemb.pipelines import PrefetchTrainPipelineSparseDist
     cls = TrainPipelineSparseDist if kind == "sparse_dist" else PrefetchTrainPipelineSparseDist
     return cls(dmp, optimizer, device)
 

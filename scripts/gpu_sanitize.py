@@ -84,7 +84,7 @@ def _key_set(table) -> Dict[int, int]:
 
 
 def _evicted(result) -> set:
-    from dynemb import EMPTY_KEY, TOMBSTONE_KEY
+    from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
     prev = result.previous_keys[result.inserted]
     keep = (prev != EMPTY_KEY) & (prev != TOMBSTONE_KEY)
     return set(prev[keep].tolist())
@@ -102,7 +102,8 @@ def check_custom_scores_with_evictions(report: Report, twins: Twins, gen) -> Dic
     evicted keys and the scores must equal the CPU's exactly (find, lookup_update,
     insert_missing, add_refcounts, export kernels)."""
     import torch
-    from dynemb import ScoredHashTable, ScorePolicy
+    from dynemb import ScorePolicy
+    from dynemb.hash_table import ScoredHashTable
     tables = {label: ScoredHashTable(128, bucket_size=16, policy=ScorePolicy.CUSTOMIZED,
                                      device=dev, backend=be)
               for label, dev, be in twins.sides()}
@@ -180,7 +181,9 @@ def check_lru_pins_and_failures(report: Report, twins: Twins, gen) -> None:
     miss; a bucket's occupancy does not (min(bucket size, distinct keys sent to it)).
     """
     import torch
-    from dynemb import EMPTY_KEY, ScoredHashTable, ScorePolicy
+    from dynemb import ScorePolicy
+    from dynemb.hash_table import ScoredHashTable
+    from dynemb.types import EMPTY_KEY
     ok, sizes, evictions = True, {}, {}
     batches = [torch.randint(1, 10**9, (24,), generator=gen) for _ in range(6)]
     for label, dev, be in twins.sides():
@@ -227,7 +230,8 @@ def check_initializers(report: Report, twins: Twins, gen) -> None:
     """init_rows_kernel for every initializer kind; init_rows_at_kernel through
     ``FlatTable.initialize_where`` (masked, -1 slots skipped)."""
     import torch
-    from dynemb import FlatTable, Initializer, InitializerKind
+    from dynemb import Initializer, InitializerKind
+    from dynemb.flat_table import FlatTable
     keys = torch.cat([torch.randint(-2**62, 2**62, (50,), generator=gen), torch.tensor([0, 1])])
     inits = {"normal": Initializer(InitializerKind.NORMAL, mean=0.1, std=0.2),
              "truncated_normal": Initializer.truncated_normal(std=0.3),
@@ -256,7 +260,8 @@ def check_fused_updates(report: Report, twins: Twins, gen) -> None:
     """fused_update_kernel for each optimizer (dims below, at and above a warp), float32 in
     place and float16 / bfloat16 through round_rows_kernel."""
     import torch
-    from dynemb import OptimizerConfig, OptimizerType, fused_update
+    from dynemb import OptimizerConfig, OptimizerType
+    from dynemb.optimizers import fused_update
     from dynemb.flat_table import RowLayout
     configs = [OptimizerConfig(OptimizerType.SGD, learning_rate=0.1),
                OptimizerConfig(OptimizerType.ADAM, learning_rate=0.01, weight_decay=0.01),

@@ -9,8 +9,9 @@ import torch
 from torchrec import EmbeddingConfig
 
 from checkpoint_models import DIM, OPTIMIZERS, options
-from dynemb import (DynamicEmbCollection, HostBackingStore, ScorePolicy, StorageMode,
-                    EMPTY_KEY, TOMBSTONE_KEY)
+from dynemb import DynamicEmbCollection, ScorePolicy, StorageMode
+from dynemb.backing_store import HostBackingStore
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 from dynemb.checkpoint.table_state import tier_parts
 from dynemb.flat_table import RowLayout
 

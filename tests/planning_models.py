@@ -10,7 +10,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, FrequencyAdmission,
                     OptimizerConfig, OptimizerType)
-from dynemb.planner import dynemb_constraints
+from dynemb.planning import dynemb_constraints
 from dynemb.sharding.sharder import DynamicEmbCollectionSharder
 
 BATCH = 64

@@ -36,7 +36,7 @@ def probe_kjt(rank: int, weighted: bool) -> KeyedJaggedTensor:
 
 def export_share(rank: int, world_size: int, name: str, s: BagScenario,
                  path: str) -> Dict[str, Any]:
-    from dynemb.checkpoint import to_static
+    from dynemb.serving import to_static
     torch.manual_seed(0)
     opt_config, _ = optimizer_configs(s.optimizer)
     weighted = POOLINGS[s.pooling][2]

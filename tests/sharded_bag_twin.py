@@ -192,7 +192,7 @@ def shard(model: BagModel, world_size: int, fused_params=None):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
-    from dynemb.planner import dynemb_constraints, make_planner
+    from dynemb.planning import dynemb_constraints, make_planner
     from dynemb.sharding import DynamicEmbBagCollectionSharder
     env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
     if fused_params is not None:  # TorchRec's own EBC, the twin

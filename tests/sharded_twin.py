@@ -202,7 +202,7 @@ def shard_dyn(model: DynModel, world_size: int):
     if model.with_extra:  # TorchRec's planner places both modules' tables
         from torchrec.distributed.planner import ParameterConstraints, Topology
 
-        from dynemb.planner import dynemb_constraints, make_planner
+        from dynemb.planning import dynemb_constraints, make_planner
         sharders.append(EmbeddingCollectionSharder(fused_params={"learning_rate": 0.05}))
         constraints = dynemb_constraints(model, {"static": ParameterConstraints(
             sharding_types=["row_wise"], compute_kernels=["fused"])})
@@ -260,7 +260,7 @@ class _Trainer:
     def __init__(self, dmp, batches: List[Batch], loop: str):
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-        from dynemb.pipeline import PrefetchTrainPipelineSparseDist
+        from dynemb.pipelines import PrefetchTrainPipelineSparseDist
         self.dmp, self.optimizer = dmp, dense_optimizer(dmp)
         self.batches = batches
         self.it = iter(batches)

@@ -109,8 +109,8 @@ class Trainer:
     def __init__(self, dmp, batches: List[Batch], loop: str):
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-        from dynemb.pipeline import PrefetchTrainPipelineSparseDist
-        from dynemb.stashing import TrainPipelinePrefetchEMS, TrainPipelineSparseDistEmbStash
+        from dynemb.pipelines import (PrefetchTrainPipelineSparseDist, TrainPipelinePrefetchEMS,
+                                      TrainPipelineSparseDistEmbStash)
         self.dmp, self.batches, self.loop = dmp, batches, loop
         self.optimizer = dense_optimizer(dmp)
         self.it = iter(batches)

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from checkpoint_files_models import (assert_same_rows, assert_same_state, edit_manifest,
                                      logical_rows, make, module_state, signed)
 from checkpoint_models import batches, train
-from dynemb import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy
+from dynemb import ScorePolicy
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 from dynemb.checkpoint import dump, load
 from dynemb.checkpoint.files import CheckpointFileError
 from dynemb.key_mixing import mix_keys, reduce_to_range

@@ -1,4 +1,4 @@
-"""Export for serving (dynemb/checkpoint/serving.py): the static EmbeddingCollection and its
+"""Export for serving (dynemb/serving/export.py): the static EmbeddingCollection and its
 id remaps answer exactly as the dynamic module's eval forward (live ids, unknown ids, every
 storage mode, optimizers, float16 / bfloat16 rows); iter_rows yields each live key once in
 bounded chunks with the rows read_rows gives; ranks' exports merge; bad input is refused."""
@@ -13,8 +13,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from checkpoint_models import MODES, OPTIMIZERS, batches, eval_output, model, options, train
 from dynemb import DynamicEmbCollection, Initializer, InitializerKind
-from dynemb.checkpoint import (IdRemap, StaticExport, StaticServingCollection, iter_rows,
-                               merge_exports, to_static)
+from dynemb.serving import (IdRemap, StaticExport, StaticServingCollection, iter_rows,
+                            merge_exports, to_static)
 from tests.torchrec_twin import ensure_single_process_group
 
 STEPS = 12

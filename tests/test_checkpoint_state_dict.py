@@ -8,7 +8,8 @@ import torch
 from checkpoint_files_models import assert_same_state, module_state
 from checkpoint_models import (DIM, MODES, OPTIMIZERS, all_rows, batches, model, roundtrip,
                                train)
-from dynemb import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy, TableFullError
+from dynemb import ScorePolicy, TableFullError
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 
 STEPS_BEFORE, STEPS_AFTER = 12, 8
 ALL_IDS = torch.arange(600) * 7919 - 1000

@@ -14,7 +14,7 @@ from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstima
 from torchrec.distributed.planner.constants import DEFAULT_PERF_ESTIMATOR
 
 from dynemb import DynamicEmbTableOptions, OptimizerConfig, OptimizerType
-from dynemb.planner import table_footprint
+from dynemb.planning import table_footprint
 from dynemb.sharding import DynamicEmbCollectionSharder
 from examples.spawn import run_on_ranks
 from tests.dmp_default_plan_worker import SeqAndBagModel, run, sharders

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from dynemb import FlatTable, Initializer, InitializerKind, ScoredHashTable
-from dynemb.flat_table import RowLayout
+from dynemb import Initializer, InitializerKind
+from dynemb.flat_table import FlatTable, RowLayout
+from dynemb.hash_table import ScoredHashTable
 from key_reference import initial_rows
 
 NORMAL = Initializer(InitializerKind.NORMAL, std=1.0)

@@ -184,7 +184,7 @@ def test_read_rows_with_state_gives_the_logical_rows():
 
 # -- memory ---------------------------------------------------------------------------------------
 def test_built_half_table_matches_the_planner():
-    from dynemb.planner import measure_allocated, table_footprint
+    from dynemb.planning import measure_allocated, table_footprint
     optimizer = OptimizerConfig(ADAM)
     config = EmbeddingConfig(name="t", embedding_dim=7, num_embeddings=1024,
                              feature_names=["f"], data_type=DataType.FP16)

@@ -5,8 +5,8 @@ import torch
 from torchrec.distributed.types import PipelineType
 
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig
-from dynemb.planner import (dynamic_embedding_enumerator, footprint_report, format_allocated,
-                            measure_allocated)
+from dynemb.planning import (dynamic_embedding_enumerator, footprint_report,
+                             format_allocated, measure_allocated)
 from tests.planning_models import (BATCH, MixedModel, mixed_constraints, sharders,
                                    table_config, topology)
 

@@ -5,8 +5,8 @@ import torch
 
 from torchrec import EmbeddingConfig
 
-from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, HostBackingStore,
-                    OptimizerConfig, OptimizerType)
+from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig, OptimizerType
+from dynemb.backing_store import HostBackingStore
 from dynemb.row_moves import copy_rows, remap_rows
 from table_builder import DIM, train_step
 

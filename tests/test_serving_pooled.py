@@ -1,4 +1,4 @@
-"""Serving export of pooled modules (dynemb/checkpoint/serving_pooled.py): to_static of a
+"""Serving export of pooled modules (dynemb/serving/pooled.py): to_static of a
 DynamicEmbBagCollection (or its sharded form) is a TorchRec EmbeddingBagCollection with the
 module's pooling and is_weighted, whose StaticServingBagCollection answers the dynamic
 module's eval forward bit for bit, for seen and unseen ids, in every storage mode and dtype;
@@ -17,8 +17,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from checkpoint_models import MODES, OPTIMIZERS, eval_output, options
 from dynemb import DynamicEmbBagCollection, Initializer, InitializerKind
-from dynemb.checkpoint import (IdRemap, StaticBagExport, StaticServingBagCollection,
-                               StaticServingCollection, iter_rows, merge_exports, to_static)
+from dynemb.serving import (IdRemap, StaticBagExport, StaticServingBagCollection,
+                            StaticServingCollection, iter_rows, merge_exports, to_static)
 from tests.torchrec_twin import ensure_single_process_group
 
 FEATURES = ["f0", "f1", "f2"]

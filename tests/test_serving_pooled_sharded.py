@@ -16,7 +16,7 @@ SCENARIOS = {"mixed": BagScenario(pooling="mixed", mode="cache", optimizer="adag
 
 
 def test_ranks_exports_of_a_sharded_pooled_module_merge_into_its_eval(tmp_path):
-    from dynemb.checkpoint import StaticBagExport, StaticServingBagCollection, merge_exports
+    from dynemb.serving import StaticBagExport, StaticServingBagCollection, merge_exports
     results = run_on_ranks(2, export_shares, SCENARIOS, str(tmp_path), timeout=600)
     for i, (name, scenario) in enumerate(SCENARIOS.items()):
         ranks = [per_rank[i] for per_rank in results]

@@ -161,7 +161,7 @@ def test_eval_pipeline_reads_without_writing(world2):
 
 def test_mixed_model_planned_by_torchrec_planner(world2):
     # dynamic tables, a TorchRec EC table and a dense layer; the plan comes from
-    # EmbeddingShardingPlanner (dynemb.planner.make_planner); dynamic rows still match
+    # EmbeddingShardingPlanner (dynemb.planning.make_planner); dynamic rows still match
     ranks = world2["mixed_model_pipeline"]
     assert ranks[0]["plan"] == {
         "dyn": {"t0": ("row_wise", "customized_kernel"), "t1": ("row_wise", "customized_kernel")},

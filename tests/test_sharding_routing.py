@@ -5,8 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynemb.options import ShardingScheme
-from dynemb.sharding import owner_ranks
-from dynemb.sharding.routing import route_unique
+from dynemb.sharding.routing import owner_ranks, route_unique
 from key_reference import bucket_of, owner
 
 

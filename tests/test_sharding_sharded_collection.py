@@ -86,7 +86,7 @@ def test_one_rank_module_with_indices_and_foreign_features():
 
 
 def test_bad_input_is_rejected_on_the_sending_rank():
-    from dynemb import EMPTY_KEY
+    from dynemb.types import EMPTY_KEY
     model = _Wrap()
     plan = construct_module_sharding_plan(
         model.dyn, {t.name: row_wise(compute_kernel="customized_kernel") for t in _tables()},

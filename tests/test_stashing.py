@@ -345,7 +345,7 @@ def test_torchrec_manager_restores_queued_tables():
 
 
 def test_footprint_reports_the_device_peak_with_and_without_stashing():
-    from dynemb.planner import footprint_report
+    from dynemb.planning import footprint_report
     from dynemb.planning.footprint import footprints
     options = {"t0": DynamicEmbTableOptions(stash=StashMode.VALUES, max_capacity=512),
                "t1": DynamicEmbTableOptions(max_capacity=512)}

@@ -17,7 +17,8 @@ import torch
 from dynemb import DynamicEmbTableOptions, Initializer, InitializerKind
 from dynemb.flat_table import RowLayout
 from dynemb.options import StashMode, choose_storage_mode
-from dynemb.stashing import TableStash, stashed_columns, table_stash
+from dynemb.stashing import table_stash
+from dynemb.stashing.table_stash import TableStash, stashed_columns
 from dynemb.tables.tier import Tier
 from tests.stream_model import ModelTransfers
 

@@ -1,8 +1,8 @@
 """Result types of the hash table: which inserts evicted a live key, slots per input key."""
 import torch
 
-from dynemb import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy
-from dynemb.types import FindOrInsertResult
+from dynemb import ScorePolicy
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, FindOrInsertResult
 
 
 def test_an_insert_evicts_only_where_the_slot_held_a_live_key():

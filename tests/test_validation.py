@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from dynemb import EMPTY_KEY, TOMBSTONE_KEY, ScoredHashTable, ScorePolicy
+from dynemb import ScorePolicy
+from dynemb.hash_table import ScoredHashTable
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 from test_hash_table import snapshot
 
 

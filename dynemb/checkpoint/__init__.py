@@ -4,17 +4,12 @@
   scores, clocks, steps, counters): :mod:`~dynemb.checkpoint.module_state`,
   :mod:`~dynemb.checkpoint.table_state`;
 - ``torch.distributed.checkpoint`` onto another world size: :class:`DynamicEmbLoadPlanner`;
-- files, full and incremental: :func:`dump`, :func:`load`;
-- serving without a hash table: :func:`iter_rows`, :func:`to_static` (sequence and pooled
-  modules), :class:`StaticServingCollection`, :class:`StaticServingBagCollection`.
+- files, full and incremental: :func:`dump`, :func:`load`.
+
+Exports for serving without a hash table are :mod:`dynemb.serving`.
 """
 from dynemb.checkpoint.dcp_planner import DynamicEmbLoadPlanner
 from dynemb.checkpoint.file_dump import DumpInfo, dump
 from dynemb.checkpoint.file_load import load
-from dynemb.checkpoint.serving import (IdRemap, StaticBagExport, StaticExport,
-                                       StaticServingBagCollection, StaticServingCollection,
-                                       iter_rows, merge_exports, to_static)
 
-__all__ = ["DynamicEmbLoadPlanner", "DumpInfo", "dump", "load", "IdRemap", "StaticBagExport",
-           "StaticExport", "StaticServingBagCollection", "StaticServingCollection", "iter_rows",
-           "merge_exports", "to_static"]
+__all__ = ["DynamicEmbLoadPlanner", "DumpInfo", "dump", "load"]

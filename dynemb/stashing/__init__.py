@@ -8,14 +8,18 @@ Turn it on per table with ``DynamicEmbTableOptions(stash=StashMode.ALL)`` (or ``
 - every training forward stashes the tables after its lookups, and their backward restores
   them (at the latest);
 - TorchRec's EMS pipelines restore them earlier, at their injection site:
-  :class:`~dynemb.stashing.pipelines.TrainPipelineSparseDistEmbStash` and
-  :class:`~dynemb.stashing.pipelines.TrainPipelinePrefetchEMS` (TorchRec's, also on CPU);
+  :class:`~dynemb.pipelines.TrainPipelineSparseDistEmbStash` and
+  :class:`~dynemb.pipelines.TrainPipelinePrefetchEMS` (TorchRec's, also on CPU);
 - in a plain loop, :func:`restore_on_grad` does the same from a tensor's gradient hook;
 - anything else that touches the rows (the next prefetch's loads, an eval or ``no_grad``
   forward, ``read_rows``, ``state_dict``, a checkpoint load, a new step after an exception)
   brings them back first; new rows made by a prefetch meanwhile are written when they return.
 
-See docs/ems.md for when it pays and what it costs.
+The machinery has one module a job: :mod:`~dynemb.stashing.collection_stash` (a module's
+tables together, :func:`~dynemb.stashing.collection_stash.resolve_stash_options`),
+:mod:`~dynemb.stashing.table_stash` (one table: ``TableStash``, ``StashedRows``,
+``stashed_columns``, ``stashed_bytes_per_row``), :mod:`~dynemb.stashing.transfers` (how the
+bytes move). See docs/ems.md for when it pays and what it costs.
 """
 from __future__ import annotations
 
@@ -25,10 +29,7 @@ import torch
 from torch import nn
 
 from dynemb.module_interface import find_dynamic_modules
-from dynemb.options import StashMode
-from dynemb.stashing.collection_stash import CollectionStash, resolve_stash_options
-from dynemb.stashing.table_stash import (StashedRows, TableStash, stashed_bytes_per_row,
-                                         stashed_columns)
+from dynemb.stashing.collection_stash import CollectionStash
 
 
 def collection_stashes(model: nn.Module) -> List[CollectionStash]:
@@ -66,18 +67,4 @@ def restore_on_grad(tensor: torch.Tensor, model: nn.Module):
     return tensor.register_hook(hook)
 
 
-_PIPELINES = ("TrainPipelineSparseDistEmbStash", "TrainPipelinePrefetchEMS",
-              "hand_restores_to_torchrec")
-
-
-def __getattr__(name):
-    # the pipelines import TorchRec's train pipelines: only when asked for
-    if name in _PIPELINES:
-        from dynemb.stashing import pipelines
-        return getattr(pipelines, name)
-    raise AttributeError(f"module 'dynemb.stashing' has no attribute {name!r}")
-
-
-__all__ = ["StashMode", "CollectionStash", "TableStash", "StashedRows", "collection_stashes",
-           "restore", "restore_on_grad", "resolve_stash_options", "stashed_bytes_per_row",
-           "stashed_columns", *_PIPELINES]
+__all__ = ["CollectionStash", "collection_stashes", "restore", "restore_on_grad"]

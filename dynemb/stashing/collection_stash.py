@@ -15,9 +15,9 @@ from typing import Dict, List, Mapping, Optional
 import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
+from dynemb.bridges import memory_stashing
 from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StashMode
-from dynemb.stashing import torchrec_bridge
 from dynemb.stashing.table_stash import TableStash
 from dynemb.stashing.transfers import HostTransfers, transfers_for
 
@@ -63,7 +63,7 @@ class CollectionStash:
 
     ``hand_restores_to_torchrec``: queue :meth:`restore` on TorchRec's
     ``MemoryStashingManager`` after each stash, so its EMS pipeline's backward hook restores
-    the rows (set by :mod:`dynemb.stashing.pipelines`; on CUDA it is also done whenever the
+    the rows (set by :mod:`dynemb.pipelines`; on CUDA it is also done whenever the
     manager's streams are set).
     """
 
@@ -114,14 +114,14 @@ class CollectionStash:
         """A training forward has enqueued every lookup: stash now, or at TorchRec's
         ``execute_pending_stashes()`` when the manager delays stashes."""
         self._step += 1
-        if torchrec_bridge.delay_stash_enabled():
+        if memory_stashing.delay_stash_enabled():
             step = self._step
 
             def deferred(_grad: Optional[torch.Tensor] = None) -> None:
                 if step == self._step:  # this forward's backward has not run yet
                     self._stash_now()
 
-            torchrec_bridge.queue_pending_stash(deferred)
+            memory_stashing.queue_pending_stash(deferred)
             return
         self._stash_now()
 
@@ -133,8 +133,8 @@ class CollectionStash:
         for name, table in self._tables.items():
             if table.options.stash is not StashMode.NONE:
                 stashed |= self._stash_of(name, table).stash()
-        if stashed and (self.hand_restores_to_torchrec or torchrec_bridge.manager_enabled()):
-            torchrec_bridge.queue_restore(self.restore)
+        if stashed and (self.hand_restores_to_torchrec or memory_stashing.manager_enabled()):
+            memory_stashing.queue_restore(self.restore)
 
     def restore(self, _grad: Optional[torch.Tensor] = None, sync_event=None) -> None:
         """Bring every stashed table back (a no-op for those in place). Its signature is that

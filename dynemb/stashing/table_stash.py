@@ -41,6 +41,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from dynemb.bridges import storage_refs
 from dynemb.flat_table import RowLayout
 from dynemb.options import StashMode
 
@@ -115,12 +116,7 @@ _UNSHARED_REFS = _unshared_refs()
 def _other_holders(weights: torch.Tensor) -> int:
     """References to the rows besides the table's: other tensors on their storage (views), and
     other references to the tensor itself (a ``state_dict`` entry, a numpy array of it)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    storage = weights.untyped_storage()
-    # the tensor and the storage object made here hold two references to the storage
-    views = 0 if use_count is None else max(0, use_count(storage._cdata) - 2)
-    del storage
-    return views + max(0, _tensor_refs(weights) - _UNSHARED_REFS)
+    return storage_refs.other_views(weights) + max(0, _tensor_refs(weights) - _UNSHARED_REFS)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from dynemb.stashing import torchrec_bridge
+from dynemb.bridges import memory_stashing
 
 
 class HostTransfers:
@@ -94,7 +94,7 @@ class CudaTransfers(HostTransfers):
     def side_streams(self):
         if self._given is not None:
             return self._given
-        d2h, h2d = torchrec_bridge.manager_streams()
+        d2h, h2d = memory_stashing.manager_streams()
         if d2h is not None:
             return d2h, h2d
         if self._own is None:
@@ -123,7 +123,7 @@ class CudaTransfers(HostTransfers):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         with torch.cuda.stream(stream):
-            torchrec_bridge.copy_in_chunks(dst, src)
+            memory_stashing.copy_in_chunks(dst, src)
 
     def host_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)

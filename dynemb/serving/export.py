@@ -1,23 +1,8 @@
-"""Export of trained dynamic tables for serving stacks that have no hash table.
-
-- :func:`iter_rows`: every live ``(key, embedding)`` of one table, in bounded chunks;
-- :func:`to_static`: a plain TorchRec module holding the trained rows (an
-  ``EmbeddingCollection`` for a :class:`~dynemb.DynamicEmbCollection`, an
-  ``EmbeddingBagCollection`` for a :class:`~dynemb.DynamicEmbBagCollection`: see
-  :mod:`dynemb.checkpoint.serving_pooled`), and per table an :class:`IdRemap` (raw int64 id
-  -> row index: sorted keys and ``torch.searchsorted``, no hash table), built by streaming
-  through :func:`iter_rows`;
-- :class:`StaticServingCollection` (:class:`StaticServingBagCollection` for pooled exports):
-  the two together, ``forward(kjt)`` as the dynamic module's eval forward;
-- :func:`merge_exports`: one export of several ranks' exports of a sharded module.
-
-Row ``i`` of a static table holds the ``i``-th smallest live key; the last row (index
-``num_keys``) is the **default row**, what every unknown id reads. It holds what the dynamic
-module returns in eval for an unseen id when that is a constant (``eval_initializer`` of
-kind CONSTANT: its value, 0.0 by default); for the other kinds, whose eval rows depend on the
-id, it holds zeros, and :func:`to_static` warns that unseen ids will differ.
-
-Shapes: ``N`` ids, ``K`` live keys of a table, ``D`` its embedding dim.
+"""The export itself: :func:`to_static` (any dynamic module: sequence here, pooled in
+:mod:`dynemb.serving.pooled`), :func:`merge_exports` (several ranks' exports of a sharded
+module) and :class:`StaticServingCollection` (a sequence export served, ``forward(kjt)`` as
+the dynamic module's eval forward). The rows and default row of a static table:
+:mod:`dynemb.serving.tables`.
 """
 from __future__ import annotations
 
@@ -28,17 +13,13 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from dynemb.checkpoint.serving_pooled import (StaticBagExport, StaticServingBagCollection,
-                                              export_bags, merge_bag_exports)
-from dynemb.checkpoint.serving_remap import IdRemap, RemappedServing
-from dynemb.checkpoint.serving_tables import (CHUNK_ROWS, default_value, export_tables,
-                                              iter_rows, local_collection, merge_tables,
-                                              warn_if_unseen_ids_differ)
 from dynemb.module_interface import is_pooled
+from dynemb.serving.pooled import StaticBagExport, export_bags, merge_bag_exports
+from dynemb.serving.remap import IdRemap, RemappedServing
+from dynemb.serving.tables import (CHUNK_ROWS, export_tables, local_collection, merge_tables,
+                                   warn_if_unseen_ids_differ)
 
-__all__ = ["CHUNK_ROWS", "IdRemap", "StaticBagExport", "StaticExport",
-           "StaticServingBagCollection", "StaticServingCollection", "default_value",
-           "iter_rows", "merge_exports", "to_static"]
+__all__ = ["StaticExport", "StaticServingCollection", "merge_exports", "to_static"]
 
 # EmbeddingCollection stores every type but FP32 as float16: bfloat16 rows go to float32
 # (exact) rather than be rounded to float16
@@ -61,14 +42,15 @@ def to_static(module, *, device: Optional[torch.device] = None,
     the :class:`IdRemap` from raw ids to its rows: a :class:`StaticExport` (an
     ``EmbeddingCollection``) for a sequence module, a :class:`StaticBagExport` (an
     ``EmbeddingBagCollection``, same pooling and ``is_weighted``: see
-    :func:`~dynemb.checkpoint.serving_pooled.export_bags`) for a pooled one.
+    :func:`~dynemb.serving.pooled.export_bags`) for a pooled one.
 
     Each static table has the dynamic table's name, dim and feature names and ``K + 1`` rows
-    (``K`` live keys, sorted, then the default row: see the module docstring). In a sequence
+    (``K`` live keys, sorted, then the default row: see :mod:`dynemb.serving`). In a sequence
     export it has the table's data type, FP32 or FP16 (bfloat16 rows are stored as FP32,
     exactly, since ``EmbeddingCollection`` holds every non-FP32 type as float16), and the
-    collection has the module's ``need_indices``; a pooled export is FP32 throughout. The rows are read twice through :func:`iter_rows` (keys first,
-    then rows into place): besides the static module, memory holds one chunk and, while they
+    collection has the module's ``need_indices``; a pooled export is FP32 throughout. The rows
+    are read twice through :func:`~dynemb.serving.tables.iter_rows` (keys first, then rows into
+    place): besides the static module, memory holds one chunk and, while they
     are sorted, a few copies of one table's keys (8 bytes a key). Run it between steps.
 
     With :class:`StaticServingCollection` the export answers like the dynamic module's eval
@@ -96,7 +78,7 @@ def to_static(module, *, device: Optional[torch.device] = None,
 
     Example::
 
-        >>> from dynemb.checkpoint import StaticServingCollection, to_static
+        >>> from dynemb.serving import StaticServingCollection, to_static
         >>> dyn = DynamicEmbCollection([EmbeddingConfig(
         ...     name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])])
         >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([5, 9, 12]),
@@ -189,7 +171,7 @@ def merge_exports(exports: Sequence[Union[StaticExport, StaticBagExport]]
     Example::
 
         >>> import torchrec
-        >>> from dynemb.checkpoint import IdRemap, StaticExport, merge_exports
+        >>> from dynemb.serving import IdRemap, StaticExport, merge_exports
         >>> def export(keys, value):
         ...     ec = torchrec.EmbeddingCollection([EmbeddingConfig(
         ...         name="t", embedding_dim=2, num_embeddings=len(keys) + 1,
@@ -214,9 +196,9 @@ def merge_exports(exports: Sequence[Union[StaticExport, StaticBagExport]]
 class StaticServingCollection(RemappedServing):
     """A static export used like the dynamic module: ``forward(kjt)`` maps each feature's
     raw ids to rows with its table's :class:`IdRemap` and runs the ``EmbeddingCollection``;
-    float32 outputs per feature, in the config's order (TorchRec's), with the raw ids as weights when
-    the collection has ``need_indices``. Pooled exports are served by
-    :class:`StaticServingBagCollection`.
+    float32 outputs per feature, in the config's order (TorchRec's), with the raw ids as
+    weights when the collection has ``need_indices``. Pooled exports are served by
+    :class:`~dynemb.serving.pooled.StaticServingBagCollection`.
 
     Args:
         ec: the static collection (:func:`to_static`'s ``ec``).
@@ -224,7 +206,7 @@ class StaticServingCollection(RemappedServing):
 
     Example::
 
-        >>> from dynemb.checkpoint import IdRemap, StaticServingCollection
+        >>> from dynemb.serving import IdRemap, StaticServingCollection
         >>> import torchrec
         >>> ec = torchrec.EmbeddingCollection([EmbeddingConfig(
         ...     name="t", embedding_dim=2, num_embeddings=3, feature_names=["f"])])

@@ -1,5 +1,5 @@
 """Rows of dynamic tables into static ones: what the sequence export
-(:mod:`dynemb.checkpoint.serving`) and the pooled one (:mod:`dynemb.checkpoint.serving_pooled`)
+(:mod:`dynemb.serving.export`) and the pooled one (:mod:`dynemb.serving.pooled`)
 share.
 
 - :func:`iter_rows`: every live ``(key, embedding)`` of one table, in bounded chunks;
@@ -20,10 +20,10 @@ from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 
-from dynemb.checkpoint.serving_remap import IdRemap
 from dynemb.checkpoint.table_state import live_chunks
 from dynemb.initializers import InitializerKind
 from dynemb.module_interface import DynamicModuleInterface, local_module
+from dynemb.serving.remap import IdRemap
 from dynemb.validation import check_int
 
 #: Rows read per chunk by default (a chunk's copy is ``chunk_rows`` rows of the table).
@@ -51,7 +51,7 @@ def iter_rows(module, table: str, *,
 
     Example::
 
-        >>> from dynemb.checkpoint import iter_rows
+        >>> from dynemb.serving import iter_rows
         >>> ec = DynamicEmbCollection([EmbeddingConfig(name="t", embedding_dim=4,
         ...                                            num_embeddings=64, feature_names=["f"])])
         >>> _ = ec(KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([5, 9, 12]),

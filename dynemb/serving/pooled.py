@@ -1,14 +1,14 @@
 """Serving export of pooled modules: a :class:`~dynemb.DynamicEmbBagCollection` (or its sharded
 form) as a plain TorchRec ``EmbeddingBagCollection`` plus an :class:`IdRemap` per table.
 
-- :func:`export_bags`: what :func:`~dynemb.checkpoint.to_static` does for a pooled module;
-- :func:`merge_bag_exports`: what :func:`~dynemb.checkpoint.merge_exports` does for pooled
+- :func:`export_bags`: what :func:`~dynemb.serving.to_static` does for a pooled module;
+- :func:`merge_bag_exports`: what :func:`~dynemb.serving.merge_exports` does for pooled
   exports (the ranks' shares of a sharded module);
 - :class:`StaticServingBagCollection`: the export used like the dynamic module,
   ``forward(kjt) -> KeyedTensor`` equal to its eval forward.
 
 The static tables follow the sequence export's layout (row ``i``: the ``i``-th smallest live
-key; the last row: the default row, see :mod:`dynemb.checkpoint.serving`). Every table is
+key; the last row: the default row, see :mod:`dynemb.serving`). Every table is
 stored as FP32 whatever the dynamic table's dtype (float16 and bfloat16 convert exactly):
 ``nn.EmbeddingBag`` pools float16 rows in float16, while the dynamic module pools in float32.
 
@@ -23,12 +23,12 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dynemb.checkpoint.serving_remap import IdRemap, RemappedServing
-from dynemb.checkpoint.serving_tables import export_tables, merge_tables
+from dynemb.serving.remap import IdRemap, RemappedServing
+from dynemb.serving.tables import export_tables, merge_tables
 
 
 class StaticBagExport(NamedTuple):
-    """What :func:`~dynemb.checkpoint.to_static` returns for a pooled module: the static
+    """What :func:`~dynemb.serving.to_static` returns for a pooled module: the static
     ``EmbeddingBagCollection`` and the remaps by table."""
 
     ebc: EmbeddingBagCollection
@@ -42,11 +42,11 @@ def export_bags(module, local, device: torch.device,
     or its sharded form, whose rows on this rank are in ``local``): per table of
     ``embedding_configs`` (default: the module's) its name, dim, feature names and pooling,
     FP32 rows (``K + 1``), the module's ``is_weighted``; tables may have different dims.
-    Called by :func:`~dynemb.checkpoint.to_static` (which see for the arguments).
+    Called by :func:`~dynemb.serving.to_static` (which see for the arguments).
 
     Example::
 
-        >>> from dynemb.checkpoint import StaticServingBagCollection, to_static
+        >>> from dynemb.serving import StaticServingBagCollection, to_static
         >>> from torchrec import EmbeddingBagConfig, PoolingType
         >>> dyn = DynamicEmbBagCollection([EmbeddingBagConfig(
         ...     name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"],
@@ -123,7 +123,7 @@ def _ebc_like(first: EmbeddingBagCollection, rows: Dict[str, int]) -> EmbeddingB
 
 def merge_bag_exports(exports: Sequence[StaticBagExport]) -> StaticBagExport:
     """One pooled export holding the rows of several (each rank's export of a sharded
-    pooled module); see :func:`~dynemb.checkpoint.merge_exports`, which calls it."""
+    pooled module); see :func:`~dynemb.serving.merge_exports`, which calls it."""
     return StaticBagExport(*merge_tables(list(exports), _ebc_signature, _ebc_like,
                                          _ebc_weights))
 
@@ -136,12 +136,12 @@ class StaticServingBagCollection(RemappedServing):
     must be in the KJT, with per-id weights exactly when the collection is weighted.
 
     Args:
-        ebc: the static collection (:func:`~dynemb.checkpoint.to_static`'s ``ebc``).
+        ebc: the static collection (:func:`~dynemb.serving.to_static`'s ``ebc``).
         remaps: its :class:`IdRemap` by table name.
 
     Example::
 
-        >>> from dynemb.checkpoint import IdRemap, StaticServingBagCollection
+        >>> from dynemb.serving import IdRemap, StaticServingBagCollection
         >>> import torchrec
         >>> ebc = torchrec.EmbeddingBagCollection([torchrec.EmbeddingBagConfig(
         ...     name="t", embedding_dim=2, num_embeddings=3, feature_names=["f"])])

@@ -1,4 +1,4 @@
-"""Raw ids -> rows of a static table, for serving exports (see :mod:`dynemb.checkpoint.serving`).
+"""Raw ids -> rows of a static table, for serving exports (see :mod:`dynemb.serving`).
 
 - :class:`IdRemap`: one table's sorted live keys; ``torch.searchsorted`` finds an id's row, any
   other id reads the default row (index ``num_keys``);
@@ -29,7 +29,7 @@ class IdRemap(torch.nn.Module):
 
     Example::
 
-        >>> from dynemb.checkpoint import IdRemap
+        >>> from dynemb.serving import IdRemap
         >>> remap = IdRemap(torch.tensor([30, -7, 12]))
         >>> remap(torch.tensor([12, 30, 5, -7, 2**63 - 1]))
         tensor([1, 2, 3, 0, 3])

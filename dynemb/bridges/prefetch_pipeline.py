@@ -5,6 +5,12 @@ it has a data-dist stream, so on CPU it never calls ``prefetch`` and its forward
 (``Invalid PrefetchPipelinedForward usage``). This subclass keeps TorchRec's schedule and, when
 there is no stream, calls each pipelined module's ``prefetch`` inline at the same point of the
 step. On CUDA it is TorchRec's pipeline unchanged.
+
+Relies on TorchRec's private step ``_prefetch(context)`` (overridden), the pipeline's
+``_data_dist_stream``, ``_pipelined_modules``, ``_device`` and ``_stream_context``, and
+``torchrec.distributed.train_pipeline.utils._prefetch_embeddings``: the pipeline has no public
+hook for where its prefetch runs. Public as
+:class:`dynemb.pipelines.PrefetchTrainPipelineSparseDist`.
 """
 from __future__ import annotations
 
@@ -17,7 +23,8 @@ class PrefetchTrainPipelineSparseDist(train_pipelines.PrefetchTrainPipelineSpars
 
     Example::
 
-        >>> pipeline = PrefetchTrainPipelineSparseDist(model, optimizer, torch.device("cpu"))  # doctest: +SKIP
+        >>> pipeline = PrefetchTrainPipelineSparseDist(  # doctest: +SKIP
+        ...     model, optimizer, torch.device("cpu"))
         >>> for _ in range(steps):  # doctest: +SKIP
         ...     loss, out = pipeline.progress(batches)
     """

@@ -1,6 +1,11 @@
 """Where dynamic tables meet TorchRec's memory stashing (``MemoryStashingManager``): every
 use of its class-level state is here, so a TorchRec release that moves it changes one file.
 
+Relies on the manager's private class attributes ``_embedding_weight_restore_callbacks`` (the
+list ``restore_embedding_weights()`` pops and runs), ``_pending_stash_callbacks`` and
+``_delay_stash`` (delayed stashing) and ``_stash_chunk_size_bytes`` (its copy trunk), because
+TorchRec offers no public way to queue a restore that is not a fbgemm TBE's.
+
 TorchRec's EMS pipelines (``TrainPipelineSparseDistEmbStash``, ``TrainPipelinePrefetchEMS``)
 restore stashed weights by calling ``MemoryStashingManager.restore_embedding_weights()`` at
 their injection site in backward; that call pops and runs the callbacks queued on the manager.

@@ -1,0 +1,18 @@
+"""The TorchRec and torch internals dynemb relies on, one small module per internal.
+
+Everything dynemb reads or overrides that TorchRec or torch keep private (a name starting
+with ``_``) is used here and nowhere else, so a release that moves it changes one module, and
+``tests/test_bridges.py`` (``tests/test_bridge_kjt_all_to_all.py`` for the collective) fails
+on the pinned versions before anything else does:
+
+- :mod:`~dynemb.bridges.memory_stashing`: TorchRec's ``MemoryStashingManager`` (its restore
+  and pending-stash lists, its trunk size);
+- :mod:`~dynemb.bridges.ems_pipelines`: what the constructor of TorchRec's EMS pipelines sets
+  up, without its CUDA streams;
+- :mod:`~dynemb.bridges.prefetch_pipeline`: TorchRec's prefetch pipeline with an inline
+  prefetch where there is no stream (its ``_prefetch`` step, ``_prefetch_embeddings``);
+- :mod:`~dynemb.bridges.kjt_all_to_all`: TorchRec's ``KJTAllToAll`` with a header ahead of
+  its splits exchange (the sharded modules' step check);
+- :mod:`~dynemb.bridges.storage_refs`: torch's use count of a tensor's storage;
+- :mod:`~dynemb.bridges.device_assert`: torch's assert that runs on the device.
+"""

@@ -1,0 +1,139 @@
+"""The TorchRec / torch internals of ``dynemb/bridges/``, checked against the pinned versions:
+each test fails when the internal its bridge relies on moves, is renamed or changes meaning."""
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torchrec.distributed import memory_stashing as torchrec_stashing
+from torchrec.distributed.train_pipeline import experimental_pipelines, train_pipelines
+from torchrec.distributed.train_pipeline import utils as pipeline_utils
+
+from dynemb.bridges import (device_assert, ems_pipelines, memory_stashing, prefetch_pipeline,
+                            storage_refs)
+
+Manager = torchrec_stashing.MemoryStashingManager
+
+
+def attributes_set_on_self(function) -> set:
+    """Names of the ``self.<name> = ...`` assignments in ``function``'s source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    names = set()
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AnnAssign) else []
+        names.update(t.attr for t in targets if isinstance(t, ast.Attribute)
+                     and isinstance(t.value, ast.Name) and t.value.id == "self")
+    return names
+
+
+@pytest.fixture
+def clean_manager():
+    Manager.reset()
+    yield
+    Manager.reset()
+
+
+# -- memory_stashing: the MemoryStashingManager's class-level lists ---------------------------
+
+def test_memory_stashing_finds_torchrecs_manager():
+    assert memory_stashing.MemoryStashingManager is Manager
+    assert memory_stashing.DEFAULT_CHUNK_BYTES == torchrec_stashing._STASH_CHUNK_SIZE_BYTES
+
+
+def test_a_queued_restore_runs_at_restore_embedding_weights_once(clean_manager):
+    calls = []
+
+    def restore(grad, event):
+        calls.append((grad, event))
+
+    memory_stashing.queue_restore(restore)
+    memory_stashing.queue_restore(restore)  # still queued: not twice
+    Manager.restore_embedding_weights()
+    assert calls == [(None, None)]
+    Manager.restore_embedding_weights()
+    assert len(calls) == 1
+
+
+def test_delayed_stashes_run_at_execute_pending_stashes(clean_manager):
+    assert not memory_stashing.delay_stash_enabled()
+    Manager.set_delay_stash(True)
+    assert memory_stashing.delay_stash_enabled()
+    ran = []
+    memory_stashing.queue_pending_stash(ran.append)
+    Manager.execute_pending_stashes()
+    assert ran == [None]
+
+
+def test_the_trunk_size_is_the_managers(clean_manager):
+    assert memory_stashing.chunk_bytes() == memory_stashing.DEFAULT_CHUNK_BYTES
+    Manager.set_trunk_size(4096)
+    assert memory_stashing.chunk_bytes() == 4096
+    dst, src = torch.zeros(3000), torch.arange(3000.0)
+    memory_stashing.copy_in_chunks(dst, src)
+    assert torch.equal(dst, src)
+
+
+def test_the_manager_is_off_without_streams(clean_manager):
+    assert not memory_stashing.manager_enabled()
+    assert memory_stashing.manager_streams() == (None, None)
+
+
+# -- ems_pipelines: what TorchRec's EMS constructor sets up ---------------------------------
+
+def test_init_without_streams_sets_what_torchrecs_constructor_sets(clean_manager):
+    ems = experimental_pipelines.TrainPipelineSparseDistEmbStash
+    base = attributes_set_on_self(train_pipelines.TrainPipelineSparseDist.__init__)
+    assert attributes_set_on_self(ems.__init__) - base == set(ems_pipelines.EMS_ATTRIBUTES)
+    assert "__init__" not in vars(experimental_pipelines.TrainPipelinePrefetchEMS) or \
+        not attributes_set_on_self(experimental_pipelines.TrainPipelinePrefetchEMS.__init__)
+    model = nn.Linear(2, 2)
+    pipeline = ems.__new__(ems)
+    ems_pipelines.init_without_streams(pipeline, model, torch.optim.SGD(model.parameters(), 0.1),
+                                       torch.device("cpu"), "over", delay_stash=True,
+                                       stash_site_fqn="under", kwargs={})
+    assert pipeline._injection_site.fqn == "over"
+    assert (pipeline._delay_stash, pipeline._stash_site_fqn) == (True, "under")
+    assert pipeline._stash_hook_handle is None
+    assert memory_stashing.delay_stash_enabled()
+
+
+# -- prefetch_pipeline: TorchRec's _prefetch step, overridden on CPU -------------------------
+
+def test_the_prefetch_step_and_its_helper_are_where_the_bridge_reads_them():
+    torchrecs = train_pipelines.PrefetchTrainPipelineSparseDist
+    assert prefetch_pipeline.PrefetchTrainPipelineSparseDist._prefetch is not torchrecs._prefetch
+    assert "_prefetch" in vars(torchrecs)
+    assert list(inspect.signature(pipeline_utils._prefetch_embeddings).parameters) == [
+        "batch", "context", "pipelined_modules", "device", "stream_context",
+        "data_dist_stream", "default_stream"]
+    model = nn.Linear(2, 2)
+    pipeline = prefetch_pipeline.PrefetchTrainPipelineSparseDist(
+        model, torch.optim.SGD(model.parameters(), 0.1), torch.device("cpu"))
+    assert pipeline._data_dist_stream is None
+    assert pipeline._pipelined_modules == [] and pipeline._device == torch.device("cpu")
+    assert callable(pipeline._stream_context)
+
+
+# -- storage_refs: torch's use count of a storage --------------------------------------------
+
+def test_views_of_a_tensor_are_counted():
+    assert storage_refs.can_count_views()
+    rows = torch.zeros(4, 2)
+    assert storage_refs.other_views(rows) == 0
+    views = [rows[:1], rows.view(8)]
+    assert storage_refs.other_views(rows) == 2
+    del views
+    assert storage_refs.other_views(rows) == 0
+
+
+# -- device_assert: torch's asynchronous assert ----------------------------------------------
+
+def test_the_device_assert_passes_true_and_fails_false():
+    device_assert.assert_on_device(torch.tensor(True), "never")
+    with pytest.raises(RuntimeError, match="other ids"):
+        device_assert.assert_on_device(torch.tensor(False), "other ids")
