@@ -66,7 +66,7 @@ def table_state(table, step):
 
 
 def module_state(ec):
-    return {name: table_state(t, ec._steps[name]) for name, t in ec.tables.items()}
+    return {name: table_state(t, ec.steps[name]) for name, t in ec.tables.items()}
 
 
 def assert_same_state(got, expected):

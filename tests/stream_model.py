@@ -76,6 +76,8 @@ class ModelTransfers:
         self._record_streams = record_streams
         self._ignored = set(ignored_waits)
         self.reused_blocks = 0
+        #: every host buffer handed out, in order: where a test reads what a stash copied
+        self.host_buffers: List[torch.Tensor] = []
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def adopt(self, tensor: torch.Tensor, stream: str = "compute") -> None:
@@ -184,7 +186,9 @@ class ModelTransfers:
         stream.ops.append(op)
 
     def host_buffer(self, shape, dtype) -> torch.Tensor:
-        return torch.full(shape, float("nan"), dtype=dtype)  # undefined until a copy fills it
+        buffer = torch.full(shape, float("nan"), dtype=dtype)  # undefined until a copy fills it
+        self.host_buffers.append(buffer)
+        return buffer
 
     def device_buffer(self, shape, dtype, device, stream) -> torch.Tensor:
         tensor = torch.full(shape, float("nan"), dtype=dtype)

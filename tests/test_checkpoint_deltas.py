@@ -4,6 +4,7 @@ state, scores, clocks, step, counters) while the tables evict, grow, write back 
 from a CACHE store; a delta holds what changed (about 1% of the rows after touching 1%); a
 random sequence of training, dumps and loads always reproduces the last dump."""
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -101,7 +102,7 @@ def test_a_chain_loads_by_key_into_another_layout(tmp_path, mode):
                    max_capacity=256)
     load(resumed, paths)
     assert_same_rows(logical_rows(resumed), expected)
-    assert resumed._steps == ec._steps
+    assert resumed.steps == ec.steps
 
 
 class DictStore:
@@ -239,9 +240,15 @@ def test_touched_marks_and_base_keys_follow_growth_and_logs_compact(monkeypatch)
     assert marks.left_keys().tolist() == [10, 50, 60]
     monkeypatch.setattr(changes, "COMPACT_AT", 4)
     log = changes.KeyLog()
+    logged = []
     for keys in ([3, changes.EMPTY_KEY, 3], [7, 3], [3, 7, 8]):
-        log.add(torch.tensor(keys))
-    assert len(log._parts) == 1 and log.keys().tolist() == [3, 7, 8]
+        part = torch.tensor(keys)
+        logged.append(weakref.ref(part))
+        log.add(part)
+        del part
+    # the last add compacted the log: it holds none of the logged tensors any more
+    assert [ref() for ref in logged] == [None, None, None]
+    assert log.keys().tolist() == [3, 7, 8]
 
 
 # -- property -------------------------------------------------------------------------------------

@@ -288,10 +288,10 @@ def test_a_corrupted_file_is_found_before_any_table_changes(tmp_path, monkeypatc
     # t1's file is read last: t0 was rebuilt already, but only aside
     target, victim = damaged(tmp_path, "corrupted")
     before = module_state(target)
-    generation = target._generation
+    generation = target.generation
     with pytest.raises(CheckpointFileError):
         load(target, tmp_path)
-    assert target._generation == generation
+    assert target.generation == generation
     assert_same_state(module_state(target), before)
 
 

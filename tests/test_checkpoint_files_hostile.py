@@ -39,10 +39,10 @@ def target(**kwargs):
 
 def assert_refused(module, path, match, error=CheckpointFileError):
     """Loading ``path`` raises ``error`` matching ``match`` and ``module`` is unchanged."""
-    before, rows, generation = module_state(module), logical_rows(module), module._generation
+    before, rows, generation = module_state(module), logical_rows(module), module.generation
     with pytest.raises(error, match=match) as info:
         load(module, path)
-    assert module._generation == generation
+    assert module.generation == generation
     assert_same_state(module_state(module), before)
     assert_same_rows(logical_rows(module), rows)
     return str(info.value)

@@ -53,7 +53,7 @@ def test_resumed_training_equals_the_uninterrupted_run(mode, optimizer):
     original, resumed, run_a, run_b = continue_both(lambda: model(mode, optimizer))
     assert_same_run(run_a, run_b)
     assert_same_tables(original, resumed)
-    assert resumed._steps == original._steps
+    assert resumed.steps == original.steps
 
 
 @pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.STEP])

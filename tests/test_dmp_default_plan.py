@@ -18,6 +18,7 @@ from dynemb.planning import table_footprint
 from dynemb.sharding import DynamicEmbCollectionSharder
 from examples.spawn import run_on_ranks
 from tests.dmp_default_plan_worker import SeqAndBagModel, run, sharders
+from tests.torchrec_probes import SearchSpaceRecorder
 from tests.torchrec_twin import ensure_single_process_group
 
 
@@ -47,9 +48,11 @@ def test_dmp_without_plan_trains_like_the_hand_planned_model_on_two_ranks():
         _assert_same_training(result)
 
 
-def _searched_options(planner, model, sharder_list):
-    planner.plan(model, sharder_list)
-    return planner._enumerator.last_stored_search_space
+def _searched_options(topology, model, sharder_list):
+    recorder = SearchSpaceRecorder()
+    EmbeddingShardingPlanner(topology=topology, stats=recorder.planner_stats()).plan(
+        model, sharder_list)
+    return recorder.search_space
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
@@ -60,9 +63,8 @@ def test_default_planner_estimates_dynamic_tables_with_their_footprint(device):
     model.ec = type(model.ec)(model.ec.embedding_configs(), device="meta", optimizer=optimizer,
                               table_options=DynamicEmbTableOptions(
                                   caching=True, local_hbm_for_values=64 * 48 * 4))
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world,
-                                                         compute_device=device))
-    options = {o.name: o for o in _searched_options(planner, model, sharders())}
+    topology = Topology(world_size=world, compute_device=device)
+    options = {o.name: o for o in _searched_options(topology, model, sharders())}
     assert set(options) == {"t", "u"}
     for name, module in (("t", model.ec), ("u", model.ebc)):
         option = options[name]

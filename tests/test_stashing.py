@@ -19,6 +19,7 @@ from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, I
                     OptimizerConfig, OptimizerType)
 from dynemb.options import StashMode
 from dynemb.stashing import collection_stashes, restore, restore_on_grad
+from tests.torchrec_probes import queued_weight_restores
 
 MODES = ("hbm_direct", "cache", "default")
 OPTIMIZERS = tuple(OptimizerType)
@@ -329,10 +330,9 @@ def test_torchrec_manager_restores_queued_tables():
     try:
         for _ in range(2):  # a restore still queued (backward skipped) is not queued twice
             ec(_batches(1)[0])
-        queued = MemoryStashingManager._embedding_weight_restore_callbacks
-        assert len(queued) == 1 and ec.memory_stash.stashed == ["t0", "t1"]
+        assert queued_weight_restores() == 1 and ec.memory_stash.stashed == ["t0", "t1"]
         MemoryStashingManager.restore_embedding_weights()
-        assert ec.memory_stash.stashed == [] and not queued
+        assert ec.memory_stash.stashed == [] and queued_weight_restores() == 0
         MemoryStashingManager.set_delay_stash(True)  # stash at execute_pending_stashes()
         out = ec(_batches(1)[0])
         assert ec.memory_stash.stashed == []
