@@ -11,7 +11,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.sharded_bag_twin import (FEATURES, NUM_IDS, POOLINGS, BagModel, BagScenario,
                                     make_batches, optimizer_configs, shard, to_kjt)
-from tests.sharded_twin import Batch, _Trainer
+from tests.sharded_twin import Batch, Trainer
 
 #: ids never trained (the workload draws from [0, NUM_IDS))
 UNSEEN = torch.tensor([10**9 + 7, -3, 2**62 + 1])
@@ -42,7 +42,7 @@ def export_share(rank: int, world_size: int, name: str, s: BagScenario,
     weighted = POOLINGS[s.pooling][2]
     local = [Batch(to_kjt([per_rank[rank]], weighted)) for per_rank in make_batches(s, world_size)]
     dmp = shard(BagModel(s, opt_config), world_size)
-    trainer = _Trainer(dmp, local, s.loop)
+    trainer = Trainer(dmp, local, s.loop)
     for _ in range(s.steps):
         trainer.step()
     sharded = dmp.module.bags

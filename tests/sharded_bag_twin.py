@@ -16,17 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.types import EMPTY_KEY
-from tests.sharded_twin import Batch, _Trainer
+from tests.sharded_twin import Batch, Trainer, targets
+from tests.twin_training import (draw_batches, initial_rows, plan_summary, record_rows,
+                                  train_side_by_side)
 
 FEATURES = ["f0", "f1", "f2"]
-TABLE_OF = {"f0": "t0", "f1": "t0", "f2": "t1"}
 NUM_IDS = 400
 #: pooling of t0 and t1, and whether the KJT carries per-id weights
 POOLINGS = {"sum": (PoolingType.SUM, PoolingType.SUM, False),
@@ -105,21 +105,9 @@ def table_options(s: BagScenario, opt_config, scale: int = 1):
 
 def make_batches(s: BagScenario, world_size: int):
     """``[step][rank] -> {feature: (lengths, values, weights)}``; some bags are empty."""
-    g = torch.Generator().manual_seed(s.seed)
-    steps = []
-    for _ in range(s.steps):
-        per_rank = []
-        for r in range(world_size):
-            b = s.batch + (r if s.uneven else 0)
-            d = {}
-            for f in FEATURES:
-                lengths = torch.randint(0, 4, (b,), generator=g)
-                n = int(lengths.sum())
-                d[f] = (lengths, torch.randint(0, NUM_IDS, (n,), generator=g),
-                        torch.rand(n, generator=g) + 0.5)
-            per_rank.append(d)
-        steps.append(per_rank)
-    return steps
+    def draw_ids_and_weights(step, f, n, g):
+        return torch.randint(0, NUM_IDS, (n,), generator=g), torch.rand(n, generator=g) + 0.5
+    return draw_batches(s, world_size, FEATURES, draw_ids_and_weights)
 
 
 def to_kjt(parts: List[Dict[str, Any]], weighted: bool,
@@ -130,12 +118,6 @@ def to_kjt(parts: List[Dict[str, Any]], weighted: bool,
         return torch.cat([torch.cat([p[f][i] for p in parts]) for f in FEATURES])
     return KeyedJaggedTensor.from_lengths_sync(FEATURES, cat(1).to(dtype), cat(0).to(dtype),
                                                weights=cat(2) if weighted else None)
-
-
-def targets(s: BagScenario) -> Dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return {f: torch.randn(s.dims[0 if TABLE_OF[f] == "t0" else 1], generator=g)
-            for f in FEATURES}
 
 
 def bag_loss(out, tgt) -> torch.Tensor:
@@ -172,7 +154,7 @@ class BagModel(torch.nn.Module):
                                            num_embeddings=NUM_IDS, feature_names=["f0"])],
                 is_weighted=weighted, device=meta)
             self.dense = torch.nn.Linear(4, 1)
-        self.tgt = targets(s)
+        self.tgt = targets(s.dims)
 
     def forward(self, batch: Batch):
         out = self.bags(batch.features)
@@ -237,63 +219,33 @@ def run_scenario(rank: int, world_size: int, s: BagScenario) -> Dict[str, Any]:
     dtype = getattr(torch, s.id_dtypes[rank]) if s.id_dtypes else torch.int64
     local = [Batch(to_kjt([per_rank[rank]], weighted, dtype)) for per_rank in batches]
     dmp = shard(BagModel(s, opt_config), world_size)
-    trainer = _Trainer(dmp, local, s.loop)
+    trainer = Trainer(dmp, local, s.loop)
     ref = DynamicEmbBagCollection(bag_tables(s), is_weighted=weighted,
                                   table_options=table_options(s, opt_config, world_size),
                                   optimizer=opt_config)
-    tgt = targets(s)
+    tgt = targets(s.dims)
     twin = None
     if s.torchrec_twin:
-        ids = torch.arange(NUM_IDS)
-        initial = {name: t.options.initializer.rows(ids, t.dim, seed=t.options.seed,
-                                                    table_id=t.table_id)
-                   for name, t in ref.tables.items()}
+        initial = initial_rows(ref, NUM_IDS)
         twin_dmp = shard(BagModel(s, torchrec_ebc=True), world_size, fused_params)
         for name, offset, tensor in ebc_shards(twin_dmp):
             tensor.detach().copy_(initial[name][offset:offset + tensor.shape[0]])
-        twin = _Trainer(twin_dmp, local, s.loop)
+        twin = Trainer(twin_dmp, local, s.loop)
 
-    result: Dict[str, Any] = {key: [] for key in ("outputs", "ref_outputs", "twin_outputs",
-                                                  "losses", "ref_losses", "twin_losses")}
-    result["plan"] = {path: {t: (p.sharding_type, p.compute_kernel) for t, p in mp.items()}
-                      for path, mp in dmp.plan.plan.items()}
-    lr = opt_config.learning_rate
-    for step in range(s.steps):
-        if step == s.steps // 2:  # a learning-rate change takes effect in every model
-            lr = lr / 2
-            trainer.set_lr(lr)
-            ref.fused_optimizer.param_groups[0]["lr"] = lr
-            if twin:
-                twin.set_lr(lr)
-        loss, out = trainer.step()
-        if trainer.pipeline is not None and step == 0:
-            result["pipelined"] = [type(m).__name__ for m in trainer.pipeline._pipelined_modules]
-        result["losses"].append(float(loss))
-        result["outputs"].append({f: v.numpy().copy() for f, v in out.items()})
-
+    def reference_step(step):
         ref_out = ref(to_kjt(batches[step], weighted))
         sizes = [per_rank[FEATURES[0]][0].numel() for per_rank in batches[step]]
         start = sum(sizes[:rank])
         mine = {f: ref_out[f][start:start + sizes[rank]] for f in FEATURES}
         (bag_loss(ref_out, tgt) / world_size).backward()
-        result["ref_losses"].append(float(bag_loss(mine, tgt).detach()))
-        result["ref_outputs"].append({f: v.detach().numpy().copy() for f, v in mine.items()})
-        if twin:
-            twin_loss, twin_out = twin.step()
-            result["twin_losses"].append(float(twin_loss))
-            result["twin_outputs"].append({f: v.numpy().copy() for f, v in twin_out.items()})
+        return bag_loss(mine, tgt).detach(), mine
+
+    result: Dict[str, Any] = {"plan": plan_summary(dmp)}
+    train_side_by_side(result, s.steps, opt_config.learning_rate, trainer, ref, reference_step,
+                       twin=twin, twin_key="twin")
 
     sharded = dmp.module.bags
-    ids = torch.arange(NUM_IDS)
-    result["rows"], result["ref_rows"] = {}, {}
-    for name in ("t0", "t1"):
-        rows, found = sharded.read_rows(name, ids)
-        result["rows"][name] = (ids[found].numpy(), rows[found].numpy())
-        ref_rows, ref_found = ref.read_rows(name, ids)
-        result["ref_rows"][name] = (ids[ref_found].numpy(), ref_rows[ref_found].numpy())
-    result["stats"] = sharded.stats()
-    result["ref_stats"] = ref.stats()
-    result["modes"] = {k: v.value for k, v in sharded.storage_modes().items()}
+    record_rows(result, sharded, ref, NUM_IDS)
     result["type"] = type(sharded).__name__
     if s.export_state:
         result["state"] = {k: v.clone() for k, v in dmp.state_dict().items()

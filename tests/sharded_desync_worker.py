@@ -97,9 +97,9 @@ def _guarded(sharded, phase: str, fn):
 
 
 def train(rank: int, world_size: int, s: DesyncScenario) -> Dict[str, Any]:
-    from tests.sharded_twin import _Trainer
+    from tests.sharded_twin import Trainer
     dmp, sharded, batches = build(rank, world_size, s)
-    trainer = _Trainer(dmp, batches, s.loop)
+    trainer = Trainer(dmp, batches, s.loop)
     result: Dict[str, Any] = {"error": None, "unchanged": None, "steps_done": 0,
                               "loss_errors": 0}
     for step in range(s.steps):

@@ -22,6 +22,9 @@ from torchrec import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
+from tests.twin_training import (draw_batches, initial_rows, plan_summary, record_rows,
+                                  train_side_by_side)
+
 FEATURES = ["f0", "f1", "f2"]
 TABLE_OF = {"f0": "t0", "f1": "t0", "f2": "t1"}
 NUM_IDS = 400
@@ -109,25 +112,15 @@ def table_options(s: Scenario, opt_config, cache_scale: int = 1):
 def make_batches(s: Scenario, world_size: int):
     """``[step][rank] -> {feature: (lengths, values)}``."""
     from tests.key_reference import owner
-    g = torch.Generator().manual_seed(s.seed)
-    steps = []
-    for step in range(s.steps):
-        per_rank = []
-        for r in range(world_size):
-            b = s.batch + (r if s.uneven else 0)
-            d = {}
-            for f in FEATURES:
-                lengths = torch.randint(0, 4, (b,), generator=g)
-                values = torch.randint(0, NUM_IDS, (int(lengths.sum()),), generator=g)
-                if step == s.lonely_step and TABLE_OF[f] == "t1":
-                    pool = torch.tensor([k for k in range(NUM_IDS)
-                                         if owner(k, world_size, s.sharding) == 0])
-                    values = pool[torch.randint(0, pool.numel(), (values.numel(),),
-                                                generator=g)]
-                d[f] = (lengths, values)
-            per_rank.append(d)
-        steps.append(per_rank)
-    return steps
+
+    def draw_ids(step, f, n, g):
+        values = torch.randint(0, NUM_IDS, (n,), generator=g)
+        if step == s.lonely_step and TABLE_OF[f] == "t1":
+            pool = torch.tensor([k for k in range(NUM_IDS)
+                                 if owner(k, world_size, s.sharding) == 0])
+            values = pool[torch.randint(0, pool.numel(), (values.numel(),), generator=g)]
+        return (values,)
+    return draw_batches(s, world_size, FEATURES, draw_ids)
 
 
 def to_kjt(parts: List[Dict[str, Any]]) -> KeyedJaggedTensor:
@@ -254,7 +247,7 @@ def dense_optimizer(dmp):
     return CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
-class _Trainer:
+class Trainer:
     """Steps one model over its batches under the scenario's loop."""
 
     def __init__(self, dmp, batches: List[Batch], loop: str):
@@ -292,7 +285,7 @@ def run_scenario(rank: int, world_size: int, s: Scenario) -> Dict[str, Any]:
     batches = make_batches(s, world_size)
     local_batches = [Batch(to_kjt([per_rank[rank]])) for per_rank in batches]
     dmp = shard_dyn(DynModel(s, opt_config), world_size)
-    trainer = _Trainer(dmp, local_batches, s.loop)
+    trainer = Trainer(dmp, local_batches, s.loop)
 
     ref = DynamicEmbCollection(tables(s.dims),
                                table_options=table_options(s, opt_config, world_size),
@@ -300,33 +293,12 @@ def run_scenario(rank: int, world_size: int, s: Scenario) -> Dict[str, Any]:
     ref_tgt = targets(s.dims)
     ec_trainer = None
     if s.torchrec_twin:
-        ids = torch.arange(NUM_IDS)
-        initial = {name: t.options.initializer.rows(ids, t.dim, seed=t.options.seed,
-                                                    table_id=t.table_id)
-                   for name, t in ref.tables.items()}
-        ec_trainer = _Trainer(shard_ec(ECModel(s), world_size, fused_params, initial),
-                              local_batches, s.loop)
+        initial = initial_rows(ref, NUM_IDS)
+        ec_trainer = Trainer(shard_ec(ECModel(s), world_size, fused_params, initial),
+                             local_batches, s.loop)
 
-    result: Dict[str, Any] = {"outputs": [], "ref_outputs": [], "ec_outputs": [],
-                              "losses": [], "ref_losses": [], "ec_losses": [], "eval": []}
-    result["plan"] = {path: {t: (p.sharding_type, p.compute_kernel) for t, p in mp.items()}
-                      for path, mp in dmp.plan.plan.items()}
-    lr = opt_config.learning_rate
-    for step in range(s.steps):
-        if step == s.steps // 2:  # a learning-rate change takes effect in every model
-            lr = lr / 2
-            trainer.set_lr(lr)
-            ref.fused_optimizer.param_groups[0]["lr"] = lr
-            if ec_trainer:
-                ec_trainer.set_lr(lr)
-        loss, out = trainer.step()
-        if trainer.pipeline is not None and step == 0:
-            result["pipelined"] = [type(m).__name__ for m in trainer.pipeline._pipelined_modules]
-        result["losses"].append(float(loss))
-        result["outputs"].append({f: v.numpy().copy() for f, v in out.items()})
-
-        global_kjt = to_kjt(batches[step])
-        ref_out = ref(global_kjt)
+    def reference_step(step):
+        ref_out = ref(to_kjt(batches[step]))
         counts = [{f: int(per_rank[f][1].numel()) for f in FEATURES}
                   for per_rank in batches[step]]
         mine = {}
@@ -334,32 +306,23 @@ def run_scenario(rank: int, world_size: int, s: Scenario) -> Dict[str, Any]:
             start = sum(c[f] for c in counts[:rank])
             mine[f] = ref_out[f].values()[start:start + counts[rank][f]]
         (embedding_loss(ref_out, ref_tgt) / world_size).backward()
-        result["ref_losses"].append(float(embedding_loss(mine, ref_tgt)))
-        result["ref_outputs"].append({f: v.detach().numpy().copy() for f, v in mine.items()})
-        if ec_trainer:
-            ec_loss, ec_out = ec_trainer.step()
-            result["ec_losses"].append(float(ec_loss))
-            result["ec_outputs"].append({f: v.numpy().copy() for f, v in ec_out.items()})
+        return embedding_loss(mine, ref_tgt), mine
+
+    def eval_every_few_steps(step):
         if s.eval_every and step % s.eval_every == 0:
             result["eval"].append(eval_probe(dmp))
+
+    result: Dict[str, Any] = {"plan": plan_summary(dmp), "eval": []}
+    train_side_by_side(result, s.steps, opt_config.learning_rate, trainer, ref, reference_step,
+                       twin=ec_trainer, twin_key="ec", after_step=eval_every_few_steps)
 
     if s.eval_pipeline:
         result["eval_pipeline"] = run_eval_pipeline(rank, world_size, s, dmp, trainer, ref)
 
     seen = sorted({int(v) for per_step in batches for per_rank in per_step
                    for f in FEATURES for v in per_rank[f][1] if TABLE_OF[f] == "t1"})
-    sharded = dmp.module.dyn
-    result["rows"], result["ref_rows"] = {}, {}
-    for name in ("t0", "t1"):
-        ids = torch.arange(NUM_IDS)
-        rows, found = sharded.read_rows(name, ids)
-        result["rows"][name] = (ids[found].numpy(), rows[found].numpy())
-        ref_rows, ref_found = ref.read_rows(name, ids)
-        result["ref_rows"][name] = (ids[ref_found].numpy(), ref_rows[ref_found].numpy())
+    record_rows(result, dmp.module.dyn, ref, NUM_IDS)
     result["t1_seen"] = np.array(seen)
-    result["stats"] = sharded.stats()
-    result["ref_stats"] = ref.stats()
-    result["modes"] = {k: v.value for k, v in sharded.storage_modes().items()}
     if ec_trainer:
         result["ec_rows"] = {name: (offset, tensor.detach().numpy().copy())
                              for name, offset, tensor in ec_shards(ec_trainer.dmp)}

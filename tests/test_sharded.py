@@ -12,9 +12,9 @@ batch sizes; at step 3 every id of table t1 is owned by rank 0, so the other ran
 keys for it. Worlds are spawned once per module; scenarios share them.
 """
 import numpy as np
-import pytest
 
-from tests.sharded_checks import check_rows_on_owners, spawn_scenarios
+from tests.sharded_checks import (check_lookups_add_up, check_rows_on_owners, world_fixtures,
+                                  world_tests)
 from tests.sharded_twin import FEATURES, NUM_IDS, Scenario, run_scenarios
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -42,19 +42,8 @@ WORLD3 = {"sgd_pipeline": Scenario(loop="pipeline", sharding="mod"),
                                           torchrec_twin=False, cache_rows=96)}
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return spawn_scenarios(2, run_scenarios, WORLD2)
-
-
-@pytest.fixture(scope="module")
-def world1():
-    return spawn_scenarios(1, run_scenarios, WORLD1)
-
-
-@pytest.fixture(scope="module")
-def world3():
-    return spawn_scenarios(3, run_scenarios, WORLD3)
+WORLDS = {2: WORLD2, 1: WORLD1, 3: WORLD3}
+world2, world1, world3 = world_fixtures(run_scenarios, WORLDS)
 
 
 def _check_steps(ranks, s):
@@ -83,24 +72,12 @@ def _check(ranks, s):
     _check_rows(ranks, s)
     if s.eval_every:
         return  # eval lookups count too
-    lookups = {n: sum(r["stats"][n]["lookups"] for r in ranks) for n in ("t0", "t1")}
-    # dedup before the all-to-all keeps the occurrence counts: lookups add up
-    assert lookups == {n: ranks[0]["ref_stats"][n]["lookups"] for n in ("t0", "t1")}
+    check_lookups_add_up(ranks)
 
 
-@pytest.mark.parametrize("name", list(WORLD2))
-def test_two_ranks_match_unsharded_and_torchrec(world2, name):
-    _check(world2[name], WORLD2[name])
-
-
-@pytest.mark.parametrize("name", list(WORLD1))
-def test_one_rank(world1, name):
-    _check(world1[name], WORLD1[name])
-
-
-@pytest.mark.parametrize("name", list(WORLD3))
-def test_three_ranks(world3, name):
-    _check(world3[name], WORLD3[name])
+# every scenario of each world: test_two_ranks_match_unsharded_and_torchrec[<name>], ...
+(test_two_ranks_match_unsharded_and_torchrec, test_one_rank,
+ test_three_ranks) = world_tests(_check, WORLDS)
 
 
 def test_pipelines_pick_up_the_sharded_module(world2):

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.sharded_checks import check_rows_on_owners, spawn_scenarios
+from tests.sharded_checks import (check_lookups_add_up, check_rows_on_owners, world_fixtures,
+                                  world_tests)
 from tests.sharded_bag_twin import FEATURES, NUM_IDS, BagScenario, bag_tables, run_scenarios
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -57,19 +58,8 @@ WORLD3 = {"mixed_rowwise_pipeline_twin": BagScenario(optimizer="rowwise_adagrad"
           "weighted_sgd_plain": BagScenario(pooling="weighted", loop="plain", sharding="mod")}
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return spawn_scenarios(2, run_scenarios, WORLD2)
-
-
-@pytest.fixture(scope="module")
-def world1():
-    return spawn_scenarios(1, run_scenarios, WORLD1)
-
-
-@pytest.fixture(scope="module")
-def world3():
-    return spawn_scenarios(3, run_scenarios, WORLD3)
+WORLDS = {2: WORLD2, 1: WORLD1, 3: WORLD3}
+world2, world1, world3 = world_fixtures(run_scenarios, WORLDS)
 
 
 def _check_steps(ranks, s):
@@ -98,24 +88,12 @@ def _check(ranks, s):
     _check_rows(ranks, s)
     if s.probe_bad_input:
         return  # the probe's recovery step counts too
-    # ids travel once per occurrence: the owners' lookups add up to the reference's
-    lookups = {n: sum(r["stats"][n]["lookups"] for r in ranks) for n in ("t0", "t1")}
-    assert lookups == {n: ranks[0]["ref_stats"][n]["lookups"] for n in ("t0", "t1")}
+    check_lookups_add_up(ranks)
 
 
-@pytest.mark.parametrize("name", list(WORLD2))
-def test_two_ranks_match_unsharded_and_torchrec(world2, name):
-    _check(world2[name], WORLD2[name])
-
-
-@pytest.mark.parametrize("name", list(WORLD1))
-def test_one_rank(world1, name):
-    _check(world1[name], WORLD1[name])
-
-
-@pytest.mark.parametrize("name", list(WORLD3))
-def test_three_ranks(world3, name):
-    _check(world3[name], WORLD3[name])
+# every scenario of each world: test_two_ranks_match_unsharded_and_torchrec[<name>], ...
+(test_two_ranks_match_unsharded_and_torchrec, test_one_rank,
+ test_three_ranks) = world_tests(_check, WORLDS)
 
 
 def test_pipelines_pick_up_the_sharded_module(world2):
