@@ -72,6 +72,13 @@ def rank_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
+def add_device_argument(parser) -> None:
+    """The examples' ``--device`` (what :func:`rank_device` reads): "auto" or "cpu"."""
+    parser.add_argument("--device", choices=["auto", "cpu"], default="auto",
+                        help="under torchrun: CUDA with NCCL when there is a GPU (auto), or "
+                             "force CPU and gloo; spawned ranks always run on CPU")
+
+
 def add_timeout_argument(parser) -> None:
     """The examples' ``--timeout``: seconds a collective waits for its peers before failing
     (``collective_timeout`` of :func:`run_on_ranks`); a value that is not > 0 is refused."""

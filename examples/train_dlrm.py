@@ -61,11 +61,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import logging  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import warnings  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple  # noqa: E402
@@ -77,7 +75,8 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dlrm_data import (Batch, BatchReader, DataFormat, held_out_mask,  # noqa: E402
                        write_synthetic_criteo)
-from spawn import (add_timeout_argument, rank_device,  # noqa: E402
+from rank_setup import jsonable, prepare_rank  # noqa: E402
+from spawn import (add_device_argument, add_timeout_argument, rank_device,  # noqa: E402
                    run_in_process_group, run_on_ranks)
 
 OUT_DIR = Path(__file__).resolve().parent / "output"
@@ -386,7 +385,7 @@ def train(rank: int, world_size: int, cfg: Config, args: argparse.Namespace,
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics["plot"] = str(plot(metrics, out_dir / "train_dlrm.png"))
     metrics["json"] = str(out_dir / "train_dlrm.json")
-    Path(metrics["json"]).write_text(json.dumps(metrics, indent=1, default=_jsonable))
+    Path(metrics["json"]).write_text(json.dumps(metrics, indent=1, default=jsonable))
     print_summary(metrics)
     return metrics
 
@@ -547,33 +546,13 @@ def plot(m: Dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _jsonable(value):
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
 # -- processes ---------------------------------------------------------------------------------
 def train_rank(rank: int, world_size: int, args: argparse.Namespace,
                cfg: Config) -> Optional[Dict[str, Any]]:
     """Train on this rank of a joined process group; rank 0 returns the metrics."""
     device = rank_device(args.device)
-    if device.type == "cpu":
-        # small dense ops: extra intra-op threads only add OpenMP barrier waits, and the
-        # ranks share the cores
-        torch.set_num_threads(1)
-    quiet_torchrec()
+    prepare_rank(device)
     return train(rank, world_size, cfg, args, device)
-
-
-def quiet_torchrec() -> None:
-    """Hide TorchRec's and torch's notices about their own internals (planner defaults, a
-    deprecated DDP argument TorchRec passes, a tracing helper), printed once per rank."""
-    for name in ("torchrec.distributed.planner", "torch.fx._symbolic_trace"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.")
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.\w+` is deprecated")
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -606,9 +585,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=DEFAULT_NPROC,
                         help=f"CPU ranks to spawn (default {DEFAULT_NPROC}); ignored under "
                              f"torchrun")
-    parser.add_argument("--device", choices=["auto", "cpu"], default="auto",
-                        help="under torchrun: CUDA with NCCL when there is a GPU (auto), or "
-                             "force CPU and gloo; spawned ranks always run on CPU")
+    add_device_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     add_timeout_argument(parser)
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR,

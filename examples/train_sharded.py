@@ -50,10 +50,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import logging  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import warnings  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Dict, Iterator, List, Optional  # noqa: E402
@@ -66,7 +64,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spawn import (add_timeout_argument, rank_device,  # noqa: E402
+from rank_setup import jsonable, prepare_rank  # noqa: E402
+from spawn import (add_device_argument, add_timeout_argument, rank_device,  # noqa: E402
                    run_in_process_group, run_on_ranks)
 from train_next_item import (DENSE_LR, OUT_DIR, TOP_K, Config, CountSketch,  # noqa: E402
                              NextItemModel, SessionWorld, build_collection, evaluation_steps,
@@ -411,7 +410,7 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics["plot"] = str(plot(metrics, out_dir / "train_sharded.png"))
     metrics["json"] = str(out_dir / "train_sharded.json")
-    Path(metrics["json"]).write_text(json.dumps(metrics, indent=1, default=_jsonable))
+    Path(metrics["json"]).write_text(json.dumps(metrics, indent=1, default=jsonable))
     print(f"\n{world_size} ranks, {type(pipeline).__name__}, batch {cfg.batch} per rank; "
           f"loss averaged over ranks, table counters summed over ranks")
     print_summary(metrics)
@@ -420,32 +419,14 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
     return metrics
 
 
-def _jsonable(value):
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
 # -- processes ---------------------------------------------------------------------------------
 def train_rank(rank: int, world_size: int, args: argparse.Namespace,
                cfg: Config) -> Optional[Dict[str, Any]]:
     """Train on this rank of a joined process group; rank 0 returns the metrics."""
     device = rank_device(args.device)
-    if device.type == "cpu":
-        # small dense ops: extra intra-op threads only add OpenMP barrier waits, and the
-        # ranks share the cores
-        torch.set_num_threads(1)
-    quiet_torchrec()
+    prepare_rank(device)
     resume = (args.out_dir / "checkpoint") if args.resume else None
     return train(rank, world_size, cfg, device, args.seed, args.out_dir, args.pipeline, resume)
-
-
-def quiet_torchrec() -> None:
-    """Hide TorchRec's and torch's notices about their own internals (planner defaults, a
-    deprecated DDP argument TorchRec passes, a tracing helper), printed once per rank."""
-    for name in ("torchrec.distributed.planner", "torch.fx._symbolic_trace"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.")
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -458,9 +439,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--pipeline", choices=PIPELINES, default="sparse_dist",
                         help="TorchRec's TrainPipelineSparseDist (default) or dynemb's "
                              "PrefetchTrainPipelineSparseDist")
-    parser.add_argument("--device", choices=["auto", "cpu"], default="auto",
-                        help="under torchrun: CUDA with NCCL when there is a GPU (auto), or "
-                             "force CPU and gloo; spawned ranks always run on CPU")
+    add_device_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     add_timeout_argument(parser)
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR,

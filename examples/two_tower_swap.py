@@ -62,10 +62,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import logging  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import warnings  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Dict, Iterator, List, Optional  # noqa: E402
@@ -81,6 +79,7 @@ from torchrec.streamable import Pipelineable  # noqa: E402
 from dynemb import DynamicEmbBagCollection  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rank_setup import quiet_torchrec  # noqa: E402
 from spawn import add_timeout_argument, run_on_ranks  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "output"
@@ -394,16 +393,6 @@ def sharded_rank(rank: int, world_size: int, cfg: Config, seed: int) -> Optional
     quiet_torchrec()
     return {name: train_sharded(cls, cfg, seed, rank, world_size)
             for name, cls in LIBRARIES.items()}
-
-
-def quiet_torchrec() -> None:
-    """Hide TorchRec's and torch's notices about their own internals (planner defaults, a
-    deprecated DDP argument TorchRec passes, a tracing helper)."""
-    for name in ("torchrec.distributed.planner", "torch.fx._symbolic_trace"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.")
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.\w+` is deprecated")
 
 
 # -- report ------------------------------------------------------------------------------------
