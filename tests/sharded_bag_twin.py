@@ -196,7 +196,7 @@ def shard(model: BagModel, world_size: int, fused_params=None):
     else:
         plan = {"bags": construct_module_sharding_plan(
             model.bags, {t.name: row_wise(compute_kernel="customized_kernel")
-                         for t in model.bags.embedding_configs()},
+                         for t in model.bags.embedding_bag_configs()},
             sharder=sharders[0], local_size=world_size, world_size=world_size,
             device_type="cpu")}
     return DistributedModelParallel(model, env=env, device=torch.device("cpu"),

@@ -70,7 +70,7 @@ def test_default_planner_estimates_dynamic_tables_with_their_footprint(device):
         option = options[name]
         assert (option.sharding_type, option.compute_kernel) == ("row_wise",
                                                                  "customized_kernel")
-        config = module.embedding_configs()[0]
+        config = module.table_configs()[0]
         for rank, shard in enumerate(option.shards):
             expected = table_footprint(
                 config, module.table_options[name], optimizer, world_size=world, rank=rank,
