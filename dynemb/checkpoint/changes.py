@@ -28,7 +28,6 @@ from typing import Dict, List, Optional
 
 import torch
 
-from dynemb.options import StorageMode
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 
 #: Logged keys (padding included) kept before a log is compacted.
@@ -133,11 +132,8 @@ class ChangeTracker:
     def __init__(self, table, dump_id: str, generation: int):
         self.dump_id = dump_id
         self.generation = generation
-        self._tiers = [(table.tier, "device", TierChanges(table.tier.hash.capacity,
-                                                          table.tier.device))]
-        if table.mode is StorageMode.DEFAULT:
-            host = table.host_tier
-            self._tiers.append((host, "host", TierChanges(host.hash.capacity, host.device)))
+        self._tiers = [(tier, name, TierChanges(tier.hash.capacity, tier.device))
+                       for name, tier in table.tracked_tiers()]
         #: keys whose CACHE store rows were written since the dump
         self.stored = KeyLog()
         #: the ``store_evictions`` counter at the dump (CACHE)
@@ -145,7 +141,7 @@ class ChangeTracker:
 
     def fits(self, table) -> bool:
         """The tracker follows ``table``'s tiers at their current capacities."""
-        tiers = [table.tier] + ([table.host_tier] if table.mode is StorageMode.DEFAULT else [])
+        tiers = [tier for _, tier in table.tracked_tiers()]
         return len(tiers) == len(self._tiers) and all(
             t is mine and c.capacity == t.hash.capacity
             for t, (mine, _, c) in zip(tiers, self._tiers))
@@ -159,7 +155,8 @@ class ChangeTracker:
         self.store_evictions = table.counters.snapshot()["store_evictions"]
 
     def tier(self, name: str) -> Optional[TierChanges]:
-        """The changes of tier ``name`` ("device"; "host" in DEFAULT), None if untracked."""
+        """The changes of tier ``name`` (one of the table's ``tracked_tiers``), None if
+        untracked."""
         return next((c for _, n, c in self._tiers if n == name), None)
 
     def _of(self, tier) -> TierChanges:

@@ -19,8 +19,8 @@ from dynemb.checkpoint.files import (FORMAT, FORMAT_VERSION, DirectoryWriter, co
                                      rank_dir_name, remove_stale, temporary_dir, utc_now)
 from dynemb.checkpoint.manifest import read_manifest
 from dynemb.checkpoint.module_tables import ModuleTables, module_tables
-from dynemb.checkpoint.table_state import TierParts, signature, tier_parts
-from dynemb.options import StorageMode
+from dynemb.checkpoint.table_state import signature
+from dynemb.tables.checkpoint_tiers import TierParts
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 from dynemb.validation import check_int
 
@@ -262,11 +262,11 @@ class _TableWriter:
     def write(self, tracker) -> Dict[str, Dict]:
         """The tiers' manifest records; ``tracker`` None: everything, else what it saw."""
         out = {}
-        for name, part in tier_parts(self.table).items():
+        for name, part in self.table.checkpoint_tiers().items():
             record = self._record(part)
             if tracker is None or name == "admission":
                 self._whole(name, part, record)
-            elif name == "host" and self.table.mode is StorageMode.CACHE:
+            elif part.store is not None:  # a CACHE backing store: changes logged by key
                 evicted = self.table.counters.snapshot()["store_evictions"]
                 if evicted == tracker.store_evictions:
                     self._stored(name, part, tracker.stored.keys(), record)
@@ -347,7 +347,7 @@ class _TableWriter:
         """CACHE store rows written since the last dump, read back from the store."""
         record["write"] = "patch"
         entries = self._stream(name, "entries", record, "rows")
-        store = self.table.store
+        store = part.store
         for lo in range(0, keys.numel(), self.chunk_rows):
             chunk = keys[lo:lo + self.chunk_rows].to(self.table.device)
             rows, found, scores = store.find(chunk)

@@ -16,7 +16,7 @@ from dynemb.checkpoint.files import (CheckpointFileError, check_paths, check_siz
 from dynemb.checkpoint.manifest import read_manifest
 from dynemb.checkpoint.module_tables import ModuleTables, module_tables
 from dynemb.checkpoint.replay import holds_nothing, replay
-from dynemb.checkpoint.table_state import describe_mismatch, tier_parts
+from dynemb.checkpoint.table_state import describe_mismatch
 
 Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
@@ -116,13 +116,13 @@ class _EmptyTable:
     def __init__(self, table):
         self.table = table
         self.counters = table.counters.snapshot()
-        self.clocks = {n: p.hash.clock for n, p in tier_parts(table).items()
+        self.clocks = {n: p.hash.clock for n, p in table.checkpoint_tiers().items()
                        if p.hash is not None}
 
     def rebuild(self):
         table = self.table.empty_copy()
         table.counters.load(torch.tensor(list(self.counters.values()), dtype=torch.int64))
-        for name, part in tier_parts(table).items():
+        for name, part in table.checkpoint_tiers().items():
             if part.hash is not None:
                 part.hash.set_clock(self.clocks[name])
         return table
@@ -178,7 +178,7 @@ def _check_tables(chain: List[Dict], dirs: List[Path], scan: ModuleTables) -> No
                 f"{d} holds tables {sorted(saved)}, the module has {sorted(tables)}")
         for key, table in tables.items():
             problem = describe_mismatch(table, torch.tensor(saved[key]["signature"]))
-            expected = set(tier_parts(table))
+            expected = set(table.checkpoint_tiers())
             if problem is None and set(saved[key]["tiers"]) != expected:
                 problem = (f"tiers {sorted(saved[key]['tiers'])} in the checkpoint, "
                            f"{sorted(expected)} here (admission on in one and off in the "

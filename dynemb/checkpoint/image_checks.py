@@ -12,12 +12,14 @@ A slot image edited by hand (a key moved to another slot, a key written twice) b
 these: the key's row is unreachable, and the next lookup inserts the key a second time.
 The checks here are torch operations over the whole image (no Python loop over keys) and
 raise ``ValueError`` naming the table and tier, before anything is loaded.
+That a DEFAULT table's key sits in the tier it routes to is the table's own check
+(:meth:`TieredTable.check_routing <dynemb.tables.tiered.TieredTable.check_routing>`).
 """
 from __future__ import annotations
 
 import torch
 
-from dynemb.key_mixing import mix_keys, reduce_to_range, routes_to_first
+from dynemb.key_mixing import mix_keys, reduce_to_range
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 
 
@@ -87,17 +89,4 @@ def check_live_keys(keys: torch.Tensor, where: str) -> None:
     if bool(reserved.any()):
         raise ValueError(f"{where}: {int(reserved.sum())} entries hold a free-slot marker "
                          f"(EMPTY_KEY / TOMBSTONE_KEY) as their key")
-
-
-def check_tier_routing(keys: torch.Tensor, device_capacity: int, host_capacity: int,
-                       on_device: bool, where: str) -> None:
-    """Raise ``ValueError`` unless every live key of a DEFAULT table's tier belongs to that
-    tier (lookups look for a key only in the tier :func:`routes_to_first` gives it)."""
-    live = keys[(keys != EMPTY_KEY) & (keys != TOMBSTONE_KEY)]
-    routed = routes_to_first(live, device_capacity, device_capacity + host_capacity)
-    wrong = routed != on_device
-    if bool(wrong.any()):
-        other = "host" if on_device else "device"
-        raise ValueError(f"{where}: {int(wrong.sum())} keys belong to the {other} tier (e.g. "
-                         f"key {int(live[wrong][0])}); lookups would not find them")
 

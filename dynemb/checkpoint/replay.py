@@ -20,12 +20,9 @@ from typing import Callable, Dict, Iterator, List, Tuple
 import torch
 
 from dynemb.checkpoint.files import CheckpointFileError
-from dynemb.checkpoint.image_checks import (check_distinct, check_live_keys, check_slot_image,
-                                            check_tier_routing)
-from dynemb.checkpoint.table_state import (SavedTable, SavedTier, _remap_rows, restore,
-                                           tier_parts)
+from dynemb.checkpoint.image_checks import check_distinct, check_live_keys, check_slot_image
+from dynemb.checkpoint.table_state import SavedTable, SavedTier, restore
 from dynemb.counters import COUNTER_NAMES
-from dynemb.options import StorageMode
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, TableFullError
 
 Reader = Callable[[int, Dict], Dict[str, torch.Tensor]]
@@ -38,7 +35,8 @@ def replay(table, links: List[Dict], read: Reader, *, in_place: bool = False):
     Raises :class:`CheckpointFileError` for a file that does not fit, and
     :class:`~dynemb.TableFullError` for entries that find no slot."""
     fresh = table if in_place else table.empty_copy()  # what fits is where the load starts
-    if not all(_fits(tier_parts(fresh)[n].hash, t) for n, t in links[0]["tiers"].items()):
+    parts = fresh.checkpoint_tiers()
+    if not all(_fits(parts[n].hash, t) for n, t in links[0]["tiers"].items()):
         del fresh
         return restore(table, [_merged(table, links, read)])
     for i, link in enumerate(links):
@@ -49,7 +47,7 @@ def replay(table, links: List[Dict], read: Reader, *, in_place: bool = False):
             else:
                 _patch(fresh, name, tier, files)
     for name, tier in links[-1]["tiers"].items():
-        size = tier_parts(fresh)[name].hash.size()
+        size = fresh.checkpoint_tiers()[name].hash.size()
         if size != tier["live_rows"]:
             raise CheckpointFileError(f"table {table.name!r}: the checkpoint chain gives its "
                                       f"{name} tier {size} keys, the last dump recorded "
@@ -60,13 +58,8 @@ def replay(table, links: List[Dict], read: Reader, *, in_place: bool = False):
 
 def holds_nothing(table) -> bool:
     """No key in any tier (admission counter included) and no batch in flight."""
-    if table._held:
-        return False
-    for part in tier_parts(table).values():
-        size = part.hash.size() if part.hash is not None else part.store.size()
-        if size:
-            return False
-    return True
+    return not table.has_batches_in_flight() and not any(
+        part.size() for part in table.checkpoint_tiers().values())
 
 
 def counters(link: Dict) -> torch.Tensor:
@@ -125,7 +118,7 @@ class _Files:
 
 def _replace(fresh, name: str, tier: Dict, files: _Files) -> None:
     """The tier becomes exactly the saved one: slot for slot when it fits, else by key."""
-    h = tier_parts(fresh)[name].hash
+    h = fresh.checkpoint_tiers()[name].hash
     capacity = tier["capacity"]
     if not _fits(h, tier) or capacity < h.capacity:
         _clear(h)
@@ -134,10 +127,10 @@ def _replace(fresh, name: str, tier: Dict, files: _Files) -> None:
         h.set_clock(tier["clock"])
         return
     if capacity > h.capacity:
-        _remap_rows(fresh, name, h.grow(capacity), capacity)
+        fresh.remap_tier_rows(name, h.grow(capacity), capacity)
     keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=h.device)
     scores = torch.zeros(capacity, dtype=torch.int64, device=h.device)
-    rows = tier_parts(fresh)[name].rows
+    rows = fresh.checkpoint_tiers()[name].rows
     for data in files("entries"):
         slots = _slots(data["slots"], capacity, tier)
         keys[slots.to(h.device)] = data["keys"].to(h.device)
@@ -160,13 +153,11 @@ def _names(tier: Dict) -> str:
 
 
 def _check_routing(fresh, name: str, keys: torch.Tensor, files: str = "") -> None:
-    """A DEFAULT table's keys are each in the tier lookups look for them in (errors start
-    with ``files``)."""
-    if fresh.mode is not StorageMode.DEFAULT or name == "admission":
-        return
+    """Each key is in the tier lookups look for it in (the table's
+    :meth:`~dynemb.tables.checkpoint_tiers.CheckpointTiers.check_routing`; errors start with
+    ``files``)."""
     try:
-        check_tier_routing(keys, fresh.tier.hash.capacity, fresh.host_tier.hash.capacity,
-                           name == "device", f"{files}table {fresh.name!r}, tier {name!r}")
+        fresh.check_routing(name, keys, f"{files}table {fresh.name!r}, tier {name!r}")
     except ValueError as err:
         raise CheckpointFileError(str(err)) from None
 
@@ -178,7 +169,7 @@ def _slots(slots: torch.Tensor, capacity: int, tier: Dict) -> torch.Tensor:
 
 
 def _patch(fresh, name: str, tier: Dict, files: _Files) -> None:
-    h = tier_parts(fresh)[name].hash
+    h = fresh.checkpoint_tiers()[name].hash
     for data in files("deleted"):
         if data["keys"].numel():
             h.erase(data["keys"].to(h.device))
@@ -196,7 +187,7 @@ def _clear(h) -> None:
 
 def _upsert(table, name: str, data: Dict[str, torch.Tensor]) -> None:
     """Insert or overwrite entries of one tier by key, with their scores, never evicting."""
-    h = tier_parts(table)[name].hash
+    h = table.checkpoint_tiers()[name].hash
     if data["keys"].numel() == 0:
         return
     _check_routing(table, name, data["keys"])
@@ -207,8 +198,8 @@ def _upsert(table, name: str, data: Dict[str, torch.Tensor]) -> None:
                              f"checkpoint found no free slot in its {name} tier "
                              f"({h.capacity} slots)", err.failed_keys, None) from None
     if result.remap is not None:
-        _remap_rows(table, name, result.remap, h.capacity)
-    rows = tier_parts(table)[name].rows
+        table.remap_tier_rows(name, result.remap, h.capacity)
+    rows = table.checkpoint_tiers()[name].rows
     if rows is not None:
         rows.index_copy_(0, result.slots.to(rows.device), data["rows"].to(rows.device))
 

@@ -20,8 +20,12 @@ Putting it back (:func:`restore`):
   then continues bit for bit as if never stopped, evictions included;
 - **by key** otherwise (other world size, other capacity, or parts of several images):
   every live entry is inserted with its saved score, never evicting (a key that finds no
-  slot is an error, nothing is lost silently). CACHE tables put every row in the backing
-  store (the cache refills from it); DEFAULT tables route each key to its tier again.
+  slot is an error, nothing is lost silently), where the table's mode keeps rows (see
+  :meth:`~dynemb.tables.checkpoint_tiers.CheckpointTiers.insert_saved_entries`).
+
+Which tiers a table has and where each keeps its keys and rows is the table's to say
+(:meth:`~dynemb.tables.checkpoint_tiers.CheckpointTiers.checkpoint_tiers`, overridden per
+storage mode in :mod:`dynemb.tables`): nothing here depends on the mode.
 """
 from __future__ import annotations
 
@@ -30,19 +34,17 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from dynemb.backing_store import HostBackingStore
-from dynemb.checkpoint.image_checks import (check_distinct, check_slot_image, check_tier_routing,
-                                            is_bucketed_layout)
+from dynemb.checkpoint.image_checks import check_distinct, check_slot_image, is_bucketed_layout
 from dynemb.counters import COUNTER_NAMES
-from dynemb.key_mixing import routes_to_first
 from dynemb.optimizers import OptimizerType
 from dynemb.options import StorageMode
 from dynemb.tables import DynamicTable
-from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy, TableFullError
+from dynemb.tables.checkpoint_tiers import TIER_NAMES, TierParts
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy
 
 #: Bumped when the meaning of saved tensors changes.
 FORMAT_VERSION = 1
-TIERS = ("device", "host", "admission")
+TIERS = TIER_NAMES
 ROW_FIELDS = ("keys", "scores", "rows")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OPTIMIZERS = tuple(OptimizerType)
@@ -88,29 +90,10 @@ def _code_name(field: int, code: int):
     return _CODE_NAMES.get(field, {}).get(code, code)
 
 
-@dataclasses.dataclass
-class TierParts:
-    """Where one tier of a table keeps its keys and rows."""
-
-    hash: Optional[object]            # ScoredHashTable (None for a user backing store)
-    rows: Optional[torch.Tensor]      # [capacity, width] or None (admission, user store)
-    store: Optional[object] = None    # a user BackingStore, saved through export
-
-
 def tier_parts(table: DynamicTable) -> Dict[str, TierParts]:
-    """The tiers ``table`` has, by name (see the module docstring)."""
-    parts = {"device": TierParts(table.tier.hash, table.tier.flat.weights)}
-    if table.mode is StorageMode.DEFAULT:
-        parts["host"] = TierParts(table.host_tier.hash, table.host_tier.flat.weights)
-    elif table.mode is StorageMode.CACHE:
-        store = table.store
-        if isinstance(store, HostBackingStore):
-            parts["host"] = TierParts(store.hash_table, store.row_table.weights)
-        else:
-            parts["host"] = TierParts(None, None, store)
-    if table.admission is not None:
-        parts["admission"] = TierParts(table.admission.table, None)
-    return parts
+    """The tiers ``table`` has, by name (the same as ``table.checkpoint_tiers()``:
+    :meth:`~dynemb.tables.checkpoint_tiers.CheckpointTiers.checkpoint_tiers`)."""
+    return table.checkpoint_tiers()
 
 
 def capture(table: DynamicTable, step: int) -> Dict[str, torch.Tensor]:
@@ -119,7 +102,7 @@ def capture(table: DynamicTable, step: int) -> Dict[str, torch.Tensor]:
     out = {"signature": signature(table),
            "state": torch.tensor([step, *table.counters.snapshot().values()],
                                  dtype=torch.int64)}
-    for name, part in tier_parts(table).items():
+    for name, part in table.checkpoint_tiers().items():
         if part.hash is not None:
             keys, scores = part.hash.image()
             out[f"{name}.layout"] = torch.tensor(
@@ -208,7 +191,7 @@ def check_compatible(table: DynamicTable, saved: SavedTable) -> None:
     ``table``."""
     problem = describe_mismatch(table, saved.signature)
     if problem is None:
-        expected = set(tier_parts(table))
+        expected = set(table.checkpoint_tiers())
         if set(saved.tiers) != expected:
             problem = (f"tiers {sorted(saved.tiers)} in the checkpoint, {sorted(expected)} "
                        f"here (admission on in one and off in the other?)")
@@ -252,17 +235,18 @@ def check_placement(table: DynamicTable, saved: SavedTable) -> None:
             check_slot_image(tier.keys, tier.bucket_size, where)
         else:
             check_distinct(tier.live()[0], where)
-    device, host = saved.tiers.get("device"), saved.tiers.get("host")
-    if table.mode is StorageMode.DEFAULT and device.full_image and host.full_image:
-        for name, tier in (("device", device), ("host", host)):
-            check_tier_routing(tier.keys, device.capacity, host.capacity, name == "device",
-                               f"table {table.name!r}, tier {name!r}")
+    images = {name: tier for name, tier in saved.tiers.items() if name != "admission"}
+    if all(tier.full_image for tier in images.values()):
+        capacities = {name: tier.capacity for name, tier in images.items()}
+        for name, tier in images.items():
+            table.check_routing(name, tier.keys, f"table {table.name!r}, tier {name!r}",
+                                capacities)
 
 
 def can_restore_exactly(table: DynamicTable, saved: SavedTable) -> bool:
     """One full image whose tiers have this table's bucket sizes and a capacity each tier
     has or can grow to."""
-    parts = tier_parts(table)
+    parts = table.checkpoint_tiers()
     for name, tier in saved.tiers.items():
         part = parts[name]
         if part.hash is None or not tier.full_image:
@@ -283,7 +267,7 @@ def restore(table: DynamicTable, saved: List[SavedTable]) -> DynamicTable:
     filled by key (``table`` untouched). Every part of ``saved`` must have passed
     :func:`check_compatible`. Raises :class:`TableFullError` if the entries do not fit."""
     if len(saved) == 1 and can_restore_exactly(table, saved[0]):
-        parts = tier_parts(table)
+        parts = table.checkpoint_tiers()
         same = all(parts[n].hash.capacity == t.capacity for n, t in saved[0].tiers.items())
         target = table if same else table.empty_copy()
         _restore_image(target, saved[0])
@@ -298,9 +282,9 @@ def restore(table: DynamicTable, saved: List[SavedTable]) -> DynamicTable:
                 keys, scores, rows = part.tiers[name].live()
                 for lo in range(0, keys.numel(), LOAD_CHUNK_ROWS):
                     hi = lo + LOAD_CHUNK_ROWS
-                    insert_entries(target, name, keys[lo:hi], scores[lo:hi],
-                                   None if rows is None else rows[lo:hi])
-    for name, part in tier_parts(target).items():
+                    target.insert_saved_entries(name, keys[lo:hi], scores[lo:hi],
+                                                None if rows is None else rows[lo:hi])
+    for name, part in target.checkpoint_tiers().items():
         if part.hash is not None:
             part.hash.set_clock(max(s.tiers[name].clock for s in saved if name in s.tiers)
                                 if name == "admission" else clock)
@@ -310,73 +294,14 @@ def restore(table: DynamicTable, saved: List[SavedTable]) -> DynamicTable:
 
 def _restore_image(table: DynamicTable, saved: SavedTable) -> None:
     table.counters.load(saved.counters)
-    for name, part in tier_parts(table).items():
+    for name, part in table.checkpoint_tiers().items():
         tier = saved.tiers[name]
         h = part.hash
         if h.capacity != tier.capacity:
-            remap = h.grow(tier.capacity)
-            _remap_rows(table, name, remap, tier.capacity)
-            part = tier_parts(table)[name]
+            table.remap_tier_rows(name, h.grow(tier.capacity), tier.capacity)
         h.load_image(tier.keys.to(h.device), tier.scores.to(h.device), tier.clock)
         if part.rows is not None and part.rows.data_ptr() != tier.rows.data_ptr():
             part.rows.copy_(tier.rows)
-
-
-def _remap_rows(table: DynamicTable, tier: str, remap: torch.Tensor, capacity: int) -> None:
-    """Move a tier's rows after its hash table grew."""
-    if tier == "device":
-        table.tier.flat.remap(remap, capacity)
-    elif tier == "host" and table.mode is StorageMode.DEFAULT:
-        table.host_tier.flat.remap(remap, capacity)
-    elif tier == "host":
-        table.store.row_table.remap(remap, capacity)
-
-
-def insert_entries(table: DynamicTable, tier: str, keys: torch.Tensor, scores: torch.Tensor,
-                   rows: Optional[torch.Tensor]) -> None:
-    """Insert live entries of a saved ``tier`` into ``table`` by key, with their scores,
-    evicting nothing (see the module docstring for where each mode puts them)."""
-    if keys.numel() == 0:
-        return
-    if tier == "admission":
-        h = table.admission.table
-        h.load_entries(keys.to(h.device), scores.to(h.device))
-        return
-    if table.mode is StorageMode.CACHE:
-        dropped = table.store.insert(keys.to(table.device), rows.to(table.device),
-                                     scores.to(table.device))
-        if dropped:
-            raise TableFullError(f"table {table.name!r}: the backing store evicted {dropped} "
-                                 f"rows while loading the checkpoint: it cannot hold them all",
-                                 keys[:0], None)
-        return
-    if table.mode is StorageMode.HBM_DIRECT:
-        _insert_into(table, "device", table.tier, keys, scores, rows)
-        return
-    dev_cap, host_cap = table.tier.hash.capacity, table.host_tier.hash.capacity
-    keys_dev = keys.to(table.device)
-    on_device = routes_to_first(keys_dev, dev_cap, dev_cap + host_cap).to(keys.device)
-    _insert_into(table, "device", table.tier, keys[on_device], scores[on_device],
-                 rows[on_device])
-    _insert_into(table, "host", table.host_tier, keys[~on_device], scores[~on_device],
-                 rows[~on_device])
-
-
-def _insert_into(table: DynamicTable, name: str, tier, keys, scores, rows) -> None:
-    if keys.numel() == 0:
-        return
-    try:
-        result = tier.hash.load_entries(keys.to(tier.device), scores.to(tier.device))
-    except TableFullError as err:
-        if err.remap is not None:
-            _remap_rows(table, name, err.remap, tier.hash.capacity)
-        raise TableFullError(f"table {table.name!r}: {err.failed_keys.numel()} keys of the "
-                             f"checkpoint found no free slot in its {name} tier "
-                             f"({tier.hash.capacity} rows): give the table more capacity",
-                             err.failed_keys, None) from None
-    if result.remap is not None:
-        _remap_rows(table, name, result.remap, tier.hash.capacity)
-    tier.flat.weights.index_copy_(0, result.slots, rows.to(tier.device, tier.flat.weights.dtype))
 
 
 # -- iteration ------------------------------------------------------------------------------
@@ -385,7 +310,7 @@ def live_chunks(table: DynamicTable, chunk_rows: int) -> Iterator[Tuple[str, tor
                                                                       torch.Tensor]]:
     """``(tier, keys, scores, rows)`` of every live row, at most ``chunk_rows`` slots read per
     chunk (CACHE: store rows whose key is cached are skipped: the cached row is current)."""
-    for name, part in tier_parts(table).items():
+    for name, part in table.checkpoint_tiers().items():
         if name == "admission":
             continue
         if part.hash is None:  # a user backing store
@@ -395,19 +320,17 @@ def live_chunks(table: DynamicTable, chunk_rows: int) -> Iterator[Tuple[str, tor
                 k, r, s, start = chunk if len(chunk) == 4 else (chunk[0], chunk[1],
                                                                 torch.zeros_like(chunk[0]),
                                                                 chunk[2])
-                yield from _skip_cached(table, name, k, s, r)
+                yield from _current(table, name, k, s, r)
             continue
         keys, scores = part.hash.image()
         for lo in range(0, part.hash.capacity, chunk_rows):
             k, s = keys[lo:lo + chunk_rows], scores[lo:lo + chunk_rows]
             occupied = (k != EMPTY_KEY) & (k != TOMBSTONE_KEY)
             r = part.rows[lo:lo + chunk_rows][occupied]
-            yield from _skip_cached(table, name, k[occupied], s[occupied], r)
+            yield from _current(table, name, k[occupied], s[occupied], r)
 
 
-def _skip_cached(table, name, keys, scores, rows) -> Iterable:
-    if table.mode is StorageMode.CACHE and name == "host" and keys.numel():
-        cached = table.tier.hash.find(keys.to(table.device)).to(keys.device) >= 0
-        keys, scores, rows = keys[~cached], scores[~cached], rows[~cached]
+def _current(table: DynamicTable, name: str, keys, scores, rows) -> Iterable:
+    keys, scores, rows = table.current_entries(name, keys, scores, rows)
     if keys.numel():
         yield name, keys, scores, rows

@@ -27,13 +27,14 @@ from dynemb.initializers import Initializer
 from dynemb.optimizers import OccurrenceGrads, OptimizerConfig, fused_update
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.batch import TableBatch
+from dynemb.tables.checkpoint_tiers import CheckpointTiers
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows, storage_bytes
 from dynemb.tables.tier import DeferredFailures, Tier
 from dynemb.types import EMPTY_KEY, TableFullError
 from dynemb.validation import check_keys
 
 
-class DynamicTable:
+class DynamicTable(CheckpointTiers):
     """The shared part of the storage-mode classes; built by
     :func:`dynemb.tables.build_table` (through :class:`~dynemb.DynamicEmbCollection`).
 
@@ -307,6 +308,11 @@ class DynamicTable:
 
     def _release_more(self, batch: TableBatch) -> None:
         """Pins a mode holds besides the device tier's."""
+
+    def has_batches_in_flight(self) -> bool:
+        """A prefetched or looked-up batch still holds pins (its backward or release has not
+        run)."""
+        return bool(self._held)
 
     # -- direct reads --------------------------------------------------------------------------
     def read_rows(self, keys: torch.Tensor, *, with_state: bool = False):

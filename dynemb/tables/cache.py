@@ -18,8 +18,10 @@ import torch
 from dynemb.backing_store import (BackingStore, HostBackingStore, default_store,
                                   default_store_slots)
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
+from dynemb.tables.checkpoint_tiers import TierParts
 from dynemb.tables.hbm_direct import HbmDirectTable
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows
+from dynemb.types import TableFullError
 
 
 class CacheTable(HbmDirectTable):
@@ -129,3 +131,31 @@ class CacheTable(HbmDirectTable):
         values = rows * self.row_layout.embedding_bytes // self.row_layout.row_bytes
         return MemoryBreakdown(host_values_bytes=values, host_optimizer_bytes=rows - values,
                                host_hash_bytes=hash_bytes)
+
+    # -- checkpoint ----------------------------------------------------------------------------
+    def _host_checkpoint_tier(self) -> TierParts:
+        """The backing store: slot for slot (a :class:`HostBackingStore`'s hash and rows) or,
+        a user store, through its ``export``."""
+        if isinstance(self.store, HostBackingStore):
+            return TierParts(self.store.hash_table, self.store.row_table, self.store)
+        return TierParts(None, None, self.store)
+
+    def _insert_saved_rows(self, keys: torch.Tensor, scores: torch.Tensor,
+                           rows: torch.Tensor) -> None:
+        """Every saved row, cached or stored, goes to the backing store (the cache refills
+        from it); a store that evicts rows to take them raises :class:`TableFullError`."""
+        dropped = self.store.insert(keys.to(self.device), rows.to(self.device),
+                                    scores.to(self.device))
+        if dropped:
+            raise TableFullError(f"table {self.name!r}: the backing store evicted {dropped} "
+                                 f"rows while loading the checkpoint: it cannot hold them all",
+                                 keys[:0], None)
+
+    def current_entries(self, tier: str, keys: torch.Tensor, scores: torch.Tensor,
+                        rows: torch.Tensor):
+        """The store (``host``) may keep a stale copy of a cached row: its entries whose key
+        is cached are dropped, the cached row is the current one."""
+        if tier != "host" or keys.numel() == 0:
+            return keys, scores, rows
+        cached = self.tier.hash.find(keys.to(self.device)).to(keys.device) >= 0
+        return keys[~cached], scores[~cached], rows[~cached]

@@ -122,3 +122,9 @@ class HbmDirectTable(DynamicTable):
     def _update(self, batch: TableBatch, grads, lr: float, step: int) -> None:
         slots = self._live_slots(self.tier, batch.slots, batch)
         self._fused_update(self.tier.flat.weights, slots, grads, batch.keys, lr, step)
+
+    # -- checkpoint ----------------------------------------------------------------------------
+    def _insert_saved_rows(self, keys: torch.Tensor, scores: torch.Tensor,
+                           rows: torch.Tensor) -> None:
+        """Saved rows go to the device tier: it is the whole table."""
+        self._insert_into_tier("device", self.tier, keys, scores, rows)

@@ -10,15 +10,18 @@ of the key, with no cache management.
 """
 from __future__ import annotations
 
+from typing import Dict, List, Optional, Tuple
+
 import torch
 
 from dynemb.key_mixing import routes_to_first
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.base import DynamicTable, tier_row_bytes
 from dynemb.tables.batch import TableBatch
+from dynemb.tables.checkpoint_tiers import TierParts
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows
 from dynemb.tables.tier import Tier
-from dynemb.types import EMPTY_KEY, TableFullError
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, TableFullError
 
 class TieredTable(DynamicTable):
     """See the module docstring. ``host_tier`` holds the rows the hash sends to the host."""
@@ -144,3 +147,41 @@ class TieredTable(DynamicTable):
         values, state = tier_row_bytes(self.host_tier, self.row_layout)
         return MemoryBreakdown(host_values_bytes=values, host_optimizer_bytes=state,
                                host_hash_bytes=self.host_tier.hash.nbytes())
+
+    # -- checkpoint ----------------------------------------------------------------------------
+    def _host_checkpoint_tier(self) -> TierParts:
+        """The host tier, saved slot for slot like the device tier."""
+        return TierParts(self.host_tier.hash, self.host_tier.flat)
+
+    def tracked_tiers(self) -> List[Tuple[str, Tier]]:
+        """Both tiers: each has slots of its own."""
+        return [("device", self.tier), ("host", self.host_tier)]
+
+    def _insert_saved_rows(self, keys: torch.Tensor, scores: torch.Tensor,
+                           rows: torch.Tensor) -> None:
+        """Each saved row goes to the tier its key routes to now (the tiers' capacities may
+        differ from those it was saved under)."""
+        dev_cap, host_cap = self.tier.hash.capacity, self.host_tier.hash.capacity
+        on_device = routes_to_first(keys.to(self.device), dev_cap,
+                                    dev_cap + host_cap).to(keys.device)
+        self._insert_into_tier("device", self.tier, keys[on_device], scores[on_device],
+                               rows[on_device])
+        self._insert_into_tier("host", self.host_tier, keys[~on_device], scores[~on_device],
+                               rows[~on_device])
+
+    def check_routing(self, tier: str, keys: torch.Tensor, where: str,
+                      capacities: Optional[Dict[str, int]] = None) -> None:
+        """Lookups look for a key only in the tier :func:`routes_to_first` gives it under
+        the tiers' capacities: a saved ``device`` or ``host`` key elsewhere is an error
+        (an example: :mod:`dynemb.tables.checkpoint_tiers`)."""
+        if tier not in ("device", "host"):
+            return
+        if capacities is None:
+            capacities = dict(device=self.tier.hash.capacity, host=self.host_tier.hash.capacity)
+        device, host = capacities["device"], capacities["host"]
+        live = keys[(keys != EMPTY_KEY) & (keys != TOMBSTONE_KEY)]
+        wrong = routes_to_first(live, device, device + host) != (tier == "device")
+        if bool(wrong.any()):
+            other = "host" if tier == "device" else "device"
+            raise ValueError(f"{where}: {int(wrong.sum())} keys belong to the {other} tier "
+                             f"(e.g. key {int(live[wrong][0])}); lookups would not find them")
