@@ -12,7 +12,6 @@ from checkpoint_models import DIM, OPTIMIZERS, options
 from dynemb import DynamicEmbCollection, ScorePolicy, StorageMode
 from dynemb.backing_store import HostBackingStore
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
-from dynemb.checkpoint.table_state import tier_parts
 from dynemb.flat_table import RowLayout
 
 ALL_IDS = torch.arange(600) * 7919 - 1000
@@ -51,7 +50,7 @@ def make(mode="hbm_direct", optimizer="sgd", *, policy=ScorePolicy.LRU, admissio
 def table_state(table, step):
     """Everything a checkpoint must give back of one table, as copies."""
     out = {"step": step, "counters": table.counters.snapshot()}
-    for name, part in tier_parts(table).items():
+    for name, part in table.checkpoint_tiers().items():
         if part.hash is None:  # a user store: see logical_rows
             continue
         keys, scores = part.hash.image()

@@ -39,7 +39,7 @@ from dynemb.counters import COUNTER_NAMES
 from dynemb.optimizers import OptimizerType
 from dynemb.options import StorageMode
 from dynemb.tables import DynamicTable
-from dynemb.tables.checkpoint_tiers import TIER_NAMES, TierParts
+from dynemb.tables.checkpoint_tiers import TIER_NAMES
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy
 
 #: Bumped when the meaning of saved tensors changes.
@@ -88,12 +88,6 @@ _CODE_NAMES = {4: dict(enumerate(_DTYPES)), 5: {i: o.value for i, o in enumerate
 def _code_name(field: int, code: int):
     """What signature field ``field``'s code stands for (the code itself if unknown)."""
     return _CODE_NAMES.get(field, {}).get(code, code)
-
-
-def tier_parts(table: DynamicTable) -> Dict[str, TierParts]:
-    """The tiers ``table`` has, by name (the same as ``table.checkpoint_tiers()``:
-    :meth:`~dynemb.tables.checkpoint_tiers.CheckpointTiers.checkpoint_tiers`)."""
-    return table.checkpoint_tiers()
 
 
 def capture(table: DynamicTable, step: int) -> Dict[str, torch.Tensor]:

@@ -15,7 +15,6 @@ from torchrec.distributed.types import ParameterSharding, ShardingType
 
 from dynemb.checkpoint.module_state import NAMESPACE, collect_saved, save_tables
 from dynemb.checkpoint.redistribute import redistribute
-from dynemb.checkpoint.table_state import tier_parts
 from dynemb.collection import DynamicEmbCollection
 from dynemb.module_interface import ShardedDynamicModuleInterface
 from dynemb.sharding.routing import owner_ranks
@@ -107,7 +106,7 @@ class ShardedTables(ShardedDynamicModuleInterface):
             options = self.local.table_options
             saved = {
                 name: [redistribute(
-                    parts, list(tier_parts(self.local.tables[name])),
+                    parts, list(self.local.tables[name].checkpoint_tiers()),
                     lambda keys, scheme=options[name].sharding: owner_ranks(
                         keys, self._world_size, scheme),
                     self._rank, self._world_size, self._pg)]
