@@ -9,7 +9,7 @@ pins, a prefetch queue) that no graph can express. So:
   ``GraphModule`` calls the very same module object, so it looks up and trains the same
   tables as the eager model. Code after it sees a ``Proxy`` for the output and traces on.
 - **TorchScript**: refused at once, naming the supported way (:class:`ScriptingRefused`):
-  export the tables with :func:`dynemb.checkpoint.to_static`, which gives TorchRec's own
+  export the tables with :func:`dynemb.serving.to_static`, which gives TorchRec's own
   ``EmbeddingCollection`` / ``EmbeddingBagCollection`` holding the trained rows and an
   ``IdRemap`` per table from raw ids to rows, and script those.
 
@@ -38,7 +38,7 @@ import torch.fx
 SCRIPTING_HINT = (
     "its forward runs numba kernels and host-side hash-table bookkeeping, which TorchScript "
     "cannot compile. For inference, export the trained tables with "
-    "dynemb.checkpoint.to_static(module): it returns TorchRec's EmbeddingCollection / "
+    "dynemb.serving.to_static(module): it returns TorchRec's EmbeddingCollection / "
     "EmbeddingBagCollection holding the rows and one IdRemap per table (raw ids -> rows), "
     "which script; for training, run the module eagerly, under torch.compile, or traced by "
     "torchrec.fx.symbolic_trace (where it is a leaf)")
