@@ -256,7 +256,7 @@ def time_serial_find(sc: Scenario, queries: torch.Tensor, expected: torch.Tensor
     table = sc.table
     out = torch.empty_like(queries)
     times, _ = time_calls(
-        lambda: table._backend.find(table._arrays, queries, out, parallel=False), sc.repeats)
+        lambda: table.kernels.find(table._arrays, queries, out, parallel=False), sc.repeats)
     check(torch.equal(out, expected), f"{op}: serial find kernel returned wrong slots")
     return times
 
