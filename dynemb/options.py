@@ -76,21 +76,31 @@ class FrequencyAdmission:
 
     Occurrences of keys not yet admitted are counted in a separate LFU-scored hash table of
     ``counter_capacity`` slots (the least-seen counts are forgotten when it fills up). Until a
-    key is admitted, lookups return the table's initializer row for it, nothing is stored and
-    its gradients are dropped.
+    key is admitted, nothing is stored, its gradients are dropped and training lookups return
+    the row ``initializer`` draws for it: an :class:`~dynemb.initializers.Initializer` (e.g.
+    ``Initializer(InitializerKind.CONSTANT, value=0.0)`` for zeros), or None (the default)
+    for the table's own initializer row, the row the key starts from once admitted. The
+    initializer is configuration, not state: checkpoints do not hold it.
 
     Example::
 
         >>> DynamicEmbTableOptions(admission=FrequencyAdmission(threshold=3)).admission
-        FrequencyAdmission(threshold=3, counter_capacity=65536)
+        FrequencyAdmission(threshold=3, counter_capacity=65536, initializer=None)
+        >>> zeros = Initializer(InitializerKind.CONSTANT, value=0.0)
+        >>> FrequencyAdmission(threshold=3, initializer=zeros).initializer.value
+        0.0
     """
 
     threshold: int = 2
     counter_capacity: int = 1 << 16
+    initializer: Optional[Initializer] = None
 
     def __post_init__(self):
         check_int(self.threshold, "admission.threshold")
         check_int(self.counter_capacity, "admission.counter_capacity")
+        if self.initializer is not None and not isinstance(self.initializer, Initializer):
+            raise TypeError(f"admission.initializer must be an Initializer or None (the "
+                            f"table's initializer), got {self.initializer!r}")
 
 
 #: Builds a table's backing store: ``factory(width, dtype, device)`` where ``width`` is the
@@ -124,6 +134,8 @@ class DynamicEmbTableOptions:
             fuller than this.
         bucket_size: hash-table bucket size, a power of two <= ``MAX_BUCKET_SIZE`` (128).
         score_strategy: eviction order, a :class:`ScorePolicy` (LRU is the timestamp policy).
+            With ``CUSTOMIZED`` the module's ``set_scores({table: score})`` gives the score
+            that training batches write for their keys (required before the first one).
         initializer: start value of new rows in training; None (the default): the table's
             ``EmbeddingConfig`` decides, as in TorchRec (``weight_init_min`` /
             ``weight_init_max``, default ``-+sqrt(1 / num_embeddings)``, or a supported
@@ -187,9 +199,6 @@ class DynamicEmbTableOptions:
         check_bucket_size(self.bucket_size)
         if not isinstance(self.score_strategy, ScorePolicy):
             raise TypeError(f"score_strategy must be a ScorePolicy, got {self.score_strategy!r}")
-        if self.score_strategy is ScorePolicy.CUSTOMIZED:
-            raise ValueError("score_strategy CUSTOMIZED needs per-key scores, which "
-                             "DynamicEmbCollection does not take; use the ScoredHashTable directly")
         if self.initializer is not None and not isinstance(self.initializer, Initializer):
             raise TypeError(f"initializer must be an Initializer or None (from the config), "
                             f"got {self.initializer!r}")

@@ -104,8 +104,12 @@ def table_options(s: Scenario, opt_config, cache_scale: int = 1):
             caching=s.mode == "cache", local_hbm_for_values=budget, max_capacity=2048,
             bucket_size=16, initializer=Initializer(InitializerKind.UNIFORM, low=-0.1, high=0.1),
             seed=3, sharding=ShardingScheme(s.sharding),
-            admission=(FrequencyAdmission(threshold=s.admission, counter_capacity=4096)
-                       if s.admission else None))
+            # t1's refused ids read zeros, t0's the table's initializer rows
+            admission=(FrequencyAdmission(
+                threshold=s.admission, counter_capacity=4096,
+                initializer=(Initializer(InitializerKind.CONSTANT, value=0.0)
+                             if t.name == "t1" else None))
+                if s.admission else None))
     return out
 
 

@@ -166,11 +166,13 @@ class DynamicTable(CheckpointTiers):
 
     def _admit(self, batch: TableBatch, present: torch.Tensor) -> torch.Tensor:
         """Keys allowed a row: those already stored and those reaching the threshold. The rest
-        get the initializer's row in ``batch.fallback``."""
+        get the admission initializer's row (the table's initializer when it is None) in
+        ``batch.fallback``."""
         valid = batch.keys != EMPTY_KEY
         admitted = present | self.admission.admit(batch.keys, batch.counts, valid & ~present)
         self.counters.add("admission_rejects", (valid & ~admitted).sum())
-        batch.fallback = self.options.initializer.rows(
+        initializer = self.options.admission.initializer or self.options.initializer
+        batch.fallback = initializer.rows(
             batch.keys, self.dim, seed=self.options.seed, table_id=self.table_id,
             kernels=self.kernels)
         return admitted
