@@ -9,6 +9,10 @@ Run from the repository root::
 Writes ``<out-dir>/hash_table_cpu.json`` and ``.png`` (``hash_table_cpu_quick.*`` with
 ``--quick``) and prints a table plus PASS/FAIL lines for the throughput targets. Every timed
 result is checked against the expected slots first; a mismatch aborts the run (nothing written).
+
+The tables run the LRU policy; the find_or_insert rows are also timed for the other
+``--policies`` (default: LFU_LRU) on a copy of each table with the same keys in the same slots,
+as rows ``dynemb-<policy>``, with their ratio to LRU (``vs_lru``).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numba
 import numpy as np
@@ -33,6 +37,7 @@ from benchmarks.common import (ALL_THREADS, add_run_options, check, config_of, f
                                verdict, write_report)
 from dynemb import ScorePolicy
 from dynemb.hash_table import ScoredHashTable
+from dynemb.types import pack_lfu_lru
 
 FILE_STEM = "hash_table_cpu"
 #: Keys per fill call: at most 2^20 and an eighth of the capacity, so that no bucket receives
@@ -65,7 +70,7 @@ class Row:
     load_target: Optional[float]  # None for the eviction scenario (table full)
     load: float  # size / capacity of the table the operation ran on
     op: str
-    impl: str  # "dynemb", "dynemb-serial-kernel", "dict" or "searchsorted"
+    impl: str  # "dynemb", "dynemb-serial-kernel", "dynemb-<policy>", "dict" or "searchsorted"
     threads: int
     keys: int  # keys per timed call
     seconds: float  # median over the repeats
@@ -208,6 +213,8 @@ class Scenario:
     repeats: int
     dict_keys: int
     rows: List[Row]
+    #: the table under other policies (same keys, same slots), for the find_or_insert rows
+    twins: Dict[str, ScoredHashTable]
 
     def add(self, op, impl, threads, keys, times, evicted=None, dict_entries=None) -> None:
         seconds = statistics.median(times)
@@ -263,17 +270,21 @@ def time_serial_find(sc: Scenario, queries: torch.Tensor, expected: torch.Tensor
 
 def bench_insert(sc: Scenario, op: str, new_keys: torch.Tensor, assume_unique: bool,
                  must_evict: bool) -> None:
-    """Time ``find_or_insert(new_keys)`` on a fresh copy of the table per repeat; check the
-    result (all inserted, findable, evicted keys gone) and record the eviction count."""
-    base, n = sc.table, new_keys.numel()
+    """Time ``find_or_insert(new_keys)`` on a fresh copy of the table (and of each policy
+    twin) per repeat; check the result (all inserted, findable, evicted keys gone) and record
+    the eviction count."""
+    n = new_keys.numel()
+    tables = [("dynemb", sc.table)] + [(f"dynemb-{p}", t) for p, t in sc.twins.items()]
     for threads in sorted({1, ALL_THREADS}):
         with thread_count(threads):
-            times, (table, result) = time_calls(
-                lambda t: (t, t.find_or_insert(new_keys, assume_unique=assume_unique)),
-                sc.repeats, setup=lambda: copy.deepcopy(base))
-            evicted = check_insert(base, table, result, new_keys, op)
-            check(evicted > 0 or not must_evict, f"{op}: no insert evicted; buckets not full")
-            sc.add(op, "dynemb", threads, n, times, evicted=evicted)
+            for impl, base in tables:
+                times, (table, result) = time_calls(
+                    lambda t: (t, t.find_or_insert(new_keys, assume_unique=assume_unique)),
+                    sc.repeats, setup=lambda: copy.deepcopy(base))
+                evicted = check_insert(base, table, result, new_keys, f"{op} ({impl})")
+                check(evicted > 0 or not must_evict,
+                      f"{op} ({impl}): no insert evicted; buckets not full")
+                sc.add(op, impl, threads, n, times, evicted=evicted)
     bench_dict_insert(sc, op, new_keys)
 
 
@@ -308,8 +319,23 @@ def make_scenario(cfg: argparse.Namespace, capacity_log2: int, load_target: Opti
                   table: ScoredHashTable) -> Scenario:
     """Wrap a filled table with baselines holding the same keys."""
     keys, slots = live_entries(table)
+    twins = {policy: policy_twin(table, ScorePolicy(policy)) for policy in cfg.policies
+             if policy != ScorePolicy.LRU.value}
     return Scenario(capacity_log2, load_target, table, Baselines(keys, slots), cfg.repeats,
-                    cfg.dict_keys, rows=[])
+                    cfg.dict_keys, rows=[], twins=twins)
+
+
+def policy_twin(table: ScoredHashTable, policy: ScorePolicy) -> ScoredHashTable:
+    """A copy of the LRU ``table`` under ``policy``: the same keys in the same slots, and
+    the scores those keys would have had (one use at their LRU clock, for LFU_LRU)."""
+    keys, scores = (t.clone() for t in table.image())
+    if policy is ScorePolicy.LFU_LRU:
+        scores = pack_lfu_lru(torch.ones_like(scores), scores)
+    elif policy is not ScorePolicy.LRU:
+        raise ValueError(f"no twin of an LRU table for {policy.name}")
+    twin = ScoredHashTable(table.capacity, policy=policy, device="cpu")
+    twin.load_image(keys, scores, table.clock)
+    return twin
 
 
 def new_table(capacity_log2: int) -> ScoredHashTable:
@@ -383,13 +409,19 @@ def comparisons(rows: List[Row]) -> List[dict]:
     dict_rows = {(r.capacity_log2, r.load_target, r.op): r for r in rows if r.impl == "dict"}
     sorted_rows = {(r.capacity_log2, r.load_target, r.op, r.threads): r
                    for r in rows if r.impl == "searchsorted"}
+    lru_rows = {(r.capacity_log2, r.load_target, r.op, r.threads): r
+                for r in rows if r.impl == "dynemb"}
     out = []
     for r in rows:
         if not r.impl.startswith("dynemb"):
             continue
         d = dict_rows.get((r.capacity_log2, r.load_target, r.op))
         s = sorted_rows.get((r.capacity_log2, r.load_target, r.op, r.threads))
+        lru = lru_rows.get((r.capacity_log2, r.load_target, r.op, r.threads))
         out.append({**asdict(r),
+                    "vs_lru": (r.mkeys_per_s / lru.mkeys_per_s
+                               if lru and r.impl.startswith("dynemb-") and r is not lru
+                               and "serial" not in r.impl else None),
                     "dict_mkeys_per_s": d.mkeys_per_s if d else None,
                     "vs_dict": r.mkeys_per_s / d.mkeys_per_s if d else None,
                     "searchsorted_mkeys_per_s": s.mkeys_per_s if s else None,
@@ -413,6 +445,12 @@ def format_table(comps: List[dict]) -> str:
             f"{format_optional(c['searchsorted_mkeys_per_s'], '7.2f'):>7} "
             f"{format_optional(c['vs_searchsorted'], '8.1f'):>8} "
             f"{format_optional(c['evicted'], 'd'):>8}")
+    ratios = [c for c in comps if c["vs_lru"] is not None]
+    if ratios:
+        lines += ["", "find_or_insert throughput of the other policies / LRU's (same keys, slots):"]
+        lines += [f"  {c['impl']:<16} 2^{c['capacity_log2']} "
+                  f"{'full' if c['load_target'] is None else c['load_target']} {c['op']:<13} "
+                  f"{c['threads']:>3} threads: {c['vs_lru']:.2f}x" for c in ratios]
     return "\n".join(lines)
 
 
@@ -469,15 +507,21 @@ NOTES = [
     "(insert_evict, on a table first fed 1.25x its capacity in keys).",
     "dynemb-serial-kernel: the backend's single-threaded find kernel called directly (no "
     "argument checks), for comparison with the public find on one thread.",
+    "dynemb-<policy>: find_or_insert on a copy of the LRU table under another score policy "
+    "(same keys in the same slots; LFU_LRU scores: one use at the key's LRU clock); vs_lru is "
+    "its throughput over the LRU row of the same scenario and thread count.",
 ]
+
+
+IMPL_ORDER = ["dynemb", "dynemb-serial-kernel", "searchsorted", "dict"]
 
 
 def plot(report: dict, path: Path) -> None:
     """Grouped bars of keys/s (log scale) per (op, load), one panel per capacity."""
     rows = report["rows"]
     series = sorted({(r["impl"], r["threads"]) for r in rows},
-                    key=lambda s: (["dynemb", "dynemb-serial-kernel", "searchsorted",
-                                    "dict"].index(s[0]), s[1]))
+                    key=lambda s: (IMPL_ORDER.index(s[0]) if s[0] in IMPL_ORDER else 0.5,
+                                   s[0], s[1]))  # other policies right after LRU
     capacities = sorted({r["capacity_log2"] for r in rows})
     fig, axes = pyplot().subplots(len(capacities), 1, figsize=(14, 4.2 * len(capacities)),
                                   squeeze=False)
@@ -514,6 +558,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="timed repeats per row (default: 5)")
     parser.add_argument("--dict-keys", type=int,
                         help="keys per timed dict call, a prefix of the batch (default: 2^18)")
+    parser.add_argument("--policies", nargs="+", default=["lru", "lfu_lru"],
+                        choices=["lru", "lfu_lru"],
+                        help="score policies whose find_or_insert is timed (default: lru "
+                             "lfu_lru; the tables themselves run LRU)")
     add_run_options(parser, "tiny smoke run (capacity 2^14, small batches); writes "
                             f"{FILE_STEM}_quick.*")
     cfg = parser.parse_args(argv)

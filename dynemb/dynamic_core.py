@@ -31,6 +31,8 @@ from dynemb.prefetch import PrefetchState, check_state_matches, prefetch_on_stre
 from dynemb.stashing.collection_stash import CollectionStash
 from dynemb.table_inputs import split_by_table
 from dynemb.tables import DynamicTable, TableBatch
+from dynemb.tables.batch import check_batch_score, check_score
+from dynemb.types import ScorePolicy
 
 
 class DynamicCore:
@@ -74,6 +76,7 @@ class DynamicCore:
         # their backward or the next training lookup (see lookup)
         self._awaiting_backward: List[Tuple[str, TableBatch]] = []
         self._steps = {name: 0 for name in self.tables}
+        self._scores: Dict[str, int] = {}  # CUSTOMIZED tables: what training batches write
         self._generation = 0  # bumped by every checkpoint load: older lookups cannot backward
         self.fused_optimizer = DynamicEmbFusedOptimizer(self.optimizer_config.learning_rate)
         self._prefetch_stream = (torch.cuda.Stream(device=device)
@@ -128,6 +131,28 @@ class DynamicCore:
         self._generation += 1
 
     # -- prefetch ----------------------------------------------------------------------------
+    def set_scores(self, scores: Mapping[str, int]) -> None:
+        """The score training batches write for the keys of each named CUSTOMIZED table,
+        from the next prefetch on (kept until set again), all or nothing."""
+        if not isinstance(scores, Mapping):
+            raise TypeError(f"scores must map table names to ints, got {scores!r}")
+        checked = {}
+        for name, score in scores.items():
+            options = self.table_options.get(name)
+            if options is None:
+                raise KeyError(f"no table {name!r}; tables: {list(self.table_options)}")
+            if options.score_strategy is not ScorePolicy.CUSTOMIZED:
+                raise ValueError(f"table {name!r} has score_strategy "
+                                 f"{options.score_strategy.name}: only CUSTOMIZED tables take "
+                                 f"scores (nothing was set)")
+            checked[name] = check_score(name, score)
+        self._scores.update(checked)
+
+    @property
+    def scores(self) -> Dict[str, int]:
+        """The scores :meth:`set_scores` set, by table (a copy)."""
+        return dict(self._scores)
+
     def prefetch(self, kjt: KeyedJaggedTensor, training: bool,
                  forward_stream: Optional[torch.cuda.Stream] = None) -> PrefetchState:
         """Resolve ``kjt``'s ids to slots and queue the result (on CUDA on the side stream,
@@ -144,11 +169,15 @@ class DynamicCore:
         per_table = split_by_table(kjt, self.configs, self.device, validate=self.validate_inputs,
                                    weights_are_counts=self._weights_are_counts,
                                    variable_batch=self._variable_batch)
+        for name, table in self.tables.items():  # before any table changes
+            check_batch_score(name, table.options.score_strategy, training,
+                              self._scores.get(name))
         batches: Dict[str, TableBatch] = {}
         try:
             for name, table in self.tables.items():
                 keys, _, occurrences = per_table[name]
-                batches[name] = table.prefetch(keys, training, occurrences=occurrences)
+                batches[name] = table.prefetch(keys, training, occurrences=occurrences,
+                                               score=self._scores.get(name))
         except Exception:
             self._release(batches.items())
             raise

@@ -126,6 +126,37 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         :meth:`dynemb.tables.DynamicTable.read_rows`); nothing is inserted or rescored."""
         return self._core.read_rows(table, keys, with_state=with_state)
 
+    def set_scores(self, scores: Dict[str, int]) -> None:
+        """Set, per table, the score that training batches write for their keys: every key of
+        such a batch (found or inserted) gets it, e.g. a timestamp or a business value, and
+        eviction takes the lowest. For tables with ``score_strategy=ScorePolicy.CUSTOMIZED``,
+        whose training batches need one (a training step without it raises ``ValueError``
+        before any table changes). A score stays until set again and applies from the next
+        prefetch (batches prefetched before keep the score they were prefetched with); it is
+        module configuration, not table state: checkpoints keep the keys' scores, not it.
+
+        Unknown tables raise ``KeyError``, tables of another policy or non-int64 scores
+        ``ValueError``, and nothing is set.
+
+        Example::
+
+            >>> ec = DynamicEmbCollection([EmbeddingConfig(
+            ...     name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])],
+            ...     table_options=DynamicEmbTableOptions(score_strategy=ScorePolicy.CUSTOMIZED))
+            >>> ec.set_scores({"t": 1234})
+            >>> _ = ec(KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([3, 5]),
+            ...                                            torch.tensor([2])))
+            >>> table = ec.tables["t"].tier.hash
+            >>> table.scores_at(table.find(torch.tensor([3, 5]))).tolist()
+            [1234, 1234]
+        """
+        self._core.set_scores(scores)
+
+    @property
+    def scores(self) -> Dict[str, int]:
+        """The scores :meth:`set_scores` set, by table (a copy)."""
+        return self._core.scores
+
     # -- lifecycle ---------------------------------------------------------------------------
     def reset_parameters(self) -> None:
         """Empty every table as just constructed (rows, optimizer state, scores, store or

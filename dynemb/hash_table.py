@@ -12,7 +12,7 @@ from dynemb.hash_table_images import HashTableImages, compose_remaps
 from dynemb.hash_table_checks import (MAX_BUCKETS, SLOT_BYTES, check_claim_arguments,
                                       check_scores, check_table_arguments, max_table_capacity)
 from dynemb.types import (EMPTY_KEY, TOMBSTONE_KEY, EraseResult, ExportBatch, FindOrInsertResult,
-                          ScorePolicy, TableFullError)
+                          ScorePolicy, TableFullError, pack_lfu_lru, unpack_lfu_lru)
 from dynemb.validation import check_index_tensor, check_int, check_keys, check_slots
 
 __all__ = ["MAX_BUCKETS", "SLOT_BYTES", "ScoredHashTable", "max_table_capacity"]
@@ -241,7 +241,8 @@ class ScoredHashTable(HashTableImages):
 
         ``slots`` [N] (distinct, live) hold keys just re-inserted, ``scores`` [N] (int64) what
         those keys scored when they were evicted (``previous_scores``, e.g. kept by a backing
-        store). By policy: LFU adds them to the new counts, STEP takes back the original
+        store). By policy: LFU adds them to the new counts (LFU_LRU its count part, keeping
+        the new last use), STEP takes back the original
         insertion steps, LRU and CUSTOMIZED keep the new scores (the latest use, the caller's
         score), NO_EVICTION has none.
 
@@ -262,6 +263,10 @@ class ScoredHashTable(HashTableImages):
             raise ValueError("slots must be distinct (one score per key)")
         if self.policy is ScorePolicy.LFU:
             self._arrays.scores.index_add_(0, slots, scores)
+        elif self.policy is ScorePolicy.LFU_LRU:  # counts add up, the new last use stays
+            counts, clocks = unpack_lfu_lru(self._arrays.scores[slots])
+            self._arrays.scores.index_copy_(
+                0, slots, pack_lfu_lru(counts + unpack_lfu_lru(scores)[0], clocks))
         elif self.policy is ScorePolicy.STEP:
             self._arrays.scores.index_copy_(0, slots, scores)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -34,6 +34,10 @@ class ScorePolicy(enum.Enum):
       Duplicates of a key in one batch take the largest given score.
     - ``NO_EVICTION``: scores are unused; a key whose bucket is full is not inserted and is
       reported as failed.
+    - ``LFU_LRU``: frequency first, recency breaks ties: score = ``count << 40 | clock``, the
+      number of occurrences seen (as LFU) in the high 23 bits and the clock of the latest use
+      (as LRU) in the low 40 (:func:`pack_lfu_lru` / :func:`unpack_lfu_lru`). Both parts
+      saturate (count at ``2**23 - 1``, clock at ``2**40 - 1``) and never wrap.
     """
 
     LRU = "lru"
@@ -41,6 +45,7 @@ class ScorePolicy(enum.Enum):
     STEP = "step"
     CUSTOMIZED = "customized"
     NO_EVICTION = "no_eviction"
+    LFU_LRU = "lfu_lru"
 
     @property
     def code(self) -> int:
@@ -53,7 +58,42 @@ _POLICY_CODES = {
     ScorePolicy.STEP: constants.POLICY_STEP,
     ScorePolicy.CUSTOMIZED: constants.POLICY_CUSTOMIZED,
     ScorePolicy.NO_EVICTION: constants.POLICY_NO_EVICTION,
+    ScorePolicy.LFU_LRU: constants.POLICY_LFU_LRU,
 }
+
+#: Bits of an LFU_LRU score that hold the clock (the count is above them), and the largest
+#: count and clock it records (larger ones saturate).
+LFU_LRU_CLOCK_BITS = constants.LFU_LRU_CLOCK_BITS
+LFU_LRU_MAX_COUNT = constants.LFU_LRU_MAX_COUNT
+LFU_LRU_MAX_CLOCK = constants.LFU_LRU_MAX_CLOCK
+
+
+def pack_lfu_lru(counts: torch.Tensor, clocks: torch.Tensor) -> torch.Tensor:
+    """LFU_LRU scores (int64) of keys used ``counts`` times, the last time at ``clocks``
+    (both int64 tensors, broadcast; each part saturated to its bits).
+
+    Example::
+
+        >>> pack_lfu_lru(torch.tensor([3]), torch.tensor([17])).tolist()  # 3 << 40 | 17
+        [3298534883345]
+    """
+    counts = counts.to(torch.int64).clamp(0, LFU_LRU_MAX_COUNT)
+    clocks = clocks.to(torch.int64).clamp(0, LFU_LRU_MAX_CLOCK)
+    return (counts << LFU_LRU_CLOCK_BITS) | clocks
+
+
+def unpack_lfu_lru(scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(counts, clocks)`` of LFU_LRU ``scores``: e.g. the keys of a dump used at or after
+    table clock ``t`` are those with ``unpack_lfu_lru(scores)[1] >= t``.
+
+    Example::
+
+        >>> counts, clocks = unpack_lfu_lru(torch.tensor([3298534883345]))
+        >>> counts.tolist(), clocks.tolist()
+        ([3], [17])
+    """
+    scores = scores.to(torch.int64).clamp(min=0)
+    return scores >> LFU_LRU_CLOCK_BITS, scores & LFU_LRU_MAX_CLOCK
 
 
 class FindOrInsertResult(NamedTuple):

@@ -14,6 +14,13 @@ POLICY_LFU = 1
 POLICY_STEP = 2
 POLICY_CUSTOMIZED = 3
 POLICY_NO_EVICTION = 4
+POLICY_LFU_LRU = 5
+
+#: LFU_LRU packs a key's use count and last-use clock into its int64 score:
+#: ``count << LFU_LRU_CLOCK_BITS | clock``. Both parts saturate at their largest value.
+LFU_LRU_CLOCK_BITS = 40
+LFU_LRU_MAX_CLOCK = (1 << LFU_LRU_CLOCK_BITS) - 1
+LFU_LRU_MAX_COUNT = (1 << (63 - LFU_LRU_CLOCK_BITS)) - 1
 
 #: Largest bucket the CUDA insert kernel can track with its two 64-bit "already claimed" masks.
 MAX_BUCKET_SIZE = 128

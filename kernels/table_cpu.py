@@ -14,10 +14,10 @@ import numpy as np
 from numba import njit, prange
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-from .constants import EMPTY_KEY, POLICY_CUSTOMIZED, POLICY_LFU, TOMBSTONE_KEY
+from .constants import EMPTY_KEY, POLICY_CUSTOMIZED, TOMBSTONE_KEY
 from .hashing import (bucket_base_and_start, bucket_index, is_live_key, partition_multiplier,
                       partition_of_bucket, probe)
-from .scoring import INT64_MAX, score_on_hit, score_on_insert
+from .scoring import INT64_MAX, reads_counts, score_on_hit, score_on_insert
 
 
 @njit(cache=True, parallel=True)
@@ -397,7 +397,7 @@ def _claim_range(tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, keys, c
             s, free = _locate(tbl_keys, key, base, start, bucket_size)
             if s < 0 and free < 0:
                 full_base = base
-        count = counts[j] if policy == POLICY_LFU else 0
+        count = counts[j] if reads_counts(policy) else 0
         mine = given[j] if policy == POLICY_CUSTOMIZED else 0
         if s >= 0:
             old = tbl_scores[s]
@@ -462,7 +462,7 @@ def _claim_range(tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, keys, c
             failed += 1
             continue
         s = base + pos
-        count = counts[j] if policy == POLICY_LFU else 0
+        count = counts[j] if reads_counts(policy) else 0
         mine = given[j] if policy == POLICY_CUSTOMIZED else 0
         _take_slot(tbl_keys, tbl_scores, s, j, key, score_on_insert(policy, clock, count, mine),
                    out_slots, out_inserted, out_prev_keys, out_prev_scores)
@@ -480,7 +480,7 @@ def scratch_size(n, parts, policy):
     """int64 words of scratch ``find_or_insert_cpu`` needs for ``n`` keys in ``parts``."""
     if parts == 1:
         return 0
-    extra = n if policy == POLICY_LFU or policy == POLICY_CUSTOMIZED else 0
+    extra = n if reads_counts(policy) or policy == POLICY_CUSTOMIZED else 0
     return 6 * n + extra + 5 * parts + 1  # bounds, rank, stats; cursor, keys, side, records
 
 
@@ -514,11 +514,11 @@ def _sort_by_partition(ukeys, counts, given, policy, parts, bounds, rank, scratc
     cursor = scratch[:parts]
     keys = scratch[parts:parts + n]
     rest = scratch[parts + n:]
-    sorted_side = rest[:n] if policy == POLICY_LFU or policy == POLICY_CUSTOMIZED else rest[:0]
+    sorted_side = rest[:n] if reads_counts(policy) or policy == POLICY_CUSTOMIZED else rest[:0]
     rest = rest[sorted_side.size:]
     for p in range(parts):
         cursor[p] = bounds[p]
-    side = counts if policy == POLICY_LFU else given
+    side = counts if reads_counts(policy) else given
     for i in range(n):
         key = ukeys[i]
         p = rank[i]

@@ -77,10 +77,21 @@ def loss_of(out, seed=1):
     return total
 
 
+def customized_score(step):
+    """The score a CUSTOMIZED table's training batch writes at optimizer step ``step``: not
+    monotonic in the step, so that its evictions are not LRU's."""
+    return (step * 37) % 11 * 1000 + step
+
+
 def train(ec, kjts):
-    """Train on ``kjts``; returns the losses and the outputs of each step."""
+    """Train on ``kjts``; returns the losses and the outputs of each step. CUSTOMIZED tables
+    get :func:`customized_score` of their step before each one."""
     losses, outputs = [], []
+    custom = [n for n, o in ec.table_options.items()
+              if o.score_strategy is ScorePolicy.CUSTOMIZED]
     for kjt in kjts:
+        if custom:
+            ec.set_scores({n: customized_score(ec.steps[n]) for n in custom})
         out = ec(kjt)
         loss = loss_of(out)
         loss.backward()

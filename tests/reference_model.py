@@ -40,7 +40,8 @@ class ModelTable:
 
     num_buckets: int
     bucket_size: int
-    policy: str  # ScorePolicy value: "lru", "lfu", "step", "customized", "no_eviction"
+    policy: str  # ScorePolicy value: "lru", "lfu", "step", "customized", "no_eviction",
+    #              "lfu_lru"
     entries: Dict[int, Entry] = field(default_factory=dict)
     clock: int = 0
 
@@ -51,11 +52,12 @@ class ModelTable:
     # score rules, stated independently of the kernels
     def insert_score(self, count: int, given: int) -> int:
         return {"lru": self.clock, "step": self.clock, "lfu": count, "customized": given,
-                "no_eviction": 0}[self.policy]
+                "no_eviction": 0, "lfu_lru": lfu_lru(count, self.clock)}[self.policy]
 
     def hit_score(self, old: int, count: int, given: int) -> int:
         return {"lru": self.clock, "step": old, "lfu": old + count, "customized": given,
-                "no_eviction": old}[self.policy]
+                "no_eviction": old,
+                "lfu_lru": lfu_lru(old // 2**40 + count, self.clock)}[self.policy]
 
     def grow(self, num_buckets: int, remap: List[int]) -> None:
         self.num_buckets = num_buckets
@@ -64,6 +66,11 @@ class ModelTable:
 
     def live_triples(self) -> set:
         return {(k, e.slot, e.score) for k, e in self.entries.items()}
+
+
+def lfu_lru(count: int, clock: int) -> int:
+    """The LFU_LRU score: the count times 2**40 plus the clock, each capped (23 and 40 bits)."""
+    return min(count, 2**23 - 1) * 2**40 + min(clock, 2**40 - 1)
 
 
 def batch_stats(keys: Iterable[int], scores: Optional[Iterable[int]]):

@@ -33,7 +33,8 @@ def chain(tmp_path, ec, cuts=(1, 10, 18)):
     return paths, infos, module_state(ec)
 
 
-@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.STEP])
+@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.STEP,
+                                    ScorePolicy.LFU_LRU, ScorePolicy.CUSTOMIZED])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_full_dump_and_its_deltas_give_back_the_last_dump(tmp_path, mode, policy):
     kwargs = dict(mode=mode, optimizer="adam", policy=policy, evicting=True)
@@ -259,7 +260,9 @@ OPS = st.lists(st.one_of(st.tuples(st.just("train"), st.integers(1, 3)),
 
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(mode=st.sampled_from(MODES), policy=st.sampled_from([ScorePolicy.LRU, ScorePolicy.LFU]),
+@given(mode=st.sampled_from(MODES),
+       policy=st.sampled_from([ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.LFU_LRU,
+                               ScorePolicy.CUSTOMIZED]),
        ops=OPS)
 def test_any_sequence_of_training_dumps_and_loads_reproduces_the_last_dump(tmp_path_factory,
                                                                           mode, policy, ops):

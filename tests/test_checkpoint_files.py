@@ -57,7 +57,8 @@ def test_a_full_dump_loads_every_tier_exactly_and_training_continues_bit_for_bit
     assert info.kind == "full" and info.previous is None and info.rows > 0
 
 
-@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.STEP])
+@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.STEP,
+                                    ScorePolicy.LFU_LRU, ScorePolicy.CUSTOMIZED])
 @pytest.mark.parametrize("mode", MODES)
 def test_scores_admission_and_half_rows_round_trip(tmp_path, mode, policy):
     original = trained(mode=mode, optimizer="adam", policy=policy, admission=True,

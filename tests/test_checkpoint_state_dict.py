@@ -56,7 +56,8 @@ def test_resumed_training_equals_the_uninterrupted_run(mode, optimizer):
     assert resumed.steps == original.steps
 
 
-@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.STEP])
+@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.STEP,
+                                    ScorePolicy.LFU_LRU, ScorePolicy.CUSTOMIZED])
 @pytest.mark.parametrize("mode", MODES)
 def test_scores_and_admission_counts_survive_the_checkpoint(mode, policy):
     make = lambda: model(mode, "adam", policy=policy, admission=True)  # noqa: E731

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from dynemb.kernels import table_cpu
-from dynemb.kernels.constants import (EMPTY_KEY, POLICY_CUSTOMIZED, POLICY_LFU, POLICY_LRU,
-                                      POLICY_NO_EVICTION, POLICY_STEP, TOMBSTONE_KEY)
+from dynemb.kernels.constants import (EMPTY_KEY, POLICY_CUSTOMIZED, POLICY_LFU, POLICY_LFU_LRU,
+                                      POLICY_LRU, POLICY_NO_EVICTION, POLICY_STEP,
+                                      TOMBSTONE_KEY)
 
 CAPACITY = 1024
 
@@ -68,7 +69,7 @@ def run_two_pass(arrays, bucket_size, keys, policy, clock, allow_evict, pin):
 
 
 @pytest.mark.parametrize("policy", [POLICY_LRU, POLICY_LFU, POLICY_STEP, POLICY_CUSTOMIZED,
-                                    POLICY_NO_EVICTION])
+                                    POLICY_NO_EVICTION, POLICY_LFU_LRU])
 @pytest.mark.parametrize("bucket_size", [4, 32, 128])
 @pytest.mark.parametrize("fill_keys", [300, 1000])
 @pytest.mark.parametrize("pin", [False, True])

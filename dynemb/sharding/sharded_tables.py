@@ -136,6 +136,13 @@ class ShardedTables(ShardedDynamicModuleInterface):
         """Rows of the ``keys`` this rank owns (others come back not found)."""
         return self.local.read_rows(table, keys, with_state=with_state)
 
+    def set_scores(self, scores: Dict[str, int]) -> None:
+        """The score this rank's training batches write for the keys its share of each named
+        CUSTOMIZED table receives (see :meth:`DynamicEmbCollection.set_scores
+        <dynemb.dynamic_module.DynamicModule.set_scores>`); call it on every rank with the
+        same scores for one global score per step."""
+        self.local.set_scores(scores)
+
     @property
     def table_shardings(self) -> Dict[str, ParameterSharding]:
         return dict(self._table_shardings)

@@ -26,7 +26,7 @@ from dynemb.flat_table import RowLayout
 from dynemb.initializers import Initializer
 from dynemb.optimizers import OccurrenceGrads, OptimizerConfig, fused_update
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
-from dynemb.tables.batch import TableBatch
+from dynemb.tables.batch import TableBatch, check_batch_score
 from dynemb.tables.checkpoint_tiers import CheckpointTiers
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows, storage_bytes
 from dynemb.tables.tier import DeferredFailures, Tier
@@ -142,11 +142,15 @@ class DynamicTable(CheckpointTiers):
 
     # -- prefetch ------------------------------------------------------------------------------
     def prefetch(self, keys: torch.Tensor, training: bool,
-                 occurrences: Optional[torch.Tensor] = None) -> TableBatch:
+                 occurrences: Optional[torch.Tensor] = None,
+                 score: Optional[int] = None) -> TableBatch:
         """Dedup ``keys`` [N] and resolve them as the mode does at prefetch.
 
         ``occurrences`` [N] (int64), when given, says how many times each entry of ``keys``
-        stands for (ids deduplicated upstream); counts and counters use it."""
+        stands for (ids deduplicated upstream); counts and counters use it. ``score``: what
+        a training batch of a CUSTOMIZED table writes as the score of each of its keys
+        (required there, see :func:`check_batch_score`; ignored by the other policies)."""
+        score = check_batch_score(self.name, self.options.score_strategy, training, score)
         self._deferred.check(self.name)
         # in the bucket order of the device tier, where training claims them
         unique = unique_keys(keys, kernels=self.kernels, num_buckets=self.tier.hash.num_buckets)
@@ -154,7 +158,7 @@ class DynamicTable(CheckpointTiers):
         if occurrences is not None:
             counts = torch.zeros_like(counts).index_add_(0, unique.inverse, occurrences)
         batch = TableBatch(self.name, self.mode, training, unique.keys, unique.inverse,
-                           counts, unique.num_unique)
+                           counts, unique.num_unique, score=score)
         self.counters.add("lookups", keys.numel() if occurrences is None else occurrences.sum())
         self.counters.add("unique_keys", unique.num_unique.sum())
         self._resolve(batch)
@@ -177,12 +181,15 @@ class DynamicTable(CheckpointTiers):
             kernels=self.kernels)
         return admitted
 
-    def _claim(self, tier: Tier, keys: torch.Tensor, counts: torch.Tensor):
+    def _claim(self, tier: Tier, keys: torch.Tensor, counts: torch.Tensor,
+               score: Optional[int] = None):
         """find_or_insert with pins; growth remaps the rows and every held batch. Backends
-        that must not wait for the device record failures for a later call instead."""
+        that must not wait for the device record failures for a later call instead.
+        ``score``: the CUSTOMIZED score of every key (the batch's)."""
         on_failure = "defer" if tier.kernels.defers_failures else "raise"
+        scores = None if score is None else torch.full_like(keys, score)
         try:
-            result = tier.hash.find_or_insert(keys, pin=True, assume_unique=True,
+            result = tier.hash.find_or_insert(keys, scores, pin=True, assume_unique=True,
                                               counts=counts.to(tier.device), on_failure=on_failure)
         except TableFullError as err:
             if err.remap is not None:

@@ -1,12 +1,16 @@
 """``TableBatch``: one table's share of a prefetched batch, from prefetch to backward."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
 from dynemb.options import StorageMode
+from dynemb.types import ScorePolicy
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -20,7 +24,8 @@ class TableBatch:
     for keys without a slot (initializer, eval initializer or CACHE store rows).
 
     Life cycle: ``pinned`` while its slots hold a pin, ``consumed`` once a forward looked it
-    up, ``applied`` once its backward ran.
+    up, ``applied`` once its backward ran. ``score``: the score a training claim writes for
+    the keys of a CUSTOMIZED table (None for the other policies).
     """
 
     name: str
@@ -33,6 +38,7 @@ class TableBatch:
     slots: Optional[torch.Tensor] = None
     host_slots: Optional[torch.Tensor] = None
     fallback: Optional[torch.Tensor] = None
+    score: Optional[int] = None
     pinned: bool = False
     consumed: bool = False
     applied: bool = False
@@ -45,3 +51,40 @@ class TableBatch:
         """Every tensor the batch holds (to mark them used by another CUDA stream)."""
         return [t for t in (self.keys, self.inverse, self.counts, self.num_unique, self.slots,
                             self.host_slots, self.fallback) if t is not None]
+
+
+def check_score(table: str, score) -> int:
+    """``score`` as an int, checked to be an integer (not a bool) in the int64 range."""
+    if isinstance(score, torch.Tensor) and score.numel() == 1 and not score.is_floating_point():
+        score = score.item()
+    if isinstance(score, bool) or not isinstance(score, numbers.Integral) or not (
+            INT64_MIN <= int(score) <= INT64_MAX):
+        raise ValueError(f"table {table!r}: a score must be an int in the int64 range, got "
+                         f"{score!r}")
+    return int(score)
+
+
+def check_batch_score(table: str, policy: ScorePolicy, training: bool,
+                      score: Optional[int]) -> Optional[int]:
+    """The score a batch of ``table`` carries: the checked ``score`` for a training batch of
+    a CUSTOMIZED table, None otherwise (no other policy and no eval batch writes one).
+
+    Example::
+
+        >>> check_batch_score("t", ScorePolicy.CUSTOMIZED, True, 1234)
+        1234
+        >>> check_batch_score("t", ScorePolicy.LRU, True, 1234) is None
+        True
+        >>> check_batch_score("t", ScorePolicy.CUSTOMIZED, True, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: table 't' has score_strategy CUSTOMIZED: a training batch needs the score to write for its keys; call set_scores({'t': score}) on the module before the training step (nothing was changed)
+    """
+    if not training or policy is not ScorePolicy.CUSTOMIZED:
+        return None
+    if score is None:
+        raise ValueError(f"table {table!r} has score_strategy CUSTOMIZED: a training batch "
+                         f"needs the score to write for its keys; call "
+                         f"set_scores({{{table!r}: score}}) on the module before the training "
+                         f"step (nothing was changed)")
+    return check_score(table, score)

@@ -68,7 +68,7 @@ class HbmDirectTable(DynamicTable):
         if self.admission is not None:
             admitted = self._admit(batch, self._present(batch.keys))
             claim = torch.where(admitted, batch.keys, EMPTY_KEY)
-        result = self._claim(self.tier, claim, batch.counts)
+        result = self._claim(self.tier, claim, batch.counts, batch.score)
         batch.slots = result.slots
         self._hold(batch)
         self._count_claim(self.tier, batch, result)

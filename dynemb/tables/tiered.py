@@ -102,9 +102,9 @@ class TieredTable(DynamicTable):
         # The host tier first: a failure there leaves nothing to undo, while a failure on the
         # device (which, on CUDA, records its failures instead of raising) undoes the host
         # claim. Rows are initialized only once both claims stand.
-        host = self._claim(self.host_tier, host_keys, batch.counts)
+        host = self._claim(self.host_tier, host_keys, batch.counts, batch.score)
         try:
-            dev = self._claim(self.tier, dev_keys, batch.counts)
+            dev = self._claim(self.tier, dev_keys, batch.counts, batch.score)
         except TableFullError:
             self.host_tier.hash.undo(host)
             raise
