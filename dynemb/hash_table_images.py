@@ -1,5 +1,5 @@
 """``HashTableImages``: the part of :class:`~dynemb.hash_table.ScoredHashTable` that
-checkpoints use: its slot arrays as an image, and loads that never evict."""
+checkpoints use: its slot arrays as an image, loads that never evict, and the reset to empty."""
 from __future__ import annotations
 
 from typing import Optional
@@ -91,6 +91,31 @@ class HashTableImages:
             remap = compose_remaps(remap, self.grow(new_capacity))
         return FindOrInsertResult(keys, torch.arange(keys.numel(), device=self.device), slots,
                                   inserted, prev_keys, prev_scores, failed, remap)
+
+    def reset(self) -> None:
+        """Empty the table in place: every slot free (no key, score 0, no pin), size 0, clock
+        back to 0. The capacity stays (a grown table keeps its slots); the arrays are the same
+        tensors (views from :meth:`image` see the empty table). Pins end with their keys: a
+        caller holding slots from before must drop them.
+
+        Example::
+
+            >>> from dynemb.hash_table import ScoredHashTable
+            >>> table = ScoredHashTable(1024)
+            >>> slots = table.find_or_insert(torch.tensor([7, 9]), pin=True).slots
+            >>> table.reset()
+            >>> table.size(), table.clock, table.pinned_count()
+            (0, 0, 0)
+            >>> table.find(torch.tensor([7])).tolist()
+            [-1]
+        """
+        arrays = self._arrays
+        arrays.keys.fill_(EMPTY_KEY)
+        arrays.scores.zero_()
+        arrays.refcnt.zero_()
+        arrays.size.zero_()
+        self._clock = 0
+        self._undoable = None
 
     def set_clock(self, clock: int) -> None:
         """Advance the clock to at least ``clock`` (after loading scores of a later clock)."""

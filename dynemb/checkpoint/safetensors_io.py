@@ -130,7 +130,36 @@ def read_file(path: Path, size: int, sha256: str,
     return _parse(path, data)
 
 
-def _parse(path: Path, data: torch.Tensor) -> Dict[str, torch.Tensor]:
+def read_whole_file(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """The tensors and the ``__metadata__`` of the safetensors file ``path``, for a file no
+    manifest describes (its size and sha256 unknown beforehand: a file that carries its own
+    checks in its metadata). Raises :class:`SafetensorsError` naming what is wrong,
+    ``OSError`` if unreadable.
+
+    Example::
+
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "a.safetensors"
+        >>> _ = write_file(path, {"keys": torch.arange(2)}, {"content": "demo"})
+        >>> tensors, metadata = read_whole_file(path)
+        >>> tensors["keys"].tolist(), metadata
+        ([0, 1], {'content': 'demo'})
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = torch.empty(size, dtype=torch.uint8)
+        got = f.readinto(memoryview(data.numpy())) if size else 0
+    if got != size:
+        raise SafetensorsError(f"{path} changed while it was read ({got} of {size} bytes)")
+    metadata = _header(path, data)[1].get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(
+            isinstance(v, str) for v in metadata.values()):
+        raise SafetensorsError(f"{path}: its __metadata__ is not a map of strings")
+    return _parse(path, data), metadata
+
+
+def _header(path: Path, data: torch.Tensor) -> Tuple[int, Dict]:
+    """(header bytes, header) of a safetensors file's bytes ``data``."""
     size = data.numel()
     if size < 8:
         raise SafetensorsError(f"{path} is not a safetensors file: {size} bytes")
@@ -143,6 +172,11 @@ def _parse(path: Path, data: torch.Tensor) -> Dict[str, torch.Tensor]:
         raise SafetensorsError(f"{path} is not a safetensors file: {err}") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path} is not a safetensors file: the header is not a map")
+    return n, header
+
+
+def _parse(path: Path, data: torch.Tensor) -> Dict[str, torch.Tensor]:
+    n, header = _header(path, data)
     body = data[8 + n:]
     out: Dict[str, torch.Tensor] = {}
     for name, info in header.items():
