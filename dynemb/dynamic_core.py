@@ -120,12 +120,28 @@ class DynamicCore:
             raise KeyError(f"no table {table!r}; tables: {list(self.tables)}")
         return self.tables[table].read_rows(keys, with_state=with_state)
 
-    def reset(self) -> None:
-        """Every table empty as just built, steps back to 0; prefetches and pins end."""
+    def flush(self) -> Dict[str, int]:
+        """Rows written back per table that keeps a copy of every row (CACHE), see
+        :meth:`dynemb.tables.DynamicTable.flush`; other tables are left out."""
+        counts = {name: table.flush() for name, table in self.tables.items()}
+        return {name: count for name, count in counts.items() if count is not None}
+
+    def reset(self, tables: Optional[Iterable[str]] = None) -> None:
+        """The named tables (every table when None) empty as just built, their steps back to
+        0; prefetches and pins end. Unknown names raise ``KeyError`` before anything
+        changes."""
+        if tables is not None:
+            names = [tables] if isinstance(tables, str) else list(tables)
+            known = [config.name for config in self.configs]
+            unknown = [n for n in names if n not in known]
+            if unknown:
+                raise KeyError(f"no table {unknown[0]!r} to reset; tables: {known}")
         if self.is_meta:
             return
         self.clear_prefetched()
         for config in self.configs:  # one table's memory goes before its new one comes
+            if tables is not None and config.name not in names:
+                continue
             del self.tables[config.name]
             self.tables[config.name], self._steps[config.name] = self._build_table(config), 0
         self._generation += 1

@@ -10,7 +10,7 @@ become its outputs.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
@@ -157,11 +157,34 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         """The scores :meth:`set_scores` set, by table (a copy)."""
         return self._core.scores
 
+    def flush(self) -> Dict[str, int]:
+        """Write every cached row of each CACHE table to its backing store (the rows stay
+        cached), so the store holds the latest rows without a checkpoint; returns the rows
+        written per CACHE table. Tables of the other modes keep no second copy and are left
+        out. See :meth:`dynemb.tables.cache.CacheTable.flush` for stashed rows and lookups
+        awaiting their backward.
+
+        Example::
+
+            >>> ec = DynamicEmbCollection([EmbeddingConfig(
+            ...     name="t", embedding_dim=4, num_embeddings=1024, feature_names=["f"])],
+            ...     table_options=DynamicEmbTableOptions(caching=True,
+            ...                                          global_hbm_for_values=256 * 16))
+            >>> _ = ec(KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([2, 5, 2]),
+            ...                                            torch.tensor([3])))
+            >>> ec.flush()  # ids 2 and 5
+            {'t': 2}
+        """
+        return self._core.flush()
+
     # -- lifecycle ---------------------------------------------------------------------------
-    def reset_parameters(self) -> None:
-        """Empty every table as just constructed (rows, optimizer state, scores, store or
-        host tier, admission counts, counters; steps back to 0): each id reads its initial
-        row again. Prefetches and pins end; the learning rate stays. No-op on meta.
+    def reset_parameters(self, tables: Optional[Iterable[str]] = None) -> None:
+        """Empty every table (or only the names in ``tables``) as just constructed (rows,
+        optimizer state, scores, store or host tier, admission counts, counters; steps back
+        to 0): each id reads its initial row again. Prefetches and pins end, of every table;
+        a backward of a forward run before raises (it would update rows no longer there).
+        The learning rate stays. An unknown name raises ``KeyError`` and nothing changes.
+        No-op on meta.
 
         Example::
 
@@ -174,8 +197,9 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
             >>> ec.reset_parameters()
             >>> torch.equal(ec(kjt)["f"].values(), first)
             True
+            >>> ec.reset_parameters(tables=["t"])  # one table alone
         """
-        self._core.reset()
+        self._core.reset(tables)
 
     @torch.compiler.disable
     def prefetch(self, kjt: KeyedJaggedTensor,

@@ -132,6 +132,11 @@ class ShardedTables(ShardedDynamicModuleInterface):
     def storage_modes(self):
         return self.local.storage_modes()
 
+    def flush(self) -> Dict[str, int]:
+        """This rank's share of each CACHE table written to its backing store, rows per table
+        (see :meth:`DynamicEmbCollection.flush`); no collective, each rank flushes its own."""
+        return self.local.flush()
+
     def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
         """Rows of the ``keys`` this rank owns (others come back not found)."""
         return self.local.read_rows(table, keys, with_state=with_state)

@@ -323,6 +323,12 @@ class DynamicTable(CheckpointTiers):
         run)."""
         return bool(self._held)
 
+    def flush(self) -> Optional[int]:
+        """Write the cached rows back to where the table keeps every row, returning how many
+        were written; None for a mode that keeps no such copy (only CACHE does, see
+        :meth:`CacheTable.flush <dynemb.tables.cache.CacheTable.flush>`)."""
+        return None
+
     # -- direct reads --------------------------------------------------------------------------
     def read_rows(self, keys: torch.Tensor, *, with_state: bool = False):
         """Current rows of ``keys`` wherever they live (device, host tier or store), without

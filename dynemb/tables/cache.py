@@ -7,7 +7,9 @@ Where rows move (all in prefetch, so forward and backward are those of HBM_DIREC
   (:meth:`CacheTable._write_back`);
 - **load**: a key inserted into the cache takes its row and score from the store when the
   store has it, else the initializer's row (:meth:`CacheTable._load`);
-- eval reads a key missing from the cache from the store, without loading it.
+- eval reads a key missing from the cache from the store, without loading it;
+- **flush** (:meth:`CacheTable.flush`, on demand): every cached row is written to the store,
+  and stays cached.
 The store is inclusive: it may keep a stale copy of a cached row; the cached row wins, and is
 written back when evicted.
 """
@@ -22,6 +24,10 @@ from dynemb.tables.checkpoint_tiers import TierParts
 from dynemb.tables.hbm_direct import HbmDirectTable
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows
 from dynemb.types import TableFullError
+
+
+#: Rows :meth:`CacheTable.flush` gathers and writes at a time.
+FLUSH_CHUNK_ROWS = 1 << 16
 
 
 class CacheTable(HbmDirectTable):
@@ -93,6 +99,56 @@ class CacheTable(HbmDirectTable):
             self.changes.written_back(keys)
         self.counters.add("write_backs", slots.numel())
         self.counters.add("store_evictions", dropped)
+
+    def flush(self, chunk_rows: int = FLUSH_CHUNK_ROWS) -> int:
+        """Write every cached row (embedding, optimizer state, score) to the store, so that
+        the store holds the latest copy of every row; returns how many rows were written.
+
+        The rows stay cached (nothing is evicted, no pin or score changes). Rows go in slot
+        order, ``chunk_rows`` at a time (the live slots of each chunk found by the table's
+        export kernel). A stashed table's rows come back first (any access to its rows does,
+        see :mod:`dynemb.stashing`). Rows of a lookup awaiting its backward are written as
+        they are now: the backward then updates the cached row, which wins over the stored
+        copy as always; flush again after it for a store that holds that update too. Rows
+        the store evicts to take these count in ``store_evictions``.
+
+        Example::
+
+            >>> from dynemb.options import choose_storage_mode
+            >>> from dynemb.optimizers import OptimizerConfig
+            >>> options = DynamicEmbTableOptions(caching=True, global_hbm_for_values=256 * 16)
+            >>> layout = choose_storage_mode(options, name="t", num_embeddings=1024, width=4,
+            ...                              config_dtype=torch.float32)
+            >>> table = CacheTable("t", 0, 4, layout, options, OptimizerConfig(),
+            ...                    torch.device("cpu"))
+            >>> keys = torch.tensor([3, 5, 8])
+            >>> table.release(table.prefetch(keys, training=True))  # three rows cached
+            >>> table.store.size(), table.flush(), table.store.size()
+            (0, 3, 3)
+            >>> rows, found, _ = table.store.find(keys)
+            >>> bool(found.all()) and torch.equal(rows, table.read_rows(keys, with_state=True)[0])
+            True
+        """
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        hash_table, written, dropped, start = self.tier.hash, 0, 0, 0
+        while start < hash_table.capacity:
+            chunk = hash_table.export(start, chunk_rows)
+            start = chunk.next_start
+            if chunk.keys.numel() == 0:
+                continue
+            weights = self.tier.flat.weights
+            if self._store_moves_rows:
+                dropped += self.store.insert_from(chunk.keys, weights, chunk.slots,
+                                                  chunk.scores)
+            else:
+                dropped += self.store.insert(chunk.keys, weights.index_select(0, chunk.slots),
+                                             chunk.scores)
+            if self.changes is not None:
+                self.changes.written_back(chunk.keys)
+            written += chunk.keys.numel()
+        self.counters.add("store_evictions", dropped)
+        return written
 
     def _load(self, keys: torch.Tensor, result) -> None:
         """New slots take the store's row and score, or the initializer's row."""
