@@ -1,7 +1,9 @@
 """What each rank runs in the torch.distributed.checkpoint tests (tests/test_checkpoint_dcp.py).
 
-The model: three dynamic tables (t0 HBM_DIRECT with Adam, t1 CACHE with rows in its store,
-t2 DEFAULT with admission, all three with the same fused optimizer), a TorchRec
+The model: five dynamic tables (t0 HBM_DIRECT with Adam, t1 CACHE with rows in its store,
+t2 DEFAULT with admission, t3 and t4 CACHE with the LFU_LRU and CUSTOMIZED score policies,
+t4's score set per step through the sharded module's ``set_scores``; all with the same
+fused optimizer), a TorchRec
 ``EmbeddingCollection`` table with fbgemm's fused row-wise AdaGrad (it has optimizer state)
 and a dense layer trained by SGD, under ``DistributedModelParallel``. Every rank trains on
 its slice of one global batch; the loss of each rank is scaled by the world size so the
@@ -20,7 +22,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-FEATURES = ["f0", "f1", "f2"]
+FEATURES = ["f0", "f1", "f2", "f3", "f4"]
+TABLES = [f"t{i}" for i in range(len(FEATURES))]
 STATIC_FEATURE = "s"  # ids in [0, NUM_IDS) for the TorchRec table
 NUM_IDS = 300
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
@@ -29,7 +32,7 @@ DIM = 8
 
 def dynamic_options():
     from dynemb import (DynamicEmbTableOptions, FrequencyAdmission, Initializer,
-                        InitializerKind, OptimizerConfig, OptimizerType)
+                        InitializerKind, OptimizerConfig, OptimizerType, ScorePolicy)
     opt = OptimizerConfig(OptimizerType.ADAM, learning_rate=0.02)
     width = DIM + opt.state_dim(DIM)
     init = Initializer(InitializerKind.UNIFORM, low=-0.1, high=0.1)
@@ -42,7 +45,16 @@ def dynamic_options():
                                      admission=FrequencyAdmission(threshold=2,
                                                                   counter_capacity=1024),
                                      **common),
+        "t3": DynamicEmbTableOptions(caching=True, global_hbm_for_values=96 * width * 4,
+                                     score_strategy=ScorePolicy.LFU_LRU, **common),
+        "t4": DynamicEmbTableOptions(caching=True, global_hbm_for_values=96 * width * 4,
+                                     score_strategy=ScorePolicy.CUSTOMIZED, **common),
     }
+
+
+def customized_score(step: int) -> int:
+    """t4's score at global step ``step`` (not monotonic: its evictions are not LRU's)."""
+    return (step * 37) % 11 * 1000 + step
 
 
 class Model(torch.nn.Module):
@@ -52,7 +64,7 @@ class Model(torch.nn.Module):
         opt, options = dynamic_options()
         self.dyn = DynamicEmbCollection(
             [EmbeddingConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=NUM_IDS,
-                             feature_names=[f"f{i}"]) for i in range(3)],
+                             feature_names=[f"f{i}"]) for i in range(len(FEATURES))],
             device="meta", table_options=options, optimizer=opt)
         self.ec = EmbeddingCollection(tables=[EmbeddingConfig(
             name="static", embedding_dim=DIM, num_embeddings=NUM_IDS,
@@ -87,7 +99,7 @@ def shard(world_size: int):
     plan = ShardingPlan({
         "dyn": construct_module_sharding_plan(
             model.dyn, {f"t{i}": row_wise(compute_kernel="customized_kernel")
-                        for i in range(3)},
+                        for i in range(len(FEATURES))},
             sharder=dyn_sharder, local_size=world_size, world_size=world_size,
             device_type="cpu"),
         "ec": construct_module_sharding_plan(
@@ -144,10 +156,12 @@ def local_kjt(batch, rank: int, world_size: int) -> KeyedJaggedTensor:
                                                torch.cat(lengths))
 
 
-def train(dmp, opt, batches, rank, world_size) -> List[float]:
-    """Global loss of each step (the sum over ranks, unscaled)."""
+def train(dmp, opt, batches, rank, world_size, first_step=0) -> List[float]:
+    """Global loss of each step (the sum over ranks, unscaled); ``first_step``: the global
+    step of ``batches[0]`` (t4's score)."""
     losses = []
-    for batch in batches:
+    for step, batch in enumerate(batches, first_step):
+        dmp.module.dyn.set_scores({"t4": customized_score(step)})
         opt.zero_grad()
         loss, _ = dmp(local_kjt(batch, rank, world_size))
         loss.backward()
@@ -163,13 +177,33 @@ def table_rows(dmp) -> Dict[str, Any]:
     ids = torch.arange(NUM_IDS) * 1009 - 77
     sharded = dmp.module.dyn
     out = {}
-    for name in ("t0", "t1", "t2"):
+    for name in TABLES:
         rows, found = sharded.read_rows(name, ids, with_state=True)
         rows = rows * found[:, None]
         dist.all_reduce(rows)
         count = found.to(torch.int64)
         dist.all_reduce(count)
         out[name] = (rows.numpy(), count.numpy())
+    return out
+
+
+def key_scores(dmp) -> Dict[str, Any]:
+    """Every id's score as its owner holds it (the cached one, else the store's; 0 for ids
+    not stored), gathered to all ranks."""
+    ids = torch.arange(NUM_IDS) * 1009 - 77
+    out = {}
+    for name, table in dmp.module.dyn.local.tables.items():
+        scores = torch.zeros(NUM_IDS, dtype=torch.int64)
+        store = getattr(table, "store", None)
+        if store is not None:
+            _, found, stored = store.find(ids)
+            scores = torch.where(found, stored, scores)
+        for tier in (table.tier, getattr(table, "host_tier", None)):
+            if tier is not None:
+                slots = tier.hash.find(ids)
+                scores = torch.where(slots >= 0, tier.hash.scores_at(slots), scores)
+        dist.all_reduce(scores)
+        out[name] = scores.numpy()
     return out
 
 
@@ -180,7 +214,7 @@ def save_and_continue(rank, world_size, path, steps_before, steps_after):
     batches = global_batches(steps_before + steps_after)
     before = train(dmp, opt, batches[:steps_before], rank, world_size)
     dcp.save({"model": dmp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
-    after = train(dmp, opt, batches[steps_before:], rank, world_size)
+    after = train(dmp, opt, batches[steps_before:], rank, world_size, steps_before)
     return {"before": before, "after": after, "rows": table_rows(dmp),
             "stats": dmp.module.dyn.stats()}
 
@@ -195,10 +229,11 @@ def load_and_continue(rank, world_size, path, steps_before, steps_after, planner
     dcp.load(state, checkpoint_id=path, **kwargs)
     dmp.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
-    loaded_rows = table_rows(dmp)
+    loaded_rows, loaded_scores = table_rows(dmp), key_scores(dmp)
     batches = global_batches(steps_before + steps_after)
-    after = train(dmp, opt, batches[steps_before:], rank, world_size)
+    after = train(dmp, opt, batches[steps_before:], rank, world_size, steps_before)
     return {"after": after, "rows": table_rows(dmp), "loaded_rows": loaded_rows,
+            "loaded_scores": loaded_scores,
             "stats": dmp.module.dyn.stats()}
 
 

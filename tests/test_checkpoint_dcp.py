@@ -95,6 +95,20 @@ def test_another_world_size_without_the_planner_is_a_clear_error(resumed):
         assert f"dynamic_tables.t0.rank{rank}_of_2" in error, error
 
 
+def test_the_loaded_scores_are_the_saved_scores_on_their_new_owners(resumed):
+    # every policy's scores (LFU_LRU's counts and clocks, t4's CUSTOMIZED scores) move
+    # with their keys: after 2 -> 1 and 2 -> 3 each id scores what it scored after 2 -> 2
+    same_world = resumed[(2, 2)][0]["loaded_scores"]
+    assert set(same_world) == {"t0", "t1", "t2", "t3", "t4"}
+    for target in (1, 3):
+        moved = resumed[(2, target)][0]["loaded_scores"]
+        for name, scores in same_world.items():
+            np.testing.assert_array_equal(moved[name], scores, err_msg=name)
+    assert (same_world["t3"] >> 40).max() > 1          # counts above one use
+    assert set(np.unique(same_world["t4"])) - {0} <= {
+        (s * 37) % 11 * 1000 + s for s in range(STEPS_BEFORE)}
+
+
 def test_a_sharded_checkpoint_loads_into_the_unsharded_module(saved, resumed):
     # no process group here: the whole table lands in one DynamicEmbCollection
     import torch
@@ -103,11 +117,12 @@ def test_a_sharded_checkpoint_loads_into_the_unsharded_module(saved, resumed):
 
     from dynemb import DynamicEmbCollection
     from dynemb.checkpoint import DynamicEmbLoadPlanner
-    from tests.checkpoint_dcp_worker import DIM, NUM_IDS, dynamic_options
+    from tests.checkpoint_dcp_worker import DIM, FEATURES, NUM_IDS, dynamic_options
     opt, options = dynamic_options()
     ec = DynamicEmbCollection([EmbeddingConfig(name=f"t{i}", embedding_dim=DIM,
                                                num_embeddings=NUM_IDS, feature_names=[f"f{i}"])
-                               for i in range(3)], table_options=options, optimizer=opt)
+                               for i in range(len(FEATURES))], table_options=options,
+                              optimizer=opt)
     state = {"model": {f"dyn.{k}": v for k, v in ec.state_dict().items()}}
     dcp.load(state, checkpoint_id=saved[2][0], planner=DynamicEmbLoadPlanner())
     ec.load_state_dict({k[len("dyn."):]: v for k, v in state["model"].items()})
@@ -132,7 +147,7 @@ def test_a_table_that_differs_is_refused_before_anything_is_read(saved, change, 
 
     from dynemb import DynamicEmbCollection
     from dynemb.checkpoint import DynamicEmbLoadPlanner
-    from tests.checkpoint_dcp_worker import DIM, NUM_IDS, dynamic_options
+    from tests.checkpoint_dcp_worker import DIM, FEATURES, NUM_IDS, dynamic_options
     opt, options = dynamic_options()
     dim = 2 * DIM if change == "dim" else DIM
     if change == "dtype":
@@ -140,7 +155,8 @@ def test_a_table_that_differs_is_refused_before_anything_is_read(saved, change, 
                    for n, o in options.items()}
     ec = DynamicEmbCollection([EmbeddingConfig(name=f"t{i}", embedding_dim=dim,
                                                num_embeddings=NUM_IDS, feature_names=[f"f{i}"])
-                               for i in range(3)], table_options=options, optimizer=opt)
+                               for i in range(len(FEATURES))], table_options=options,
+                              optimizer=opt)
     before = {k: v.clone() for k, v in ec.state_dict().items()}
     state = {"model": {f"dyn.{k}": v for k, v in ec.state_dict().items()}}
     from torch.distributed.checkpoint.api import CheckpointException
