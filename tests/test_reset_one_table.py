@@ -21,14 +21,15 @@ OPTIONS = {
 FEATURES = {"a": "fa", "c": "fc", "d": "fd"}
 
 
-def module(pooled):
+def module(pooled, backend="cpu"):
     if pooled:
         configs = [EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=256,
                                       feature_names=[f]) for n, f in FEATURES.items()]
-        return DynamicEmbBagCollection(configs, table_options=OPTIONS, optimizer=SGD)
+        return DynamicEmbBagCollection(configs, table_options=OPTIONS, optimizer=SGD,
+                                       backend=backend)
     configs = [EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=256,
                                feature_names=[f]) for n, f in FEATURES.items()]
-    return DynamicEmbCollection(configs, table_options=OPTIONS, optimizer=SGD)
+    return DynamicEmbCollection(configs, table_options=OPTIONS, optimizer=SGD, backend=backend)
 
 
 def batch(step):
@@ -46,11 +47,11 @@ def train(ec, steps):
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
-def test_resetting_one_table_leaves_the_others_as_they_were(pooled):
-    ec = module(pooled)
+def test_resetting_one_table_leaves_the_others_as_they_were(pooled, backend):
+    ec = module(pooled, backend[0])
     assert ec.storage_modes() == {"a": StorageMode.HBM_DIRECT, "c": StorageMode.CACHE,
                                   "d": StorageMode.DEFAULT}
-    fresh = module(pooled)
+    fresh = module(pooled, backend[0])
     train(fresh, 1)
     train(ec, 12)
     assert ec.stats()["c"]["rows_backing"] > 0 and ec.stats()["d"]["rows_backing"] > 0
