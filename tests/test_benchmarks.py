@@ -14,6 +14,15 @@ def test_hash_table_benchmark_quick(tmp_path):
             ("insert_evict", "dynemb")} <= ops
     evict = [r for r in report["rows"] if r["op"] == "insert_evict" and r["impl"] == "dynemb"]
     assert all(r["evicted"] > 0 for r in evict)
+    # find_or_insert under LFU_LRU, on a copy of each table, next to LRU
+    lfu_lru = [c for c in report["comparisons"] if c["impl"] == "dynemb-lfu_lru"]
+    assert {c["op"] for c in lfu_lru} == {"insert_unique", "insert_dedup", "insert_evict"}
+    lru = {(c["capacity_log2"], c["load_target"], c["op"], c["threads"]): c
+           for c in report["comparisons"] if c["impl"] == "dynemb"}
+    for c in lfu_lru:
+        same = lru[(c["capacity_log2"], c["load_target"], c["op"], c["threads"])]
+        assert c["vs_lru"] == pytest.approx(c["mkeys_per_s"] / same["mkeys_per_s"])
+        assert c["evicted"] == same["evicted"]  # the same keys in full buckets evict alike
     saved = json.loads((tmp_path / "hash_table_cpu_quick.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(report["rows"]))
     assert (tmp_path / "hash_table_cpu_quick.png").stat().st_size > 0
@@ -105,3 +114,39 @@ def test_pooled_benchmark_quick(tmp_path):
     saved = json.loads((tmp_path / "pooled_cpu_quick.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(report["rows"]))
     assert (tmp_path / "pooled_cpu_quick.png").stat().st_size > 0
+
+
+def test_tables_benchmark_quick(tmp_path):
+    """The table-count sweep: every method at every T and optimizer, the ratios are those of
+    the medians, the evicting methods evicted; the profile splits a step into its phases."""
+    from benchmarks import bench_tables
+    report = bench_tables.main(["--quick", "--out-dir", str(tmp_path)])
+    tables, opts = report["config"]["tables"], report["config"]["optimizers"]
+    assert [(r["tables"], r["optimizer"]) for r in report["rows"]] == [
+        (t, o) for t in tables for o in opts]
+    for row in report["rows"]:
+        assert row["ids_per_table"] * row["tables"] == report["config"]["ids"]
+        for name in bench_tables.METHODS:
+            times = row["methods"][name]["step_ms"]
+            assert len(times) == report["config"]["steps"]
+            assert all(math.isfinite(t) and t > 0 for t in times)
+        assert row["hbm_fit_vs_torch_sparse"] == pytest.approx(
+            row["methods"]["hbm_fit"]["median_ms"] / row["methods"]["torch_sparse"]["median_ms"])
+        assert row["methods"]["hbm_evict"]["timed_counters"]["evictions"] > 0
+        assert row["methods"]["cache"]["timed_counters"]["write_backs"] > 0
+        assert row["methods"]["hbm_fit"]["timed_counters"]["evictions"] == 0
+    assert len(report["targets"]) == 2 * len(bench_tables.DYNEMB_METHODS) * len(opts)
+    saved = json.loads((tmp_path / "tables_cpu_quick.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(report["rows"]))
+    assert (tmp_path / "tables_cpu_quick.png").stat().st_size > 0
+
+    profile = bench_tables.main(["--quick", "--profile", "--out-dir", str(tmp_path)])
+    assert [r["tables"] for r in profile["runs"]] == profile["config"]["profile_tables"]
+    for run in profile["runs"]:
+        phases = run["phases_ms"]
+        assert {"dedup", "fused update (kernel)",
+                "python and autograd (the rest of the step)"} <= set(phases)
+        assert all(math.isfinite(v) for v in phases.values())
+        assert run["calls_per_step"]["dedup"] == run["tables"]
+    saved = json.loads((tmp_path / "tables_profile_quick.json").read_text())
+    assert saved["runs"] == json.loads(json.dumps(profile["runs"]))
