@@ -3,8 +3,7 @@
 import torch
 from torchrec import EmbeddingConfig
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig,
@@ -30,13 +29,10 @@ class _Wrap(torch.nn.Module):
 
 
 def test_a_sharded_module_flushes_its_local_share():
-    model, sharder = _Wrap(), DynamicEmbCollectionSharder()
-    plan = construct_module_sharding_plan(
-        model.dyn, {t.name: row_wise(compute_kernel="customized_kernel") for t in TABLES},
-        sharder=sharder, local_size=1, world_size=1, device_type="cpu")
-    dmp = DistributedModelParallel(
-        model, env=ShardingEnv.from_process_group(ensure_single_process_group()),
-        device=torch.device("cpu"), plan=ShardingPlan({"dyn": plan}), sharders=[sharder])
+    # TorchRec's planner plans it (row-wise is all the dynemb sharder offers)
+    env = ShardingEnv.from_process_group(ensure_single_process_group())
+    dmp = DistributedModelParallel(_Wrap(), env=env, device=torch.device("cpu"),
+                                   sharders=[DynamicEmbCollectionSharder()])
     sharded = dmp.module.dyn
     assert sharded.storage_modes() == {"c": StorageMode.CACHE, "h": StorageMode.HBM_DIRECT}
     for step in range(8):
