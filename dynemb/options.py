@@ -27,11 +27,15 @@ class StorageMode(enum.Enum):
       a backing store that holds every row; evicted rows are written back, missed rows loaded.
     - ``DEFAULT``: it does not fit and ``caching=False``: a device tier and a host tier side by
       side, each key placed in one of them by its hash; lookups run in ``forward``.
+    - ``HOST_ONLY``: a device budget of 0 bytes: every row (values, optimizer state, hash
+      table) lives in host memory, pinned when the module is on CUDA, and nothing on the
+      device; the forward copies the rows it gathered there to the module's device.
     """
 
     HBM_DIRECT = "hbm_direct"
     CACHE = "cache"
     DEFAULT = "default"
+    HOST_ONLY = "host_only"
 
 
 class StashMode(enum.Enum):
@@ -122,7 +126,8 @@ class DynamicEmbTableOptions:
         caching: when the table does not fit the device budget, use the device as a cache of a
             backing store (CACHE) instead of splitting rows between tiers by hash (DEFAULT).
         global_hbm_for_values: device budget of the table over all ranks (split evenly);
-            None with ``local_hbm_for_values`` None: unlimited (HBM_DIRECT).
+            None with ``local_hbm_for_values`` None: unlimited (HBM_DIRECT); 0: no device
+            rows at all (HOST_ONLY, :class:`StorageMode`).
         local_hbm_for_values: device budget on each rank; overrides the global one.
         init_capacity: rows allocated at the start (default: ``max_capacity``).
         max_capacity: most rows (hash slots) the table allocates; when a key's bucket is
@@ -189,8 +194,10 @@ class DynamicEmbTableOptions:
         for name in ("caching", "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("global_hbm_for_values", "local_hbm_for_values", "init_capacity",
-                     "max_capacity"):
+        for name in ("global_hbm_for_values", "local_hbm_for_values"):  # 0: HOST_ONLY
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, minimum=0)
+        for name in ("init_capacity", "max_capacity"):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name)
         f = self.max_load_factor
@@ -232,7 +239,8 @@ class TableLayout:
     mode: StorageMode
     dtype: torch.dtype
     bucket_size: int
-    init_capacity: int          # device rows at the start (HBM_DIRECT) or fixed (CACHE/DEFAULT)
+    init_capacity: int          # device rows at the start (HBM_DIRECT) or fixed (CACHE/DEFAULT);
+                                # HOST_ONLY: its host rows, max_capacity
     max_capacity: int           # most rows the table holds, all tiers together
     device_capacity: int        # most rows on the device
     row_bytes: int
@@ -257,7 +265,9 @@ def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embed
     ``max_capacity`` defaults to the slots that hold ``num_embeddings`` distinct ids without
     evicting (:func:`~dynemb.hash_table_checks.slots_for_keys`). The table goes to HBM_DIRECT
     when ``max_capacity`` rows fit the per-rank budget; otherwise to CACHE (``caching``) or
-    DEFAULT with as many device rows as the budget holds, rounded down to whole buckets.
+    DEFAULT with as many device rows as the budget holds, rounded down to whole buckets; a
+    budget of 0 bytes gives HOST_ONLY (all ``max_capacity`` rows in host memory, allocated up
+    front, none on the device).
 
     Example::
 
@@ -290,10 +300,14 @@ def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embed
     device_rows = budget // row_bytes // bucket * bucket
     field_name = ("local_hbm_for_values" if options.local_hbm_for_values is not None
                   else "global_hbm_for_values")
+    if budget == 0:
+        return _host_only_layout(options, name, dtype, bucket, max_capacity, row_bytes,
+                                 target_rows)
     if device_rows < bucket:
         raise ValueError(
             f"table {name!r}: {field_name} gives {budget} bytes per rank, below one bucket "
-            f"({bucket} rows x {row_bytes} bytes = {bucket * row_bytes} bytes)")
+            f"({bucket} rows x {row_bytes} bytes = {bucket * row_bytes} bytes); a budget of "
+            f"0 keeps every row in host memory (HOST_ONLY)")
     mode = StorageMode.CACHE if options.caching else StorageMode.DEFAULT
     if mode is StorageMode.CACHE and options.score_strategy is ScorePolicy.NO_EVICTION:
         raise ValueError(
@@ -305,6 +319,18 @@ def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embed
             f"between device and host memory, nothing evicted)")
     return TableLayout(mode, dtype, bucket, device_rows, max_capacity, device_rows, row_bytes,
                        target_rows)
+
+
+def _host_only_layout(options: DynamicEmbTableOptions, name: str, dtype: torch.dtype,
+                      bucket: int, max_capacity: int, row_bytes: int,
+                      target_rows: int) -> TableLayout:
+    """HOST_ONLY: ``max_capacity`` host rows from the start, no device rows."""
+    if options.stash is not StashMode.NONE:
+        raise ValueError(f"table {name!r}: stash={options.stash.name} moves device rows to the "
+                         f"host, and a device budget of 0 (HOST_ONLY) leaves the table none; "
+                         f"use stash=NONE or a device budget")
+    return TableLayout(StorageMode.HOST_ONLY, dtype, bucket, max_capacity, max_capacity, 0,
+                       row_bytes, target_rows)
 
 
 def resolve_initializer(options: DynamicEmbTableOptions, config) -> DynamicEmbTableOptions:
@@ -347,7 +373,10 @@ def check_allocation(layout: TableLayout, options: DynamicEmbTableOptions, *, na
     """
     slot = layout.row_bytes + SLOT_BYTES
     host_rows = layout.host_tier_rows
-    needs = {device: layout.init_capacity * slot}
+    device_rows = layout.init_capacity
+    if layout.mode is StorageMode.HOST_ONLY:
+        device_rows, host_rows = 0, layout.max_capacity
+    needs = {device: device_rows * slot}
     host = torch.device("cpu")
     needs[host] = needs.get(host, 0) + host_rows * slot
     for where, nbytes in needs.items():
@@ -361,6 +390,8 @@ def check_allocation(layout: TableLayout, options: DynamicEmbTableOptions, *, na
 def _upfront_rows(layout: TableLayout, options: DynamicEmbTableOptions, host_rows: int) -> str:
     if layout.mode is StorageMode.CACHE:
         return f"the {layout.init_capacity} device rows of the memory budget"
+    if layout.mode is StorageMode.HOST_ONLY:
+        return f"the {host_rows} host rows of max_capacity, allocated up front,"
     if layout.mode is StorageMode.DEFAULT:
         return (f"the {layout.init_capacity} device rows of the memory budget and the "
                 f"{host_rows} rows of the host tier, allocated up front,")
@@ -377,6 +408,8 @@ def _upfront_rows(layout: TableLayout, options: DynamicEmbTableOptions, host_row
 def _allocate_less(layout: TableLayout) -> str:
     if layout.mode is StorageMode.CACHE:
         return "lower the memory budget (local_hbm_for_values / global_hbm_for_values)"
+    if layout.mode is StorageMode.HOST_ONLY:
+        return "lower max_capacity (a HOST_ONLY table holds all of it in host memory)"
     if layout.mode is StorageMode.DEFAULT:
         return ("with caching=False the host tier holds max_capacity minus the device rows from "
                 "the start: lower max_capacity, or set caching=True (its backing store grows "

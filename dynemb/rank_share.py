@@ -20,13 +20,15 @@ def local_table_options(options: DynamicEmbTableOptions,
 
     Row counts in the options (``init_capacity``, ``max_capacity``, the admission counter's
     ``counter_capacity``) are global and split evenly; ``global_hbm_for_values`` becomes the
-    rank's ``local_hbm_for_values`` (its share) unless that is set already (per rank).
+    rank's ``local_hbm_for_values`` (its share, at least 1 byte but for a global 0: HOST_ONLY
+    on every rank) unless that is set already (per rank).
     """
     changes = {name: rows_per_rank(getattr(options, name), world_size)
                for name in ("init_capacity", "max_capacity")
                if getattr(options, name) is not None}
     if options.global_hbm_for_values is not None and options.local_hbm_for_values is None:
-        changes["local_hbm_for_values"] = max(1, options.global_hbm_for_values // world_size)
+        share = options.global_hbm_for_values // world_size
+        changes["local_hbm_for_values"] = max(1, share) if options.global_hbm_for_values else 0
         changes["global_hbm_for_values"] = None
     if options.admission is not None:
         changes["admission"] = dataclasses.replace(

@@ -32,6 +32,7 @@ def make(mode="hbm_direct", optimizer="sgd", *, policy=ScorePolicy.LRU, admissio
     if evicting:  # 32 device rows (HBM_DIRECT: growing to 64); DEFAULT: 96 in all
         row_bytes = RowLayout(DIM, opt.state_dim(DIM), dtype or torch.float32).row_bytes
         extra = (dict(init_capacity=32, max_capacity=64) if mode == "hbm_direct" else
+                 dict(max_capacity=64) if mode == "host_only" else
                  dict(global_hbm_for_values=32 * row_bytes))
         if mode == "default":
             extra["max_capacity"] = 96

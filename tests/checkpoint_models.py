@@ -19,7 +19,7 @@ OPTIMIZERS = {
     "rowwise_adagrad": OptimizerConfig(OptimizerType.ROWWISE_ADAGRAD, learning_rate=0.1),
     "adam": OptimizerConfig(OptimizerType.ADAM, learning_rate=0.01),
 }
-MODES = ("hbm_direct", "cache", "default")
+MODES = ("hbm_direct", "cache", "default", "host_only")
 
 
 def options(mode: str, optimizer: OptimizerConfig, policy=ScorePolicy.LRU, admission=False,
@@ -34,6 +34,8 @@ def options(mode: str, optimizer: OptimizerConfig, policy=ScorePolicy.LRU, admis
         kwargs.update(init_capacity=64, max_capacity=2048)  # grows while training
     elif mode == "cache":
         kwargs.update(caching=True, global_hbm_for_values=DEVICE_ROWS * width * itemsize)
+    elif mode == "host_only":  # every row in host memory
+        kwargs.update(global_hbm_for_values=0)
     else:
         kwargs.update(global_hbm_for_values=DEVICE_ROWS * width * itemsize)
     return DynamicEmbTableOptions(**kwargs)

@@ -34,7 +34,7 @@ NUM_IDS = 400
 class Scenario:
     optimizer: str = "sgd"          # sgd | adam | rowwise_adagrad
     loop: str = "plain"             # plain | pipeline | prefetch
-    mode: str = "hbm_direct"        # hbm_direct | cache
+    mode: str = "hbm_direct"        # hbm_direct | cache | host_only
     dims: tuple = (8, 8)
     steps: int = 12
     batch: int = 6
@@ -101,7 +101,8 @@ def table_options(s: Scenario, opt_config, cache_scale: int = 1):
         width = t.embedding_dim + opt_config.state_dim(t.embedding_dim)
         budget = s.cache_rows * cache_scale * width * 4 if s.mode == "cache" else None
         out[t.name] = DynamicEmbTableOptions(
-            caching=s.mode == "cache", local_hbm_for_values=budget, max_capacity=2048,
+            caching=s.mode == "cache", max_capacity=2048,
+            local_hbm_for_values=0 if s.mode == "host_only" else budget,
             bucket_size=16, initializer=Initializer(InitializerKind.UNIFORM, low=-0.1, high=0.1),
             seed=3, sharding=ShardingScheme(s.sharding),
             # t1's refused ids read zeros, t0's the table's initializer rows

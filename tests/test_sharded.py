@@ -32,6 +32,7 @@ WORLD2 = {
     "cache_rowwise_prefetch": Scenario(mode="cache", optimizer="rowwise_adagrad",
                                        loop="prefetch"),
     "admission_pipeline": Scenario(admission=2, loop="pipeline", torchrec_twin=False),
+    "host_only_pipeline": Scenario(mode="host_only", loop="pipeline"),
     "mixed_model_pipeline": Scenario(loop="pipeline", with_ec_and_dense=True,
                                      torchrec_twin=False),
 }
@@ -100,6 +101,12 @@ def test_cache_mode_evicts_when_sharded(world2):
             assert stats["rows_device"] == s.cache_rows
             assert stats["evictions"] > s.steps and stats["write_backs"] == stats["evictions"]
             assert stats["loads"] > 0
+
+
+def test_host_only_when_sharded(world2):
+    for res in world2["host_only_pipeline"]:  # the twin tests check its outputs and rows
+        assert res["modes"] == {"t0": "host_only", "t1": "host_only"}
+        assert res["stats"]["t0"]["rows_device"] == 0 < res["stats"]["t0"]["rows_backing"]
 
 
 def test_admission_when_sharded(world2):

@@ -183,7 +183,7 @@ class DynamicEmbPerfEstimator(ShardEstimator):
     """Perf estimator: dynamic tables are estimated by TorchRec's ``EmbeddingPerfEstimator``
     as the nearest TorchRec kernel (``fused`` for HBM_DIRECT; ``fused_uvm_caching`` with the
     table's real device/total row ratio as cache load factor for CACHE and DEFAULT on a CUDA
-    topology), then get their ``customized_kernel`` label (and cache params) back. Other
+    topology, ``fused_uvm`` for HOST_ONLY there), then get their ``customized_kernel`` label (and cache params) back. Other
     options go to TorchRec's estimator (``torchrec_estimator``, default a new
     ``EmbeddingPerfEstimator``) as they are.
 
@@ -211,6 +211,8 @@ class DynamicEmbPerfEstimator(ShardEstimator):
                              self._topology.world_size)
         if layout.mode is StorageMode.HBM_DIRECT or self._topology.compute_device != "cuda":
             return EmbeddingComputeKernel.FUSED.value, None
+        if layout.mode is StorageMode.HOST_ONLY:  # every row read from host memory
+            return EmbeddingComputeKernel.FUSED_UVM.value, None
         return (EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
                 layout.device_capacity / layout.target_rows)
 

@@ -2,7 +2,8 @@
 
 A dynamic table on one rank holds the device rows its options allow (values and optimizer
 state side by side), the per-slot arrays of its hash table, an admission counter, a few
-counters, and in CACHE / DEFAULT mode a host tier with its own hash table. The sizing rules
+counters, and in CACHE / DEFAULT mode a host tier with its own hash table (HOST_ONLY: that
+host tier alone, no device rows nor device hash table). The sizing rules
 belong to the table layer (``planned_rows`` and ``fixed_memory`` of
 :mod:`dynemb.tables`, :func:`dynemb.admission.counter_slots`,
 :data:`dynemb.hash_table.SLOT_BYTES`); this module adds the pipeline's I/O the way TorchRec's
@@ -275,7 +276,8 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
         dtype=layout.dtype, dim=dim, state_dim=state_dim, device_rows=rows.device_rows,
         host_rows=rows.host_rows, values_bytes=rows.device_rows * row.embedding_bytes,
         optimizer_bytes=rows.device_rows * row.state_bytes,
-        hash_bytes=hash_table_bytes(rows.device_rows), admission_bytes=admission,
+        hash_bytes=hash_table_bytes(rows.device_rows) if rows.device_rows else 0,
+        admission_bytes=admission,
         fixed_bytes=fixed.other_bytes, input_bytes=input_bytes, output_bytes=output_bytes,
         prefetch_bytes=prefetch_bytes, io_bytes=io,
         host_values_bytes=rows.host_rows * row.embedding_bytes,

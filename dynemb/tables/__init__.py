@@ -8,6 +8,8 @@ CACHE          :class:`CacheTable`                 ``cache.py``: evicted rows go
                                                    backing store in prefetch
 DEFAULT        :class:`TieredTable`                ``tiered.py``: updated rows go back to
                                                    their (device or host) tier in backward
+HOST_ONLY      :class:`HostOnlyTable`              ``host_only.py``: rows updated on the
+                                                   device go back to host memory in backward
 =============  ==================================  =========================================
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dynemb.tables.base import DynamicTable
 from dynemb.tables.batch import TableBatch
 from dynemb.tables.cache import CacheTable
 from dynemb.tables.hbm_direct import HbmDirectTable
+from dynemb.tables.host_only import HostOnlyTable
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows
 from dynemb.tables.tiered import TieredTable
 
@@ -29,6 +32,7 @@ TABLE_CLASSES: Dict[StorageMode, Type[DynamicTable]] = {
     StorageMode.HBM_DIRECT: HbmDirectTable,
     StorageMode.CACHE: CacheTable,
     StorageMode.DEFAULT: TieredTable,
+    StorageMode.HOST_ONLY: HostOnlyTable,
 }
 
 
@@ -50,5 +54,5 @@ def build_table(name: str, table_id: int, dim: int, layout: TableLayout,
                                       backend)
 
 
-__all__ = ["DynamicTable", "HbmDirectTable", "CacheTable", "TieredTable", "TableBatch",
+__all__ = ["DynamicTable", "HbmDirectTable", "CacheTable", "TieredTable", "HostOnlyTable", "TableBatch",
            "MemoryBreakdown", "PlannedRows", "TABLE_CLASSES", "build_table"]

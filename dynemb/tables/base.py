@@ -65,8 +65,7 @@ class DynamicTable(CheckpointTiers):
         self.state_dim = optimizer.state_dim(dim)
         self.row_layout = RowLayout(dim, self.state_dim, layout.dtype)
         self.width = self.row_layout.width  # physical columns of a row, as stores hold them
-        self.tier = Tier(layout, layout.init_capacity, dim, self.state_dim, options, self.device,
-                         self.kernels, grow=self._grows)
+        self.tier = self._build_tier()
         self.admission = (AdmissionCounter(options.admission, self.device, self.kernels)
                           if options.admission is not None else None)
         self.counters = TableCounters(self.device)
@@ -77,6 +76,11 @@ class DynamicTable(CheckpointTiers):
         self.changes = None
 
     _grows = False  # the device tier doubles up to max_capacity (HBM_DIRECT only)
+
+    def _build_tier(self) -> Tier:
+        """The table's own tier, ``self.tier`` (on the device but for HOST_ONLY)."""
+        return Tier(self.layout, self.layout.init_capacity, self.dim, self.state_dim,
+                    self.options, self.device, self.kernels, grow=self._grows)
 
     def empty_copy(self) -> "DynamicTable":
         """A new, empty table of the same configuration (name, layout, options, device)."""
@@ -186,6 +190,7 @@ class DynamicTable(CheckpointTiers):
         """find_or_insert with pins; growth remaps the rows and every held batch. Backends
         that must not wait for the device record failures for a later call instead.
         ``score``: the CUSTOMIZED score of every key (the batch's)."""
+        keys = keys.to(tier.device)  # HOST_ONLY claims the module's keys in host memory
         on_failure = "defer" if tier.kernels.defers_failures else "raise"
         scores = None if score is None else torch.full_like(keys, score)
         try:

@@ -76,19 +76,20 @@ class HbmDirectTable(DynamicTable):
 
     def _present(self, keys: torch.Tensor) -> torch.Tensor:
         """[U] bool: the key is stored already (admission lets stored keys through)."""
-        return self.tier.hash.find(keys, allow_padding=True) >= 0
+        slots = self.tier.hash.find(keys.to(self.tier.device), allow_padding=True)
+        return (slots >= 0).to(self.device)
 
     def _fill_new_rows(self, keys: torch.Tensor, result) -> None:
         """Rows of keys inserted by this claim start from the initializer."""
-        self._initialize(self.tier, result, keys)
+        self._initialize(self.tier, result, keys.to(self.tier.device))
 
     def _resolve_eval(self, batch: TableBatch) -> None:
         """Find without inserting or rescoring; found slots stay pinned until forward."""
-        slots = self.tier.hash.find(batch.keys, allow_padding=True)
+        slots = self.tier.hash.find(batch.keys.to(self.tier.device), allow_padding=True)
         self.tier.hash.retain(slots)
         batch.slots = slots
         self._hold(batch)
-        found = slots >= 0
+        found = (slots >= 0).to(self.device)
         self.counters.add("hits", found.sum())
         self.counters.add("misses", batch.num_unique.sum() - found.sum())
         batch.fallback = self._eval_fallback(batch.keys)
