@@ -71,9 +71,8 @@ def fill_to_load_factor(target, load_factor: float, *, seed: int = 0,
     table as often as its admission threshold asks, so they are admitted at once. ``score``:
     what a CUSTOMIZED table writes as the score of the fill keys (required there: a
     CUSTOMIZED table without it raises ``ValueError`` before any table changes; ignored by
-    the other policies). A fill that
-    stops gaining rows (e.g. NO_EVICTION buckets full) stops short; a batch that finds no
-    slot raises ``TableFullError`` as in training.
+    the other policies). A fill that stops gaining rows (e.g. NO_EVICTION buckets full)
+    stops short; a batch that finds no slot raises ``TableFullError`` as in training.
 
     Example::
 
