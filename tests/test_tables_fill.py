@@ -30,6 +30,7 @@ MODES = {
     StorageMode.HBM_DIRECT: dict(max_capacity=1024),
     StorageMode.CACHE: dict(caching=True, local_hbm_for_values=512 * DIM * 4),
     StorageMode.DEFAULT: dict(local_hbm_for_values=512 * DIM * 4),
+    StorageMode.HOST_ONLY: dict(local_hbm_for_values=0, max_capacity=1024),
 }
 
 
@@ -55,6 +56,8 @@ def test_a_table_reaches_its_load_factor_and_stats_agree(backend, mode, load_fac
     if mode is StorageMode.DEFAULT:
         assert stats["rows_device"] + stats["rows_backing"] == report.rows
         assert stats["rows_backing"] > 0 and stats["rows_device"] > 0
+    elif mode is StorageMode.HOST_ONLY:  # its one tier is in host memory
+        assert (stats["rows_backing"], stats["rows_device"]) == (report.rows, 0)
     else:
         assert stats["rows_device"] == report.rows
         assert stats["load_factor"] == report.load_factor
