@@ -211,6 +211,7 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
     sharded = dmp.module.ebc
     send = "input dist: start (next batch)"
     if method == "dynemb":
+        from dynemb import dynamic_core
         from dynemb.sharding import bag_input_dist
         from dynemb.sharding.sharded_bag_collection import _PooledOutputAwaitable
         local = sharded.local
@@ -219,9 +220,9 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
                   (bag_input_dist, "bucketize_by_owner",
                    f"{send}.select+bucketize+send.bucketize_by_owner"),
                   (sharded, "compute", compute),
-                  (local, "_split_by_table", f"{compute}.split by table"),
-                  (local, "_table_outputs", f"{compute}.bag offsets per table"),
-                  (local, "_collect_outputs",
+                  (dynamic_core, "split_by_table", f"{compute}.split by table"),
+                  (local, "_table_bags", f"{compute}.bag offsets per table"),
+                  (local, "_pool",
                    f"{compute}.pool every table into the [B, sum of dims] output"),
                   (sharded, "output_dist", "forward.reduce-scatter: start"),
                   (_PooledOutputAwaitable, "_wait_impl",
