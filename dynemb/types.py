@@ -31,7 +31,8 @@ class ScorePolicy(enum.Enum):
     - ``LFU``: score = number of occurrences seen (a batch adds its occurrence count).
     - ``STEP``: score = clock at insertion, unchanged by hits (age: oldest goes first).
     - ``CUSTOMIZED``: the caller passes the scores; a hit sets the score to the given value.
-      Duplicates of a key in one batch take the largest given score.
+      Duplicates of a key in one batch take the largest given score. The modules take one
+      score per table and training batch (``set_scores``).
     - ``NO_EVICTION``: scores are unused; a key whose bucket is full is not inserted and is
       reported as failed.
     - ``LFU_LRU``: frequency first, recency breaks ties: score = ``count << 40 | clock``, the
