@@ -10,6 +10,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, FrequencyAdmission,
                     Initializer, InitializerKind, OptimizerConfig, OptimizerType, ScorePolicy,
                     StorageMode)
+from dynemb.module_interface import DynamicModuleInterface
 
 DIM = 8
 DEVICE_ROWS = 128
@@ -89,8 +90,8 @@ def train(ec, kjts):
     """Train on ``kjts``; returns the losses and the outputs of each step. CUSTOMIZED tables
     get :func:`customized_score` of their step before each one."""
     losses, outputs = [], []
-    custom = [n for n, o in ec.table_options.items()
-              if o.score_strategy is ScorePolicy.CUSTOMIZED]
+    options = ec.table_options if isinstance(ec, DynamicModuleInterface) else {}  # not a DMP
+    custom = [n for n, o in options.items() if o.score_strategy is ScorePolicy.CUSTOMIZED]
     for kjt in kjts:
         if custom:
             ec.set_scores({n: customized_score(ec.steps[n]) for n in custom})
