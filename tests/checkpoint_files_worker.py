@@ -13,7 +13,7 @@ def dump_and_load(rank, world_size, path):
     batches = global_batches(6)
     train(dmp, opt, batches[:3], rank, world_size)
     full = dump(dmp, f"{path}/full")
-    train(dmp, opt, batches[3:], rank, world_size)
+    train(dmp, opt, batches[3:], rank, world_size, 3)
     delta = dump(dmp, f"{path}/delta", since=full)
     fresh = shard(world_size)
     loaded = load(fresh, [f"{path}/full", f"{path}/delta"])

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from tests.checkpoint_dcp_worker import global_batches, local_kjt, optimizer, shard, table_rows
+from tests.checkpoint_dcp_worker import (customized_score, global_batches, local_kjt, optimizer,
+                                         shard, table_rows)
 
 
 def dynamic_fused_optimizer(dmp):
@@ -40,6 +41,9 @@ def train(dmp, opt, scheduler, batches, rank, world_size) -> Dict[str, List[Any]
     out: Dict[str, List[Any]] = {"losses": [], "lrs": []}
     fused = dynamic_fused_optimizer(dmp)
     for batch in batches:
+        # t4 scores CUSTOMIZED: one score for every step, the same whether or not the run
+        # was interrupted (this test is about learning rates)
+        dmp.module.dyn.set_scores({"t4": customized_score(0)})
         opt.zero_grad()  # TorchRec's fused tables take the group's lr here
         loss, _ = dmp(local_kjt(batch, rank, world_size))
         out["lrs"].append([group["lr"] for group in opt.param_groups])

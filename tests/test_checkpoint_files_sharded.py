@@ -12,13 +12,14 @@ sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the w
 
 from examples.spawn import run_on_ranks  # noqa: E402
 from checkpoint_files_worker import dump_and_load  # noqa: E402
+from checkpoint_dcp_worker import TABLES  # noqa: E402
 
 
 def test_each_rank_dumps_its_share_and_a_sharded_model_loads_the_chain(tmp_path):
     results = run_on_ranks(2, dump_and_load, str(tmp_path), timeout=600)
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["rank0_of_2", "rank1_of_2"]
     manifest = json.loads((tmp_path / "delta" / "rank1_of_2" / "manifest.json").read_text())
-    assert sorted(manifest["tables"]) == ["dyn/t0", "dyn/t1", "dyn/t2"]
+    assert sorted(manifest["tables"]) == [f"dyn/{t}" for t in TABLES]
     assert manifest["kind"] == "delta" and manifest["world_size"] == 2
     for rank, result in enumerate(results):
         assert result["rank_dir"] == (rank, 2)
