@@ -29,8 +29,8 @@ import torch
 from benchmarks.bench_sharded import PIPELINE_PHASES, Batch, combined_optimizer
 from benchmarks.common import (BenchmarkError, add_run_options, config_of,
                                fill_defaults, git_state, load_before_run, machine_info,
-                               new_parser, peak_rss_gib, report_stem, run_command, verdict,
-                               write_report, zipf_ranks)
+                               new_parser, peak_rss_gib, report_stem, run_command,
+                               set_numba_threads, verdict, write_report, zipf_ranks)
 from benchmarks.side_by_side import (LOSS_RTOL, METHODS, compare,  # noqa: F401
                                      plot_steps_and_ratios, profile_steps, summarize_ranks)
 from examples.spawn import RankError, run_on_ranks
@@ -248,8 +248,7 @@ def rank_main(rank: int, world_size: int, cfg: Dict[str, Any]) -> Dict[str, Any]
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from tqdm import tqdm
     if cfg["numba_threads"]:
-        import numba
-        numba.set_num_threads(cfg["numba_threads"])
+        set_numba_threads(cfg["numba_threads"])
     configs = [(h, d, o) for h in cfg["hots"] for d in cfg["dims"] for o in cfg["optimizers"]]
     # profiled steps: with phase timers (both models), under cProfile (dynemb), under
     # torch.profiler (both models)

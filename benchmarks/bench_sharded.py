@@ -29,8 +29,8 @@ from torchrec.streamable import Pipelineable
 
 from benchmarks.common import (BenchmarkError, add_run_options, config_of,
                                fill_defaults, git_state, load_before_run, machine_info,
-                               new_parser, peak_rss_gib, report_stem, run_command, verdict,
-                               write_report, zipf_ranks)
+                               new_parser, peak_rss_gib, report_stem, run_command,
+                               set_numba_threads, verdict, write_report, zipf_ranks)
 from benchmarks.side_by_side import (LOSS_RTOL, METHODS, compare,  # noqa: F401
                                      plot_steps_and_ratios, profile_steps, summarize_ranks)
 from examples.spawn import RankError, run_on_ranks
@@ -285,8 +285,7 @@ def rank_main(rank: int, world_size: int, cfg: Dict[str, Any]) -> Dict[str, Any]
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from tqdm import tqdm
     if cfg["numba_threads"]:
-        import numba
-        numba.set_num_threads(cfg["numba_threads"])
+        set_numba_threads(cfg["numba_threads"])
     configs = [(d, o) for d in cfg["dims"] for o in cfg["optimizers"]]
     # profiled steps: once with phase timers (both models), once under cProfile (dynemb)
     per_config = cfg["warmup"] + cfg["steps"] + 2 * cfg["profile"]

@@ -40,6 +40,23 @@ def check(condition, message: str) -> None:
         raise BenchmarkError(message)
 
 
+def set_numba_threads(count: int) -> None:
+    """``numba.set_num_threads(count)`` without touching torch's thread count: numba's omp
+    layer sets the process's OpenMP count, which torch reads as its own, so a rank that ran
+    ``torch.set_num_threads(1)`` would otherwise run torch on ``count`` threads.
+
+    Example::
+
+        >>> torch_threads = torch.get_num_threads()
+        >>> set_numba_threads(1)
+        >>> torch.get_num_threads() == torch_threads
+        True
+    """
+    torch_threads = torch.get_num_threads()
+    numba.set_num_threads(count)
+    torch.set_num_threads(torch_threads)
+
+
 def run_command(main: Callable[[], object]) -> None:
     """Run a benchmark's ``main`` as a command: a broken run exits with its reason.
 
