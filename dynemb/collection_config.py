@@ -8,10 +8,10 @@ from torchrec.modules.embedding_configs import (BaseEmbeddingConfig, EmbeddingCo
                                                 data_type_to_dtype)
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
+from dynemb.allocation_checks import check_allocation
 from dynemb.initializers import table_identity
 from dynemb.optimizers import OptimizerConfig
-from dynemb.options import (DynamicEmbTableOptions, check_allocation, choose_storage_mode,
-                            resolve_initializer)
+from dynemb.options import DynamicEmbTableOptions, choose_storage_mode, resolve_initializer
 from dynemb.stashing.collection_stash import resolve_stash_options
 from dynemb.tables import build_table
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 from dynemb.flat_table import RowLayout
-from dynemb.hash_table import SLOT_BYTES, max_table_capacity
+from dynemb.hash_table import max_table_capacity
 from dynemb.hash_table_checks import slots_for_keys
 from dynemb.initializers import Initializer, InitializerKind, initializer_from_config
 from dynemb.types import MAX_BUCKET_SIZE, SUPPORTED_DTYPES, ScorePolicy
@@ -356,70 +355,6 @@ def resolve_initializer(options: DynamicEmbTableOptions, config) -> DynamicEmbTa
     return dataclasses.replace(options, initializer=initializer_from_config(config))
 
 
-def check_allocation(layout: TableLayout, options: DynamicEmbTableOptions, *, name: str,
-                     device: torch.device) -> None:
-    """Raise if the rows a table allocates up front (hash slots and rows) exceed the memory
-    of ``device``, or of the host for the DEFAULT mode's host tier, naming the options that
-    allocate less.
-
-    Example::
-
-        >>> layout = choose_storage_mode(DynamicEmbTableOptions(), name="t", width=64,
-        ...                              num_embeddings=2**36, config_dtype=torch.float32)
-        >>> check_allocation(layout, DynamicEmbTableOptions(), name="t",
-        ...                  device=torch.device("cpu"))
-        Traceback (most recent call last):
-        ValueError: table 't': the 151284754176 rows allocated up front (init_capacity, ...
-    """
-    slot = layout.row_bytes + SLOT_BYTES
-    host_rows = layout.host_tier_rows
-    device_rows = layout.init_capacity
-    if layout.mode is StorageMode.HOST_ONLY:
-        device_rows, host_rows = 0, layout.max_capacity
-    needs = {device: device_rows * slot}
-    host = torch.device("cpu")
-    needs[host] = needs.get(host, 0) + host_rows * slot
-    for where, nbytes in needs.items():
-        total = _memory_of(where)
-        if total is not None and nbytes > total:
-            raise ValueError(
-                f"table {name!r}: {_upfront_rows(layout, options, host_rows)} need "
-                f"{_gib(nbytes)} on {where}, which has {_gib(total)}; {_allocate_less(layout)}")
-
-
-def _upfront_rows(layout: TableLayout, options: DynamicEmbTableOptions, host_rows: int) -> str:
-    if layout.mode is StorageMode.CACHE:
-        return f"the {layout.init_capacity} device rows of the memory budget"
-    if layout.mode is StorageMode.HOST_ONLY:
-        return f"the {host_rows} host rows of max_capacity, allocated up front,"
-    if layout.mode is StorageMode.DEFAULT:
-        return (f"the {layout.init_capacity} device rows of the memory budget and the "
-                f"{host_rows} rows of the host tier, allocated up front,")
-    if options.init_capacity is not None:
-        source = "init_capacity"
-    elif options.max_capacity is not None:
-        source = "init_capacity, which defaults to max_capacity"
-    else:
-        source = ("init_capacity, which defaults to max_capacity, which defaults to room for "
-                  "num_embeddings ids")
-    return f"the {layout.init_capacity} rows allocated up front ({source})"
-
-
-def _allocate_less(layout: TableLayout) -> str:
-    if layout.mode is StorageMode.CACHE:
-        return "lower the memory budget (local_hbm_for_values / global_hbm_for_values)"
-    if layout.mode is StorageMode.HOST_ONLY:
-        return "lower max_capacity (a HOST_ONLY table holds all of it in host memory)"
-    if layout.mode is StorageMode.DEFAULT:
-        return ("with caching=False the host tier holds max_capacity minus the device rows from "
-                "the start: lower max_capacity, or set caching=True (its backing store grows "
-                "as rows arrive)")
-    return (f"set init_capacity to start smaller (the table grows up to max_capacity="
-            f"{layout.max_capacity} as rows arrive), or a memory budget (local_hbm_for_values "
-            f"/ global_hbm_for_values) with caching=True to keep only the hot rows on the device "
-            f"(a backing store that grows as rows arrive holds the rest)")
-
-
 def _check_max_capacity(options, name: str, max_capacity: int, bucket: int,
                         num_embeddings: int) -> None:
     limit = max_table_capacity(bucket)
@@ -440,22 +375,6 @@ def _check_max_capacity(options, name: str, max_capacity: int, bucket: int,
         f"range: any int64 id works. Set a smaller max_capacity or num_embeddings{buckets}; "
         f"to allocate less up front, set init_capacity (the table starts there and grows up "
         f"to max_capacity) or a memory budget (local_hbm_for_values / global_hbm_for_values)")
-
-
-def _memory_of(device: torch.device) -> Optional[int]:
-    """Total bytes of ``device``'s memory (host RAM for CPU); None where unknown."""
-    try:
-        if device.type == "cuda":
-            return torch.cuda.get_device_properties(device).total_memory
-        if device.type == "cpu":
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError, RuntimeError, AssertionError):
-        pass
-    return None
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 def _round_up(n: int, multiple: int) -> int:
