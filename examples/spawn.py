@@ -93,6 +93,15 @@ def add_timeout_argument(parser) -> None:
                              "(default %(default)s)")
 
 
+def require_positive(parser, args, *names: str) -> None:
+    """Refuse (``parser.error``) any of the arguments ``names`` (their dests) given below 1;
+    None (not given) passes."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+
+
 def run_in_process_group(fn: Callable, *args: Any,
                          device: torch.device = torch.device("cpu"),
                          collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Any:

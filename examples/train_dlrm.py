@@ -77,7 +77,7 @@ from dlrm_data import (Batch, BatchReader, DataFormat, held_out_mask,  # noqa: E
                        write_synthetic_criteo)
 from rank_setup import jsonable, prepare_rank  # noqa: E402
 from spawn import (add_device_argument, add_timeout_argument, rank_device,  # noqa: E402
-                   run_in_process_group, run_on_ranks)
+                   require_positive, run_in_process_group, run_on_ranks)
 
 OUT_DIR = Path(__file__).resolve().parent / "output"
 DEFAULT_NPROC = 2
@@ -591,14 +591,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR,
                         help=f"where the plot and the metrics go (default {OUT_DIR})")
     args = parser.parse_args(argv)
-    for name in ("rows", "steps", "epochs", "batch", "eval_every", "table_rows"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(parser, args, "rows", "steps", "epochs", "batch", "eval_every",
+                     "table_rows", "nproc")
     if args.eval_fraction is not None and not 0 < args.eval_fraction < 1:
         parser.error("--eval-fraction must be in (0, 1)")
-    if args.nproc < 1:
-        parser.error("--nproc must be >= 1")
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
     if args.data is None and args.format != DataFormat.CRITEO.value:

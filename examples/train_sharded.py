@@ -66,7 +66,7 @@ from torchrec.streamable import Pipelineable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rank_setup import jsonable, prepare_rank  # noqa: E402
 from spawn import (add_device_argument, add_timeout_argument, rank_device,  # noqa: E402
-                   run_in_process_group, run_on_ranks)
+                   require_positive, run_in_process_group, run_on_ranks)
 from train_next_item import (DENSE_LR, OUT_DIR, TOP_K, Config, CountSketch,  # noqa: E402
                              NextItemModel, SessionWorld, build_collection, evaluation_steps,
                              in_batch_loss, plot, print_summary, run_metrics, to_kjt)
@@ -449,10 +449,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="continue from the checkpoint in --out-dir (saved by any number "
                              "of ranks) for --steps more steps")
     args = parser.parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        parser.error("--steps must be >= 1")
-    if args.nproc < 1:
-        parser.error("--nproc must be >= 1")
+    require_positive(parser, args, "steps", "nproc")
     return args
 
 

@@ -80,7 +80,7 @@ from dynemb import DynamicEmbBagCollection  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rank_setup import quiet_torchrec  # noqa: E402
-from spawn import add_timeout_argument, run_on_ranks  # noqa: E402
+from spawn import add_timeout_argument, require_positive, run_on_ranks  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "output"
 LIBRARIES = {"torchrec": EmbeddingBagCollection, "dynemb": DynamicEmbBagCollection}
@@ -442,10 +442,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR,
                         help=f"where the plot and metrics go (default {OUT_DIR})")
     args = parser.parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        parser.error("--steps must be >= 1")
-    if args.nproc < 1:
-        parser.error("--nproc must be >= 1")
+    require_positive(parser, args, "steps", "nproc")
     return args
 
 
