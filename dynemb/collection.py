@@ -12,10 +12,11 @@ from dynemb.collection_config import check_configs, output_name_of, output_names
 from dynemb.dynamic_core import trains_now
 from dynemb.dynamic_module import DynamicModule
 from dynemb.jagged import cut_by_feature, meta_outputs
-from dynemb.occurrence_lookup import OccurrenceLookup
+from dynemb.occurrence_lookup import GroupOccurrenceLookup, OccurrenceLookup
 from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions
 from dynemb.prefetch import PrefetchState
+from dynemb.tables.groups import GroupBatch
 from dynemb.tracing import call_as_leaf, is_traced
 from dynemb.validation import check_kjt
 
@@ -44,6 +45,11 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, DynamicModule):
             sync-free step once inputs are trusted.
         backend: "cpu" or "cuda" to override the kernels picked by device (e.g. "cuda" to
             run the CUDA kernels under numba's simulator).
+        group_tables: train the tables that share a shape (dim, dtype, optimizer, score
+            policy, fixed capacity, ...) as one group, one kernel call per phase for all of
+            them (:mod:`dynemb.tables.groups`); every table keeps its own rows, capacity,
+            counters and checkpoint entries. False: every table runs alone (the same results,
+            table by table).
 
     On ``device="meta"`` no table is allocated: the module only describes its tables, for
     :class:`~dynemb.sharding.DynamicEmbCollectionSharder` to build them on each rank; its
@@ -65,11 +71,13 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, DynamicModule):
                  table_options: Union[DynamicEmbTableOptions,
                                       Mapping[str, DynamicEmbTableOptions], None] = None,
                  optimizer: Optional[OptimizerConfig] = None, need_indices: bool = False,
-                 validate_inputs: bool = True, backend: Optional[str] = None):
+                 validate_inputs: bool = True, backend: Optional[str] = None,
+                 group_tables: bool = True):
         super().__init__()
         configs = check_configs(tables, EmbeddingConfig)
         self._build_core(configs, device, table_options=table_options, optimizer=optimizer,
-                         validate_inputs=validate_inputs, backend=backend)
+                         validate_inputs=validate_inputs, backend=backend,
+                         group_tables=group_tables)
         self._need_indices = need_indices
         self._output_name = output_name_of(configs)  # (table, feature) -> output
         self._output_names = [n for names in output_names_by_table(configs) for n in names]
@@ -110,21 +118,38 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, DynamicModule):
         trains = trains_now(self)
         out: Dict[str, Any] = {}
         with self._core.lookup(kjt, trains) as state:
-            for name in self._core.tables:
-                out.update(self._table_outputs(name, state, kjt, trains))
+            for name, rows in self._rows(state, trains):
+                out.update(self._table_outputs(name, rows, state, kjt))
         return {n: out[n] for n in self._output_names if n in out}
 
-    def _table_outputs(self, name: str, state: PrefetchState, kjt: KeyedJaggedTensor,
-                       trains: bool) -> Dict[str, Any]:
-        """One table's rows as its features' outputs: one JaggedTensor of rows per feature,
-        gathered straight per occurrence. Their backward hands the output gradients to the
-        fused optimizer kernel, which clips and sums them per row itself."""
-        batch = state.batches[name]
-        if trains:
-            anchor = torch.empty(0, device=self._core.device, requires_grad=True)
-            rows = OccurrenceLookup.apply(anchor, self._core, name, batch)
-        else:
-            rows = self._core.tables[name].lookup_occurrences(batch)
+    def _rows(self, state: PrefetchState, trains: bool):
+        """``(table, rows of its input ids)`` for every table, gathered straight per
+        occurrence: a group's tables in one gather (:mod:`dynemb.tables.groups`). Their
+        backward hands the output gradients to the fused optimizer kernel, which clips and
+        sums them per row itself."""
+        done = set()
+        for name in self._core.tables:
+            if name in done:
+                continue
+            batch = state.batches[name]
+            if isinstance(batch, GroupBatch):
+                if trains:
+                    anchor = torch.empty(0, device=self._core.device, requires_grad=True)
+                    parts = GroupOccurrenceLookup.apply(anchor, self._core, batch)
+                else:
+                    parts = batch.group.lookup_occurrences(batch)
+                done.update(batch.names)
+                yield from zip(batch.names, parts)
+            elif trains:
+                anchor = torch.empty(0, device=self._core.device, requires_grad=True)
+                yield name, OccurrenceLookup.apply(anchor, self._core, name, batch)
+            else:
+                yield name, self._core.tables[name].lookup_occurrences(batch)
+
+    def _table_outputs(self, name: str, rows: torch.Tensor, state: PrefetchState,
+                       kjt: KeyedJaggedTensor) -> Dict[str, Any]:
+        """One table's rows as its features' outputs: one JaggedTensor of rows per
+        feature."""
         named = [(self._output_name[(name, f)], count) for f, count in state.features[name]]
         feature_of = {self._output_name[(name, f)]: f for f, _ in state.features[name]}
         ids = ({f: kjt[f].values() for f, _ in state.features[name]} if self._need_indices

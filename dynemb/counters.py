@@ -52,7 +52,22 @@ class TableCounters:
             self.add(name, amount)
 
     def nbytes(self) -> int:
-        return self._values.untyped_storage().nbytes()
+        return self._values.numel() * self._values.element_size()
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The counters in :data:`COUNTER_NAMES` order, [len(COUNTER_NAMES)] int64 (live)."""
+        return self._values
+
+    def use_storage(self, values: torch.Tensor) -> None:
+        """Copy the counters into ``values`` (e.g. a table group's row of counters) and count
+        there from now on."""
+        if values.shape != self._values.shape or values.dtype != self._values.dtype:
+            raise ValueError(f"counter storage must be {tuple(self._values.shape)} int64, got "
+                             f"{tuple(values.shape)} {values.dtype}")
+        if values.data_ptr() != self._values.data_ptr():
+            values.copy_(self._values)
+        self._values = values
 
     def snapshot(self) -> Dict[str, int]:
         return dict(zip(COUNTER_NAMES, self._values.tolist()))

@@ -32,6 +32,7 @@ from dynemb.stashing.collection_stash import CollectionStash
 from dynemb.table_inputs import split_by_table
 from dynemb.tables import DynamicTable, TableBatch
 from dynemb.tables.batch import check_batch_score, check_score
+from dynemb.tables.groups import GroupBatch, TableGroup, group_tables
 from dynemb.types import ScorePolicy
 
 
@@ -47,12 +48,14 @@ class DynamicCore:
         weights_are_counts: read each KJT's weights as occurrence counts (the sharded
             modules' shares get deduplicated ids).
         variable_batch: accept KJTs with a batch size per feature.
+        group_tables: train tables of one shape as one group (:mod:`dynemb.tables.groups`);
+            False runs every table alone.
     """
 
     def __init__(self, owner: str, configs: List[BaseEmbeddingConfig], device: torch.device,
                  *, table_options, optimizer: Optional[OptimizerConfig],
                  backend: Optional[str], validate_inputs: bool, weights_are_counts: bool,
-                 variable_batch: bool):
+                 variable_batch: bool, group_tables: bool = True):
         self.configs = configs
         self.device = device
         self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
@@ -71,6 +74,9 @@ class DynamicCore:
             table = self._build_table(config)
             if table is not None:  # None on the meta device
                 self.tables[config.name] = table
+        self._groups_on = group_tables
+        self.groups: List[TableGroup] = []
+        self._regroup()
         self._queue: Deque[PrefetchState] = collections.deque()
         # batches looked up by training lookups whose backward has not run: pinned until
         # their backward or the next training lookup (see lookup)
@@ -83,6 +89,19 @@ class DynamicCore:
                                  if device.type == "cuda" else None)
         # memory stashing (dynemb.stashing): None unless a table's options ask for it
         self.memory_stash = CollectionStash.build(self.tables, device, self._prefetch_stream)
+
+    def _regroup(self) -> None:
+        """Group the current tables (each group copies its tables into its own arrays)."""
+        self.groups = []  # the old groups' arrays go with the last table that views them
+        if self._groups_on:
+            self.groups = group_tables(self.tables)
+
+    def _groups_for_training(self) -> List[TableGroup]:
+        """The groups a training batch goes through; regrouped first if a table was
+        replaced since (a group keeps its tables' storage, not the module's names)."""
+        if not all(group.intact(self.tables) for group in self.groups):
+            self._regroup()
+        return [group for group in self.groups if group.runs_grouped()]
 
     def _build_table(self, config: BaseEmbeddingConfig) -> Optional[DynamicTable]:
         return build_configured_table(config, self.table_options[config.name],
@@ -144,6 +163,7 @@ class DynamicCore:
                 continue
             del self.tables[config.name]
             self.tables[config.name], self._steps[config.name] = self._build_table(config), 0
+        self._regroup()
         self._generation += 1
 
     # -- prefetch ----------------------------------------------------------------------------
@@ -188,15 +208,23 @@ class DynamicCore:
         for name, table in self.tables.items():  # before any table changes
             check_batch_score(name, table.options.score_strategy, training,
                               self._scores.get(name))
-        batches: Dict[str, TableBatch] = {}
+        batches: Dict[str, Any] = {}
         try:
+            for group in self._groups_for_training() if training else ():
+                batch = group.prefetch([per_table[n][0] for n in group.names],
+                                       [per_table[n][2] for n in group.names],
+                                       [self._scores.get(n) for n in group.names])
+                batches.update((name, batch) for name in group.names)
             for name, table in self.tables.items():
+                if name in batches:
+                    continue
                 keys, _, occurrences = per_table[name]
                 batches[name] = table.prefetch(keys, training, occurrences=occurrences,
                                                score=self._scores.get(name))
         except Exception:
             self._release(batches.items())
             raise
+        batches = {name: batches[name] for name in self.tables}
         features = {name: per_table[name][1] for name in self.tables}
         lengths = {f: jt.lengths() for f, jt in per_table["__jt__"].items()}
         return PrefetchState(batches, features, tuple(kjt.keys()), training,
@@ -262,9 +290,12 @@ class DynamicCore:
         self._release(self._awaiting_backward)
         self._awaiting_backward = []
 
-    def _release(self, looked_up: Iterable[Tuple[str, TableBatch]]) -> None:
+    def _release(self, looked_up: Iterable[Tuple[str, Any]]) -> None:
         for name, batch in looked_up:
-            self.tables[name].release(batch)
+            if isinstance(batch, GroupBatch):
+                batch.group.release(batch)  # once for all its tables
+            else:
+                self.tables[name].release(batch)
 
     # -- backward ----------------------------------------------------------------------------
     def before_backward(self) -> None:
@@ -283,6 +314,29 @@ class DynamicCore:
         if not batch.applied:
             self._steps[name] += 1
         self.tables[name].apply_gradients(batch, grads, lr=lr, step=self._steps[name])
+
+    def apply_group_gradients(self, batch: GroupBatch, grads, generation: int) -> None:
+        """The fused update of a group batch's rows from ``grads``, one per table of the
+        group ([N_t, dim] per occurrence, None for a table whose outputs took no gradient),
+        as :meth:`apply_gradients` would do table by table."""
+        names = batch.names
+        if generation != self._generation:
+            raise RuntimeError(
+                f"tables {list(names)} were loaded from a checkpoint or reset after this "
+                f"forward; their backward would update rows that are no longer there. Run a "
+                f"new forward")
+        again = [n for n, g in zip(names, grads) if g is not None and n in batch.applied]
+        if again:
+            raise RuntimeError(
+                f"table {again[0]!r}: the backward of this lookup already ran and applied its "
+                f"update; a second backward through the same forward (retain_graph=True) would "
+                f"apply it twice. Sum the losses and call backward once, or run a new forward")
+        lr = self._check_lr()
+        for name, grad in zip(names, grads):
+            if grad is not None:
+                self._steps[name] += 1
+        batch.group.apply_gradients(batch, grads, lr=lr, steps=self._steps,
+                                    clip=self.max_gradient)
 
     def _check_lr(self) -> float:
         given = self.fused_optimizer.param_groups[0]["lr"]
@@ -333,6 +387,7 @@ class DynamicCore:
         for name, table in tables.items():
             self.tables[name] = table
             self._steps[name] = steps[name]
+        self._regroup()
         self._generation += 1
 
 

@@ -47,12 +47,13 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     _checkpoint_group = (0, 1)
 
     def _build_core(self, configs: List[BaseEmbeddingConfig], device, *, table_options,
-                    optimizer, validate_inputs: bool, backend: Optional[str]) -> None:
+                    optimizer, validate_inputs: bool, backend: Optional[str],
+                    group_tables: bool = False) -> None:
         self._core = DynamicCore(
             type(self).__name__, configs, torch.device(device if device is not None else "cpu"),
             table_options=table_options, optimizer=optimizer, backend=backend,
             validate_inputs=validate_inputs, weights_are_counts=self._weights_are_counts,
-            variable_batch=self._variable_batch)
+            variable_batch=self._variable_batch, group_tables=group_tables)
 
     # -- configuration views -----------------------------------------------------------------
     @property

@@ -203,6 +203,16 @@ class FlatTable:
         if bool(pick.any()):
             self.initialize(slots[pick], keys[pick], initializer, seed=seed, table_id=table_id)
 
+    def use_storage(self, weights: torch.Tensor) -> None:
+        """Copy the rows into ``weights`` (same shape and dtype, e.g. a view of a table
+        group's rows) and keep them there."""
+        if weights.shape != self.weights.shape or weights.dtype != self.weights.dtype:
+            raise ValueError(f"row storage must be {tuple(self.weights.shape)} "
+                             f"{self.weights.dtype}, got {tuple(weights.shape)} {weights.dtype}")
+        if weights.data_ptr() != self.weights.data_ptr():
+            weights.copy_(self.weights)
+        self.weights = weights
+
     def remap(self, remap: torch.Tensor, new_capacity: int) -> None:
         """Move rows after the hash table grew: old row ``s`` goes to ``remap[s]`` (if >= 0)."""
         check_index_tensor(remap, "remap", self.device)

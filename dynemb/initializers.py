@@ -82,6 +82,11 @@ class Initializer:
             return self.low, self.high
         return self.mean, self.std
 
+    def kernel_params(self):
+        """``(kind code, p0, p1, low, high)``: what the initializer kernels take."""
+        p0, p1 = self._params()
+        return _KIND_CODES[self.kind], float(p0), float(p1), float(self.low), float(self.high)
+
     def rows(self, keys: torch.Tensor, dim: int, *, seed: int, table_id: int,
              backend: str | None = None, kernels: KernelBackend | None = None) -> torch.Tensor:
         """[N, dim] float32 initial rows of ``keys`` on the keys' device, by ``kernels`` (what

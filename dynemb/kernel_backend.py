@@ -53,8 +53,9 @@ class TableArrays(NamedTuple):
         return self.keys.numel()
 
     def nbytes(self) -> int:
-        """Bytes of the four arrays."""
-        return sum(t.untyped_storage().nbytes()
+        """Bytes of the four arrays (of their elements: a table group's tables are views of
+        the group's arrays and count their own part)."""
+        return sum(t.numel() * t.element_size()
                    for t in (self.keys, self.scores, self.refcnt, self.size))
 
 

@@ -7,6 +7,7 @@ import torch
 from dynemb.dynamic_core import DynamicCore
 from dynemb.optimizers import OccurrenceGrads
 from dynemb.tables import TableBatch
+from dynemb.tables.groups import GroupBatch
 
 
 class OccurrenceLookup(torch.autograd.Function):
@@ -29,3 +30,23 @@ class OccurrenceLookup(torch.autograd.Function):
                                              clip=core.max_gradient)
         core.apply_gradients(ctx.name, batch, grads, ctx.generation)
         return None, None, None, None
+
+
+class GroupOccurrenceLookup(torch.autograd.Function):
+    """:class:`OccurrenceLookup` for every table of a group at once
+    (:mod:`dynemb.tables.groups`): one output per table, from one gather; backward updates the
+    rows of the tables whose outputs took a gradient, in one fused update."""
+
+    @staticmethod
+    def forward(ctx, anchor, core: DynamicCore, batch: GroupBatch):
+        ctx.core, ctx.batch = core, batch
+        ctx.generation = core.generation
+        ctx.set_materialize_grads(False)  # a table whose outputs took no gradient gets None
+        return batch.group.lookup_occurrences(batch)
+
+    @staticmethod
+    def backward(ctx, *grad_rows):
+        core = ctx.core
+        core.before_backward()
+        core.apply_group_gradients(ctx.batch, list(grad_rows), ctx.generation)
+        return None, None, None

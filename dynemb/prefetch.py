@@ -48,11 +48,17 @@ class PrefetchState:
 
     @property
     def unique_keys(self) -> Dict[str, torch.Tensor]:
-        return {name: b.keys for name, b in self.batches.items()}
+        return {name: self.table_batch(name).keys for name in self.batches}
 
     @property
     def slots(self) -> Dict[str, Optional[torch.Tensor]]:
-        return {name: b.slots for name, b in self.batches.items()}
+        return {name: self.table_batch(name).slots for name in self.batches}
+
+    def table_batch(self, name: str) -> TableBatch:
+        """Table ``name``'s part of the batch, as a :class:`TableBatch` of its own (a
+        grouped table's is a copy, see :meth:`dynemb.tables.groups.GroupBatch.member`)."""
+        batch = self.batches[name]
+        return batch if isinstance(batch, TableBatch) else batch.member(name)
 
 
 _IN_ORDER = ("call forward in the order of prefetch, with the KeyedJaggedTensor given to it "

@@ -323,6 +323,14 @@ class DynamicTable(CheckpointTiers):
     def _release_more(self, batch: TableBatch) -> None:
         """Pins a mode holds besides the device tier's."""
 
+    def hold_group_batch(self, batch) -> None:
+        """A batch of the table's group (:mod:`dynemb.tables.groups`) pins rows of this
+        table until :meth:`drop_group_batch`."""
+        self._held.append(batch)
+
+    def drop_group_batch(self, batch) -> None:
+        self._held = [b for b in self._held if b is not batch]
+
     def has_batches_in_flight(self) -> bool:
         """A prefetched or looked-up batch still holds pins (its backward or release has not
         run)."""
@@ -382,7 +390,8 @@ class DynamicTable(CheckpointTiers):
             out.admission_bytes += self.admission.table.nbytes()
         out.other_bytes += self.counters.nbytes() + storage_bytes([self._deferred.total])
         out.host_other_bytes += storage_bytes([self._deferred.host])
-        out.in_flight_bytes += storage_bytes(t for b in self._held for t in b.tensors())
+        out.in_flight_bytes += storage_bytes(
+            t for b in self._held for t in b.table_tensors(self.name))
         return out
 
     def __repr__(self) -> str:

@@ -47,6 +47,10 @@ class TableBatch:
     def num_keys(self) -> int:
         return self.inverse.numel()
 
+    def table_tensors(self, name: str) -> List[torch.Tensor]:
+        """The tensors of table ``name``'s part: all of them (the batch is one table's)."""
+        return self.tensors()
+
     def tensors(self) -> List[torch.Tensor]:
         """Every tensor the batch holds (to mark them used by another CUDA stream)."""
         return [t for t in (self.keys, self.inverse, self.counts, self.num_unique, self.slots,

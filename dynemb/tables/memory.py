@@ -84,12 +84,19 @@ class PlannedRows:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
-    seen, total = set(), 0
+    """Bytes of the storages behind ``tensors``: per storage, the span its given views cover
+    (views of one storage count once; a table of a group, whose tensors are views of the
+    group's, counts its own part)."""
+    spans: dict = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
         key = (tensor.device, storage.data_ptr(), storage.nbytes())
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
+        if tensor.numel() == 0:
+            spans.setdefault(key, None)
+            continue
+        start = tensor.storage_offset() * tensor.element_size()
+        end = start + (1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+                       ) * tensor.element_size()
+        lo, hi = spans.get(key) or (start, end)
+        spans[key] = (min(lo, start), max(hi, end))
+    return sum(hi - lo for span in spans.values() if span is not None for lo, hi in [span])

@@ -1,0 +1,394 @@
+"""Table groups: tables of one shape that train as one, one kernel call per phase.
+
+A module's HBM_DIRECT tables that agree on everything the kernels read (device and kernels,
+dtype, dim and row width, optimizer, score policy, bucket size, no growth, no admission, no
+stashing) form a :class:`TableGroup`. The group allocates one set of arrays (hash keys,
+scores, pins, rows, counters) and each table moves into its own contiguous part of them:
+table ``t`` owns rows ``[row_offset[t], row_offset[t] + capacity[t])`` and the buckets over
+them, so a key of one table never meets, or evicts, another table's. The tables stay whole
+tables: their hash tables, flat tables and counters are views of their parts, and everything
+read per table (``read_rows``, ``stats``, checkpoints, exports) is unchanged.
+
+A training batch of the group is one :class:`GroupBatch`: one dedup, one claim, one
+initialization, one gather, one fused update and one release for all its tables, each with
+the results its table alone would give (the claim is the single-table kernel run on each
+table's part, see ``kernels/groups_cpu.py``). Eval batches, and any batch while a table
+needs what the group does not do (change tracking for checkpoint deltas), go table by table
+over the same storage.
+
+Example::
+
+    >>> from dynemb.options import DynamicEmbTableOptions, choose_storage_mode
+    >>> from dynemb.optimizers import OptimizerConfig
+    >>> from dynemb.tables import build_table
+    >>> def table(name):
+    ...     layout = choose_storage_mode(DynamicEmbTableOptions(), name=name, num_embeddings=512,
+    ...                                  width=4, config_dtype=torch.float32)
+    ...     return build_table(name, 0, 4, layout, DynamicEmbTableOptions(), OptimizerConfig(),
+    ...                        torch.device("cpu"))
+    >>> tables = {name: table(name) for name in ("a", "b")}
+    >>> [group.names for group in group_tables(tables)]
+    [('a', 'b')]
+"""
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from dynemb.counters import COUNTER_NAMES
+from dynemb.kernel_backend import TableArrays
+from dynemb.kernels import groups_cpu
+from dynemb.optimizers import OccurrenceGrads, fused_update
+from dynemb.options import StashMode, StorageMode
+from dynemb.tables.base import DynamicTable
+from dynemb.tables.batch import TableBatch
+from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
+
+__all__ = ["GroupBatch", "TableGroup", "group_signature", "group_tables"]
+
+_COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
+
+
+def group_signature(table: DynamicTable) -> Optional[Hashable]:
+    """What tables of one group share, or None for a table that trains alone (another
+    storage mode, a table that grows, admission, stashing, or float16 / bfloat16 rows
+    rounded with noise drawn per table)."""
+    options = table.options
+    hash_table = table.tier.hash
+    if (table.mode is not StorageMode.HBM_DIRECT or table.admission is not None
+            or table.layout.init_capacity < table.layout.max_capacity
+            or hash_table.grow_at_load_factor is not None
+            or options.stash is not StashMode.NONE
+            or table.kernels.name != "cpu"):
+        return None
+    weights = table.tier.flat.weights
+    if weights.dtype != torch.float32 and options.stochastic_rounding:
+        return None
+    return (table.tier.device, table.kernels.name, weights.dtype, table.dim, weights.shape[1],
+            table.optimizer, hash_table.policy, hash_table.bucket_size)
+
+
+def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
+    """The groups of ``tables`` (two tables or more each), in table order; a table with no
+    partner is left out (it trains alone)."""
+    by_signature: Dict[Hashable, List[DynamicTable]] = {}
+    for table in tables.values():
+        signature = group_signature(table)
+        if signature is not None:
+            by_signature.setdefault(signature, []).append(table)
+    return [TableGroup(members) for members in by_signature.values() if len(members) > 1]
+
+
+class GroupBatch:
+    """A group's share of a prefetched training batch, for all its tables at once.
+
+    ``keys`` / ``counts`` [U]: each table's unique keys (first-occurrence order), table after
+    table; table ``t``'s are ``[unique_bounds[t], unique_bounds[t + 1])``. ``inverse`` [N]:
+    the unique index of each input key (the tables' keys concatenated in group order, table
+    ``t``'s ``[key_bounds[t], key_bounds[t + 1])``). ``slots`` [U]: group rows. ``applied``:
+    the tables whose backward ran.
+    """
+
+    mode = StorageMode.HBM_DIRECT
+    training = True
+    fallback = None
+
+    def __init__(self, group: "TableGroup", keys, inverse, counts, unique_bounds, key_bounds,
+                 slots):
+        self.group = group
+        self.keys, self.inverse, self.counts, self.slots = keys, inverse, counts, slots
+        self.unique_bounds: List[int] = unique_bounds
+        self.key_bounds: List[int] = key_bounds
+        self.pinned = True
+        self.unreleased = set(range(len(group.names)))  # tables whose pins have not ended
+        self.consumed = False
+        self.applied: set = set()
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return self.group.names
+
+    def tensors(self) -> List[torch.Tensor]:
+        return [self.keys, self.inverse, self.counts, self.slots]
+
+    def table_tensors(self, name: str) -> List[torch.Tensor]:
+        """The parts of the batch's tensors that are table ``name``'s."""
+        t = self.group.index[name]
+        u0, u1 = self.unique_bounds[t], self.unique_bounds[t + 1]
+        k0, k1 = self.key_bounds[t], self.key_bounds[t + 1]
+        return [self.keys[u0:u1], self.inverse[k0:k1], self.counts[u0:u1], self.slots[u0:u1]]
+
+    def member(self, name: str) -> TableBatch:
+        """Table ``name``'s part as a :class:`TableBatch` of its own (slots of its table,
+        inverse into its keys): a copy, for reading."""
+        t = self.group.index[name]
+        u0 = self.unique_bounds[t]
+        keys, inverse, counts, slots = self.table_tensors(name)
+        local = torch.where(slots >= 0, slots - self.group.row_offset[t], -1)
+        batch = TableBatch(name, self.mode, True, keys, inverse - u0, counts,
+                           torch.tensor([keys.numel()]), slots=local)
+        batch.pinned, batch.consumed = self.pinned, self.consumed
+        batch.applied = name in self.applied
+        return batch
+
+
+class TableGroup:
+    """Tables of one :func:`group_signature` in one set of arrays (see the module
+    docstring). Building it copies each table into its part of the group's arrays."""
+
+    def __init__(self, tables: Sequence[DynamicTable]):
+        first = tables[0]
+        self.tables = list(tables)
+        self.names = tuple(t.name for t in tables)
+        self.index = {name: t for t, name in enumerate(self.names)}
+        self.kernels = first.kernels
+        self.device = first.tier.device
+        self.dim = first.dim
+        self.optimizer = first.optimizer
+        self.policy = first.tier.hash.policy
+        self.bucket_size = first.tier.hash.bucket_size
+        capacities = [t.tier.hash.capacity for t in tables]
+        self.row_offset = [0]
+        for capacity in capacities:
+            self.row_offset.append(self.row_offset[-1] + capacity)
+        rows = self.row_offset[-1]
+        weights = first.tier.flat.weights
+        self.arrays = TableArrays(
+            torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device=self.device),
+            torch.zeros(rows, dtype=torch.int64, device=self.device),
+            torch.zeros(rows, dtype=torch.int32, device=self.device),
+            torch.zeros(len(tables), dtype=torch.int64, device=self.device),
+            rows // self.bucket_size, self.bucket_size)
+        self.weights = torch.zeros(rows, weights.shape[1], dtype=weights.dtype,
+                                   device=self.device)
+        self.counters = torch.zeros(len(tables), len(COUNTER_NAMES), dtype=torch.int64,
+                                    device=first.counters.values.device)
+        for t, table in enumerate(tables):
+            lo, hi = self.row_offset[t], self.row_offset[t + 1]
+            table.tier.hash.use_storage(TableArrays(
+                self.arrays.keys[lo:hi], self.arrays.scores[lo:hi], self.arrays.refcnt[lo:hi],
+                self.arrays.size[t:t + 1], (hi - lo) // self.bucket_size, self.bucket_size))
+            table.tier.flat.use_storage(self.weights[lo:hi])
+            table.counters.use_storage(self.counters[t])
+        self._storage = [self._storage_of(t) for t in tables]
+        self._offsets = np.asarray(self.row_offset[:-1], dtype=np.int64)
+        self._num_buckets = np.asarray([c // self.bucket_size for c in capacities],
+                                       dtype=np.int64)
+        init = [t.options.initializer.kernel_params() for t in tables]
+        self._init_kinds = np.asarray([p[0] for p in init], dtype=np.int64)
+        self._init_params = [np.asarray([p[i] for p in init], dtype=np.float64)
+                             for i in range(1, 5)]
+        self._seeds = np.asarray([t.options.seed for t in tables], dtype=np.int64)
+        self._table_ids = np.asarray([t.table_id for t in tables], dtype=np.int64)
+
+    @staticmethod
+    def _storage_of(table: DynamicTable):
+        return (table, table.tier.hash.arrays, table.tier.flat.weights, table.counters.values)
+
+    def intact(self, tables: Mapping[str, DynamicTable]) -> bool:
+        """Whether ``tables`` still holds the group's tables, each still in its part of the
+        group's arrays (a checkpoint load or reset may have replaced a table)."""
+        return all(tables.get(name) is table and self._storage_of(table) == storage
+                   for name, table, storage in zip(self.names, self.tables, self._storage))
+
+    def runs_grouped(self) -> bool:
+        """Whether the next training batch can go through the group (no table tracks its
+        changes for checkpoint deltas, which the per-table path records)."""
+        return all(table.changes is None for table in self.tables)
+
+    # -- prefetch ------------------------------------------------------------------------------
+    def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
+                 scores: Sequence[Optional[int]]) -> GroupBatch:
+        """Claim and pin the rows of every table's ``keys`` (one tensor per table, group
+        order) for training. ``occurrences``: per table, what each id stands for (None: 1);
+        ``scores``: per table, the CUSTOMIZED score (None for other policies).
+
+        A key that finds no slot (its bucket full of pinned rows) undoes the whole claim and
+        raises :class:`TableFullError`, the group unchanged."""
+        key_bounds = [0]
+        for part in keys:
+            key_bounds.append(key_bounds[-1] + part.numel())
+        all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
+        n = all_keys.numel()
+        unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
+        unique_bounds = np.empty(len(keys) + 1, dtype=np.int64)
+        kb = np.asarray(key_bounds, dtype=np.int64)
+        u = groups_cpu.dedup_segments_cpu(all_keys.numpy(), kb, unique.numpy(),
+                                          inverse.numpy(), counts.numpy(), unique_bounds)
+        unique, counts = unique[:u], counts[:u]
+        counted = any(o is not None for o in occurrences)
+        if counted:  # ids deduplicated upstream: each stands for its occurrences
+            given_counts = torch.cat([o if o is not None else torch.ones_like(k)
+                                      for o, k in zip(occurrences, keys)])
+            counts = torch.zeros_like(counts).index_add_(0, inverse, given_counts)
+        ub = unique_bounds.tolist()
+        given = self._given_scores(scores, ub, unique)
+        slots = self._claim(unique, counts, given, unique_bounds)
+        batch = GroupBatch(self, unique, inverse, counts, ub, key_bounds, slots)
+        for table in self.tables:
+            table.hold_group_batch(batch)
+        self._count_prefetch(batch, given_counts if counted else None)
+        return batch
+
+    def _given_scores(self, scores, bounds: List[int], unique: torch.Tensor) -> torch.Tensor:
+        if self.policy is not ScorePolicy.CUSTOMIZED:
+            return unique.new_zeros(1).expand(unique.shape)
+        sizes = np.diff(np.asarray(bounds))
+        return torch.from_numpy(np.repeat(np.asarray(scores, dtype=np.int64), sizes))
+
+    def _claim(self, unique, counts, given, unique_bounds) -> torch.Tensor:
+        clocks = np.asarray([t.tier.hash.tick() for t in self.tables], dtype=np.int64)
+        u = unique.numel()
+        slots, prev_keys, prev_scores = (torch.empty(u, dtype=torch.int64) for _ in range(3))
+        inserted = torch.empty(u, dtype=torch.bool)
+        failed = torch.empty(u, dtype=torch.bool)
+        stats = np.empty((len(self.tables), 3), dtype=np.int64)
+        a = self.arrays
+        groups_cpu.find_or_insert_group_cpu(
+            a.keys.numpy(), a.scores.numpy(), a.refcnt.numpy(), a.size.numpy(), self._offsets,
+            self._num_buckets, self.bucket_size, unique.numpy(), unique_bounds,
+            counts.numpy(), given.numpy(), self.policy.code, clocks,
+            self.policy is not ScorePolicy.NO_EVICTION, True, slots.numpy(), inserted.numpy(),
+            prev_keys.numpy(), prev_scores.numpy(), failed.numpy(), stats)
+        if stats[:, 2].any():
+            self._rollback(slots, inserted, prev_keys, prev_scores, stats)
+            t = int(np.flatnonzero(stats[:, 2])[0])
+            table = self.tables[t]
+            lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
+            raise TableFullError(
+                f"table {table.name!r}: {int(stats[t, 2])} keys found no slot in the "
+                f"{table.mode.value} table ({table.tier.hash.capacity} rows, "
+                f"{table.tier.hash.pinned_count()} pinned by earlier batches); prefetch fewer "
+                f"batches ahead, raise the device budget, or use an evicting score_strategy. "
+                f"Nothing was inserted.", unique[lo:hi][failed[lo:hi]], None)
+        self._last_claim = (inserted, prev_keys, stats)
+        self._initialize(slots, unique, inserted, unique_bounds)
+        return slots
+
+    def _rollback(self, slots, inserted, prev_keys, prev_scores, stats) -> None:
+        """Undo a claim: keys, scores, sizes, pins and clocks as before it."""
+        a = self.arrays
+        a.keys[slots[inserted]] = prev_keys[inserted]
+        a.size.sub_(torch.from_numpy(stats[:, 0].copy()))
+        placed = slots >= 0
+        a.scores[slots[placed]] = prev_scores[placed]
+        self.kernels.add_refcounts(a, slots, -1)
+        for table in self.tables:
+            table.tier.hash.untick()
+
+    def _initialize(self, slots, keys, inserted, unique_bounds) -> None:
+        if self.weights.dtype == torch.float32:
+            groups_cpu.init_rows_at_group_cpu(
+                self.weights.numpy(), slots.numpy(), keys.numpy(), inserted.numpy(),
+                unique_bounds, self.dim, self._seeds, self._table_ids, self._init_kinds,
+                *self._init_params)
+            return
+        for t, table in enumerate(self.tables):  # float16 / bfloat16 rows: table by table
+            lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
+            local = torch.where(slots[lo:hi] >= 0, slots[lo:hi] - self.row_offset[t], -1)
+            table.tier.flat.initialize_where(local, keys[lo:hi], inserted[lo:hi],
+                                             table.options.initializer, seed=table.options.seed,
+                                             table_id=table.table_id)
+
+    def _count_prefetch(self, batch: GroupBatch, occurrences) -> None:
+        inserted, prev_keys, stats = self._last_claim
+        self._last_claim = None
+        per_table = np.empty((len(self.tables), 3), dtype=np.int64)
+        groups_cpu.claim_counts_group_cpu(np.asarray(batch.unique_bounds, dtype=np.int64),
+                                          batch.slots.numpy(), inserted.numpy(),
+                                          prev_keys.numpy(), per_table)
+        unique = np.diff(np.asarray(batch.unique_bounds, dtype=np.int64))
+        if occurrences is None:
+            lookups = np.diff(np.asarray(batch.key_bounds, dtype=np.int64))
+        else:
+            lookups = np.add.reduceat(occurrences.numpy(), batch.key_bounds[:-1]) if (
+                occurrences.numel()) else np.zeros(len(self.tables), dtype=np.int64)
+            empty = np.diff(np.asarray(batch.key_bounds)) == 0
+            lookups = np.where(empty, 0, lookups)  # reduceat gives the next value there
+        delta = np.zeros((len(self.tables), len(COUNTER_NAMES)), dtype=np.int64)
+        delta[:, _COUNTER["lookups"]] = lookups
+        delta[:, _COUNTER["unique_keys"]] = unique
+        delta[:, _COUNTER["hits"]] = per_table[:, 0]
+        delta[:, _COUNTER["misses"]] = unique - per_table[:, 0]
+        delta[:, _COUNTER["inserts"]] = per_table[:, 1]
+        delta[:, _COUNTER["evictions"]] = per_table[:, 2]
+        self.counters += torch.from_numpy(delta)
+
+    # -- forward and backward ------------------------------------------------------------------
+    def lookup_occurrences(self, batch: GroupBatch) -> Tuple[torch.Tensor, ...]:
+        """Every input key's row (float32), one tensor per table (views of one gather)."""
+        slots = batch.slots.index_select(0, batch.inverse)
+        rows = self.weights[:, :self.dim].index_select(0, slots).float()
+        sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
+        return rows.split(sizes)
+
+    def apply_gradients(self, batch: GroupBatch, grads: Sequence[Optional[torch.Tensor]], *,
+                        lr: float, steps: Mapping[str, int], clip: Optional[float]) -> None:
+        """The fused update of the rows of every table with a gradient (``grads``: per table
+        [N_t, dim], None for a table whose outputs took none), each at its own ``steps``; then
+        the batch's pins end."""
+        taking = [g is not None for g in grads]
+        slots = self._live_slots(batch)
+        if not all(taking):  # tables without a gradient keep their rows as they are
+            slots = slots.clone()
+            for t, takes in enumerate(taking):
+                if not takes:
+                    slots[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
+        occurrence_grads = torch.cat([
+            g if g is not None else torch.zeros(batch.key_bounds[t + 1] - batch.key_bounds[t],
+                                                self.dim)
+            for t, g in enumerate(grads)]) if len(grads) > 1 else grads[0]
+        per_row = OccurrenceGrads.from_inverse(occurrence_grads, batch.inverse,
+                                               batch.keys.numel(), clip=clip)
+        step_of = [steps[name] for name, takes in zip(self.names, taking) if takes]
+        for step in sorted(set(step_of)):
+            chosen = slots
+            if len(set(step_of)) > 1:  # tables at different steps: one update per step
+                chosen = slots.clone()
+                for t, name in enumerate(self.names):
+                    if not taking[t] or steps[name] != step:
+                        chosen[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
+            fused_update(self.weights, chosen, per_row, dim=self.dim, config=self.optimizer,
+                         lr=lr, step=step, kernels=self.kernels, keys=batch.keys,
+                         stochastic_rounding=False)
+        batch.applied.update(name for name, takes in zip(self.names, taking) if takes)
+        # the pins of tables without a gradient last until the next training lookup ends the
+        # batch, as a table alone holds its pins until its backward or that lookup
+        self.release(batch, [t for t, takes in enumerate(taking) if takes])
+
+    def _live_slots(self, batch: GroupBatch) -> torch.Tensor:
+        """The batch's slots if still pinned; else only those still holding its keys, the
+        others counted as dropped updates of their tables."""
+        if batch.pinned:
+            return batch.slots
+        slots = batch.slots
+        kept = self.arrays.keys[slots.clamp(min=0)] == batch.keys
+        dropped = ((slots >= 0) & ~kept).to(torch.int64)
+        bounds = batch.unique_bounds
+        per_table = torch.stack([dropped[bounds[t]:bounds[t + 1]].sum()
+                                 for t in range(len(self.tables))])
+        self.counters[:, _COUNTER["dropped_updates"]] += per_table
+        return torch.where(kept, slots, -1)
+
+    def release(self, batch: GroupBatch, tables: Optional[Sequence[int]] = None) -> None:
+        """End the batch's pins of ``tables`` (indices; None: all), once per table."""
+        if not batch.pinned:
+            return
+        ending = batch.unreleased if tables is None else batch.unreleased.intersection(tables)
+        if not ending:
+            return
+        if len(ending) == len(self.tables):
+            slots = batch.slots
+        else:
+            slots = torch.cat([batch.slots[batch.unique_bounds[t]:batch.unique_bounds[t + 1]]
+                               for t in sorted(ending)])
+        self.kernels.add_refcounts(self.arrays, slots, -1)
+        batch.unreleased -= ending
+        for t in ending:
+            self.tables[t].drop_group_batch(batch)
+        batch.pinned = bool(batch.unreleased)
+
+    def __repr__(self) -> str:
+        return f"TableGroup({list(self.names)}, rows={self.row_offset[-1]})"

@@ -1,0 +1,146 @@
+"""CPU kernels (``@njit``) of a table group: several hash tables of one shape in one set of
+arrays, each table owning a contiguous range of slots (and so of buckets), run by one call per
+phase.
+
+A group's keys come as segments, one per table, in the group's table order: table ``t``'s
+keys are ``keys[seg[t]:seg[t + 1]]``. Table ``t``'s slots are ``[row_offset[t], row_offset[t]
++ num_buckets[t] * bucket_size)`` of the group's arrays; a key is hashed into its own table's
+buckets only, so a table's keys never meet (or evict) another table's. Threads split the
+tables. Each table's claim is exactly the single-table kernel's (``table_cpu._claim_range``)
+on its range: the slots chosen are those a table of its own would choose.
+"""
+import numpy as np
+from numba import njit, prange
+
+from .hashing import mix64, is_live_key
+from .init_common import fill_row
+from .rng import row_stream
+from .table_cpu import _claim_range, _new_work
+
+
+@njit(cache=True, parallel=True)
+def dedup_segments_cpu(keys, seg, out_unique, out_inverse, out_counts, out_useg):
+    """Each segment's unique keys in first-occurrence order, segment after segment, with
+    counts and the inverse (an index into the whole unique array); returns the number of
+    unique keys. ``out_useg`` [T + 1]: where each segment's unique keys start.
+
+    First-occurrence order gives every bucket its keys in batch order, so a claim picks the
+    same slots as after the single-table dedup (which sorts them by bucket).
+    """
+    tables = seg.size - 1
+    n = keys.size
+    local_unique = np.empty(n, dtype=np.int64)
+    local_counts = np.empty(n, dtype=np.int64)
+    found = np.empty(tables, dtype=np.int64)
+    for t in prange(tables):
+        lo, hi = seg[t], seg[t + 1]
+        size = 16
+        while size < 2 * (hi - lo):
+            size *= 2
+        mask = size - 1
+        set_keys = np.empty(size, dtype=np.int64)
+        set_index = np.full(size, -1, dtype=np.int64)
+        u = 0
+        for i in range(lo, hi):
+            key = keys[i]
+            e = mix64(key) & mask
+            while True:
+                j = set_index[e]
+                if j < 0:
+                    set_index[e] = u
+                    set_keys[e] = key
+                    local_unique[lo + u] = key
+                    local_counts[lo + u] = 1
+                    out_inverse[i] = u
+                    u += 1
+                    break
+                if set_keys[e] == key:
+                    local_counts[lo + j] += 1
+                    out_inverse[i] = j
+                    break
+                e = (e + 1) & mask
+        found[t] = u
+    out_useg[0] = 0
+    for t in range(tables):
+        out_useg[t + 1] = out_useg[t] + found[t]
+    for t in prange(tables):
+        lo, start = seg[t], out_useg[t]
+        for j in range(found[t]):
+            out_unique[start + j] = local_unique[lo + j]
+            out_counts[start + j] = local_counts[lo + j]
+        for i in range(lo, seg[t + 1]):
+            out_inverse[i] += start
+    return out_useg[tables]
+
+
+@njit(cache=True, parallel=True)
+def find_or_insert_group_cpu(tbl_keys, tbl_scores, refcnt, sizes, row_offset, num_buckets,
+                             bucket_size, ukeys, useg, counts, given, policy, clocks,
+                             allow_evict, pin, out_slots, out_inserted, out_prev_keys,
+                             out_prev_scores, out_failed, out_stats):
+    """``find_or_insert`` of every table of a group: table ``t`` claims its unique keys
+    ``ukeys[useg[t]:useg[t + 1]]`` in its own slot range with its own clock ``clocks[t]``,
+    exactly as ``table_cpu.find_or_insert_cpu`` would on a table of its own. ``out_slots``
+    are group slots (the table's slot plus its ``row_offset``), -1 for keys without one;
+    ``sizes[t]`` counts table ``t``'s live keys. ``out_stats`` [T, 3]: per table (keys
+    added, live keys evicted, keys failed)."""
+    tables = useg.size - 1
+    for t in prange(tables):
+        lo, hi = useg[t], useg[t + 1]
+        if hi == lo:
+            out_stats[t, 0] = 0
+            out_stats[t, 1] = 0
+            out_stats[t, 2] = 0
+            continue
+        first = row_offset[t]
+        end = first + num_buckets[t] * bucket_size
+        added, evicted, failed = _claim_range(
+            tbl_keys[first:end], tbl_scores[first:end], refcnt[first:end], num_buckets[t],
+            bucket_size, ukeys, counts, given, policy, clocks[t], allow_evict, pin, lo, hi,
+            out_slots, out_inserted, out_prev_keys, out_prev_scores, out_failed,
+            _new_work(bucket_size))
+        for j in range(lo, hi):
+            if out_slots[j] >= 0:
+                out_slots[j] += first
+        sizes[t] += added
+        out_stats[t, 0] = added
+        out_stats[t, 1] = evicted
+        out_stats[t, 2] = failed
+
+
+@njit(cache=True, parallel=True)
+def claim_counts_group_cpu(useg, slots, inserted, prev_keys, out):
+    """Per table ``t`` of a group's claim: ``out[t] = (hits, inserts, live keys evicted)``."""
+    for t in prange(useg.size - 1):
+        hits = 0
+        new = 0
+        evicted = 0
+        for i in range(useg[t], useg[t + 1]):
+            if slots[i] >= 0:
+                if inserted[i]:
+                    new += 1
+                    if is_live_key(prev_keys[i]):
+                        evicted += 1
+                else:
+                    hits += 1
+        out[t, 0] = hits
+        out[t, 1] = new
+        out[t, 2] = evicted
+
+
+@njit(cache=True, parallel=True)
+def init_rows_at_group_cpu(weights, slots, keys, mask, useg, dim, seeds, table_ids, kinds, p0,
+                           p1, low, high):
+    """``init_cpu.init_rows_at_cpu`` for a group: the key at ``i`` in table ``t``'s segment
+    starts from table ``t``'s initializer (``kinds[t]``, ``p0[t]``, ...) with its seed and
+    table id, so its row is the one its table alone would give it."""
+    for t in prange(useg.size - 1):
+        for i in range(useg[t], useg[t + 1]):
+            s = slots[i]
+            if s < 0 or not mask[i]:
+                continue
+            row = weights[s]
+            fill_row(row, kinds[t], p0[t], p1[t], low[t], high[t],
+                     row_stream(seeds[t], table_ids[t], keys[i]), dim)
+            for j in range(dim, weights.shape[1]):
+                row[j] = 0.0
