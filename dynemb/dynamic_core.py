@@ -93,8 +93,9 @@ class DynamicCore:
     def _regroup(self) -> None:
         """Group the current tables (each group copies its tables into its own arrays)."""
         self.groups = []  # the old groups' arrays go with the last table that views them
-        if self._groups_on:
-            self.groups = group_tables(self.tables)
+        if self._groups_on:  # in config order (a reset table comes last in self.tables)
+            self.groups = group_tables({c.name: self.tables[c.name] for c in self.configs
+                                        if c.name in self.tables})
 
     def _groups_for_training(self) -> List[TableGroup]:
         """The groups a training batch goes through; regrouped first if a table was

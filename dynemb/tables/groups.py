@@ -376,7 +376,8 @@ class TableGroup:
         """End the batch's pins of ``tables`` (indices; None: all), once per table."""
         if not batch.pinned:
             return
-        ending = batch.unreleased if tables is None else batch.unreleased.intersection(tables)
+        ending = (set(batch.unreleased) if tables is None
+                  else batch.unreleased.intersection(tables))
         if not ending:
             return
         if len(ending) == len(self.tables):

@@ -1,0 +1,294 @@
+"""Table groups (dynemb.tables.groups): a grouped module and the same tables run one by one
+(``group_tables=False``) must agree bit for bit: outputs, rows, optimizer state, scores,
+counters, steps, errors. Plus the group's own invariants (a table's keys never evict another
+table's, which tables group) and its dedup kernel against a plain Python model."""
+from __future__ import annotations
+
+import io
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb import DynamicEmbCollection, DynamicEmbTableOptions
+from dynemb.admission import FrequencyAdmission
+from dynemb.kernels import groups_cpu
+from dynemb.optimizers import OptimizerConfig, OptimizerType
+from dynemb.tables.groups import GroupBatch
+from dynemb.types import ScorePolicy, TableFullError
+
+FEATURES = [f"f{i}" for i in range(4)]
+
+
+def configs(dims=(8, 8, 8, 8), rows=(200, 200, 120, 300)):
+    return [EmbeddingConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=n,
+                            feature_names=[FEATURES[i]])
+            for i, (dim, n) in enumerate(zip(dims, rows))]
+
+
+def twins(optimizer=OptimizerType.ADAM, policy=ScorePolicy.LRU, table_options=None,
+          dims=(8, 8, 8, 8)):
+    options = table_options or {
+        f"t{i}": DynamicEmbTableOptions(max_capacity=cap, bucket_size=32, score_strategy=policy)
+        for i, cap in enumerate((256, 256, 128, 512))}
+    decay = 0.01 if optimizer is OptimizerType.ADAM else 0.0
+    config = OptimizerConfig(optimizer, learning_rate=0.05, weight_decay=decay,
+                             max_gradient=0.5)
+    return [DynamicEmbCollection(configs(dims), table_options=options, optimizer=config,
+                                 group_tables=grouped) for grouped in (True, False)]
+
+
+def batch(gen: torch.Generator, ids_per_table=(48, 48, 36, 60), vocab=(900, 900, 400, 2000)):
+    parts = [torch.randint(0, v, (n,), generator=gen) for n, v in zip(ids_per_table, vocab)]
+    lengths = torch.cat([torch.full((12,), n // 12) for n in ids_per_table])  # 12 samples
+    return KeyedJaggedTensor.from_lengths_sync(FEATURES, torch.cat(parts), lengths)
+
+
+def step(module, kjt, weights=(1.0, 2.0, 0.0, 0.5), scores=None):
+    """One training step; a weight of 0 leaves that feature's output out of the loss."""
+    if scores is not None:
+        module.set_scores(scores)
+    out = module(kjt)
+    loss = sum(w * (out[f].values() ** 2).sum() for f, w in zip(FEATURES, weights) if w)
+    loss.backward()
+    return out
+
+
+def assert_same_module(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+    assert a.stats() == b.stats()
+    assert a.steps == b.steps
+
+
+def assert_same_outputs(out_a, out_b):
+    assert out_a.keys() == out_b.keys()
+    for f in out_a:
+        assert torch.equal(out_a[f].values(), out_b[f].values()), f
+        assert torch.equal(out_a[f].lengths(), out_b[f].lengths()), f
+
+
+def grouped_names(module):
+    return [group.names for group in module._core.groups]
+
+
+@pytest.mark.parametrize("optimizer", list(OptimizerType))
+@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.LFU_LRU,
+                                    ScorePolicy.STEP, ScorePolicy.CUSTOMIZED])
+def test_a_grouped_module_trains_bit_for_bit_as_its_tables_one_by_one(optimizer, policy):
+    grouped, alone = twins(optimizer, policy)
+    assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+    assert grouped_names(alone) == []
+    gen = torch.Generator().manual_seed(7)
+    for i in range(25):
+        kjt = batch(gen)
+        scores = ({f"t{t}": 1000 + 7 * i + t for t in range(4)}
+                  if policy is ScorePolicy.CUSTOMIZED else None)
+        assert_same_outputs(step(grouped, kjt, scores=scores), step(alone, kjt, scores=scores))
+    assert_same_module(grouped, alone)
+    stats = grouped.stats()
+    assert stats["t3"]["evictions"] > 0 and stats["t2"]["evictions"] > 0  # the run evicts
+    assert grouped.steps["t2"] == 0  # its output never reached a loss: never updated
+
+
+def test_groups_follow_what_the_kernels_share():
+    options = {
+        "t0": DynamicEmbTableOptions(max_capacity=256),
+        "t1": DynamicEmbTableOptions(max_capacity=512),
+        "t2": DynamicEmbTableOptions(max_capacity=256, admission=FrequencyAdmission(2)),
+        "t3": DynamicEmbTableOptions(init_capacity=128, max_capacity=512),  # grows
+    }
+    module = DynamicEmbCollection(configs(), table_options=options)
+    assert grouped_names(module) == [("t0", "t1")]
+    module = DynamicEmbCollection(configs(dims=(8, 16, 8, 16)))
+    assert grouped_names(module) == [("t0", "t2"), ("t1", "t3")]
+    module = DynamicEmbCollection(configs(), table_options={
+        "t0": DynamicEmbTableOptions(score_strategy=ScorePolicy.LFU)})
+    assert grouped_names(module) == [("t1", "t2", "t3")]
+    assert grouped_names(DynamicEmbCollection(configs()[:1])) == []
+
+
+def test_mixed_groups_and_lone_tables_match_their_twin():
+    options = {f"t{i}": DynamicEmbTableOptions(max_capacity=256, bucket_size=32)
+               for i in range(4)}
+    options["t1"] = DynamicEmbTableOptions(max_capacity=256, bucket_size=32,
+                                           admission=FrequencyAdmission(2))
+    config = OptimizerConfig(OptimizerType.ROWWISE_ADAGRAD, learning_rate=0.1)
+    grouped, alone = (DynamicEmbCollection(configs(dims=(8, 8, 16, 8)), table_options=options,
+                                           optimizer=config, group_tables=g)
+                      for g in (True, False))
+    assert grouped_names(grouped) == [("t0", "t3")]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(12):
+        kjt = batch(gen)
+        assert_same_outputs(step(grouped, kjt, weights=(1, 1, 1, 1)),
+                            step(alone, kjt, weights=(1, 1, 1, 1)))
+    assert_same_module(grouped, alone)
+
+
+def test_a_full_table_evicts_only_its_own_keys():
+    grouped, _ = twins(OptimizerType.SGD)
+    gen = torch.Generator().manual_seed(11)
+    quiet = torch.arange(36) * 3 + 1  # t2 sees the same 36 ids every step: they fit
+    for _ in range(30):
+        kjt = batch(gen)
+        values = kjt.values().clone()
+        values[96:132] = quiet
+        kjt = KeyedJaggedTensor.from_lengths_sync(FEATURES, values, kjt.lengths())
+        step(grouped, kjt)
+    stats = grouped.stats()
+    assert stats["t3"]["evictions"] > 100 and stats["t0"]["evictions"] > 100
+    assert stats["t2"]["evictions"] == 0 and stats["t2"]["rows_device"] == 36
+    rows, found = grouped.read_rows("t2", quiet)
+    assert bool(found.all())
+    for name in ("t0", "t1", "t3"):  # nobody else holds t2's keys, nor more than its rows
+        assert stats[name]["rows_device"] <= stats[name]["device_capacity"]
+
+
+def test_eval_and_no_grad_lookups_match_their_twin():
+    grouped, alone = twins(OptimizerType.ADAGRAD)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(6):
+        kjt = batch(gen)
+        step(grouped, kjt), step(alone, kjt)
+    kjt = batch(gen)
+    with torch.no_grad():
+        assert_same_outputs(grouped(kjt), alone(kjt))
+    grouped.eval(), alone.eval()
+    assert_same_outputs(grouped(kjt), alone(kjt))
+    assert_same_module(grouped, alone)
+
+
+def test_state_dicts_load_across_grouped_and_lone_modules_and_training_goes_on_the_same():
+    grouped, alone = twins(OptimizerType.ADAM)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(8):
+        step(grouped, batch(gen))
+    alone.load_state_dict(grouped.state_dict())
+    assert_same_module(grouped, alone)
+    fresh, _ = twins(OptimizerType.ADAM)
+    fresh.load_state_dict(alone.state_dict())  # into a grouped module
+    assert grouped_names(fresh) == [("t0", "t1", "t2", "t3")]
+    for _ in range(8):
+        kjt = batch(gen)
+        out = [step(m, kjt) for m in (grouped, alone, fresh)]
+        assert_same_outputs(out[0], out[1]), assert_same_outputs(out[0], out[2])
+    assert_same_module(grouped, alone), assert_same_module(grouped, fresh)
+
+
+def test_resetting_one_table_regroups_and_matches_the_twin():
+    grouped, alone = twins(OptimizerType.SGD)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        kjt = batch(gen)
+        step(grouped, kjt), step(alone, kjt)
+    grouped.reset_parameters(tables=["t1"]), alone.reset_parameters(tables=["t1"])
+    assert grouped.stats()["t1"]["rows_device"] == 0
+    for _ in range(5):
+        kjt = batch(gen)
+        assert_same_outputs(step(grouped, kjt), step(alone, kjt))
+    assert_same_module(grouped, alone)
+    assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+
+
+def test_a_pickled_grouped_module_goes_on_bit_for_bit():
+    grouped, alone = twins(OptimizerType.ADAM)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        kjt = batch(gen)
+        step(grouped, kjt), step(alone, kjt)
+    buffer = io.BytesIO()
+    torch.save(grouped, buffer)
+    buffer.seek(0)
+    copy = torch.load(buffer, weights_only=False)
+    for _ in range(4):
+        kjt = batch(gen)
+        out = [step(m, kjt) for m in (copy, alone)]
+        assert_same_outputs(*out)
+    assert_same_module(copy, alone)
+    assert pickle.loads(pickle.dumps(grouped.stats())) == grouped.stats()
+
+
+def test_a_table_with_no_free_row_raises_naming_it_and_changes_nothing():
+    options = {f"t{i}": DynamicEmbTableOptions(max_capacity=256, bucket_size=32,
+                                               score_strategy=ScorePolicy.NO_EVICTION)
+               for i in range(4)}
+    options["t2"] = DynamicEmbTableOptions(max_capacity=32, bucket_size=32,
+                                           score_strategy=ScorePolicy.NO_EVICTION)
+    grouped, alone = (DynamicEmbCollection(configs(), table_options=options, group_tables=g,
+                                           optimizer=OptimizerConfig(OptimizerType.SGD))
+                      for g in (True, False))
+    kjt = batch(torch.Generator().manual_seed(0))
+    before = {k: v.clone() for k, v in grouped.state_dict().items()}
+    for module in (grouped, alone):
+        with pytest.raises(TableFullError, match="table 't2'"):
+            module(kjt)
+    after = grouped.state_dict()
+    for key, value in before.items():
+        assert torch.equal(value, after[key]), key
+    assert grouped.stats()["t0"]["lookups"] == 0
+
+
+def test_a_second_backward_through_one_grouped_forward_raises():
+    grouped, _ = twins(OptimizerType.SGD)
+    out = grouped(batch(torch.Generator().manual_seed(1)))
+    loss = (out["f0"].values() ** 2).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already ran"):
+        loss.backward()
+
+
+def test_prefetch_state_shows_each_grouped_table_as_its_own_batch():
+    grouped, alone = twins(OptimizerType.SGD)
+    kjt = batch(torch.Generator().manual_seed(6))
+    state_g, state_a = grouped.prefetch(kjt), alone.prefetch(kjt)
+    assert isinstance(state_g.batches["t0"], GroupBatch)
+    for name in ("t0", "t1", "t2", "t3"):
+        keys_g, keys_a = state_g.unique_keys[name], state_a.unique_keys[name]
+        assert sorted(keys_g.tolist()) == sorted(keys_a.tolist())
+        slot_of_g = dict(zip(keys_g.tolist(), state_g.slots[name].tolist()))
+        slot_of_a = dict(zip(keys_a.tolist(), state_a.slots[name].tolist()))
+        assert slot_of_g == slot_of_a
+    assert grouped.tables["t0"].has_batches_in_flight()
+    grouped.clear_prefetched()
+    assert not any(t.has_batches_in_flight() for t in grouped.tables.values())
+    assert int(grouped.tables["t0"].tier.hash.pinned_count()) == 0
+
+
+def test_memory_is_counted_per_table_as_alone():
+    grouped, alone = twins(OptimizerType.ADAM)
+    for name in grouped.tables:
+        assert grouped.tables[name].memory_breakdown() == alone.tables[name].memory_breakdown()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(-5, 30), max_size=40), min_size=1, max_size=6))
+def test_segment_dedup_matches_a_python_model(segments):
+    keys = np.asarray([k for seg in segments for k in seg], dtype=np.int64)
+    bounds = np.cumsum([0] + [len(s) for s in segments]).astype(np.int64)
+    unique, inverse, counts = (np.empty(keys.size, dtype=np.int64) for _ in range(3))
+    unique_bounds = np.empty(len(segments) + 1, dtype=np.int64)
+    total = groups_cpu.dedup_segments_cpu(keys, bounds, unique, inverse, counts, unique_bounds)
+    expect_unique, expect_counts, expect_inverse, expect_bounds = [], [], [], [0]
+    for seg in segments:
+        index = {}
+        for k in seg:
+            if k not in index:
+                index[k] = len(expect_unique)
+                expect_unique.append(k)
+                expect_counts.append(0)
+            expect_counts[index[k]] += 1
+            expect_inverse.append(index[k])
+        expect_bounds.append(len(expect_unique))
+    assert total == len(expect_unique)
+    assert unique[:total].tolist() == expect_unique
+    assert counts[:total].tolist() == expect_counts
+    assert inverse.tolist() == expect_inverse
+    assert unique_bounds.tolist() == expect_bounds
