@@ -40,6 +40,7 @@ import dynemb.collection
 import dynemb.dynamic_core
 import dynemb.occurrence_grads
 import dynemb.tables.base
+import dynemb.tables.groups
 from benchmarks.common import (ROOT, add_run_options, check, config_of, fill_defaults,
                                git_state, load_before_run, machine_info, new_parser,
                                paired_ratios, peak_rss_gib, percentile, profile_tables, pyplot,
@@ -51,14 +52,17 @@ from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfi
                     OptimizerType, StorageMode)
 from dynemb.counters import COUNTER_NAMES
 from dynemb.tables import DynamicTable, HbmDirectTable
+from dynemb.tables.groups import TableGroup
 
 FILE_STEM, PROFILE_STEM = "tables_cpu", "tables_profile"
 DYNEMB_METHODS = ("hbm_fit", "hbm_evict", "cache")
-BASELINES = ("torch_sparse", "torchrec")
+#: hbm_fit_alone: hbm_fit's tables run one by one (``group_tables=False``), as before groups
+BASELINES = ("hbm_fit_alone", "torch_sparse", "torchrec")
 METHODS = DYNEMB_METHODS + BASELINES
 LABELS = {
     "hbm_fit": "dynemb HBM_DIRECT, every id fits (no eviction)",
     "hbm_evict": "dynemb HBM_DIRECT, capacity below the ids seen (evicts)",
+    "hbm_fit_alone": "hbm_fit with its tables run one by one (group_tables=False)",
     "cache": "dynemb CACHE, device budget below the ids seen (evicts to the host store)",
     "torch_sparse": "nn.Embedding(sparse=True) per table (TorchRec EC, unsharded) + torch "
                     "optimizer",
@@ -72,7 +76,7 @@ HEADROOM = 2.0
 LEARNING_RATE, EPS = 1e-3, 1e-8
 #: Methods that keep every id must agree this closely at every step (probe rows).
 PROBE_ROWS, PROBE_RTOL, PROBE_ATOL = 8, 1e-3, 1e-4
-SAME_ROWS = ("hbm_fit", "cache", "torch_sparse", "torchrec")
+SAME_ROWS = ("hbm_fit", "hbm_fit_alone", "cache", "torch_sparse", "torchrec")
 SCALING_TARGET, TORCH_TARGET, TORCH_TARGET_TABLES = 1.3, 1.0, 128
 
 
@@ -175,11 +179,13 @@ class DynembMethod(Method):
     dense_ids = False
 
     def __init__(self, name: str, wl: Workload, dim: int, opt_name: str,
-                 options: DynamicEmbTableOptions, mode: StorageMode):
+                 options: DynamicEmbTableOptions, mode: StorageMode, *,
+                 group_tables: bool = True):
         self.name, self.mode = name, mode
         self.module = DynamicEmbCollection(table_configs(wl, dim, options.max_capacity),
                                            table_options=options,
-                                           optimizer=optimizer_config(opt_name))
+                                           optimizer=optimizer_config(opt_name),
+                                           group_tables=group_tables)
         modes = set(self.module.storage_modes().values())
         check(modes == {mode}, f"{name}: expected storage mode {mode.name}, got {modes}")
 
@@ -303,6 +309,8 @@ def build_methods(wl: Workload, dim: int, opt_name: str) -> List[Method]:
     width = dim + optimizer_config(opt_name).state_dim(dim)
     hbm_fit = DynembMethod("hbm_fit", wl, dim, opt_name, DynamicEmbTableOptions(
         max_capacity=fit, init_capacity=fit), StorageMode.HBM_DIRECT)
+    alone = DynembMethod("hbm_fit_alone", wl, dim, opt_name, DynamicEmbTableOptions(
+        max_capacity=fit, init_capacity=fit), StorageMode.HBM_DIRECT, group_tables=False)
     evict = DynembMethod("hbm_evict", wl, dim, opt_name, DynamicEmbTableOptions(
         max_capacity=small, init_capacity=small), StorageMode.HBM_DIRECT)
     cache = DynembMethod("cache", wl, dim, opt_name, DynamicEmbTableOptions(
@@ -311,7 +319,7 @@ def build_methods(wl: Workload, dim: int, opt_name: str) -> List[Method]:
     device_rows = {int(s["device_capacity"]) for s in cache.module.stats().values()}
     check(device_rows == {small}, f"cache: device rows {device_rows}, expected {small}")
     initial = hbm_fit.initial_rows(wl, dim)
-    return [hbm_fit, evict, cache, TorchSparseMethod(wl, dim, opt_name, initial),
+    return [hbm_fit, evict, cache, alone, TorchSparseMethod(wl, dim, opt_name, initial),
             TorchRecMethod(wl, dim, opt_name, initial)]
 
 
@@ -367,6 +375,12 @@ def run_config(cfg, wl: Workload, opt_name: str, bar: tqdm) -> dict:
         step_all(methods, wl, i, grads, where)
         bar.update()
     before = {m.name: m.counters() for m in methods if isinstance(m, DynembMethod)}
+    # Hundreds of tables make thousands of Python objects per step (outputs, autograd
+    # nodes) for every method; a full collection then walks the whole interpreter (0.3 s
+    # here) and lands on whichever method is running. Freezing what exists after the
+    # warm-up keeps those walks out of every method's steps alike.
+    gc.collect()
+    gc.freeze()
     times: Dict[str, List[Tuple[float, float]]] = {m.name: [] for m in methods}
     for i in range(cfg.warmup, cfg.warmup + cfg.steps):
         bar.set_postfix_str(f"{where}: step {i + 1}")
@@ -393,6 +407,7 @@ def run_config(cfg, wl: Workload, opt_name: str, bar: tqdm) -> dict:
             row[f"{m}_vs_{base}"] = mine["median_ms"] / theirs["median_ms"]
             row[f"{m}_vs_{base}_paired"] = paired_ratios(mine["step_ms"], theirs["step_ms"])
     del methods
+    gc.unfreeze()
     gc.collect()
     return row
 
@@ -404,7 +419,7 @@ def check_counters(cfg, wl: Workload, m: DynembMethod, before: Dict[str, int]) -
     delta = {k: after[k] - before[k] for k in COUNTER_NAMES}
     check(delta["lookups"] == cfg.steps * wl.tables * wl.per_table,
           f"{m.name}: counted {delta['lookups']} lookups in the timed steps")
-    if m.name == "hbm_fit":
+    if m.name.startswith("hbm_fit"):
         check(after["evictions"] == 0, f"hbm_fit evicted {after['evictions']} rows")
     else:
         check(delta["evictions"] > 0, f"{m.name}: nothing was evicted in the timed steps")
@@ -438,7 +453,8 @@ def targets(rows: List[dict]) -> List[dict]:
 
 
 #: The ratios the table on stdout shows: (column, method, baseline).
-SHOWN_RATIOS = (("fit/sparse", "hbm_fit", "torch_sparse"), ("fit/torchrec", "hbm_fit", "torchrec"),
+SHOWN_RATIOS = (("fit/alone", "hbm_fit", "hbm_fit_alone"),
+                ("fit/sparse", "hbm_fit", "torch_sparse"), ("fit/torchrec", "hbm_fit", "torchrec"),
                 ("evict/sparse", "hbm_evict", "torch_sparse"),
                 ("cache/sparse", "cache", "torch_sparse"))
 
@@ -498,7 +514,8 @@ def plot(report: dict, path: Path) -> None:
     opts = list(dict.fromkeys(r["optimizer"] for r in rows))
     fig, axes = pyplot().subplots(len(opts), len(DYNEMB_METHODS), squeeze=False,
                                   figsize=(5 * len(DYNEMB_METHODS), 3.8 * len(opts)))
-    styles = {"torch_sparse": ("tab:orange", "--"), "torchrec": ("tab:green", ":")}
+    styles = {"torch_sparse": ("tab:orange", "--"), "torchrec": ("tab:green", ":"),
+              "hbm_fit_alone": ("tab:gray", "-.")}
     for i, opt in enumerate(opts):
         mine = sorted((r for r in rows if r["optimizer"] == opt), key=lambda r: r["tables"])
         ts = [r["tables"] for r in mine]
@@ -546,6 +563,19 @@ def profile_phases():
         ("fused update (kernel)", dynemb.tables.base, "fused_update",
          ("dynemb/optimizers.py", "fused_update")),
         ("release pins", DynamicTable, "release", ("dynemb/tables/base.py", "release")),
+        # a group's phases (dynemb.tables.groups), under the same labels
+        ("dedup", TableGroup, "_dedup", ("dynemb/tables/groups.py", "_dedup")),
+        ("find_or_insert (claim, pin)", TableGroup, "_claim",
+         ("dynemb/tables/groups.py", "_claim")),
+        ("counters of the claim", TableGroup, "_count_prefetch",
+         ("dynemb/tables/groups.py", "_count_prefetch")),
+        ("new rows' initializer", TableGroup, "_initialize",
+         ("dynemb/tables/groups.py", "_initialize")),
+        ("gather (rows per occurrence)", TableGroup, "lookup_occurrences",
+         ("dynemb/tables/groups.py", "lookup_occurrences")),
+        ("fused update (kernel)", dynemb.tables.groups, "fused_update",
+         ("dynemb/optimizers.py", "fused_update")),
+        ("release pins", TableGroup, "release", ("dynemb/tables/groups.py", "release")),
     ]
 
 
@@ -581,6 +611,7 @@ def profile_run(cfg, tables: int, bar: tqdm) -> dict:
     for label, owner, attr, _ in phases:
         timers.wrap(owner, attr, label)
     timers.wrap(DynamicTable, "prefetch", PREFETCH)
+    timers.wrap(TableGroup, "prefetch", PREFETCH)
     try:
         wrapped = steps(cfg.warmup + n)
     finally:
@@ -594,8 +625,12 @@ def profile_run(cfg, tables: int, bar: tqdm) -> dict:
                           for label, *_ in phases},
                          timers.seconds.get(PREFETCH, 0.0) / n * 1e3, sum(wrapped) / n)
     cum = cprofile_cumulative(prof, n)
-    by_name = with_rest({label: cum.get(key, 0.0) for label, _, _, key in phases},
-                        cum.get(("dynemb/tables/base.py", "prefetch"), 0.0), sum(profiled) / n)
+    named: Dict[str, float] = {}
+    for label, _, _, key in phases:  # a label may name a table's and a group's function
+        named[label] = named.get(label, 0.0) + cum.get(key, 0.0)
+    by_name = with_rest(named, cum.get(("dynemb/tables/base.py", "prefetch"), 0.0)
+                        + cum.get(("dynemb/tables/groups.py", "prefetch"), 0.0),
+                        sum(profiled) / n)
     return {"tables": tables, "ids_per_table": wl.per_table, "steps": n,
             "step_ms": statistics.median(plain), "step_ms_all": plain,
             "step_ms_under_timers": step_w, "step_ms_under_cprofile": step_p,

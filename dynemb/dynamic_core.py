@@ -227,7 +227,7 @@ class DynamicCore:
             raise
         batches = {name: batches[name] for name in self.tables}
         features = {name: per_table[name][1] for name in self.tables}
-        lengths = {f: jt.lengths() for f, jt in per_table["__jt__"].items()}
+        lengths = per_table["__lengths__"]
         return PrefetchState(batches, features, tuple(kjt.keys()), training,
                              lengths=lengths, values=kjt.values(), all_lengths=kjt.lengths())
 

@@ -10,6 +10,9 @@ def test_storage_bytes_counts_views_of_one_storage_once():
     assert storage_bytes([a, a[:, :2], a[5:], a.view(40), b]) == 160 + 24
     assert storage_bytes([a[:1]]) == 160        # a slice holds its whole storage
     assert storage_bytes([]) == 0
+    # spans_only: what the views cover (a grouped table's rows, a view of its group's)
+    assert storage_bytes([a[2:4], a[3:5], b[1:]], spans_only=True) == 3 * 16 + 16
+    assert storage_bytes([a], spans_only=True) == 160
 
 
 def test_breakdown_totals_and_sum():

@@ -401,6 +401,6 @@ class DynamicTable(CheckpointTiers):
 
 def tier_row_bytes(tier: Tier, row: RowLayout) -> Tuple[int, int]:
     """(value bytes, optimizer-state bytes) of a tier's flat table."""
-    nbytes = storage_bytes([tier.flat.weights])
+    nbytes = storage_bytes([tier.flat.weights], spans_only=True)
     values = nbytes * row.embedding_bytes // row.row_bytes
     return values, nbytes - values

@@ -210,14 +210,7 @@ class TableGroup:
         key_bounds = [0]
         for part in keys:
             key_bounds.append(key_bounds[-1] + part.numel())
-        all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
-        n = all_keys.numel()
-        unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-        unique_bounds = np.empty(len(keys) + 1, dtype=np.int64)
-        kb = np.asarray(key_bounds, dtype=np.int64)
-        u = groups_cpu.dedup_segments_cpu(all_keys.numpy(), kb, unique.numpy(),
-                                          inverse.numpy(), counts.numpy(), unique_bounds)
-        unique, counts = unique[:u], counts[:u]
+        unique, inverse, counts, unique_bounds = self._dedup(keys, key_bounds)
         counted = any(o is not None for o in occurrences)
         if counted:  # ids deduplicated upstream: each stands for its occurrences
             given_counts = torch.cat([o if o is not None else torch.ones_like(k)
@@ -225,12 +218,24 @@ class TableGroup:
             counts = torch.zeros_like(counts).index_add_(0, inverse, given_counts)
         ub = unique_bounds.tolist()
         given = self._given_scores(scores, ub, unique)
-        slots = self._claim(unique, counts, given, unique_bounds)
+        slots, inserted, prev_keys = self._claim(unique, counts, given, unique_bounds)
+        self._initialize(slots, unique, inserted, unique_bounds)
         batch = GroupBatch(self, unique, inverse, counts, ub, key_bounds, slots)
         for table in self.tables:
             table.hold_group_batch(batch)
-        self._count_prefetch(batch, given_counts if counted else None)
+        self._count_prefetch(batch, inserted, prev_keys, given_counts if counted else None)
         return batch
+
+    def _dedup(self, keys: Sequence[torch.Tensor], key_bounds: List[int]):
+        """(unique keys, inverse, counts, unique bounds [T + 1]) of every table's keys."""
+        all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
+        n = all_keys.numel()
+        unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
+        unique_bounds = np.empty(len(keys) + 1, dtype=np.int64)
+        u = groups_cpu.dedup_segments_cpu(all_keys.numpy(), np.asarray(key_bounds, np.int64),
+                                          unique.numpy(), inverse.numpy(), counts.numpy(),
+                                          unique_bounds)
+        return unique[:u], inverse, counts[:u], unique_bounds
 
     def _given_scores(self, scores, bounds: List[int], unique: torch.Tensor) -> torch.Tensor:
         if self.policy is not ScorePolicy.CUSTOMIZED:
@@ -263,9 +268,7 @@ class TableGroup:
                 f"{table.tier.hash.pinned_count()} pinned by earlier batches); prefetch fewer "
                 f"batches ahead, raise the device budget, or use an evicting score_strategy. "
                 f"Nothing was inserted.", unique[lo:hi][failed[lo:hi]], None)
-        self._last_claim = (inserted, prev_keys, stats)
-        self._initialize(slots, unique, inserted, unique_bounds)
-        return slots
+        return slots, inserted, prev_keys
 
     def _rollback(self, slots, inserted, prev_keys, prev_scores, stats) -> None:
         """Undo a claim: keys, scores, sizes, pins and clocks as before it."""
@@ -292,9 +295,7 @@ class TableGroup:
                                              table.options.initializer, seed=table.options.seed,
                                              table_id=table.table_id)
 
-    def _count_prefetch(self, batch: GroupBatch, occurrences) -> None:
-        inserted, prev_keys, stats = self._last_claim
-        self._last_claim = None
+    def _count_prefetch(self, batch: GroupBatch, inserted, prev_keys, occurrences) -> None:
         per_table = np.empty((len(self.tables), 3), dtype=np.int64)
         groups_cpu.claim_counts_group_cpu(np.asarray(batch.unique_bounds, dtype=np.int64),
                                           batch.slots.numpy(), inserted.numpy(),
@@ -303,10 +304,9 @@ class TableGroup:
         if occurrences is None:
             lookups = np.diff(np.asarray(batch.key_bounds, dtype=np.int64))
         else:
-            lookups = np.add.reduceat(occurrences.numpy(), batch.key_bounds[:-1]) if (
-                occurrences.numel()) else np.zeros(len(self.tables), dtype=np.int64)
-            empty = np.diff(np.asarray(batch.key_bounds)) == 0
-            lookups = np.where(empty, 0, lookups)  # reduceat gives the next value there
+            total = np.concatenate([[0], np.cumsum(occurrences.numpy())])
+            bounds = np.asarray(batch.key_bounds)
+            lookups = total[bounds[1:]] - total[bounds[:-1]]
         delta = np.zeros((len(self.tables), len(COUNTER_NAMES)), dtype=np.int64)
         delta[:, _COUNTER["lookups"]] = lookups
         delta[:, _COUNTER["unique_keys"]] = unique

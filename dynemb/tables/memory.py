@@ -83,10 +83,19 @@ class PlannedRows:
     host_exact: bool = True
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storages behind ``tensors``: per storage, the span its given views cover
-    (views of one storage count once; a table of a group, whose tensors are views of the
-    group's, counts its own part)."""
+def storage_bytes(tensors: Iterable[torch.Tensor], *, spans_only: bool = False) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once).
+    ``spans_only``: per storage, only the span its given views cover (a table of a group,
+    whose rows are a view of the group's, counts its own part)."""
+    if not spans_only:
+        seen, total = set(), 0
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = (tensor.device, storage.data_ptr(), storage.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        return total
     spans: dict = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
