@@ -45,7 +45,7 @@ class DynamicEmbBagCollection(EmbeddingBagCollectionInterface, DynamicModule):
             features may share a table, and a feature may feed several tables.
         is_weighted: the KJT carries one weight per id (SUM pooling only); an unweighted
             collection ignores the KJT's weights, as ``EmbeddingBagCollection`` does.
-        device, table_options, optimizer, validate_inputs, backend: as for
+        device, table_options, optimizer, validate_inputs, backend, group_tables: as for
             :class:`~dynemb.collection.DynamicEmbCollection`.
 
     Every feature of the collection must be in each KJT (as ``EmbeddingBagCollection``
@@ -78,7 +78,7 @@ class DynamicEmbBagCollection(EmbeddingBagCollectionInterface, DynamicModule):
                  table_options: Union[DynamicEmbTableOptions,
                                       Mapping[str, DynamicEmbTableOptions], None] = None,
                  optimizer: Optional[OptimizerConfig] = None, validate_inputs: bool = True,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, group_tables: bool = True):
         super().__init__()
         configs = check_configs(tables, EmbeddingBagConfig)
         for config in configs:
@@ -90,7 +90,8 @@ class DynamicEmbBagCollection(EmbeddingBagCollectionInterface, DynamicModule):
                                  f"SUM only (per-id weights with {config.pooling.name} are "
                                  f"not supported, as in EmbeddingBagCollection)")
         self._build_core(configs, device, table_options=table_options, optimizer=optimizer,
-                         validate_inputs=validate_inputs, backend=backend)
+                         validate_inputs=validate_inputs, backend=backend,
+                         group_tables=group_tables)
         self._is_weighted = bool(is_weighted)
         # output keys in config order (table by table; feature@table where several tables
         # read a feature), each output's dim and first column

@@ -316,28 +316,29 @@ class DynamicCore:
             self._steps[name] += 1
         self.tables[name].apply_gradients(batch, grads, lr=lr, step=self._steps[name])
 
-    def apply_group_gradients(self, batch: GroupBatch, grads, generation: int) -> None:
-        """The fused update of a group batch's rows from ``grads``, one per table of the
-        group ([N_t, dim] per occurrence, None for a table whose outputs took no gradient),
-        as :meth:`apply_gradients` would do table by table."""
+    def apply_group_gradients(self, batch: GroupBatch, grads, taking: List[bool],
+                              generation: int) -> None:
+        """The fused update of a group batch's rows from ``grads`` (an
+        :class:`~dynemb.optimizers.OccurrenceGrads` of its unique keys) for the tables
+        ``taking`` a gradient (per table of the group), as :meth:`apply_gradients` would do
+        table by table."""
         names = batch.names
         if generation != self._generation:
             raise RuntimeError(
                 f"tables {list(names)} were loaded from a checkpoint or reset after this "
                 f"forward; their backward would update rows that are no longer there. Run a "
                 f"new forward")
-        again = [n for n, g in zip(names, grads) if g is not None and n in batch.applied]
+        again = [n for n, takes in zip(names, taking) if takes and n in batch.applied]
         if again:
             raise RuntimeError(
                 f"table {again[0]!r}: the backward of this lookup already ran and applied its "
                 f"update; a second backward through the same forward (retain_graph=True) would "
                 f"apply it twice. Sum the losses and call backward once, or run a new forward")
         lr = self._check_lr()
-        for name, grad in zip(names, grads):
-            if grad is not None:
+        for name, takes in zip(names, taking):
+            if takes:
                 self._steps[name] += 1
-        batch.group.apply_gradients(batch, grads, lr=lr, steps=self._steps,
-                                    clip=self.max_gradient)
+        batch.group.apply_gradients(batch, grads, taking, lr=lr, steps=self._steps)
 
     def _check_lr(self) -> float:
         given = self.fused_optimizer.param_groups[0]["lr"]

@@ -48,5 +48,8 @@ class GroupOccurrenceLookup(torch.autograd.Function):
     def backward(ctx, *grad_rows):
         core = ctx.core
         core.before_backward()
-        core.apply_group_gradients(ctx.batch, list(grad_rows), ctx.generation)
+        batch = ctx.batch
+        grads = batch.group.occurrence_grads(batch, grad_rows, clip=core.max_gradient)
+        core.apply_group_gradients(batch, grads, [g is not None for g in grad_rows],
+                                   ctx.generation)
         return None, None, None

@@ -7,7 +7,7 @@ ids in the batch, D its embedding dim, C the output's columns (the sum of the fe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from dynemb.dynamic_core import DynamicCore
 from dynemb.optimizers import OccurrenceGrads, occurrence_csr
 from dynemb.tables import DynamicTable, TableBatch
+from dynemb.tables.groups import GroupBatch
 
 
 @dataclass
@@ -56,6 +57,22 @@ class Bags:
         bag's gradient (divided by the bag length for MEAN: the gradient of the sum, where
         fbgemm clips), times the id's weight. ``strided``: the kernel may read the bags'
         gradients in place from ``grad_out``'s columns. No host sync."""
+        grad_bags, scale = self.bag_grads(grad_out, inverse.numel(), dim, clip, strided)
+        offsets, order = occurrence_csr(inverse, num_rows)
+        return OccurrenceGrads(grad_bags.to(torch.float32), offsets,
+                               self.bag_of_id(inverse.numel())[order].contiguous(),
+                               None if scale is None else scale[order].contiguous(), clip)
+
+    def bag_of_id(self, num_ids: int) -> torch.Tensor:
+        """[N] the bag of each id (feature ``i``'s bag of sample ``b`` is ``i * B + b``)."""
+        return torch.repeat_interleave(
+            torch.arange(self.lengths.numel(), device=self.lengths.device), self.lengths,
+            output_size=num_ids)
+
+    def bag_grads(self, grad_out: torch.Tensor, num_ids: int, dim: int, clip: Optional[float],
+                  strided: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(each bag's gradient [F * B, dim], each id's scale [N] or None): what
+        :meth:`occurrence_grads` hands the kernel, before the ids are put in row order."""
         size = grad_out.shape[0]
         cols = grad_out[:, self.column:self.column + self.num_features * dim]
         if self.num_features == 1:
@@ -70,28 +87,94 @@ class Bags:
                 grad_bags = grad_bags / per_bag.unsqueeze(1)
             else:  # no clipping: the division rides on each id's scale
                 bag_scale = (1.0 / per_bag).repeat_interleave(self.lengths,
-                                                              output_size=inverse.numel())
+                                                              output_size=num_ids)
                 scale = bag_scale if scale is None else scale * bag_scale
-        bag_of_id = torch.repeat_interleave(
-            torch.arange(self.lengths.numel(), device=inverse.device), self.lengths,
-            output_size=inverse.numel())
-        offsets, order = occurrence_csr(inverse, num_rows)
-        return OccurrenceGrads(grad_bags.to(torch.float32), offsets,
-                               bag_of_id[order].contiguous(),
-                               None if scale is None else scale[order].contiguous(), clip)
+        return grad_bags, scale
 
 
 #: one table's part of a pooled lookup: its name, looked-up batch and bags
 TableBags = Tuple[str, TableBatch, "Bags"]
 
 
+def lookup_units(tables: List[TableBags]):
+    """The tables as the lookup runs them: ``(name, batch, bags)`` for a table alone, and
+    ``(None, group batch, [(name, bags), ...])`` once per group (:mod:`dynemb.tables.groups`),
+    at its first table."""
+    seen = set()
+    members: Dict[int, List[Tuple[str, Bags]]] = {}
+    for name, batch, bags in tables:
+        if isinstance(batch, GroupBatch):
+            members.setdefault(id(batch), []).append((name, bags))
+    for name, batch, bags in tables:
+        if not isinstance(batch, GroupBatch):
+            yield name, batch, bags
+        elif id(batch) not in seen:
+            seen.add(id(batch))
+            yield None, batch, members[id(batch)]
+
+
 def pool_all(core: DynamicCore, tables: List[TableBags], size: int,
              columns: int) -> torch.Tensor:
     """Every table's bags pooled into one [``size``, ``columns``] output."""
     out = torch.empty(size, columns, device=core.device)
-    for name, batch, bags in tables:
-        bags.pool_into(out, core.tables[name], batch)
+    for name, batch, bags in lookup_units(tables):
+        if name is None:
+            pool_group(out, batch, bags)
+        else:
+            bags.pool_into(out, core.tables[name], batch)
     return out
+
+
+def pool_group(out: torch.Tensor, batch: GroupBatch, members: List[Tuple[str, Bags]]) -> None:
+    """A group's tables' bags into their columns of ``out`` [B, C], straight from the
+    group's rows: one kernel call for all of them when they pool alike (else one per
+    table)."""
+    group = batch.group
+    size, dim = out.shape[0], group.dim
+    occ_slots = batch.slots.index_select(0, batch.inverse)
+    rows = group.weights
+    if rows.dtype != torch.float32:  # float16 / bfloat16 rows: pool float32 copies
+        rows = rows[:, :dim].float()
+    uniform = len({bags.mode for _, bags in members}) == 1
+    parts = [members] if uniform else [[m] for m in members]
+    for part in parts:
+        first = [batch.key_bounds[group.index[name]] for name, _ in part]
+        offsets = torch.cat([bags.offsets[:-1] + start for (_, bags), start in zip(part, first)]
+                            + [part[-1][1].offsets[-1:] + first[-1]])
+        cols = torch.cat([bags.column + dim * torch.arange(bags.num_features,
+                                                           device=out.device)
+                          for _, bags in part])
+        scale = (torch.cat([bags.weights for _, bags in part]) if part[0][1].weights is not None
+                 else torch.empty(0, dtype=torch.float32, device=out.device))
+        group.kernels.pool_bags(rows, occ_slots, offsets, scale, part[0][1].mode == "mean",
+                                size, cols, dim, out)
+
+
+def group_occurrence_grads(grad_out: torch.Tensor, batch: GroupBatch,
+                           members: List[Tuple[str, Bags]],
+                           clip: Optional[float]) -> OccurrenceGrads:
+    """:meth:`Bags.occurrence_grads` for a whole group: every id of its tables, in one."""
+    group = batch.group
+    dim = group.dim
+    grads, scales, bag_ids, bags_before = [], [], [], 0
+    for name, bags in members:
+        t = group.index[name]
+        n = batch.key_bounds[t + 1] - batch.key_bounds[t]
+        grad_bags, scale = bags.bag_grads(grad_out, n, dim, clip, strided=False)
+        grads.append(grad_bags)
+        scales.append(scale)
+        bag_ids.append(bags.bag_of_id(n) + bags_before)
+        bags_before += grad_bags.shape[0]
+    scale = None
+    if any(s is not None for s in scales):
+        scale = torch.cat([s if s is not None else
+                           torch.ones(b.numel(), device=grad_out.device)
+                           for s, b in zip(scales, bag_ids)])
+    offsets, order = occurrence_csr(batch.inverse, batch.keys.numel())
+    bag_of_id = torch.cat(bag_ids) if len(bag_ids) > 1 else bag_ids[0]
+    return OccurrenceGrads(torch.cat(grads).to(torch.float32), offsets,
+                           bag_of_id[order].contiguous(),
+                           None if scale is None else scale[order].contiguous(), clip)
 
 
 class PooledLookup(torch.autograd.Function):
@@ -109,7 +192,12 @@ class PooledLookup(torch.autograd.Function):
     def backward(ctx, grad_out):
         core = ctx.core
         core.before_backward()
-        for name, batch, bags in ctx.tables:
+        for name, batch, bags in lookup_units(ctx.tables):
+            if name is None:  # a group: every table takes the output's gradient
+                grads = group_occurrence_grads(grad_out, batch, bags, core.max_gradient)
+                core.apply_group_gradients(batch, grads, [True] * len(batch.names),
+                                           ctx.generation)
+                continue
             table = core.tables[name]
             grads = bags.occurrence_grads(grad_out, batch.inverse, batch.keys.numel(),
                                           table.dim, core.max_gradient,

@@ -324,24 +324,33 @@ class TableGroup:
         sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
         return rows.split(sizes)
 
-    def apply_gradients(self, batch: GroupBatch, grads: Sequence[Optional[torch.Tensor]], *,
-                        lr: float, steps: Mapping[str, int], clip: Optional[float]) -> None:
-        """The fused update of the rows of every table with a gradient (``grads``: per table
-        [N_t, dim], None for a table whose outputs took none), each at its own ``steps``; then
-        the batch's pins end."""
-        taking = [g is not None for g in grads]
+    def occurrence_grads(self, batch: GroupBatch, grads: Sequence[Optional[torch.Tensor]], *,
+                         clip: Optional[float]) -> OccurrenceGrads:
+        """The gradients of every input key's row (``grads``: per table [N_t, dim], None for
+        a table whose outputs took none: zeros there), summed per row by the update."""
+        if len(grads) == 1:
+            occurrence = grads[0]
+        else:
+            occurrence = torch.cat([
+                g if g is not None else torch.zeros(
+                    batch.key_bounds[t + 1] - batch.key_bounds[t], self.dim,
+                    device=self.device)
+                for t, g in enumerate(grads)])
+        return OccurrenceGrads.from_inverse(occurrence, batch.inverse, batch.keys.numel(),
+                                            clip=clip)
+
+    def apply_gradients(self, batch: GroupBatch, grads: OccurrenceGrads,
+                        taking: Sequence[bool], *, lr: float, steps: Mapping[str, int]) -> None:
+        """The fused update of the rows of the tables ``taking`` a gradient (``grads``: of
+        the batch's unique keys, see :meth:`occurrence_grads`), each at its own ``steps``;
+        then those tables' pins end (the others' at the next training lookup, as a table
+        alone keeps them until its backward or that lookup)."""
         slots = self._live_slots(batch)
         if not all(taking):  # tables without a gradient keep their rows as they are
             slots = slots.clone()
             for t, takes in enumerate(taking):
                 if not takes:
                     slots[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
-        occurrence_grads = torch.cat([
-            g if g is not None else torch.zeros(batch.key_bounds[t + 1] - batch.key_bounds[t],
-                                                self.dim)
-            for t, g in enumerate(grads)]) if len(grads) > 1 else grads[0]
-        per_row = OccurrenceGrads.from_inverse(occurrence_grads, batch.inverse,
-                                               batch.keys.numel(), clip=clip)
         step_of = [steps[name] for name, takes in zip(self.names, taking) if takes]
         for step in sorted(set(step_of)):
             chosen = slots
@@ -350,12 +359,10 @@ class TableGroup:
                 for t, name in enumerate(self.names):
                     if not taking[t] or steps[name] != step:
                         chosen[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
-            fused_update(self.weights, chosen, per_row, dim=self.dim, config=self.optimizer,
+            fused_update(self.weights, chosen, grads, dim=self.dim, config=self.optimizer,
                          lr=lr, step=step, kernels=self.kernels, keys=batch.keys,
                          stochastic_rounding=False)
         batch.applied.update(name for name, takes in zip(self.names, taking) if takes)
-        # the pins of tables without a gradient last until the next training lookup ends the
-        # batch, as a table alone holds its pins until its backward or that lookup
         self.release(batch, [t for t, takes in enumerate(taking) if takes])
 
     def _live_slots(self, batch: GroupBatch) -> torch.Tensor:

@@ -1,0 +1,86 @@
+"""Table groups under DynamicEmbBagCollection: a grouped pooled module and the same tables
+pooled one by one (``group_tables=False``) agree bit for bit (outputs, rows, optimizer state,
+scores, counters), with SUM and MEAN bags, per-id weights, several features per table, and
+tables that pool differently in one group."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb import DynamicEmbBagCollection, DynamicEmbTableOptions
+from dynemb.optimizers import OptimizerConfig, OptimizerType
+from dynemb.tables.groups import GroupBatch
+from dynemb.types import ScorePolicy
+
+FEATURES = ["a", "b", "c", "d", "e"]
+BATCH = 6
+
+
+def configs(poolings):
+    # t1 reads two features; t3 has another dim (it trains alone)
+    features = [["a"], ["b", "c"], ["d"], ["e"]]
+    dims = [8, 8, 8, 4]
+    return [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dims[i], num_embeddings=300,
+                               feature_names=features[i], pooling=poolings[i])
+            for i in range(4)]
+
+
+def twins(poolings, optimizer, weighted=False, clip=None):
+    options = DynamicEmbTableOptions(max_capacity=128, bucket_size=32,
+                                     score_strategy=ScorePolicy.LFU)
+    config = OptimizerConfig(optimizer, learning_rate=0.05, max_gradient=clip)
+    return [DynamicEmbBagCollection(configs(poolings), is_weighted=weighted,
+                                    table_options=options, optimizer=config, group_tables=g)
+            for g in (True, False)]
+
+
+def batch(gen, weighted):
+    lengths = torch.randint(0, 6, (len(FEATURES) * BATCH,), generator=gen)
+    ids = torch.randint(0, 700, (int(lengths.sum()),), generator=gen)
+    weights = torch.rand(ids.numel(), generator=gen) if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(FEATURES, ids, lengths, weights=weights)
+
+
+@pytest.mark.parametrize("poolings,weighted,clip", [
+    ([PoolingType.SUM] * 4, False, None),
+    ([PoolingType.SUM] * 4, True, 0.05),
+    ([PoolingType.MEAN] * 4, False, None),
+    ([PoolingType.MEAN] * 4, False, 0.05),
+    ([PoolingType.SUM, PoolingType.MEAN, PoolingType.SUM, PoolingType.MEAN], False, None),
+])
+@pytest.mark.parametrize("optimizer", [OptimizerType.SGD, OptimizerType.ADAM,
+                                       OptimizerType.ROWWISE_ADAGRAD])
+def test_a_grouped_bag_module_trains_bit_for_bit_as_its_tables_one_by_one(
+        poolings, weighted, clip, optimizer):
+    grouped, alone = twins(poolings, optimizer, weighted, clip)
+    assert [g.names for g in grouped._core.groups] == [("t0", "t1", "t2")]
+    gen = torch.Generator().manual_seed(1)
+    probe = torch.randn(BATCH, 8 * 4 + 4, generator=gen)
+    for _ in range(15):
+        kjt = batch(gen, weighted)
+        out_g, out_a = grouped(kjt), alone(kjt)
+        assert torch.equal(out_g.values(), out_a.values())
+        assert out_g.keys() == out_a.keys()
+        (out_g.values() * probe).sum().backward()
+        (out_a.values() * probe).sum().backward()
+    state_g, state_a = grouped.state_dict(), alone.state_dict()
+    for key in state_g:
+        assert torch.equal(state_g[key], state_a[key]), key
+    assert grouped.stats() == alone.stats()
+    assert sum(s["evictions"] for s in grouped.stats().values()) > 0
+
+
+def test_eval_and_prefetched_bag_lookups_match_their_twin():
+    grouped, alone = twins([PoolingType.SUM] * 4, OptimizerType.ADAGRAD)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        kjt = batch(gen, False)
+        state = grouped.prefetch(kjt)
+        alone.prefetch(kjt)
+        assert isinstance(state.batches["t0"], GroupBatch)
+        grouped(kjt).values().sum().backward(), alone(kjt).values().sum().backward()
+    kjt = batch(gen, False)
+    grouped.eval(), alone.eval()
+    assert torch.equal(grouped(kjt).values(), alone(kjt).values())
