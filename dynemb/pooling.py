@@ -69,6 +69,17 @@ class Bags:
             torch.arange(self.lengths.numel(), device=self.lengths.device), self.lengths,
             output_size=num_ids)
 
+    def id_scale(self, num_ids: int) -> Optional[torch.Tensor]:
+        """[N] what each id's bag gradient is multiplied by (its weight, over its bag's
+        length for MEAN), or None for 1; for bags whose gradients are not divided first
+        (MEAN with clipping divides them instead, see :meth:`bag_grads`)."""
+        scale = self.weights
+        if self.mode == "mean":
+            per_bag = self.lengths.clamp(min=1).to(torch.float32)
+            bag_scale = (1.0 / per_bag).repeat_interleave(self.lengths, output_size=num_ids)
+            scale = bag_scale if scale is None else scale * bag_scale
+        return scale
+
     def bag_grads(self, grad_out: torch.Tensor, num_ids: int, dim: int, clip: Optional[float],
                   strided: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(each bag's gradient [F * B, dim], each id's scale [N] or None): what
@@ -153,14 +164,47 @@ def pool_group(out: torch.Tensor, batch: GroupBatch, members: List[Tuple[str, Ba
 def group_occurrence_grads(grad_out: torch.Tensor, batch: GroupBatch,
                            members: List[Tuple[str, Bags]],
                            clip: Optional[float]) -> OccurrenceGrads:
-    """:meth:`Bags.occurrence_grads` for a whole group: every id of its tables, in one."""
+    """:meth:`Bags.occurrence_grads` for a whole group: every id of its tables, in one.
+
+    The kernel reads each id's bag gradient straight from ``grad_out`` [B, C]: through a
+    view whose row ``r`` is ``grad_out.view(-1)[r:r + dim]``, the bag of feature column ``c``
+    and sample ``b`` is row ``b * C + c`` (no copy of the bags' gradients). MEAN bags with
+    clipping divide their gradients first, so those groups copy them."""
     group = batch.group
     dim = group.dim
+    size, columns = grad_out.shape
+    if clip is not None and any(bags.mode == "mean" for _, bags in members):
+        return _copied_group_grads(grad_out, batch, members, clip)
+    grad_out = grad_out.contiguous()
+    sample_rows = torch.arange(size, device=grad_out.device) * columns
+    rows, scales = [], []
+    for name, bags in members:
+        t = group.index[name]
+        n = batch.key_bounds[t + 1] - batch.key_bounds[t]
+        cols = bags.column + dim * torch.arange(bags.num_features, device=grad_out.device)
+        row_of_bag = (cols[:, None] + sample_rows[None, :]).reshape(-1)  # bag i * B + b
+        rows.append(row_of_bag[bags.bag_of_id(n)])
+        scales.append(bags.id_scale(n))
+    scale = None
+    if any(s is not None for s in scales):
+        scale = torch.cat([s if s is not None else torch.ones(r.numel(), device=r.device)
+                           for s, r in zip(scales, rows)])
+    src = grad_out.to(torch.float32).as_strided((size * columns - dim + 1, dim), (1, 1))
+    offsets, order = occurrence_csr(batch.inverse, batch.keys.numel())
+    row_of_id = torch.cat(rows) if len(rows) > 1 else rows[0]
+    return OccurrenceGrads(src, offsets, row_of_id[order].contiguous(),
+                           None if scale is None else scale[order].contiguous(), clip)
+
+
+def _copied_group_grads(grad_out, batch: GroupBatch, members, clip) -> OccurrenceGrads:
+    """:func:`group_occurrence_grads` with the bags' gradients copied out of ``grad_out``
+    (MEAN bags with clipping: divided by their lengths before the kernel clips them)."""
+    group = batch.group
     grads, scales, bag_ids, bags_before = [], [], [], 0
     for name, bags in members:
         t = group.index[name]
         n = batch.key_bounds[t + 1] - batch.key_bounds[t]
-        grad_bags, scale = bags.bag_grads(grad_out, n, dim, clip, strided=False)
+        grad_bags, scale = bags.bag_grads(grad_out, n, group.dim, clip, strided=False)
         grads.append(grad_bags)
         scales.append(scale)
         bag_ids.append(bags.bag_of_id(n) + bags_before)
