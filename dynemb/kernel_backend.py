@@ -81,6 +81,10 @@ class KernelBackend(Protocol):
     #: stall the host) and pads its unique keys with ``EMPTY_KEY`` (fixed shapes); False: it
     #: raises at once and its unique keys are exact.
     defers_failures: bool
+    #: True: it has the table-group kernels (``dedup_segments``, ``find_or_insert_group``,
+    #: ``claim_counts_group``, ``init_rows_at_group``; see :mod:`dynemb.tables.groups`);
+    #: False: every table runs alone.
+    runs_groups: bool
 
     def check_device(self, device: torch.device) -> None:
         """Raise unless this backend runs on tensors of ``device``."""

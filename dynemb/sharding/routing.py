@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from dynemb.backends import resolve_kernels
@@ -64,22 +65,32 @@ def route_unique(ids_per_table: Sequence[torch.Tensor], schemes: Sequence[Shardi
     num_tables = len(ids_per_table)
     device = ids_per_table[0].device
     kernels = resolve_kernels(device, kernels=kernels)
-    uniques, inverses, counts, groups = [], [], [], []
-    for t, (ids, scheme) in enumerate(zip(ids_per_table, schemes)):
-        unique, inverse, count = kernels.dedup(ids)
-        uniques.append(unique)
-        inverses.append(inverse)
-        counts.append(count)
-        groups.append(owner_ranks(unique, world_size, scheme) * num_tables + t)
-    all_unique = torch.cat(uniques)
-    group = torch.cat(groups)
+    if kernels.runs_groups and num_tables > 1 and len(set(schemes)) == 1:
+        # every table in one dedup call, one owner computation (the same ids and order
+        # as table by table: each table's distinct ids in first-occurrence order)
+        bounds = [0]
+        for ids in ids_per_table:
+            bounds.append(bounds[-1] + ids.numel())
+        all_unique, inverse, all_counts, unique_bounds = kernels.dedup_segments(
+            torch.cat(list(ids_per_table)), bounds)
+        table_of = torch.repeat_interleave(
+            torch.arange(num_tables, device=device),
+            torch.from_numpy(np.diff(unique_bounds)).to(device), output_size=all_unique.numel())
+        group = owner_ranks(all_unique, world_size, schemes[0]) * num_tables + table_of
+    else:
+        uniques, inverses, counts, groups, before = [], [], [], [], 0
+        for t, (ids, scheme) in enumerate(zip(ids_per_table, schemes)):
+            unique, table_inverse, count = kernels.dedup(ids)
+            uniques.append(unique)
+            inverses.append(table_inverse + before)
+            before += unique.numel()
+            counts.append(count)
+            groups.append(owner_ranks(unique, world_size, scheme) * num_tables + t)
+        all_unique, all_counts = torch.cat(uniques), torch.cat(counts)
+        inverse, group = torch.cat(inverses), torch.cat(groups)
     order = torch.sort(group, stable=True).indices
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=device)
-    offset, gathers = 0, []
-    for unique, inverse in zip(uniques, inverses):
-        gathers.append(position[inverse + offset])
-        offset += unique.numel()
     lengths = torch.bincount(group, minlength=world_size * num_tables).to(torch.int32)
-    return RoutedIds(all_unique[order], torch.cat(counts)[order], lengths, torch.cat(gathers),
+    return RoutedIds(all_unique[order], all_counts[order], lengths, position[inverse],
                      segments)

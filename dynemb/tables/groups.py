@@ -39,7 +39,6 @@ import torch
 
 from dynemb.counters import COUNTER_NAMES
 from dynemb.kernel_backend import TableArrays
-from dynemb.kernels import groups_cpu
 from dynemb.optimizers import OccurrenceGrads, fused_update
 from dynemb.options import StashMode, StorageMode
 from dynemb.tables.base import DynamicTable
@@ -61,7 +60,7 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
             or table.layout.init_capacity < table.layout.max_capacity
             or hash_table.grow_at_load_factor is not None
             or options.stash is not StashMode.NONE
-            or table.kernels.name != "cpu"):
+            or not table.kernels.runs_groups):
         return None
     weights = table.tier.flat.weights
     if weights.dtype != torch.float32 and options.stochastic_rounding:
@@ -229,13 +228,7 @@ class TableGroup:
     def _dedup(self, keys: Sequence[torch.Tensor], key_bounds: List[int]):
         """(unique keys, inverse, counts, unique bounds [T + 1]) of every table's keys."""
         all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
-        n = all_keys.numel()
-        unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-        unique_bounds = np.empty(len(keys) + 1, dtype=np.int64)
-        u = groups_cpu.dedup_segments_cpu(all_keys.numpy(), np.asarray(key_bounds, np.int64),
-                                          unique.numpy(), inverse.numpy(), counts.numpy(),
-                                          unique_bounds)
-        return unique[:u], inverse, counts[:u], unique_bounds
+        return self.kernels.dedup_segments(all_keys, key_bounds)
 
     def _given_scores(self, scores, bounds: List[int], unique: torch.Tensor) -> torch.Tensor:
         if self.policy is not ScorePolicy.CUSTOMIZED:
@@ -250,13 +243,11 @@ class TableGroup:
         inserted = torch.empty(u, dtype=torch.bool)
         failed = torch.empty(u, dtype=torch.bool)
         stats = np.empty((len(self.tables), 3), dtype=np.int64)
-        a = self.arrays
-        groups_cpu.find_or_insert_group_cpu(
-            a.keys.numpy(), a.scores.numpy(), a.refcnt.numpy(), a.size.numpy(), self._offsets,
-            self._num_buckets, self.bucket_size, unique.numpy(), unique_bounds,
-            counts.numpy(), given.numpy(), self.policy.code, clocks,
-            self.policy is not ScorePolicy.NO_EVICTION, True, slots.numpy(), inserted.numpy(),
-            prev_keys.numpy(), prev_scores.numpy(), failed.numpy(), stats)
+        self.kernels.find_or_insert_group(
+            self.arrays, self.arrays.size, self._offsets, self._num_buckets, unique,
+            unique_bounds, counts, given, self.policy.code, clocks,
+            self.policy is not ScorePolicy.NO_EVICTION, True, slots, inserted, prev_keys,
+            prev_scores, failed, stats)
         if stats[:, 2].any():
             self._rollback(slots, inserted, prev_keys, prev_scores, stats)
             t = int(np.flatnonzero(stats[:, 2])[0])
@@ -283,10 +274,9 @@ class TableGroup:
 
     def _initialize(self, slots, keys, inserted, unique_bounds) -> None:
         if self.weights.dtype == torch.float32:
-            groups_cpu.init_rows_at_group_cpu(
-                self.weights.numpy(), slots.numpy(), keys.numpy(), inserted.numpy(),
-                unique_bounds, self.dim, self._seeds, self._table_ids, self._init_kinds,
-                *self._init_params)
+            self.kernels.init_rows_at_group(
+                self.weights, slots, keys, inserted, unique_bounds, self.dim, self._seeds,
+                self._table_ids, self._init_kinds, *self._init_params)
             return
         for t, table in enumerate(self.tables):  # float16 / bfloat16 rows: table by table
             lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
@@ -297,9 +287,8 @@ class TableGroup:
 
     def _count_prefetch(self, batch: GroupBatch, inserted, prev_keys, occurrences) -> None:
         per_table = np.empty((len(self.tables), 3), dtype=np.int64)
-        groups_cpu.claim_counts_group_cpu(np.asarray(batch.unique_bounds, dtype=np.int64),
-                                          batch.slots.numpy(), inserted.numpy(),
-                                          prev_keys.numpy(), per_table)
+        self.kernels.claim_counts_group(np.asarray(batch.unique_bounds, dtype=np.int64),
+                                        batch.slots, inserted, prev_keys, per_table)
         unique = np.diff(np.asarray(batch.unique_bounds, dtype=np.int64))
         if occurrences is None:
             lookups = np.diff(np.asarray(batch.key_bounds, dtype=np.int64))
