@@ -74,7 +74,7 @@ class DynamicCore:
             table = self._build_table(config)
             if table is not None:  # None on the meta device
                 self.tables[config.name] = table
-        self._groups_on = group_tables
+        self.groups_on = group_tables
         self.groups: List[TableGroup] = []
         self._regroup()
         self._queue: Deque[PrefetchState] = collections.deque()
@@ -93,7 +93,7 @@ class DynamicCore:
     def _regroup(self) -> None:
         """Group the current tables (each group copies its tables into its own arrays)."""
         self.groups = []  # the old groups' arrays go with the last table that views them
-        if self._groups_on:  # in config order (a reset table comes last in self.tables)
+        if self.groups_on:  # in config order (a reset table comes last in self.tables)
             self.groups = group_tables({c.name: self.tables[c.name] for c in self.configs
                                         if c.name in self.tables})
 
@@ -215,7 +215,8 @@ class DynamicCore:
                 batch = group.prefetch([per_table[n][0] for n in group.names],
                                        [per_table[n][2] for n in group.names],
                                        [self._scores.get(n) for n in group.names])
-                batches.update((name, batch) for name in group.names)
+                if batch is not None:  # None: a key found no slot; alone, they say where
+                    batches.update((name, batch) for name in group.names)
             for name, table in self.tables.items():
                 if name in batches:
                     continue

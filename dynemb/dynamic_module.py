@@ -87,6 +87,12 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         return self._core.backend
 
     @property
+    def group_tables(self) -> bool:
+        """Whether tables of one shape train as groups (:mod:`dynemb.tables.groups`); a
+        sharder gives each rank's share the same setting."""
+        return self._core.groups_on
+
+    @property
     def device(self) -> torch.device:
         return self._core.device
 

@@ -136,7 +136,7 @@ class ShardedDynamicEmbBagCollection(
             optimizer=(optimizer if optimizer is not None  # the sharder's fused_params
                        else module.optimizer_config if module.optimizer_given else None),
             validate_inputs=False,  # checked at input dist
-            backend=module.backend)
+            backend=module.backend, group_tables=module.group_tables)
         self._validate = module.validate_inputs
         # outputs (and what travels) in config order; each reads its source feature
         self._features = [n for table_names in names for n in table_names]

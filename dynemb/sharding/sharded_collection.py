@@ -127,7 +127,7 @@ class ShardedDynamicEmbCollection(
             optimizer=(optimizer if optimizer is not None  # the sharder's fused_params
                        else module.optimizer_config if module.optimizer_given else None),
             validate_inputs=False,  # checked at input dist
-            backend=module.backend)
+            backend=module.backend, group_tables=module.group_tables)
         self._validate = module.validate_inputs
         self._features = {f for c in configs for f in c.feature_names}
         output_name = output_name_of(configs)

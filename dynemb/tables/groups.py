@@ -43,7 +43,7 @@ from dynemb.optimizers import OccurrenceGrads, fused_update
 from dynemb.options import StashMode, StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.batch import TableBatch
-from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
+from dynemb.types import EMPTY_KEY, ScorePolicy
 
 __all__ = ["GroupBatch", "TableGroup", "group_signature", "group_tables"]
 
@@ -199,13 +199,14 @@ class TableGroup:
 
     # -- prefetch ------------------------------------------------------------------------------
     def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
-                 scores: Sequence[Optional[int]]) -> GroupBatch:
+                 scores: Sequence[Optional[int]]) -> Optional[GroupBatch]:
         """Claim and pin the rows of every table's ``keys`` (one tensor per table, group
         order) for training. ``occurrences``: per table, what each id stands for (None: 1);
         ``scores``: per table, the CUSTOMIZED score (None for other policies).
 
-        A key that finds no slot (its bucket full of pinned rows) undoes the whole claim and
-        raises :class:`TableFullError`, the group unchanged."""
+        None when a key finds no slot (its bucket full of pinned rows): the whole claim is
+        undone, the group unchanged, and the caller runs the tables one by one (which
+        raises the error a table alone raises, where a table alone raises it)."""
         key_bounds = [0]
         for part in keys:
             key_bounds.append(key_bounds[-1] + part.numel())
@@ -217,7 +218,10 @@ class TableGroup:
             counts = torch.zeros_like(counts).index_add_(0, inverse, given_counts)
         ub = unique_bounds.tolist()
         given = self._given_scores(scores, ub, unique)
-        slots, inserted, prev_keys = self._claim(unique, counts, given, unique_bounds)
+        claimed = self._claim(unique, counts, given, unique_bounds)
+        if claimed is None:
+            return None
+        slots, inserted, prev_keys = claimed
         self._initialize(slots, unique, inserted, unique_bounds)
         batch = GroupBatch(self, unique, inverse, counts, ub, key_bounds, slots)
         for table in self.tables:
@@ -250,15 +254,7 @@ class TableGroup:
             prev_scores, failed, stats)
         if stats[:, 2].any():
             self._rollback(slots, inserted, prev_keys, prev_scores, stats)
-            t = int(np.flatnonzero(stats[:, 2])[0])
-            table = self.tables[t]
-            lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
-            raise TableFullError(
-                f"table {table.name!r}: {int(stats[t, 2])} keys found no slot in the "
-                f"{table.mode.value} table ({table.tier.hash.capacity} rows, "
-                f"{table.tier.hash.pinned_count()} pinned by earlier batches); prefetch fewer "
-                f"batches ahead, raise the device budget, or use an evicting score_strategy. "
-                f"Nothing was inserted.", unique[lo:hi][failed[lo:hi]], None)
+            return None
         return slots, inserted, prev_keys
 
     def _rollback(self, slots, inserted, prev_keys, prev_scores, stats) -> None:
