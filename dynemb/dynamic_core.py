@@ -102,7 +102,7 @@ class DynamicCore:
         replaced since (a group keeps its tables' storage, not the module's names)."""
         if not all(group.intact(self.tables) for group in self.groups):
             self._regroup()
-        return [group for group in self.groups if group.runs_grouped()]
+        return self.groups
 
     def _build_table(self, config: BaseEmbeddingConfig) -> Optional[DynamicTable]:
         return build_configured_table(config, self.table_options[config.name],

@@ -19,6 +19,7 @@ FEATURES = ["a", "b", "c", "d"]
 class GroupScenario:
     module: str = "sequence"       # sequence | bag
     optimizer: str = "adam"        # sgd | adam | rowwise_adagrad
+    cache: bool = False            # CACHE tables: 48 device rows per rank, the rest stored
     steps: int = 10
     batch: int = 8
 
@@ -33,17 +34,23 @@ class _Model(torch.nn.Module):
         optimizer = OptimizerConfig(kind, learning_rate=0.05)
         # t0..t2 group (t1 reads two features); t3 has another dim and trains alone
         features = [["a"], ["b", "c"], ["d"]]
+        rows = 400 if s.cache else 40  # CACHE: more ids than device rows
         options = {f"t{i}": DynamicEmbTableOptions(max_capacity=256, bucket_size=16)
                    for i in range(4)}
+        if s.cache:
+            width = 8 + optimizer.state_dim(8)
+            options.update({f"t{i}": DynamicEmbTableOptions(
+                caching=True, bucket_size=16, local_hbm_for_values=64 * width * 4)
+                for i in range(3)})
         if s.module == "sequence":
-            configs = [EmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=40,
+            configs = [EmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows,
                                        feature_names=f) for i, f in enumerate(features)]
             configs.append(EmbeddingConfig(name="t3", embedding_dim=4, num_embeddings=40,
                                            feature_names=["a"]))
             self.dyn = DynamicEmbCollection(configs, device="meta", table_options=options,
                                             optimizer=optimizer, group_tables=grouped)
         else:
-            configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=40,
+            configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows,
                                           feature_names=f) for i, f in enumerate(features)]
             configs.append(EmbeddingBagConfig(name="t3", embedding_dim=4, num_embeddings=40,
                                               feature_names=["a"]))
@@ -107,5 +114,7 @@ def run_group_twins(rank: int, world_size: int, scenarios: List[GroupScenario]
             "groups": {name: [g.names for g in m._core.groups] for name, m in local.items()},
             "evictions": int(np.sum([st["evictions"] for st in local["grouped"].stats()
                                      .values()])),
+            "write_backs": int(np.sum([st["write_backs"] for st in local["grouped"].stats()
+                                       .values()])),
         })
     return results

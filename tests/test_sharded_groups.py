@@ -1,7 +1,8 @@
 """Table groups in sharded modules, on 2 and 3 spawned CPU ranks: the same model sharded
 with its tables grouped and table by table (``group_tables=False``) gives bit-identical
 outputs at every step and bit-identical local rows, optimizer state, scores and counters on
-every rank (tests/sharded_groups_worker.py), sequence and pooled, with evictions."""
+every rank (tests/sharded_groups_worker.py), sequence and pooled, HBM_DIRECT and CACHE, with
+evictions."""
 import numpy as np
 import pytest
 
@@ -12,6 +13,8 @@ SCENARIOS = {
     "sequence_adam": GroupScenario(module="sequence", optimizer="adam"),
     "sequence_sgd": GroupScenario(module="sequence", optimizer="sgd"),
     "bag_rowwise_adagrad": GroupScenario(module="bag", optimizer="rowwise_adagrad"),
+    "sequence_cache_adam": GroupScenario(module="sequence", optimizer="adam", cache=True),
+    "bag_cache_sgd": GroupScenario(module="bag", optimizer="sgd", cache=True),
 }
 
 
@@ -24,6 +27,8 @@ def world(request):
 def test_grouped_and_lone_sharded_tables_train_bit_for_bit_alike(world, name):
     ranks = world[name]
     assert sum(r["evictions"] for r in ranks) > 0  # the run evicts
+    if SCENARIOS[name].cache:
+        assert sum(r["write_backs"] for r in ranks) > 0
     for res in ranks:
         assert res["groups"]["grouped"] == [("t0", "t1", "t2")]
         assert res["groups"]["alone"] == []

@@ -98,6 +98,32 @@ def test_a_grouped_module_trains_bit_for_bit_as_its_tables_one_by_one(optimizer,
     assert grouped.steps["t2"] == 0  # its output never reached a loss: never updated
 
 
+@pytest.mark.parametrize("optimizer", list(OptimizerType))
+@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU])
+def test_grouped_cache_tables_train_bit_for_bit_as_alone(optimizer, policy):
+    # device rows below the ids seen: every step evicts to the stores and loads back
+    width = 8 + OptimizerConfig(optimizer).state_dim(8)
+    options = {f"t{i}": DynamicEmbTableOptions(caching=True, bucket_size=32,
+                                               score_strategy=policy,
+                                               local_hbm_for_values=rows * width * 4)
+               for i, rows in enumerate((96, 96, 64, 128))}
+    grouped, alone = twins(optimizer, policy, table_options=options)
+    assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+    gen = torch.Generator().manual_seed(8)
+    for i in range(20):
+        kjt = batch(gen)
+        weights = (1.0, 2.0, 0.5, 0.5)
+        assert_same_outputs(step(grouped, kjt, weights), step(alone, kjt, weights))
+    assert_same_module(grouped, alone)
+    stats = grouped.stats()
+    assert all(s["write_backs"] > 0 and s["loads"] > 0 for s in stats.values())
+    for name in grouped.tables:
+        keys = torch.arange(2000)
+        got, want = (m.read_rows(name, keys, with_state=True) for m in (grouped, alone))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert grouped.flush() == alone.flush()
+
+
 def test_groups_follow_what_the_kernels_share():
     options = {
         "t0": DynamicEmbTableOptions(max_capacity=256),

@@ -1,8 +1,8 @@
 """Table groups: tables of one shape that train as one, one kernel call per phase.
 
-A module's HBM_DIRECT tables that agree on everything the kernels read (device and kernels,
-dtype, dim and row width, optimizer, score policy, bucket size, no growth, no admission, no
-stashing) form a :class:`TableGroup`. The group allocates one set of arrays (hash keys,
+A module's HBM_DIRECT (or CACHE) tables that agree on everything the kernels read (mode,
+device and kernels, dtype, dim and row width, optimizer, score policy, bucket size, no
+growth, no admission, no stashing) form a :class:`TableGroup`. The group allocates one set of arrays (hash keys,
 scores, pins, rows, counters) and each table moves into its own contiguous part of them:
 table ``t`` owns rows ``[row_offset[t], row_offset[t] + capacity[t])`` and the buckets over
 them, so a key of one table never meets, or evicts, another table's. The tables stay whole
@@ -12,9 +12,9 @@ read per table (``read_rows``, ``stats``, checkpoints, exports) is unchanged.
 A training batch of the group is one :class:`GroupBatch`: one dedup, one claim, one
 initialization, one gather, one fused update and one release for all its tables, each with
 the results its table alone would give (the claim is the single-table kernel run on each
-table's part, see ``kernels/groups_cpu.py``). Eval batches, and any batch while a table
-needs what the group does not do (change tracking for checkpoint deltas), go table by table
-over the same storage.
+table's part, see ``kernels/groups_cpu.py``). CACHE tables then write their evicted rows
+back to their own stores and load their new rows, table by table. Eval batches go table by
+table over the same storage.
 
 Example::
 
@@ -43,11 +43,14 @@ from dynemb.optimizers import OccurrenceGrads, fused_update
 from dynemb.options import StashMode, StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.batch import TableBatch
-from dynemb.types import EMPTY_KEY, ScorePolicy
+from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
 
 __all__ = ["GroupBatch", "TableGroup", "group_signature", "group_tables"]
 
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
+#: The modes whose tables group: HBM_DIRECT, and CACHE (the device tier grouped; each
+#: table's evicted rows go to its own store, and its new rows come from it, table by table).
+GROUPED_MODES = (StorageMode.HBM_DIRECT, StorageMode.CACHE)
 
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
@@ -56,17 +59,16 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
     rounded with noise drawn per table)."""
     options = table.options
     hash_table = table.tier.hash
-    if (table.mode is not StorageMode.HBM_DIRECT or table.admission is not None
-            or table.layout.init_capacity < table.layout.max_capacity
-            or hash_table.grow_at_load_factor is not None
+    if (table.mode not in GROUPED_MODES or table.admission is not None
+            or hash_table.grow_at_load_factor is not None  # a table that grows
             or options.stash is not StashMode.NONE
             or not table.kernels.runs_groups):
         return None
     weights = table.tier.flat.weights
     if weights.dtype != torch.float32 and options.stochastic_rounding:
         return None
-    return (table.tier.device, table.kernels.name, weights.dtype, table.dim, weights.shape[1],
-            table.optimizer, hash_table.policy, hash_table.bucket_size)
+    return (table.mode, table.tier.device, table.kernels.name, weights.dtype, table.dim,
+            weights.shape[1], table.optimizer, hash_table.policy, hash_table.bucket_size)
 
 
 def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
@@ -90,13 +92,13 @@ class GroupBatch:
     the tables whose backward ran.
     """
 
-    mode = StorageMode.HBM_DIRECT
     training = True
     fallback = None
 
     def __init__(self, group: "TableGroup", keys, inverse, counts, unique_bounds, key_bounds,
                  slots):
         self.group = group
+        self.mode = group.mode
         self.keys, self.inverse, self.counts, self.slots = keys, inverse, counts, slots
         self.unique_bounds: List[int] = unique_bounds
         self.key_bounds: List[int] = key_bounds
@@ -139,6 +141,7 @@ class TableGroup:
 
     def __init__(self, tables: Sequence[DynamicTable]):
         first = tables[0]
+        self.mode = first.mode
         self.tables = list(tables)
         self.names = tuple(t.name for t in tables)
         self.index = {name: t for t, name in enumerate(self.names)}
@@ -192,11 +195,6 @@ class TableGroup:
         return all(tables.get(name) is table and self._storage_of(table) == storage
                    for name, table, storage in zip(self.names, self.tables, self._storage))
 
-    def runs_grouped(self) -> bool:
-        """Whether the next training batch can go through the group (no table tracks its
-        changes for checkpoint deltas, which the per-table path records)."""
-        return all(table.changes is None for table in self.tables)
-
     # -- prefetch ------------------------------------------------------------------------------
     def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
                  scores: Sequence[Optional[int]]) -> Optional[GroupBatch]:
@@ -221,8 +219,13 @@ class TableGroup:
         claimed = self._claim(unique, counts, given, unique_bounds)
         if claimed is None:
             return None
-        slots, inserted, prev_keys = claimed
-        self._initialize(slots, unique, inserted, unique_bounds)
+        slots, inserted, prev_keys, prev_scores, stats = claimed
+        claim = (unique, slots, inserted, prev_keys, prev_scores, unique_bounds)
+        self._track_changes(claim)
+        if self.mode is StorageMode.CACHE:
+            self._fill_from_stores(claim, stats)
+        else:
+            self._initialize(slots, unique, inserted, unique_bounds)
         batch = GroupBatch(self, unique, inverse, counts, ub, key_bounds, slots)
         for table in self.tables:
             table.hold_group_batch(batch)
@@ -255,7 +258,30 @@ class TableGroup:
         if stats[:, 2].any():
             self._rollback(slots, inserted, prev_keys, prev_scores, stats)
             return None
-        return slots, inserted, prev_keys
+        return slots, inserted, prev_keys, prev_scores, stats
+
+    def _table_claim(self, claim, t: int) -> FindOrInsertResult:
+        """Table ``t``'s part of a group claim, in its own slots."""
+        keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
+        lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
+        part = slots[lo:hi]
+        local = torch.where(part >= 0, part - self.row_offset[t], -1)
+        return FindOrInsertResult(keys[lo:hi], None, local, inserted[lo:hi], prev_keys[lo:hi],
+                                  prev_scores[lo:hi], None, None)
+
+    def _track_changes(self, claim) -> None:
+        """Tables tracking their changes for checkpoint deltas mark the slots claimed."""
+        for t, table in enumerate(self.tables):
+            if table.changes is not None:
+                table.changes.claimed(table.tier, self._table_claim(claim, t))
+
+    def _fill_from_stores(self, claim, stats) -> None:
+        """CACHE: each table whose claim inserted keys writes its evicted rows back to its
+        store and loads (or initializes) its new rows, as it does alone
+        (:meth:`~dynemb.tables.hbm_direct.HbmDirectTable.fill_claimed_rows`)."""
+        for t in np.flatnonzero(stats[:, 0] + stats[:, 1]).tolist():
+            result = self._table_claim(claim, t)
+            self.tables[t].fill_claimed_rows(result.keys, result)
 
     def _rollback(self, slots, inserted, prev_keys, prev_scores, stats) -> None:
         """Undo a claim: keys, scores, sizes, pins and clocks as before it."""
@@ -348,6 +374,9 @@ class TableGroup:
                          lr=lr, step=step, kernels=self.kernels, keys=batch.keys,
                          stochastic_rounding=False)
         batch.applied.update(name for name, takes in zip(self.names, taking) if takes)
+        for table, takes in zip(self.tables, taking):  # tracking began after the prefetch
+            if takes and table.changes is not None:
+                table.changes.updated(batch.member(table.name))
         self.release(batch, [t for t, takes in enumerate(taking) if takes])
 
     def _live_slots(self, batch: GroupBatch) -> torch.Tensor:

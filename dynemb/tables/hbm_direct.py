@@ -79,6 +79,13 @@ class HbmDirectTable(DynamicTable):
         slots = self.tier.hash.find(keys.to(self.tier.device), allow_padding=True)
         return (slots >= 0).to(self.device)
 
+    def fill_claimed_rows(self, keys: torch.Tensor, result) -> None:
+        """What the table does with the rows a claim of ``keys`` gave (``result``, a
+        :class:`~dynemb.types.FindOrInsertResult` in its own slots) when its group made the
+        claim (:mod:`dynemb.tables.groups`): CACHE writes the evicted rows back and loads
+        the new ones from its store."""
+        self._fill_new_rows(keys, result)
+
     def _fill_new_rows(self, keys: torch.Tensor, result) -> None:
         """Rows of keys inserted by this claim start from the initializer."""
         self._initialize(self.tier, result, keys.to(self.tier.device))
