@@ -42,20 +42,14 @@ class _Model(torch.nn.Module):
             options.update({f"t{i}": DynamicEmbTableOptions(
                 caching=True, bucket_size=16, local_hbm_for_values=64 * width * 4)
                 for i in range(3)})
-        if s.module == "sequence":
-            configs = [EmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows,
-                                       feature_names=f) for i, f in enumerate(features)]
-            configs.append(EmbeddingConfig(name="t3", embedding_dim=4, num_embeddings=40,
-                                           feature_names=["a"]))
-            self.dyn = DynamicEmbCollection(configs, device="meta", table_options=options,
-                                            optimizer=optimizer, group_tables=grouped)
-        else:
-            configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows,
-                                          feature_names=f) for i, f in enumerate(features)]
-            configs.append(EmbeddingBagConfig(name="t3", embedding_dim=4, num_embeddings=40,
-                                              feature_names=["a"]))
-            self.dyn = DynamicEmbBagCollection(configs, device="meta", table_options=options,
-                                               optimizer=optimizer, group_tables=grouped)
+        config, module = ((EmbeddingConfig, DynamicEmbCollection) if s.module == "sequence"
+                          else (EmbeddingBagConfig, DynamicEmbBagCollection))
+        configs = [config(name=f"t{i}", embedding_dim=8, num_embeddings=rows, feature_names=f)
+                   for i, f in enumerate(features)]
+        configs.append(config(name="t3", embedding_dim=4, num_embeddings=40,
+                              feature_names=["a"]))
+        self.dyn = module(configs, device="meta", table_options=options, optimizer=optimizer,
+                          group_tables=grouped)
 
     def forward(self, kjt):
         return self.dyn(kjt)

@@ -75,6 +75,12 @@ def assert_same_outputs(out_a, out_b):
         assert torch.equal(out_a[f].lengths(), out_b[f].lengths()), f
 
 
+def train_both(grouped, alone, gen: torch.Generator, steps: int) -> None:
+    for _ in range(steps):
+        kjt = batch(gen)
+        step(grouped, kjt), step(alone, kjt)
+
+
 def grouped_names(module):
     return [group.names for group in module._core.groups]
 
@@ -181,9 +187,7 @@ def test_a_full_table_evicts_only_its_own_keys():
 def test_eval_and_no_grad_lookups_match_their_twin():
     grouped, alone = twins(OptimizerType.ADAGRAD)
     gen = torch.Generator().manual_seed(5)
-    for _ in range(6):
-        kjt = batch(gen)
-        step(grouped, kjt), step(alone, kjt)
+    train_both(grouped, alone, gen, 6)
     kjt = batch(gen)
     with torch.no_grad():
         assert_same_outputs(grouped(kjt), alone(kjt))
@@ -212,9 +216,7 @@ def test_state_dicts_load_across_grouped_and_lone_modules_and_training_goes_on_t
 def test_resetting_one_table_regroups_and_matches_the_twin():
     grouped, alone = twins(OptimizerType.SGD)
     gen = torch.Generator().manual_seed(2)
-    for _ in range(5):
-        kjt = batch(gen)
-        step(grouped, kjt), step(alone, kjt)
+    train_both(grouped, alone, gen, 5)
     grouped.reset_parameters(tables=["t1"]), alone.reset_parameters(tables=["t1"])
     assert grouped.stats()["t1"]["rows_device"] == 0
     for _ in range(5):
@@ -227,9 +229,7 @@ def test_resetting_one_table_regroups_and_matches_the_twin():
 def test_a_pickled_grouped_module_goes_on_bit_for_bit():
     grouped, alone = twins(OptimizerType.ADAM)
     gen = torch.Generator().manual_seed(4)
-    for _ in range(4):
-        kjt = batch(gen)
-        step(grouped, kjt), step(alone, kjt)
+    train_both(grouped, alone, gen, 4)
     buffer = io.BytesIO()
     torch.save(grouped, buffer)
     buffer.seek(0)
