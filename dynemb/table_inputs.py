@@ -19,9 +19,9 @@ def split_by_table(kjt: KeyedJaggedTensor, configs: List[BaseEmbeddingConfig],
     Returns, by table name, ``(ids, [(feature, number of ids), ...], occurrences)``, the
     features in the order their ids were concatenated; ``occurrences`` is the KJT's weights
     as int64 when ``weights_are_counts`` (how many times each id occurred), else None. Under
-    ``"__lengths__"``: the KJT's lengths by feature (views). A feature read by several tables is in
-    each of them; features no table reads are ignored, as TorchRec's modules do (one KJT
-    often feeds several modules). ``variable_batch``: accept a KJT with a batch size per
+    ``"__lengths__"``: the KJT's lengths by feature (views). A feature read by several
+    tables is in each of them; features no table reads are ignored, as TorchRec's modules do
+    (one KJT often feeds several modules). ``variable_batch``: accept a KJT with a batch size per
     feature. Nothing changes anywhere: every check runs here, before any table is touched.
 
     Example::

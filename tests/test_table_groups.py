@@ -17,6 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions
 from dynemb.admission import FrequencyAdmission
+from dynemb.backing_store import HostBackingStore
 from dynemb.kernels import groups_cpu
 from dynemb.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.groups import GroupBatch
@@ -128,6 +129,41 @@ def test_grouped_cache_tables_train_bit_for_bit_as_alone(optimizer, policy):
         got, want = (m.read_rows(name, keys, with_state=True) for m in (grouped, alone))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert grouped.flush() == alone.flush()
+
+
+class _FailingStore(HostBackingStore):
+    """A host store whose writes fail while ``failing`` is set (a full disk, say)."""
+
+    failing = False
+
+    def insert(self, keys, rows, scores):
+        if _FailingStore.failing:
+            raise OSError("the store's disk is full")
+        return super().insert(keys, rows, scores)
+
+
+def test_a_store_that_raises_mid_claim_leaves_no_pins_in_either_twin():
+    width = 8 + OptimizerConfig(OptimizerType.SGD).state_dim(8)
+    options = {f"t{i}": DynamicEmbTableOptions(
+        caching=True, bucket_size=32, local_hbm_for_values=rows * width * 4,
+        backing_store=lambda w, d, dev: _FailingStore(w, d, dev))
+        for i, rows in enumerate((96, 96, 64, 128))}
+    grouped, alone = twins(OptimizerType.SGD, table_options=options)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):  # the caches fill up: the next batch writes back
+        kjt = batch(gen)
+        step(grouped, kjt, weights=(1, 1, 1, 1)), step(alone, kjt, weights=(1, 1, 1, 1))
+    kjt = batch(gen)
+    _FailingStore.failing = True
+    try:
+        for module in (grouped, alone):
+            with pytest.raises(OSError, match="disk is full"):
+                module(kjt)
+            assert not any(t.has_batches_in_flight() for t in module.tables.values())
+            assert all(t.tier.hash.pinned_count() == 0 for t in module.tables.values())
+    finally:
+        _FailingStore.failing = False
+    step(grouped, batch(gen), weights=(1, 1, 1, 1))  # training goes on
 
 
 def test_groups_follow_what_the_kernels_share():

@@ -165,7 +165,11 @@ class DynamicTable(CheckpointTiers):
                            counts, unique.num_unique, score=score)
         self.counters.add("lookups", keys.numel() if occurrences is None else occurrences.sum())
         self.counters.add("unique_keys", unique.num_unique.sum())
-        self._resolve(batch)
+        try:
+            self._resolve(batch)
+        except Exception:  # e.g. a user's backing store raised: the pins taken end
+            self.release(batch)
+            raise
         return batch
 
     def _hold(self, batch: TableBatch) -> None:

@@ -220,15 +220,19 @@ class TableGroup:
         if claimed is None:
             return None
         slots, inserted, prev_keys, prev_scores, stats = claimed
-        claim = (unique, slots, inserted, prev_keys, prev_scores, unique_bounds)
-        self._track_changes(claim)
-        if self.mode is StorageMode.CACHE:
-            self._fill_from_stores(claim, stats)
-        else:
-            self._initialize(slots, unique, inserted, unique_bounds)
         batch = GroupBatch(self, unique, inverse, counts, ub, key_bounds, slots)
         for table in self.tables:
             table.hold_group_batch(batch)
+        claim = (unique, slots, inserted, prev_keys, prev_scores, unique_bounds)
+        try:
+            self._track_changes(claim)
+            if self.mode is StorageMode.CACHE:  # a user's store may raise: pins end then
+                self._fill_from_stores(claim, stats)
+            else:
+                self._initialize(slots, unique, inserted, unique_bounds)
+        except Exception:
+            self.release(batch)
+            raise
         self._count_prefetch(batch, inserted, prev_keys, given_counts if counted else None)
         return batch
 
