@@ -10,7 +10,7 @@ become its outputs.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
@@ -91,6 +91,20 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         """Whether tables of one shape train as groups (:mod:`dynemb.tables.groups`); a
         sharder gives each rank's share the same setting."""
         return self._core.groups_on
+
+    def table_groups(self) -> List[Tuple[str, ...]]:
+        """The names of the tables of each group (tables that train alone are in none).
+
+        Example::
+
+            >>> configs = [EmbeddingConfig(name=n, embedding_dim=8, num_embeddings=64,
+            ...                            feature_names=[n]) for n in ("a", "b", "c")]
+            >>> DynamicEmbCollection(configs).table_groups()
+            [('a', 'b', 'c')]
+            >>> DynamicEmbCollection(configs, group_tables=False).table_groups()
+            []
+        """
+        return [group.names for group in self._core.groups]
 
     @property
     def device(self) -> torch.device:

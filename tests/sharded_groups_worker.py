@@ -105,7 +105,7 @@ def run_group_twins(rank: int, world_size: int, scenarios: List[GroupScenario]
         results.append({
             "outputs": outputs, "state": state,
             "stats": {name: m.stats() for name, m in local.items()},
-            "groups": {name: [g.names for g in m._core.groups] for name, m in local.items()},
+            "groups": {name: m.table_groups() for name, m in local.items()},
             "evictions": int(np.sum([st["evictions"] for st in local["grouped"].stats()
                                      .values()])),
             "write_backs": int(np.sum([st["write_backs"] for st in local["grouped"].stats()

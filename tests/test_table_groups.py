@@ -83,7 +83,7 @@ def train_both(grouped, alone, gen: torch.Generator, steps: int) -> None:
 
 
 def grouped_names(module):
-    return [group.names for group in module._core.groups]
+    return module.table_groups()
 
 
 @pytest.mark.parametrize("optimizer", list(OptimizerType))

@@ -55,7 +55,7 @@ def batch(gen, weighted):
 def test_a_grouped_bag_module_trains_bit_for_bit_as_its_tables_one_by_one(
         poolings, weighted, clip, optimizer):
     grouped, alone = twins(poolings, optimizer, weighted, clip)
-    assert [g.names for g in grouped._core.groups] == [("t0", "t1", "t2")]
+    assert grouped.table_groups() == [("t0", "t1", "t2")]
     gen = torch.Generator().manual_seed(1)
     probe = torch.randn(BATCH, 8 * 4 + 4, generator=gen)
     for _ in range(15):
