@@ -98,10 +98,25 @@ class DynamicCore:
                                         if c.name in self.tables})
 
     def _groups_for_training(self) -> List[TableGroup]:
-        """The groups a training batch goes through; regrouped first if a table was
-        replaced since (a group keeps its tables' storage, not the module's names)."""
-        if not all(group.intact(self.tables) for group in self.groups):
-            self._regroup()
+        """The groups a training batch goes through; regrouped first if a table, or its
+        arrays, were replaced since (a group keeps its tables' storage, not the module's
+        names). Batches in flight move to the new groups; a batch whose group's tables
+        changed ends its pins, queued prefetches are dropped, and a backward of an earlier
+        lookup raises, as after a checkpoint load."""
+        if all(group.intact(self.tables) for group in self.groups):
+            return self.groups
+        in_flight = {id(b): b for state in self._queue for b in state.batches.values()}
+        in_flight.update((id(b), b) for _, b in self._awaiting_backward)
+        self._regroup()
+        lost = False
+        for batch in in_flight.values():
+            if isinstance(batch, GroupBatch) and batch.group not in self.groups:
+                if not any(group.take_over(batch) for group in self.groups):
+                    batch.group.end_pins_alone(batch)
+                    lost = True
+        if lost:
+            self.clear_prefetched()
+            self._generation += 1
         return self.groups
 
     def _build_table(self, config: BaseEmbeddingConfig) -> Optional[DynamicTable]:

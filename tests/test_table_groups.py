@@ -18,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions
 from dynemb.admission import FrequencyAdmission
 from dynemb.backing_store import HostBackingStore
+from dynemb.kernel_backend import TableArrays
 from dynemb.kernels import groups_cpu
 from dynemb.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.groups import GroupBatch
@@ -260,6 +261,36 @@ def test_resetting_one_table_regroups_and_matches_the_twin():
         assert_same_outputs(step(grouped, kjt), step(alone, kjt))
     assert_same_module(grouped, alone)
     assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+
+
+def test_a_table_whose_storage_was_replaced_is_regrouped():
+    grouped, alone = twins(OptimizerType.SGD)
+    gen = torch.Generator().manual_seed(13)
+    train_both(grouped, alone, gen, 3)
+    for module in (grouped, alone):  # a direct call below the table: its arrays are new
+        hash_table = module.tables["t3"].tier.hash
+        hash_table.use_storage(TableArrays(*(t.clone() for t in hash_table.arrays[:4]),
+                                           hash_table.num_buckets, hash_table.bucket_size))
+    assert not grouped._core.groups[0].intact(grouped.tables)
+    train_both(grouped, alone, gen, 3)
+    assert grouped._core.groups[0].intact(grouped.tables)
+    assert_same_module(grouped, alone)
+
+
+def test_a_table_replaced_with_a_lookup_in_flight_ends_that_lookup():
+    grouped, other = twins(OptimizerType.SGD)
+    gen = torch.Generator().manual_seed(14)
+    earlier = grouped(batch(gen))  # its backward has not run
+    grouped.tables["t1"] = other.tables["t1"]  # an empty table, behind the module's back
+    out = grouped(batch(gen))  # regroups: the earlier lookup's group lost a table
+    assert grouped.table_groups() == [("t0", "t1", "t2", "t3")]
+    assert grouped._core.groups[0].tables[1] is grouped.tables["t1"]
+    with pytest.raises(RuntimeError, match="run a new forward|Run a new forward"):
+        earlier["f0"].values().sum().backward()
+    out["f0"].values().sum().backward()  # the new lookup trains
+    assert grouped.steps["t0"] == 1
+    grouped.clear_prefetched()  # the other tables' pins of that lookup end here
+    assert all(t.tier.hash.pinned_count() == 0 for t in grouped.tables.values())
 
 
 def test_a_pickled_grouped_module_goes_on_bit_for_bit():

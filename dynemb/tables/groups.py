@@ -187,13 +187,47 @@ class TableGroup:
 
     @staticmethod
     def _storage_of(table: DynamicTable):
-        return (table, table.tier.hash.arrays, table.tier.flat.weights, table.counters.values)
+        return (table.tier.hash.arrays, table.tier.flat.weights, table.counters.values)
 
     def intact(self, tables: Mapping[str, DynamicTable]) -> bool:
         """Whether ``tables`` still holds the group's tables, each still in its part of the
-        group's arrays (a checkpoint load or reset may have replaced a table)."""
-        return all(tables.get(name) is table and self._storage_of(table) == storage
-                   for name, table, storage in zip(self.names, self.tables, self._storage))
+        group's arrays (a checkpoint load or reset may have replaced a table, a direct call
+        of its hash table's ``grow`` its arrays)."""
+        for name, table, storage in zip(self.names, self.tables, self._storage):
+            if tables.get(name) is not table:
+                return False
+            if any(now is not then for now, then in zip(self._storage_of(table), storage)):
+                return False
+        return True
+
+    def take_over(self, batch: GroupBatch) -> bool:
+        """Make a batch of an earlier group of the same tables (regrouped while the batch
+        held pins, which moved with the tables' arrays) a batch of this group: its slots are
+        renumbered to this group's rows. False, and nothing changes, if the earlier group had
+        other tables."""
+        old = batch.group
+        if len(old.tables) != len(self.tables) or any(
+                a is not b for a, b in zip(old.tables, self.tables)):
+            return False
+        shift = torch.tensor([new - was for new, was in zip(self.row_offset, old.row_offset)][:-1],
+                             dtype=torch.int64)
+        sizes = torch.tensor(np.diff(np.asarray(batch.unique_bounds)), dtype=torch.int64)
+        delta = torch.repeat_interleave(shift, sizes, output_size=batch.slots.numel())
+        batch.slots = torch.where(batch.slots >= 0, batch.slots + delta, -1)
+        batch.group = self
+        return True
+
+    def end_pins_alone(self, batch: GroupBatch) -> None:
+        """End a batch's pins table by table, in each table's own arrays (when this group no
+        longer holds them: its tables were regrouped into other groups)."""
+        for t in sorted(batch.unreleased):
+            table = self.tables[t]
+            lo, hi = batch.unique_bounds[t], batch.unique_bounds[t + 1]
+            part = batch.slots[lo:hi]
+            table.tier.hash.release(torch.where(part >= 0, part - self.row_offset[t], -1))
+            table.drop_group_batch(batch)
+        batch.unreleased = set()
+        batch.pinned = False
 
     # -- prefetch ------------------------------------------------------------------------------
     def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
