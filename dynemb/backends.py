@@ -130,16 +130,20 @@ class CpuBackend:
         table_cpu.add_refcounts_cpu(self._np(table.refcnt), self._np(slots), delta)
 
     # -- table groups (dynemb.tables.groups): segment t of the keys is table t's ----------------
-    def dedup_segments(self, keys, bounds):
+    def dedup_segments(self, keys, bounds, num_buckets=None):
         """(unique keys, inverse, counts, unique bounds [T + 1] as numpy) of each segment
-        ``keys[bounds[t]:bounds[t + 1]]``, segment after segment, each in first-occurrence
-        order; the inverse indexes the whole unique array."""
+        ``keys[bounds[t]:bounds[t + 1]]``, segment after segment; the inverse indexes the
+        whole unique array. Each segment's unique keys in first-occurrence order, or with
+        ``num_buckets`` (per segment, numpy) sorted by bucket of a table of that many
+        buckets, ties in first-occurrence order."""
         n = keys.numel()
         unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
         unique_bounds = np.empty(len(bounds), dtype=np.int64)
+        if num_buckets is None:
+            num_buckets = np.zeros(len(bounds) - 1, dtype=np.int64)
         u = groups_cpu.dedup_segments_cpu(keys.numpy(), np.asarray(bounds, dtype=np.int64),
-                                          unique.numpy(), inverse.numpy(), counts.numpy(),
-                                          unique_bounds)
+                                          num_buckets, unique.numpy(), inverse.numpy(),
+                                          counts.numpy(), unique_bounds)
         return unique[:u], inverse, counts[:u], unique_bounds
 
     def find_or_insert_group(self, table: TableArrays, sizes, row_offset, num_buckets, ukeys,

@@ -12,20 +12,23 @@ on its range: the slots chosen are those a table of its own would choose.
 import numpy as np
 from numba import njit, prange
 
-from .hashing import mix64, is_live_key
+from .hashing import bucket_index, is_live_key, mix64
 from .init_common import fill_row
 from .rng import row_stream
 from .table_cpu import _claim_range, _new_work
 
 
 @njit(cache=True, parallel=True)
-def dedup_segments_cpu(keys, seg, out_unique, out_inverse, out_counts, out_useg):
-    """Each segment's unique keys in first-occurrence order, segment after segment, with
-    counts and the inverse (an index into the whole unique array); returns the number of
-    unique keys. ``out_useg`` [T + 1]: where each segment's unique keys start.
+def dedup_segments_cpu(keys, seg, num_buckets, out_unique, out_inverse, out_counts, out_useg):
+    """Each segment's unique keys, segment after segment, with counts and the inverse (an
+    index into the whole unique array); returns the number of unique keys. ``out_useg``
+    [T + 1]: where each segment's unique keys start.
 
-    First-occurrence order gives every bucket its keys in batch order, so a claim picks the
-    same slots as after the single-table dedup (which sorts them by bucket).
+    Segment ``t``'s unique keys are sorted by bucket of a table of ``num_buckets[t]``
+    buckets (ties in first-occurrence order: every bucket sees its keys in batch order, so a
+    claim picks the same slots as after the single-table dedup), which is the order of
+    their slots: the claim and the update then walk the table front to back. A count of 0
+    keeps first-occurrence order.
     """
     tables = seg.size - 1
     n = keys.size
@@ -60,6 +63,27 @@ def dedup_segments_cpu(keys, seg, out_unique, out_inverse, out_counts, out_useg)
                     break
                 e = (e + 1) & mask
         found[t] = u
+        buckets = num_buckets[t]
+        if buckets > 0 and u > 1:  # a stable counting sort of the unique keys by bucket
+            start = np.zeros(buckets + 1, dtype=np.int64)
+            for j in range(u):
+                start[bucket_index(local_unique[lo + j], buckets) + 1] += 1
+            for b in range(buckets):
+                start[b + 1] += start[b]
+            moved = np.empty(u, dtype=np.int64)  # first-occurrence number -> sorted place
+            for j in range(u):
+                b = bucket_index(local_unique[lo + j], buckets)
+                moved[j] = start[b]
+                start[b] += 1
+            sorted_keys = np.empty(u, dtype=np.int64)
+            sorted_counts = np.empty(u, dtype=np.int64)
+            for j in range(u):
+                sorted_keys[moved[j]] = local_unique[lo + j]
+                sorted_counts[moved[j]] = local_counts[lo + j]
+            local_unique[lo:lo + u] = sorted_keys
+            local_counts[lo:lo + u] = sorted_counts
+            for i in range(lo, hi):
+                out_inverse[i] = moved[out_inverse[i]]
     out_useg[0] = 0
     for t in range(tables):
         out_useg[t + 1] = out_useg[t] + found[t]

@@ -20,6 +20,7 @@ from dynemb.admission import FrequencyAdmission
 from dynemb.backing_store import HostBackingStore
 from dynemb.kernel_backend import TableArrays
 from dynemb.kernels import groups_cpu
+from dynemb.kernels.hashing import bucket_index
 from dynemb.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.groups import GroupBatch
 from dynemb.types import ScorePolicy, TableFullError
@@ -382,24 +383,26 @@ def test_memory_is_counted_per_table_as_alone():
         assert grouped.tables[name].memory_breakdown() == alone.tables[name].memory_breakdown()
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(-5, 30), max_size=40), min_size=1, max_size=6))
-def test_segment_dedup_matches_a_python_model(segments):
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(-5, 30), max_size=40), min_size=1, max_size=6),
+       st.lists(st.sampled_from([0, 1, 3, 16]), min_size=6, max_size=6))
+def test_segment_dedup_matches_a_python_model(segments, buckets):
     keys = np.asarray([k for seg in segments for k in seg], dtype=np.int64)
     bounds = np.cumsum([0] + [len(s) for s in segments]).astype(np.int64)
+    num_buckets = np.asarray(buckets[:len(segments)], dtype=np.int64)
     unique, inverse, counts = (np.empty(keys.size, dtype=np.int64) for _ in range(3))
     unique_bounds = np.empty(len(segments) + 1, dtype=np.int64)
-    total = groups_cpu.dedup_segments_cpu(keys, bounds, unique, inverse, counts, unique_bounds)
+    total = groups_cpu.dedup_segments_cpu(keys, bounds, num_buckets, unique, inverse, counts,
+                                          unique_bounds)
     expect_unique, expect_counts, expect_inverse, expect_bounds = [], [], [], [0]
-    for seg in segments:
-        index = {}
-        for k in seg:
-            if k not in index:
-                index[k] = len(expect_unique)
-                expect_unique.append(k)
-                expect_counts.append(0)
-            expect_counts[index[k]] += 1
-            expect_inverse.append(index[k])
+    for seg, nb in zip(segments, num_buckets.tolist()):
+        first = list(dict.fromkeys(seg))  # first-occurrence order
+        if nb:  # stably by bucket: the order a table of nb buckets claims them in
+            first.sort(key=lambda k: bucket_index(np.int64(k), nb))
+        place = {k: expect_bounds[-1] + i for i, k in enumerate(first)}
+        expect_unique += first
+        expect_counts += [seg.count(k) for k in first]
+        expect_inverse += [place[k] for k in seg]
         expect_bounds.append(len(expect_unique))
     assert total == len(expect_unique)
     assert unique[:total].tolist() == expect_unique

@@ -85,7 +85,7 @@ def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
 class GroupBatch:
     """A group's share of a prefetched training batch, for all its tables at once.
 
-    ``keys`` / ``counts`` [U]: each table's unique keys (first-occurrence order), table after
+    ``keys`` / ``counts`` [U]: each table's unique keys (in bucket order), table after
     table; table ``t``'s are ``[unique_bounds[t], unique_bounds[t + 1])``. ``inverse`` [N]:
     the unique index of each input key (the tables' keys concatenated in group order, table
     ``t``'s ``[key_bounds[t], key_bounds[t + 1])``). ``slots`` [U]: group rows. ``applied``:
@@ -273,7 +273,9 @@ class TableGroup:
     def _dedup(self, keys: Sequence[torch.Tensor], key_bounds: List[int]):
         """(unique keys, inverse, counts, unique bounds [T + 1]) of every table's keys."""
         all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
-        return self.kernels.dedup_segments(all_keys, key_bounds)
+        # in bucket order, the order of the slots: the claim and the update walk each
+        # table's rows front to back
+        return self.kernels.dedup_segments(all_keys, key_bounds, self._num_buckets)
 
     def _given_scores(self, scores, bounds: List[int], unique: torch.Tensor) -> torch.Tensor:
         if self.policy is not ScorePolicy.CUSTOMIZED:
