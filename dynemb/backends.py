@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from dynemb.kernel_backend import KernelBackend, TableArrays
-from dynemb.kernels import (dedup_cpu, groups_cpu, init_cpu, optim_cpu, pool_cpu, round_cpu,
-                            table_cpu)
+from dynemb.group_kernels import CpuGroupKernels
+from dynemb.kernels import dedup_cpu, init_cpu, optim_cpu, pool_cpu, round_cpu, table_cpu
 from dynemb.kernels.constants import EMPTY_KEY, TOMBSTONE_KEY, cuda_simulator_enabled
 from dynemb.threads import apply_defaults as apply_thread_defaults
 
@@ -36,15 +36,14 @@ _MIN_PARALLEL_KEYS = 16384
 _MIN_PARTITIONED_KEYS = 4096
 
 
-class CpuBackend:
-    """``@njit`` kernels on CPU tensors (viewed as numpy arrays without copying)."""
+class CpuBackend(CpuGroupKernels):
+    """``@njit`` kernels on CPU tensors (viewed as numpy arrays without copying); the
+    table-group kernels come from :class:`~dynemb.group_kernels.CpuGroupKernels`."""
 
     name = "cpu"
     #: Slot failures raise at once (reading a count costs nothing on CPU); unique keys are
     #: exact, never padded.
     defers_failures = False
-    #: Has the table-group kernels (:mod:`dynemb.tables.groups`).
-    runs_groups = True
 
     def __init__(self):
         # numba one core short of the process's (dynemb.threads): created once per process,
@@ -61,10 +60,6 @@ class CpuBackend:
         placed, new, evicted = table_cpu.claim_summary_cpu(
             self._np(slots), self._np(inserted), self._np(previous_keys))
         return int(placed - new), int(new), int(evicted)
-
-    @staticmethod
-    def _np(t: torch.Tensor):
-        return t.numpy()
 
     def find(self, table: TableArrays, keys, out_slots, parallel=None):
         if parallel is None:  # threads only pay off with more than one and a real batch
@@ -128,49 +123,6 @@ class CpuBackend:
 
     def add_refcounts(self, table: TableArrays, slots, delta):
         table_cpu.add_refcounts_cpu(self._np(table.refcnt), self._np(slots), delta)
-
-    # -- table groups (dynemb.tables.groups): segment t of the keys is table t's ----------------
-    def dedup_segments(self, keys, bounds, num_buckets=None):
-        """(unique keys, inverse, counts, unique bounds [T + 1] as numpy) of each segment
-        ``keys[bounds[t]:bounds[t + 1]]``, segment after segment; the inverse indexes the
-        whole unique array. Each segment's unique keys in first-occurrence order, or with
-        ``num_buckets`` (per segment, numpy) sorted by bucket of a table of that many
-        buckets, ties in first-occurrence order."""
-        n = keys.numel()
-        unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-        unique_bounds = np.empty(len(bounds), dtype=np.int64)
-        if num_buckets is None:
-            num_buckets = np.zeros(len(bounds) - 1, dtype=np.int64)
-        u = groups_cpu.dedup_segments_cpu(keys.numpy(), np.asarray(bounds, dtype=np.int64),
-                                          num_buckets, unique.numpy(), inverse.numpy(),
-                                          counts.numpy(), unique_bounds)
-        return unique[:u], inverse, counts[:u], unique_bounds
-
-    def find_or_insert_group(self, table: TableArrays, sizes, row_offset, num_buckets, ukeys,
-                             unique_bounds, counts, given, policy, clocks, allow_evict, pin,
-                             out_slots, out_inserted, out_prev_keys, out_prev_scores,
-                             out_failed, out_stats):
-        """``groups_cpu.find_or_insert_group_cpu`` on a group's arrays; ``sizes``,
-        ``row_offset``, ``num_buckets``, ``clocks`` and ``out_stats`` are numpy arrays."""
-        n = self._np
-        groups_cpu.find_or_insert_group_cpu(
-            n(table.keys), n(table.scores), n(table.refcnt), n(sizes), row_offset, num_buckets,
-            table.bucket_size, n(ukeys), unique_bounds, n(counts), n(given), policy, clocks,
-            allow_evict, pin, n(out_slots), n(out_inserted), n(out_prev_keys),
-            n(out_prev_scores), n(out_failed), out_stats)
-
-    def claim_counts_group(self, unique_bounds, slots, inserted, previous_keys, out):
-        """Per table: (hits, inserts, evictions) of a group claim into numpy ``out`` [T, 3]."""
-        groups_cpu.claim_counts_group_cpu(unique_bounds, self._np(slots), self._np(inserted),
-                                          self._np(previous_keys), out)
-
-    def init_rows_at_group(self, weights, slots, keys, mask, unique_bounds, dim, seeds,
-                           table_ids, kinds, p0, p1, low, high):
-        """``init_rows_at`` with each table's initializer, seed and id (numpy arrays)."""
-        n = self._np
-        groups_cpu.init_rows_at_group_cpu(n(weights), n(slots), n(keys), n(mask),
-                                          unique_bounds, dim, seeds, table_ids, kinds, p0, p1,
-                                          low, high)
 
     def export(self, table: TableArrays, start, end) -> Tuple[torch.Tensor, ...]:
         n = end - start

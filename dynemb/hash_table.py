@@ -80,37 +80,6 @@ class ScoredHashTable(HashTableImages):
         :meth:`undo` checks, which cannot be pickled; an unpickled table has no call to undo."""
         return {**self.__dict__, "_undoable": None}
 
-    # -- storage -----------------------------------------------------------------------------
-    @property
-    def arrays(self) -> TableArrays:
-        """The arrays the kernels take (replaced as a whole by :meth:`grow` and
-        :meth:`use_storage`)."""
-        return self._arrays
-
-    def use_storage(self, arrays: TableArrays) -> None:
-        """Copy the table into ``arrays`` (of the same capacity and bucket size, e.g. views
-        of a table group's arrays, :mod:`dynemb.tables.groups`) and keep it there."""
-        old = self._arrays
-        if (arrays.capacity, arrays.bucket_size) != (old.capacity, old.bucket_size):
-            raise ValueError(f"storage of {arrays.capacity} slots in buckets of "
-                             f"{arrays.bucket_size} cannot hold a table of {old.capacity} in "
-                             f"buckets of {old.bucket_size}")
-        for new, now in zip(arrays[:4], old[:4]):
-            if new.data_ptr() != now.data_ptr():
-                new.copy_(now)
-        self._arrays = arrays
-
-    def tick(self) -> int:
-        """Advance the clock for one scoring call made on :attr:`arrays` by its owner (a
-        table group's claim) and return it; that call cannot be undone."""
-        self._undoable = None
-        self._clock += 1
-        return self._clock
-
-    def untick(self) -> None:
-        """Take back the latest :meth:`tick` (its call was rolled back)."""
-        self._clock -= 1
-
     # -- sizes -------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:

@@ -1,18 +1,52 @@
-"""``HashTableImages``: the part of :class:`~dynemb.hash_table.ScoredHashTable` that
-checkpoints use: its slot arrays as an image, loads that never evict, and the reset to empty."""
+"""``HashTableImages``: the part of :class:`~dynemb.hash_table.ScoredHashTable` that deals
+with its slot arrays as a whole: where they live (a table group's views, see
+:mod:`dynemb.tables.groups`), their image for checkpoints, loads that never evict, and the
+reset to empty."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
+from dynemb.kernel_backend import TableArrays
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, FindOrInsertResult, ScorePolicy, TableFullError
 from dynemb.validation import check_index_tensor, check_keys
 
 
 class HashTableImages:
-    """Checkpoint images and loads of a :class:`~dynemb.hash_table.ScoredHashTable` (its
-    base class; the methods use the table's arrays, clock and insert path)."""
+    """Where a :class:`~dynemb.hash_table.ScoredHashTable`'s arrays live, their checkpoint
+    images and loads (its base class; the methods use the table's arrays, clock and insert
+    path)."""
+
+    @property
+    def arrays(self) -> TableArrays:
+        """The arrays the kernels take (replaced as a whole by :meth:`grow` and
+        :meth:`use_storage`)."""
+        return self._arrays
+
+    def use_storage(self, arrays: TableArrays) -> None:
+        """Copy the table into ``arrays`` (of the same capacity and bucket size, e.g. views
+        of a table group's arrays, :mod:`dynemb.tables.groups`) and keep it there."""
+        old = self._arrays
+        if (arrays.capacity, arrays.bucket_size) != (old.capacity, old.bucket_size):
+            raise ValueError(f"storage of {arrays.capacity} slots in buckets of "
+                             f"{arrays.bucket_size} cannot hold a table of {old.capacity} in "
+                             f"buckets of {old.bucket_size}")
+        for new, now in zip(arrays[:4], old[:4]):
+            if new.data_ptr() != now.data_ptr():
+                new.copy_(now)
+        self._arrays = arrays
+
+    def tick(self) -> int:
+        """Advance the clock for one scoring call made on :attr:`arrays` by its owner (a
+        table group's claim) and return it; that call cannot be undone."""
+        self._undoable = None
+        self._clock += 1
+        return self._clock
+
+    def untick(self) -> None:
+        """Take back the latest :meth:`tick` (its call was rolled back)."""
+        self._clock -= 1
 
     def image(self):
         """``(keys, scores)``: the table's own slot arrays (views, not copies): slot ``s``

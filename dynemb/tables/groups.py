@@ -42,7 +42,7 @@ from dynemb.kernel_backend import TableArrays
 from dynemb.optimizers import OccurrenceGrads, fused_update
 from dynemb.options import StashMode, StorageMode
 from dynemb.tables.base import DynamicTable
-from dynemb.tables.batch import TableBatch
+from dynemb.tables.group_batch import GroupBatch
 from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
 
 __all__ = ["GroupBatch", "TableGroup", "group_signature", "group_tables"]
@@ -80,59 +80,6 @@ def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
         if signature is not None:
             by_signature.setdefault(signature, []).append(table)
     return [TableGroup(members) for members in by_signature.values() if len(members) > 1]
-
-
-class GroupBatch:
-    """A group's share of a prefetched training batch, for all its tables at once.
-
-    ``keys`` / ``counts`` [U]: each table's unique keys (in bucket order), table after
-    table; table ``t``'s are ``[unique_bounds[t], unique_bounds[t + 1])``. ``inverse`` [N]:
-    the unique index of each input key (the tables' keys concatenated in group order, table
-    ``t``'s ``[key_bounds[t], key_bounds[t + 1])``). ``slots`` [U]: group rows. ``applied``:
-    the tables whose backward ran.
-    """
-
-    training = True
-    fallback = None
-
-    def __init__(self, group: "TableGroup", keys, inverse, counts, unique_bounds, key_bounds,
-                 slots):
-        self.group = group
-        self.mode = group.mode
-        self.keys, self.inverse, self.counts, self.slots = keys, inverse, counts, slots
-        self.unique_bounds: List[int] = unique_bounds
-        self.key_bounds: List[int] = key_bounds
-        self.pinned = True
-        self.unreleased = set(range(len(group.names)))  # tables whose pins have not ended
-        self.consumed = False
-        self.applied: set = set()
-
-    @property
-    def names(self) -> Tuple[str, ...]:
-        return self.group.names
-
-    def tensors(self) -> List[torch.Tensor]:
-        return [self.keys, self.inverse, self.counts, self.slots]
-
-    def table_tensors(self, name: str) -> List[torch.Tensor]:
-        """The parts of the batch's tensors that are table ``name``'s."""
-        t = self.group.index[name]
-        u0, u1 = self.unique_bounds[t], self.unique_bounds[t + 1]
-        k0, k1 = self.key_bounds[t], self.key_bounds[t + 1]
-        return [self.keys[u0:u1], self.inverse[k0:k1], self.counts[u0:u1], self.slots[u0:u1]]
-
-    def member(self, name: str) -> TableBatch:
-        """Table ``name``'s part as a :class:`TableBatch` of its own (slots of its table,
-        inverse into its keys): a copy, for reading."""
-        t = self.group.index[name]
-        u0 = self.unique_bounds[t]
-        keys, inverse, counts, slots = self.table_tensors(name)
-        local = torch.where(slots >= 0, slots - self.group.row_offset[t], -1)
-        batch = TableBatch(name, self.mode, True, keys, inverse - u0, counts,
-                           torch.tensor([keys.numel()]), slots=local)
-        batch.pinned, batch.consumed = self.pinned, self.consumed
-        batch.applied = name in self.applied
-        return batch
 
 
 class TableGroup:
