@@ -69,17 +69,6 @@ class Bags:
             torch.arange(self.lengths.numel(), device=self.lengths.device), self.lengths,
             output_size=num_ids)
 
-    def id_scale(self, num_ids: int) -> Optional[torch.Tensor]:
-        """[N] what each id's bag gradient is multiplied by (its weight, over its bag's
-        length for MEAN), or None for 1; for bags whose gradients are not divided first
-        (MEAN with clipping divides them instead, see :meth:`bag_grads`)."""
-        scale = self.weights
-        if self.mode == "mean":
-            per_bag = self.lengths.clamp(min=1).to(torch.float32)
-            bag_scale = (1.0 / per_bag).repeat_interleave(self.lengths, output_size=num_ids)
-            scale = bag_scale if scale is None else scale * bag_scale
-        return scale
-
     def bag_grads(self, grad_out: torch.Tensor, num_ids: int, dim: int, clip: Optional[float],
                   strided: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(each bag's gradient [F * B, dim], each id's scale [N] or None): what
@@ -152,9 +141,7 @@ def pool_group(out: torch.Tensor, batch: GroupBatch, members: List[Tuple[str, Ba
         first = [batch.key_bounds[group.index[name]] for name, _ in part]
         offsets = torch.cat([bags.offsets[:-1] + start for (_, bags), start in zip(part, first)]
                             + [part[-1][1].offsets[-1:] + first[-1]])
-        cols = torch.cat([bags.column + dim * torch.arange(bags.num_features,
-                                                           device=out.device)
-                          for _, bags in part])
+        cols = _group_columns(part, dim, out.device)
         scale = (torch.cat([bags.weights for _, bags in part]) if part[0][1].weights is not None
                  else torch.empty(0, dtype=torch.float32, device=out.device))
         group.kernels.pool_bags(rows, occ_slots, offsets, scale, part[0][1].mode == "mean",
@@ -176,24 +163,34 @@ def group_occurrence_grads(grad_out: torch.Tensor, batch: GroupBatch,
     if clip is not None and any(bags.mode == "mean" for _, bags in members):
         return _copied_group_grads(grad_out, batch, members, clip)
     grad_out = grad_out.contiguous()
-    sample_rows = torch.arange(size, device=grad_out.device) * columns
-    rows, scales = [], []
-    for name, bags in members:
-        t = group.index[name]
-        n = batch.key_bounds[t + 1] - batch.key_bounds[t]
-        cols = bags.column + dim * torch.arange(bags.num_features, device=grad_out.device)
-        row_of_bag = (cols[:, None] + sample_rows[None, :]).reshape(-1)  # bag i * B + b
-        rows.append(row_of_bag[bags.bag_of_id(n)])
-        scales.append(bags.id_scale(n))
+    device = grad_out.device
+    sample_rows = torch.arange(size, device=device) * columns
+    # bag i * B + b of the group's features in order: row b * C + (its feature's column)
+    row_of_bag = (_group_columns(members, dim, device)[:, None]
+                  + sample_rows[None, :]).reshape(-1)
+    lengths = torch.cat([bags.lengths for _, bags in members])
+    num_ids = batch.inverse.numel()
+    row_of_id = torch.repeat_interleave(row_of_bag, lengths, output_size=num_ids)
     scale = None
-    if any(s is not None for s in scales):
-        scale = torch.cat([s if s is not None else torch.ones(r.numel(), device=r.device)
-                           for s, r in zip(scales, rows)])
+    if any(bags.mode == "mean" for _, bags in members):  # the division rides on the scale
+        per_bag = torch.cat([1.0 / bags.lengths.clamp(min=1).to(torch.float32)
+                             if bags.mode == "mean" else
+                             torch.ones(bags.lengths.numel(), device=device)
+                             for _, bags in members])
+        scale = torch.repeat_interleave(per_bag, lengths, output_size=num_ids)
+    if members[0][1].weights is not None:  # a weighted collection: every table has weights
+        weights = torch.cat([bags.weights for _, bags in members])
+        scale = weights if scale is None else weights * scale
     src = grad_out.to(torch.float32).as_strided((size * columns - dim + 1, dim), (1, 1))
     offsets, order = occurrence_csr(batch.inverse, batch.keys.numel())
-    row_of_id = torch.cat(rows) if len(rows) > 1 else rows[0]
     return OccurrenceGrads(src, offsets, row_of_id[order].contiguous(),
                            None if scale is None else scale[order].contiguous(), clip)
+
+
+def _group_columns(members: List[Tuple[str, Bags]], dim: int, device) -> torch.Tensor:
+    """The first output column of each feature of the group's tables, in order."""
+    return torch.tensor([bags.column + dim * i for _, bags in members
+                         for i in range(bags.num_features)], dtype=torch.int64, device=device)
 
 
 def _copied_group_grads(grad_out, batch: GroupBatch, members, clip) -> OccurrenceGrads:

@@ -43,13 +43,14 @@ def split_by_table(kjt: KeyedJaggedTensor, configs: List[BaseEmbeddingConfig],
     # one split of the ids (and lengths, weights) into per-feature views, not a
     # JaggedTensor per feature: with hundreds of features this is most of the cost
     sizes = kjt.length_per_key()
-    ids_of = dict(zip(features, values.to(torch.int64).split(sizes)))
+    ids = values.to(torch.int64)
+    ids_of = dict(zip(features, ids.split(sizes)))
     strides = kjt.stride_per_key()
     lengths_of = dict(zip(features, kjt.lengths().split(strides)))
     weights_of = dict(zip(features, kjt.weights().split(sizes))) if counted else {}
     if validate and values.numel():  # one pass over every id; a bad one is named by table
         try:
-            check_keys(values.to(torch.int64).to(device), device)
+            check_keys(ids.to(device), device)
         except ValueError:  # ids of features no table reads are ignored
             _name_table_of_bad_ids(ids_of, configs, device)
     out: Dict[str, Any] = {"__lengths__": lengths_of}

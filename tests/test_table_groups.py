@@ -351,6 +351,19 @@ def test_skipped_backwards_and_batches_prefetched_ahead_match_the_twin():
     assert grouped.steps == {"t0": 8, "t1": 8, "t2": 8, "t3": 8}
 
 
+def test_late_backwards_drop_the_updates_of_evicted_rows_as_alone():
+    grouped, alone = twins(OptimizerType.ADAM, ScorePolicy.LRU)
+    gen = torch.Generator().manual_seed(15)
+    for _ in range(8):  # backwards after two more forwards: pins ended, rows evicted
+        kjts = [batch(gen) for _ in range(3)]
+        for module in (grouped, alone):
+            outs = [module(kjt) for kjt in kjts]
+            for out in outs:
+                sum((out[f].values() ** 2).sum() for f in FEATURES).backward()
+    assert_same_module(grouped, alone)
+    assert sum(s["dropped_updates"] for s in grouped.stats().values()) > 0
+
+
 def test_a_second_backward_through_one_grouped_forward_raises():
     grouped, _ = twins(OptimizerType.SGD)
     out = grouped(batch(torch.Generator().manual_seed(1)))

@@ -374,10 +374,9 @@ class TableGroup:
         slots = batch.slots
         kept = self.arrays.keys[slots.clamp(min=0)] == batch.keys
         dropped = ((slots >= 0) & ~kept).to(torch.int64)
-        bounds = batch.unique_bounds
-        per_table = torch.stack([dropped[bounds[t]:bounds[t + 1]].sum()
-                                 for t in range(len(self.tables))])
-        self.counters[:, _COUNTER["dropped_updates"]] += per_table
+        total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])  # per table:
+        bounds = torch.tensor(batch.unique_bounds, dtype=torch.int64)     # differences
+        self.counters[:, _COUNTER["dropped_updates"]] += total[bounds[1:]] - total[bounds[:-1]]
         return torch.where(kept, slots, -1)
 
     def release(self, batch: GroupBatch, tables: Optional[Sequence[int]] = None) -> None:
