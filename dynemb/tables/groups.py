@@ -230,7 +230,10 @@ class TableGroup:
         sizes = np.diff(np.asarray(bounds))
         return torch.from_numpy(np.repeat(np.asarray(scores, dtype=np.int64), sizes))
 
-    def _claim(self, unique, counts, given, unique_bounds) -> torch.Tensor:
+    def _claim(self, unique, counts, given, unique_bounds) -> Optional[tuple]:
+        """(slots, inserted, previous keys, previous scores, per-table stats) of one
+        pinning claim of every table's keys; None, the claim undone, if a key found no
+        slot."""
         clocks = np.asarray([t.tier.hash.tick() for t in self.tables], dtype=np.int64)
         u = unique.numel()
         slots, prev_keys, prev_scores = (torch.empty(u, dtype=torch.int64) for _ in range(3))
