@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from dynemb.kernel_backend import TableArrays
-from dynemb.kernels import groups_cpu
+from dynemb.kernels import group_stores_cpu, groups_cpu
 
 
 class CpuGroupKernels:
@@ -63,3 +63,18 @@ class CpuGroupKernels:
         groups_cpu.init_rows_at_group_cpu(n(weights), n(slots), n(keys), n(mask),
                                           unique_bounds, dim, seeds, table_ids, kinds, p0, p1,
                                           low, high)
+
+    def store_moves_group(self, weights, wb_keys, wb_scores, wb_rows, wb_seg, ld_keys, ld_rows,
+                          ld_seg, store_keys, store_scores, store_refcnt, store_size,
+                          store_rows, store_buckets, bucket_sizes, max_capacities, grow_at,
+                          clocks, out_slots, out_inserted, out_prev_keys, out_prev_scores,
+                          out_failed, out_found, out_scores, out_stats):
+        """``group_stores_cpu.store_moves_group_cpu`` (torch tensors in; the store arrays as
+        typed lists of numpy arrays, the per-table values numpy)."""
+        n = self._np
+        group_stores_cpu.store_moves_group_cpu(
+            n(weights), n(wb_keys), n(wb_scores), n(wb_rows), wb_seg, n(ld_keys), n(ld_rows),
+            ld_seg, store_keys, store_scores, store_refcnt, store_size, store_rows,
+            store_buckets, bucket_sizes, max_capacities, grow_at, clocks, n(out_slots),
+            n(out_inserted), n(out_prev_keys), n(out_prev_scores), n(out_failed),
+            n(out_found), n(out_scores), out_stats)

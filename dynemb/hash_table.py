@@ -261,14 +261,7 @@ class ScoredHashTable(HashTableImages):
                              f"{tuple(slots.shape)}")
         if torch.unique(slots).numel() != slots.numel():
             raise ValueError("slots must be distinct (one score per key)")
-        if self.policy is ScorePolicy.LFU:
-            self._arrays.scores.index_add_(0, slots, scores)
-        elif self.policy is ScorePolicy.LFU_LRU:  # counts add up, the new last use stays
-            counts, clocks = unpack_lfu_lru(self._arrays.scores[slots])
-            self._arrays.scores.index_copy_(
-                0, slots, pack_lfu_lru(counts + unpack_lfu_lru(scores)[0], clocks))
-        elif self.policy is ScorePolicy.STEP:
-            self._arrays.scores.index_copy_(0, slots, scores)
+        restore_scores_at(self._arrays.scores, self.policy, slots, scores)
 
     def _find_or_insert_once(self, ukeys, counts, given, pin, policy=None, allow_evict=None):
         """One attempt: (slots, inserted, previous keys, previous scores, failed, stats), stats
@@ -447,3 +440,17 @@ class ScoredHashTable(HashTableImages):
     def __repr__(self) -> str:
         return (f"ScoredHashTable(capacity={self.capacity}, bucket_size={self.bucket_size}, "
                 f"policy={self.policy.name}, device={self.device}, backend={self._backend.name})")
+
+
+def restore_scores_at(table_scores: torch.Tensor, policy: ScorePolicy, slots: torch.Tensor,
+                      scores: torch.Tensor) -> None:
+    """:meth:`ScoredHashTable.restore_scores` on a score array ``table_scores`` (a table's,
+    or a table group's holding several tables of one ``policy``), unchecked."""
+    if policy is ScorePolicy.LFU:
+        table_scores.index_add_(0, slots, scores)
+    elif policy is ScorePolicy.LFU_LRU:  # counts add up, the new last use stays
+        counts, clocks = unpack_lfu_lru(table_scores[slots])
+        table_scores.index_copy_(0, slots, pack_lfu_lru(counts + unpack_lfu_lru(scores)[0],
+                                                        clocks))
+    elif policy is ScorePolicy.STEP:
+        table_scores.index_copy_(0, slots, scores)

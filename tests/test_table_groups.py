@@ -422,3 +422,52 @@ def test_segment_dedup_matches_a_python_model(segments, buckets):
     assert counts[:total].tolist() == expect_counts
     assert inverse.tolist() == expect_inverse
     assert unique_bounds.tolist() == expect_bounds
+
+
+class _CustomStore(HostBackingStore):
+    """A user's store (a subclass): its table runs alone, beside the group kernel's."""
+
+    def insert(self, keys, rows, scores):
+        return super().insert(keys, rows, scores)
+
+
+@pytest.mark.parametrize("policy", [ScorePolicy.LFU_LRU, ScorePolicy.STEP, ScorePolicy.LRU])
+def test_group_stores_that_grow_evict_or_are_a_users_match_their_twin(policy, monkeypatch):
+    from dynemb.tables.group_stores import GroupStores
+    width = 8 + OptimizerConfig(OptimizerType.ADAM).state_dim(8)
+    stores = [lambda w, d, dev: HostBackingStore(w, d, dev, initial_capacity=64),  # grows
+              lambda w, d, dev: HostBackingStore(w, d, dev, initial_capacity=64,
+                                                 max_capacity=256),  # then forgets rows
+              lambda w, d, dev: _CustomStore(w, d, dev),
+              None]
+    options = {f"t{i}": DynamicEmbTableOptions(caching=True, bucket_size=32,
+                                               score_strategy=policy, backing_store=store,
+                                               local_hbm_for_values=rows * width * 4)
+               for i, (rows, store) in enumerate(zip((96, 96, 64, 128), stores))}
+    grouped, alone = twins(OptimizerType.ADAM, policy, table_options=options)
+    assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+    in_kernel, left = set(), set()
+    fill = GroupStores._fill_in_kernel
+
+    def spy(self, claim, run):
+        out = fill(self, claim, run)
+        in_kernel.update(set(np.flatnonzero(run).tolist()) - set(out))
+        left.update(out)
+        return out
+    monkeypatch.setattr(GroupStores, "_fill_in_kernel", spy)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(30):
+        kjt = batch(gen)
+        assert_same_outputs(step(grouped, kjt, (1, 1, 1, 1)), step(alone, kjt, (1, 1, 1, 1)))
+    assert_same_module(grouped, alone)
+    assert in_kernel == {0, 1, 3} and 2 not in left  # the user's store never reaches it
+    assert 0 in left  # a store that had to grow ran alone, that step
+    assert grouped.tables["t0"].store.capacity > 64
+    assert grouped.stats()["t1"]["store_evictions"] > 0
+    for name in grouped.tables:
+        keys = torch.arange(2000)
+        got, want = (m.read_rows(name, keys, with_state=True) for m in (grouped, alone))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert grouped.tables[name].store.hash_table.clock == \
+            alone.tables[name].store.hash_table.clock
+    assert grouped.flush() == alone.flush()

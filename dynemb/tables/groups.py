@@ -43,6 +43,7 @@ from dynemb.optimizers import OccurrenceGrads, fused_update
 from dynemb.options import StashMode, StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_batch import GroupBatch
+from dynemb.tables.group_stores import GroupStores
 from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
 
 __all__ = ["GroupBatch", "TableGroup", "group_signature", "group_tables"]
@@ -131,6 +132,7 @@ class TableGroup:
                              for i in range(1, 5)]
         self._seeds = np.asarray([t.options.seed for t in tables], dtype=np.int64)
         self._table_ids = np.asarray([t.table_id for t in tables], dtype=np.int64)
+        self._stores = GroupStores(self) if self.mode is StorageMode.CACHE else None
 
     @staticmethod
     def _storage_of(table: DynamicTable):
@@ -208,7 +210,7 @@ class TableGroup:
         try:
             self._track_changes(claim)
             if self.mode is StorageMode.CACHE:  # a user's store may raise: pins end then
-                self._fill_from_stores(claim, stats)
+                self._stores.fill(claim, np.flatnonzero(stats[:, 0] + stats[:, 1]).tolist())
             else:
                 self._initialize(slots, unique, inserted, unique_bounds)
         except Exception:
@@ -264,14 +266,6 @@ class TableGroup:
         for t, table in enumerate(self.tables):
             if table.changes is not None:
                 table.changes.claimed(table.tier, self._table_claim(claim, t))
-
-    def _fill_from_stores(self, claim, stats) -> None:
-        """CACHE: each table whose claim inserted keys writes its evicted rows back to its
-        store and loads (or initializes) its new rows, as it does alone
-        (:meth:`~dynemb.tables.hbm_direct.HbmDirectTable.fill_claimed_rows`)."""
-        for t in np.flatnonzero(stats[:, 0] + stats[:, 1]).tolist():
-            result = self._table_claim(claim, t)
-            self.tables[t].fill_claimed_rows(result.keys, result)
 
     def _rollback(self, slots, inserted, prev_keys, prev_scores, stats) -> None:
         """Undo a claim: keys, scores, sizes, pins and clocks as before it."""

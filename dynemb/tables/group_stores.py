@@ -1,0 +1,161 @@
+"""The host stores of a CACHE table group, filled in one kernel call per claim.
+
+After a group's claim (:mod:`dynemb.tables.groups`), each CACHE table writes the rows it
+evicted back to its backing store and loads the keys it inserted from there
+(:class:`~dynemb.tables.cache.CacheTable`). Alone, that is a dozen small calls per table per
+step. Here the tables whose store is a plain :class:`~dynemb.backing_store.HostBackingStore`
+on the CPU run in one call (``kernels/group_stores_cpu.py``), each exactly as alone: same
+store slots, scores, clocks, evictions, counters and rows. The host runs a table alone when
+the kernel cannot: its store must grow first, or it is a user's store.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+from numba.typed import List as TypedList
+
+from dynemb.backing_store import HostBackingStore
+from dynemb.counters import COUNTER_NAMES
+from dynemb.hash_table import restore_scores_at
+from dynemb.kernels import group_stores_cpu
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
+
+
+def moves_in_group(table) -> bool:
+    """Whether the group kernel can move ``table``'s rows: its store is a CPU
+    :class:`HostBackingStore` (no method changed by a subclass) of the table's row dtype,
+    behind a CPU cache."""
+    store = getattr(table, "store", None)
+    return (type(store) is HostBackingStore and table.device.type == "cpu"
+            and store.row_table.weights.dtype == table.tier.flat.weights.dtype)
+
+
+class GroupStores:
+    """The stores of ``group``'s tables (see the module docstring).
+
+    The kernel reads each store's arrays through typed lists, rebuilt when a store's arrays
+    were replaced (it grew) since the last call."""
+
+    def __init__(self, group):
+        self.group = group
+        self._movable = np.asarray([moves_in_group(t) for t in group.tables], dtype=np.bool_)
+        self._sources: Optional[List[tuple]] = None
+        self._lists = None
+        self._empty = None
+
+    def _store_arrays(self):
+        """Typed lists of every store's (keys, scores, pins, size, rows as bits), plus
+        (buckets, bucket size, max capacity, grow-at load factor) per store as numpy."""
+        sources = [(t.store.hash_table.arrays, t.store.row_table.weights) if movable else None
+                   for t, movable in zip(self.group.tables, self._movable)]
+        if self._sources is not None and all(map(_same_source, sources, self._sources)):
+            return self._lists
+        lists = [TypedList() for _ in range(5)]
+        shape = np.zeros((len(sources), 4), dtype=np.float64)
+        bits = _BITS[self.group.weights.element_size()]
+        for t, source in enumerate(sources):
+            if source is None:
+                source = self._placeholder()
+            else:
+                store = self.group.tables[t].store.hash_table
+                shape[t] = (store.num_buckets, store.bucket_size,
+                            -1 if store.max_capacity is None else store.max_capacity,
+                            store.grow_at_load_factor)
+            arrays, weights = source
+            for out, array in zip(lists, (arrays.keys, arrays.scores, arrays.refcnt,
+                                          arrays.size, weights.view(bits))):
+                out.append(array.numpy())
+        ints = shape[:, :3].astype(np.int64)
+        self._sources = sources
+        self._lists = (*lists, ints[:, 0], ints[:, 1], ints[:, 2], shape[:, 3].copy())
+        return self._lists
+
+    def _placeholder(self):
+        """Empty arrays of the right types for a table the kernel skips."""
+        if self._empty is None:
+            from dynemb.kernel_backend import TableArrays
+            self._empty = (TableArrays.empty(0, 1, torch.device("cpu")),
+                           torch.empty(0, self.group.weights.shape[1],
+                                       dtype=self.group.weights.dtype))
+        return self._empty
+
+    def fill(self, claim, inserting: Sequence[int]) -> None:
+        """Write back and load the rows of ``claim`` (the group's, as
+        :meth:`~dynemb.tables.groups.TableGroup.prefetch` holds it) for the tables
+        ``inserting`` (indices of those that inserted a key): in one kernel call where it
+        can, the rest each alone."""
+        group = self.group
+        keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
+        run = np.zeros(len(group.tables), dtype=np.bool_)
+        run[list(inserting)] = True
+        run &= self._movable
+        alone = [t for t in inserting if not run[t]]
+        if run.any():
+            alone += self._fill_in_kernel(claim, run)
+        for t in sorted(alone):
+            result = group._table_claim(claim, t)
+            group.tables[t].fill_claimed_rows(result.keys, result)
+
+    def _fill_in_kernel(self, claim, run: np.ndarray) -> List[int]:
+        """The kernel's share; returns the tables it left to the host."""
+        group = self.group
+        keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
+        bounds = np.asarray(unique_bounds, dtype=np.int64)
+        evicted = inserted & (prev_keys != EMPTY_KEY) & (prev_keys != TOMBSTONE_KEY)
+        wb_at = self._entries_of(evicted, bounds, run)
+        ld_at = self._entries_of(inserted, bounds, run)
+        wb_seg = np.searchsorted(wb_at.numpy(), bounds)
+        ld_seg = np.searchsorted(ld_at.numpy(), bounds)
+        wb_keys, wb_scores = prev_keys[wb_at], prev_scores[wb_at]
+        ld_keys, ld_slots = keys[ld_at], slots[ld_at]
+        writing = np.flatnonzero(np.diff(wb_seg) > 0)
+        stores = [group.tables[t].store.hash_table for t in writing.tolist()]
+        clocks = np.zeros(len(group.tables), dtype=np.int64)
+        clocks[writing] = [s.clock + 1 for s in stores]
+        n, m = wb_keys.numel(), ld_keys.numel()
+        scratch = [torch.empty(n, dtype=torch.int64) for _ in range(3)]
+        flags = [torch.empty(n, dtype=torch.bool) for _ in range(2)]
+        found, scores = torch.empty(m, dtype=torch.bool), torch.empty(m, dtype=torch.int64)
+        stats = np.zeros((len(group.tables), group_stores_cpu.NUM_STATS), dtype=np.int64)
+        bits = _BITS[group.weights.element_size()]
+        group.kernels.store_moves_group(
+            group.weights.view(bits), wb_keys, wb_scores, slots[wb_at], wb_seg, ld_keys,
+            ld_slots, ld_seg, *self._store_arrays(), clocks, scratch[0], flags[0], scratch[1],
+            scratch[2], flags[1], found, scores, stats)
+        left = stats[:, group_stores_cpu.STAT_LEFT].astype(bool) & run
+        for t, store in zip(writing.tolist(), stores):
+            if not left[t]:
+                store.tick()
+        if left.any():  # their loads were not made: the host makes them, with the rest
+            found &= torch.from_numpy(~np.repeat(left, np.diff(ld_seg)))
+        restore_scores_at(group.arrays.scores, group.policy, ld_slots[found], scores[found])
+        counts = torch.from_numpy(stats[:, :3].copy())
+        for name, column in (("write_backs", 0), ("store_evictions", 1), ("loads", 2)):
+            group.counters[:, _COUNTER[name]] += counts[:, column]
+        fresh = inserted & torch.from_numpy(np.repeat(run & ~left, np.diff(bounds)))
+        fresh[ld_at[found]] = False
+        group._initialize(slots, keys, fresh, unique_bounds)
+        for t in np.flatnonzero(run & ~left).tolist():
+            changes = group.tables[t].changes
+            if changes is not None and wb_seg[t + 1] > wb_seg[t]:
+                changes.written_back(wb_keys[wb_seg[t]:wb_seg[t + 1]])
+        return np.flatnonzero(left).tolist()
+
+    @staticmethod
+    def _entries_of(mask: torch.Tensor, bounds: np.ndarray, run: np.ndarray) -> torch.Tensor:
+        """Positions of ``mask``'s true entries that belong to the tables ``run``."""
+        if not run.all():
+            mask = mask & torch.from_numpy(np.repeat(run, np.diff(bounds)))
+        return mask.nonzero().flatten()
+
+
+def _same_source(a: Optional[tuple], b: Optional[tuple]) -> bool:
+    """Whether two (hash arrays, rows) pairs are the same objects (None: a skipped table)."""
+    if a is None or b is None:
+        return a is b
+    return a[0] is b[0] and a[1] is b[1]

@@ -1,0 +1,116 @@
+"""CPU kernel (``@njit``) of a CACHE table group's host stores: every table's write-backs and
+loads in one call, each table's exactly as its own ``HostBackingStore`` does them.
+
+A group's claim leaves, per table ``t``, evicted rows to write back (segment ``wb_seg[t]:
+wb_seg[t + 1]`` of the write-back arrays) and inserted keys to load (``ld_seg[t]:ld_seg[t +
+1]``). Table ``t``'s store is ``store_keys[t]``, ``store_scores[t]``, ``store_refcnt[t]``,
+``store_size[t]``, ``store_rows[t]`` (numba typed lists: the stores differ in capacity), a
+CUSTOMIZED scored hash table that grows by doubling; rows travel as raw bits (int32 for 4-byte
+values, int16 for 2-byte), so one kernel serves every dtype.
+
+Growth allocates, which a kernel leaves to the host: a table whose write-back would make its
+store grow (the load factor passed, or a full bucket below ``max_capacity``), or that finds
+no slot, is left exactly as it was and flagged, for the host to run alone.
+"""
+import numpy as np
+from numba import njit, prange
+
+from .constants import EMPTY_KEY, POLICY_CUSTOMIZED
+from .hashing import probe
+from .table_cpu import _claim_range, _new_work
+
+#: ``out_stats`` columns, per table.
+STAT_WRITTEN, STAT_STORE_EVICTED, STAT_LOADED, STAT_LEFT = 0, 1, 2, 3
+NUM_STATS = 4
+
+
+@njit(cache=True, inline="always")
+def next_capacity(capacity, needed, max_capacity, bucket_size):
+    """The smallest doubling of ``capacity`` that reaches ``needed``, capped at
+    ``max_capacity`` (-1: none) in whole buckets; 0 when that is no growth
+    (``ScoredHashTable._next_capacity``)."""
+    cap = capacity
+    while cap < needed:
+        cap *= 2
+    if max_capacity >= 0:
+        cap = min(cap, max_capacity // bucket_size * bucket_size)
+    return cap if cap > capacity else 0
+
+
+@njit(cache=True, parallel=True)
+def store_moves_group_cpu(weights, wb_keys, wb_scores, wb_rows, wb_seg, ld_keys, ld_rows,
+                          ld_seg, store_keys, store_scores, store_refcnt, store_size,
+                          store_rows, store_buckets, bucket_sizes, max_capacities, grow_at,
+                          clocks, out_slots, out_inserted, out_prev_keys, out_prev_scores,
+                          out_failed, out_found, out_scores, out_stats):
+    """Per table ``t`` (threads split the tables), as ``CacheTable._write_back`` then
+    ``_load``:
+
+    1. write-back: insert keys ``wb_keys`` with scores ``wb_scores`` into the store at clock
+       ``clocks[t]`` (assume-unique, CUSTOMIZED, evicting the lowest score when a bucket is
+       full and the store cannot grow), then copy rows ``weights[wb_rows]`` to their slots;
+    2. load: find keys ``ld_keys`` in the store; a stored key's row is copied to
+       ``weights[ld_rows]``, ``out_found`` set and ``out_scores`` given its stored score.
+
+    ``out_stats[t]``: (rows written, store keys evicted, rows loaded, 1 if the table was left
+    for the host). ``out_slots`` ... ``out_failed`` are the write-back claim's scratch.
+    """
+    tables = wb_seg.size - 1
+    for table in prange(tables):
+        t = np.int64(table)  # typed lists take a signed index
+        for c in range(NUM_STATS):
+            out_stats[t, c] = 0
+        keys, scores, rows = store_keys[t], store_scores[t], store_rows[t]
+        buckets, bucket_size = store_buckets[t], bucket_sizes[t]
+        capacity = buckets * bucket_size
+        lo, hi = wb_seg[t], wb_seg[t + 1]
+        if hi > lo:
+            missing = 0
+            for j in range(lo, hi):
+                if probe(keys, wb_keys[j], buckets, bucket_size) < 0:
+                    missing += 1
+            after = store_size[t][0] + missing
+            if after > grow_at[t] * capacity and next_capacity(
+                    capacity, np.int64(after / grow_at[t]) + 1, max_capacities[t],
+                    bucket_size) > 0:
+                out_stats[t, STAT_LEFT] = 1
+                continue
+            added, evicted, failed = _claim_range(
+                keys, scores, store_refcnt[t], buckets, bucket_size, wb_keys, wb_scores,
+                wb_scores, POLICY_CUSTOMIZED, clocks[t], True, False, lo, hi, out_slots,
+                out_inserted, out_prev_keys, out_prev_scores, out_failed,
+                _new_work(bucket_size))
+            if failed > 0 or (evicted > 0 and next_capacity(
+                    capacity, capacity + 1, max_capacities[t], bucket_size) > 0):
+                for j in range(lo, hi):  # undone: the host grows the store and runs it
+                    s = out_slots[j]
+                    if s < 0:
+                        continue
+                    if out_inserted[j]:
+                        keys[s] = out_prev_keys[j]
+                    scores[s] = out_prev_scores[j]
+                out_stats[t, STAT_LEFT] = 1
+                continue
+            store_size[t][0] += added
+            width = rows.shape[1]
+            for j in range(lo, hi):
+                src, dst = weights[wb_rows[j]], rows[out_slots[j]]
+                for c in range(width):
+                    dst[c] = src[c]
+            out_stats[t, STAT_WRITTEN] = hi - lo
+            out_stats[t, STAT_STORE_EVICTED] = evicted
+        loaded = 0
+        width = rows.shape[1]
+        for j in range(ld_seg[t], ld_seg[t + 1]):
+            key = ld_keys[j]
+            s = -1 if key == EMPTY_KEY else probe(keys, key, buckets, bucket_size)
+            out_found[j] = s >= 0
+            out_scores[j] = 0
+            if s < 0:
+                continue
+            out_scores[j] = scores[s]
+            src, dst = rows[s], weights[ld_rows[j]]
+            for c in range(width):
+                dst[c] = src[c]
+            loaded += 1
+        out_stats[t, STAT_LOADED] = loaded
