@@ -19,6 +19,7 @@ from numba.typed import List as TypedList
 from dynemb.backing_store import HostBackingStore
 from dynemb.counters import COUNTER_NAMES
 from dynemb.hash_table import restore_scores_at
+from dynemb.kernel_backend import TableArrays
 from dynemb.kernels import group_stores_cpu
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 
@@ -78,7 +79,6 @@ class GroupStores:
     def _placeholder(self):
         """Empty arrays of the right types for a table the kernel skips."""
         if self._empty is None:
-            from dynemb.kernel_backend import TableArrays
             self._empty = (TableArrays.empty(0, 1, torch.device("cpu")),
                            torch.empty(0, self.group.weights.shape[1],
                                        dtype=self.group.weights.dtype))
@@ -98,7 +98,7 @@ class GroupStores:
         if run.any():
             alone += self._fill_in_kernel(claim, run)
         for t in sorted(alone):
-            result = group._table_claim(claim, t)
+            result = group.table_claim(claim, t)
             group.tables[t].fill_claimed_rows(result.keys, result)
 
     def _fill_in_kernel(self, claim, run: np.ndarray) -> List[int]:
@@ -139,7 +139,7 @@ class GroupStores:
             group.counters[:, _COUNTER[name]] += counts[:, column]
         fresh = inserted & torch.from_numpy(np.repeat(run & ~left, np.diff(bounds)))
         fresh[ld_at[found]] = False
-        group._initialize(slots, keys, fresh, unique_bounds)
+        group.initialize_rows(slots, keys, fresh, unique_bounds)
         for t in np.flatnonzero(run & ~left).tolist():
             changes = group.tables[t].changes
             if changes is not None and wb_seg[t + 1] > wb_seg[t]:

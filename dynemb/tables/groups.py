@@ -212,7 +212,7 @@ class TableGroup:
             if self.mode is StorageMode.CACHE:  # a user's store may raise: pins end then
                 self._stores.fill(claim, np.flatnonzero(stats[:, 0] + stats[:, 1]).tolist())
             else:
-                self._initialize(slots, unique, inserted, unique_bounds)
+                self.initialize_rows(slots, unique, inserted, unique_bounds)
         except Exception:
             self.release(batch)
             raise
@@ -252,7 +252,7 @@ class TableGroup:
             return None
         return slots, inserted, prev_keys, prev_scores, stats
 
-    def _table_claim(self, claim, t: int) -> FindOrInsertResult:
+    def table_claim(self, claim, t: int) -> FindOrInsertResult:
         """Table ``t``'s part of a group claim, in its own slots."""
         keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
         lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
@@ -265,7 +265,7 @@ class TableGroup:
         """Tables tracking their changes for checkpoint deltas mark the slots claimed."""
         for t, table in enumerate(self.tables):
             if table.changes is not None:
-                table.changes.claimed(table.tier, self._table_claim(claim, t))
+                table.changes.claimed(table.tier, self.table_claim(claim, t))
 
     def _rollback(self, slots, inserted, prev_keys, prev_scores, stats) -> None:
         """Undo a claim: keys, scores, sizes, pins and clocks as before it."""
@@ -278,7 +278,9 @@ class TableGroup:
         for table in self.tables:
             table.tier.hash.untick()
 
-    def _initialize(self, slots, keys, inserted, unique_bounds) -> None:
+    def initialize_rows(self, slots, keys, inserted, unique_bounds) -> None:
+        """Rows of the claim's keys where ``inserted`` start from their table's
+        initializer."""
         if self.weights.dtype == torch.float32:
             self.kernels.init_rows_at_group(
                 self.weights, slots, keys, inserted, unique_bounds, self.dim, self._seeds,
