@@ -94,13 +94,7 @@ class HostBackingStore:
         return rows.to(self.device), found.to(self.device), scores.to(self.device)
 
     def insert(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> int:
-        if rows.shape != (keys.numel(), self.width):
-            raise ValueError(f"rows must have shape [{keys.numel()}, {self.width}], got "
-                             f"{tuple(rows.shape)}")
-        check_index_tensor(scores, "scores", scores.device)
-        if scores.shape != keys.shape:
-            raise ValueError(f"scores must have shape {tuple(keys.shape)}, got "
-                             f"{tuple(scores.shape)}")
+        self._check_insert(keys, rows, scores)
         result = self._table.find_or_insert(self._to_host(keys), self._to_host(scores),
                                             assume_unique=True)
         if result.remap is not None:
@@ -108,6 +102,43 @@ class HostBackingStore:
         self._rows.weights.index_copy_(0, result.slots, self._to_host(rows).to(
             self._rows.weights.dtype))
         return int(result.evicted.sum())
+
+    def insert_spilling(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
+                        spill) -> None:
+        """``insert`` over a lower level of storage: ``spill(keys, rows, scores, erase)`` gets
+        the rows this store evicts to make room (before it overwrites them) and those of
+        ``keys`` it found no slot for, and ``erase``, the keys new to this store (the lower
+        level's copies are stale). If ``spill`` raises, the store holds what it held before
+        the call (it may keep a larger capacity)."""
+        self._check_insert(keys, rows, scores)
+        keys, rows, scores = (self._to_host(t) for t in (keys, rows, scores))
+        result = self._table.find_or_insert(keys, scores, assume_unique=True, pin=True,
+                                            on_failure="report")
+        if result.remap is not None:
+            self._rows.remap(result.remap, self._table.capacity)
+        evicted, failed = result.evicted, result.failed
+        weights = self._rows.weights
+        try:
+            spill(torch.cat([result.previous_keys[evicted], keys[failed]]),
+                  torch.cat([weights.index_select(0, result.slots[evicted]),
+                             rows[failed].to(weights.dtype)]),
+                  torch.cat([result.previous_scores[evicted], scores[failed]]),
+                  keys[result.inserted])
+        except BaseException:
+            self._table.undo(result)
+            raise
+        self._table.release(result.slots)
+        placed = result.slots >= 0
+        weights.index_copy_(0, result.slots[placed], rows[placed].to(weights.dtype))
+
+    def _check_insert(self, keys, rows, scores) -> None:
+        if rows.shape != (keys.numel(), self.width):
+            raise ValueError(f"rows must have shape [{keys.numel()}, {self.width}], got "
+                             f"{tuple(rows.shape)}")
+        check_index_tensor(scores, "scores", scores.device)
+        if scores.shape != keys.shape:
+            raise ValueError(f"scores must have shape {tuple(keys.shape)}, got "
+                             f"{tuple(scores.shape)}")
 
     def load_into(self, keys: torch.Tensor, dst: torch.Tensor,
                   dst_slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv inside the checkout and installs dynemb with its CPU and test dependencies.
+# Creates .venv inside the checkout and installs dynemb with its CPU, disk-store and test
+# dependencies.
 # Idempotent: a second run with an unchanged pyproject.toml does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,7 @@ fi
 pip=(.venv/bin/python -m pip install --quiet)
 # Pinned first so nothing below pulls a CUDA build of torch on a CPU machine.
 "${pip[@]}" torch==2.13.0
-"${pip[@]}" -e ".[cpu,test]"
+"${pip[@]}" -e ".[cpu,test,disk]"
 # torchrec's metadata requires the CUDA fbgemm-gpu wheel; its real needs are installed above.
 "${pip[@]}" --no-deps torchrec==1.8.0
 echo "$want" > "$stamp"

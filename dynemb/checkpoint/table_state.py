@@ -102,6 +102,12 @@ def capture(table: DynamicTable, step: int) -> Dict[str, torch.Tensor]:
             out[f"{name}.layout"] = torch.tensor(
                 [part.hash.capacity, part.hash.bucket_size, part.hash.clock])
         else:
+            if getattr(part.store, "on_disk", False):
+                raise RuntimeError(
+                    f"table {table.name!r} keeps its rows on disk ({part.store!r}): a state_dict "
+                    f"would hold the whole table in memory at once. Save it with "
+                    f"dynemb.checkpoint.dump(module, path) and load it with "
+                    f"dynemb.checkpoint.load(module, path), which stream it chunk by chunk")
             keys, scores, rows = _export_store(part.store, table.width)
             out[f"{name}.layout"] = torch.tensor([-1, 0, 0])
             out[f"{name}.rows"] = rows

@@ -39,6 +39,10 @@ class CacheTable(HbmDirectTable):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         factory = self.options.backing_store or default_store(self.layout.target_rows)
+        if hasattr(factory, "for_table"):  # a factory that records what its rows belong to
+            factory = factory.for_table(name=self.name, dim=self.dim,
+                                        optimizer=self.optimizer.type.name,
+                                        width=self.width)
         self.store = factory(self.width, self.layout.dtype, self.device)
         if not isinstance(self.store, BackingStore) or self.store.width != self.width:
             raise TypeError(f"table {self.name!r}: backing_store must build a BackingStore of "

@@ -84,11 +84,13 @@ class GroupStores:
                                        dtype=self.group.weights.dtype))
         return self._empty
 
-    def fill(self, claim, inserting: Sequence[int]) -> None:
+    def fill(self, claim, inserting: Sequence[int], undo) -> None:
         """Write back and load the rows of ``claim`` (the group's, as
         :meth:`~dynemb.tables.groups.TableGroup.prefetch` holds it) for the tables
         ``inserting`` (indices of those that inserted a key): in one kernel call where it
-        can, the rest each alone."""
+        can, the rest each alone. If a table alone fails (its store raised), ``undo(tables)``
+        is called with it and the tables after it, whose rows were not filled, and the
+        error goes on."""
         group = self.group
         keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
         run = np.zeros(len(group.tables), dtype=np.bool_)
@@ -97,9 +99,14 @@ class GroupStores:
         alone = [t for t in inserting if not run[t]]
         if run.any():
             alone += self._fill_in_kernel(claim, run)
-        for t in sorted(alone):
+        alone = sorted(alone)
+        for i, t in enumerate(alone):
             result = group.table_claim(claim, t)
-            group.tables[t].fill_claimed_rows(result.keys, result)
+            try:
+                group.tables[t].fill_claimed_rows(result.keys, result)
+            except BaseException:
+                undo(alone[i:])
+                raise
 
     def _fill_in_kernel(self, claim, run: np.ndarray) -> List[int]:
         """The kernel's share; returns the tables it left to the host."""

@@ -207,17 +207,46 @@ class TableGroup:
         for table in self.tables:
             table.hold_group_batch(batch)
         claim = (unique, slots, inserted, prev_keys, prev_scores, unique_bounds)
+        occurrences = given_counts if counted else None
+        undone: List[int] = []
+
+        def undo(tables: List[int]) -> None:  # their rows could not be filled
+            self._undo_tables(batch, claim, stats, tables)
+            undone.extend(tables)
         try:
             self._track_changes(claim)
-            if self.mode is StorageMode.CACHE:  # a user's store may raise: pins end then
-                self._stores.fill(claim, np.flatnonzero(stats[:, 0] + stats[:, 1]).tolist())
+            if self.mode is StorageMode.CACHE:  # a store may raise (a full disk, say)
+                self._stores.fill(claim, np.flatnonzero(stats[:, 0] + stats[:, 1]).tolist(),
+                                  undo)
             else:
                 self.initialize_rows(slots, unique, inserted, unique_bounds)
         except Exception:
+            if undone:  # the other tables' claims stand, filled: they count
+                self._count_prefetch(batch, inserted, prev_keys, occurrences, skip=undone)
             self.release(batch)
             raise
-        self._count_prefetch(batch, inserted, prev_keys, given_counts if counted else None)
+        self._count_prefetch(batch, inserted, prev_keys, occurrences)
         return batch
+
+    def _undo_tables(self, batch: GroupBatch, claim, stats, tables: List[int]) -> None:
+        """Undo the claim of ``tables`` (whose rows were not filled: the keys it evicted are
+        back with their rows, which nothing overwrote); their pins end."""
+        keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
+        chosen = np.zeros(len(self.tables), dtype=np.bool_)
+        chosen[tables] = True
+        mine = torch.from_numpy(np.repeat(chosen, np.diff(np.asarray(unique_bounds))))
+        a = self.arrays
+        back = inserted & mine
+        a.keys[slots[back]] = prev_keys[back]
+        placed = (slots >= 0) & mine
+        a.scores[slots[placed]] = prev_scores[placed]
+        a.size.sub_(torch.from_numpy(np.where(chosen, stats[:, 0], 0)))
+        self.kernels.add_refcounts(a, torch.where(mine, slots, -1), -1)
+        for t in tables:
+            self.tables[t].tier.hash.untick()
+            self.tables[t].drop_group_batch(batch)
+        batch.unreleased -= set(tables)
+        batch.pinned = bool(batch.unreleased)
 
     def _dedup(self, keys: Sequence[torch.Tensor], key_bounds: List[int]):
         """(unique keys, inverse, counts, unique bounds [T + 1]) of every table's keys."""
@@ -293,7 +322,9 @@ class TableGroup:
                                              table.options.initializer, seed=table.options.seed,
                                              table_id=table.table_id)
 
-    def _count_prefetch(self, batch: GroupBatch, inserted, prev_keys, occurrences) -> None:
+    def _count_prefetch(self, batch: GroupBatch, inserted, prev_keys, occurrences,
+                        skip: Sequence[int] = ()) -> None:
+        """Count the claim (lookups, hits, inserts, evictions) of every table but ``skip``."""
         per_table = np.empty((len(self.tables), 3), dtype=np.int64)
         self.kernels.claim_counts_group(np.asarray(batch.unique_bounds, dtype=np.int64),
                                         batch.slots, inserted, prev_keys, per_table)
@@ -311,6 +342,7 @@ class TableGroup:
         delta[:, _COUNTER["misses"]] = unique - per_table[:, 0]
         delta[:, _COUNTER["inserts"]] = per_table[:, 1]
         delta[:, _COUNTER["evictions"]] = per_table[:, 2]
+        delta[list(skip)] = 0
         self.counters += torch.from_numpy(delta)
 
     # -- forward and backward ------------------------------------------------------------------

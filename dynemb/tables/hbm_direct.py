@@ -71,8 +71,19 @@ class HbmDirectTable(DynamicTable):
         result = self._claim(self.tier, claim, batch.counts, batch.score)
         batch.slots = result.slots
         self._hold(batch)
+        try:
+            self._fill_new_rows(batch.keys, result)
+        except BaseException:  # e.g. a CACHE store's disk is full: the claim is undone
+            self.undo_claim(batch, result)
+            raise
         self._count_claim(self.tier, batch, result)
-        self._fill_new_rows(batch.keys, result)
+
+    def undo_claim(self, batch: TableBatch, result) -> None:
+        """Put the table back as it was before ``batch``'s claim (``result``), whose rows
+        were not filled: the keys it evicted are back in their slots, with their rows,
+        which nothing overwrote. The batch holds no pins after."""
+        self.tier.hash.undo(result)
+        batch.slots = torch.full_like(result.slots, -1)
 
     def _present(self, keys: torch.Tensor) -> torch.Tensor:
         """[U] bool: the key is stored already (admission lets stored keys through)."""

@@ -1,0 +1,179 @@
+"""Tables larger than host memory: a CACHE table's backing store on local disk, with an
+optional host-memory level in front of it (device -> host -> disk).
+
+- :class:`HostCachedStore`: a :class:`~dynemb.backing_store.HostBackingStore` of a fixed
+  byte budget over a :class:`~dynemb.disk_store.DiskBackingStore`. Rows the device cache
+  evicts go to host memory; rows the host level evicts to make room (its lowest scores) go to
+  disk, in the same call. A key lives in one level at a time, so nothing is stored twice and
+  ``size`` is exact.
+- :func:`disk_store`: the one option that puts a table's rows on disk,
+  ``DynamicEmbTableOptions(caching=True, backing_store=disk_store("/nvme/emb"))``.
+
+docs/storage.md says when each level pays, and what it costs.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from dynemb.backing_store import HostBackingStore
+from dynemb.disk_store import DiskBackingStore, DiskOptions, check_writable
+from dynemb.hash_table_checks import SLOT_BYTES
+from dynemb.types import MAX_BUCKET_SIZE
+
+#: Export cursors from here on are the disk level's (below: the host level's slots).
+_DISK_CURSORS = 1 << 64
+
+
+def host_level_slots(budget_bytes: int, width: int, dtype: torch.dtype) -> int:
+    """Slots of a host level of ``budget_bytes``: each a row plus its hash slot, in whole
+    buckets.
+
+    Example::
+
+        >>> host_level_slots(1 << 20, width=64, dtype=torch.float32)  # 1 MiB of 276-byte slots
+        3712
+    """
+    slot = width * torch.empty(0, dtype=dtype).element_size() + SLOT_BYTES
+    slots = budget_bytes // slot // MAX_BUCKET_SIZE * MAX_BUCKET_SIZE
+    if slots < MAX_BUCKET_SIZE:
+        raise ValueError(f"a host level of {budget_bytes} bytes holds less than one bucket "
+                         f"({MAX_BUCKET_SIZE} rows of {slot} bytes): give it at least "
+                         f"{MAX_BUCKET_SIZE * slot} bytes, or 0 for none")
+    return slots
+
+
+class HostCachedStore:
+    """A :class:`~dynemb.backing_store.BackingStore` in two levels: ``host`` (a
+    :class:`HostBackingStore` with a ``max_capacity``) over ``disk``. See the module
+    docstring.
+
+    Example::
+
+        >>> import tempfile
+        >>> cpu = torch.device("cpu")
+        >>> disk = DiskBackingStore(tempfile.mkdtemp(), 4, torch.float32, cpu)
+        >>> store = HostCachedStore(HostBackingStore(4, torch.float32, cpu, initial_capacity=128,
+        ...                                          max_capacity=128), disk)
+        >>> keys = torch.arange(300)
+        >>> store.insert(keys, torch.ones(300, 4), scores=keys)  # nothing is forgotten
+        0
+        >>> store.size(), disk.size() > 0, bool(store.find(keys)[1].all())
+        (300, True, True)
+    """
+
+    #: Its rows are on disk: a state_dict, which holds a whole table in memory, refuses it.
+    on_disk = True
+
+    def __init__(self, host: HostBackingStore, disk: DiskBackingStore):
+        if host.width != disk.width or host.row_table.weights.dtype != disk.dtype:
+            raise ValueError(f"the host level ({host.width} x "
+                             f"{host.row_table.weights.dtype}) and the disk level "
+                             f"({disk.width} x {disk.dtype}) must hold the same rows")
+        if host.max_capacity is None:
+            raise ValueError("the host level needs a max_capacity (its budget)")
+        self.host, self.disk = host, disk
+        self.width = host.width
+        self.device = host.device
+
+    def find(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, found, scores = self.host.find(keys)
+        missing = ~found
+        if bool(missing.any()):
+            at = missing.nonzero().flatten()
+            disk_rows, disk_found, disk_scores = self.disk.find(keys[at])
+            rows[at] = disk_rows.to(rows.dtype)
+            found[at] = disk_found
+            scores[at] = disk_scores
+        return rows, found, scores
+
+    def insert(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> int:
+        """Rows go to the host level; what it evicts for them goes to disk and the disk's
+        copies of the keys new to the host are deleted, in one atomic disk write. If that
+        write fails (a full disk), both levels are as they were. Returns 0."""
+        def spill(out_keys, out_rows, out_scores, new_keys):
+            self.disk.write(out_keys, out_rows, out_scores, erase=new_keys)
+        self.host.insert_spilling(keys, rows, scores, spill)
+        return 0
+
+    def export(self, start: int, batch: int):
+        """The host level's rows (cursors below 2**64: its slots), then the disk's."""
+        if start < _DISK_CURSORS:
+            chunk = self.host.hash_table.export(start, batch)
+            rows = self.host.row_table.weights.index_select(0, chunk.slots)
+            nxt = chunk.next_start if chunk.next_start < self.host.capacity else _DISK_CURSORS
+            return (chunk.keys.to(self.device), rows.to(self.device),
+                    chunk.scores.to(self.device), nxt)
+        keys, rows, scores, nxt = self.disk.export(start - _DISK_CURSORS, batch)
+        return keys, rows, scores, None if nxt is None else _DISK_CURSORS + nxt
+
+    def size(self) -> int:
+        return self.host.size() + self.disk.size()
+
+    def nbytes(self) -> Tuple[int, int]:
+        """The host level's ``(row bytes, hash-table bytes)`` (its memory)."""
+        return self.host.nbytes()
+
+    def close(self) -> None:
+        self.disk.close()
+
+    def __repr__(self) -> str:
+        return f"HostCachedStore(host={self.host!r}, disk={self.disk!r})"
+
+
+class disk_store:  # noqa: N801 - used like a function: backing_store=disk_store(...)
+    """The ``backing_store`` factory that keeps a CACHE table's rows on disk under
+    ``directory``, behind a host level of ``host_cache_bytes`` (0: none).
+
+    Each table gets a directory of its own, ``<directory>/<table>-<random>``, made when it is
+    built and removed when it is freed: the store is the cache's backing copy, and
+    :func:`dynemb.checkpoint.dump` what keeps the table (a process that is killed leaves its
+    directory behind; :class:`~dynemb.disk_store.DiskBackingStore` opens it again).
+    ``options``: RocksDB's settings (:class:`~dynemb.disk_store.DiskOptions`).
+
+    Example::
+
+        >>> import tempfile
+        >>> from dynemb import DynamicEmbTableOptions
+        >>> options = DynamicEmbTableOptions(caching=True, backing_store=disk_store(
+        ...     tempfile.mkdtemp(), host_cache_bytes=64 << 20))
+    """
+
+    def __init__(self, directory, *, host_cache_bytes: int = 0,
+                 options: Optional[DiskOptions] = None, table: Optional[Dict] = None):
+        if isinstance(host_cache_bytes, bool) or not isinstance(host_cache_bytes, int) or (
+                host_cache_bytes < 0):
+            raise ValueError(f"host_cache_bytes must be an int >= 0, got {host_cache_bytes!r}")
+        self.directory = Path(directory)
+        self.host_cache_bytes = host_cache_bytes
+        self.options = options or DiskOptions()
+        self.table = table or {}
+
+    def for_table(self, **facts) -> "disk_store":
+        """This factory for one table, whose ``facts`` (name, dim, optimizer...) its store
+        records."""
+        return disk_store(self.directory, host_cache_bytes=self.host_cache_bytes,
+                          options=self.options, table={**self.table, **facts})
+
+    def __call__(self, width: int, dtype: torch.dtype, device: torch.device):
+        if self.host_cache_bytes:  # a budget too small raises before any directory is made
+            host_slots = host_level_slots(self.host_cache_bytes, width, dtype)
+        check_writable(self.directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        name = str(self.table.get("name", "table")).replace("/", "_")
+        path = tempfile.mkdtemp(prefix=f"{name}-", dir=self.directory)
+        disk = DiskBackingStore(path, width, dtype, device, table=self.table,
+                                options=self.options, remove_on_close=True)
+        if not self.host_cache_bytes:
+            return disk
+        host = HostBackingStore(width, dtype, device,
+                                initial_capacity=min(host_slots, 1 << 12),
+                                max_capacity=host_slots)
+        return HostCachedStore(host, disk)
+
+    def __repr__(self) -> str:
+        return (f"disk_store({str(self.directory)!r}, host_cache_bytes="
+                f"{self.host_cache_bytes})")
