@@ -163,13 +163,13 @@ class DynamicTable(CheckpointTiers):
             counts = torch.zeros_like(counts).index_add_(0, unique.inverse, occurrences)
         batch = TableBatch(self.name, self.mode, training, unique.keys, unique.inverse,
                            counts, unique.num_unique, score=score)
-        self.counters.add("lookups", keys.numel() if occurrences is None else occurrences.sum())
-        self.counters.add("unique_keys", unique.num_unique.sum())
         try:
             self._resolve(batch)
         except Exception:  # e.g. a user's backing store raised: the pins taken end
             self.release(batch)
             raise
+        self.counters.add("lookups", keys.numel() if occurrences is None else occurrences.sum())
+        self.counters.add("unique_keys", unique.num_unique.sum())
         return batch
 
     def _hold(self, batch: TableBatch) -> None:

@@ -1,0 +1,203 @@
+"""CACHE tables whose store is on disk (dynemb.disk_levels.disk_store), with and without a
+host level, against the same tables over the default host-memory store: bit for bit, every
+optimizer; checkpoints through dump / load; a full disk mid-step; a killed process."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+import torch
+from torchrec import EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb import DynamicEmbCollection, DynamicEmbTableOptions
+from dynemb.checkpoint import dump, load
+from dynemb.disk_levels import HostCachedStore, disk_store
+from dynemb.disk_store import DiskBackingStore
+from dynemb.optimizers import OptimizerConfig, OptimizerType
+from dynemb.types import ScorePolicy
+
+FEATURES = ["f0", "f1", "f2"]
+DIM = 8
+VOCAB = (900, 1500, 400)
+CACHED = (96, 128, 64)  # device rows, well below the ids seen: every step writes back
+
+
+def module(store_factory, optimizer=OptimizerType.ADAM, policy=ScorePolicy.LFU,
+           group_tables=True):
+    width = DIM + OptimizerConfig(optimizer).state_dim(DIM)
+    configs = [EmbeddingConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=v,
+                               feature_names=[f]) for i, (f, v) in enumerate(zip(FEATURES, VOCAB))]
+    options = {f"t{i}": DynamicEmbTableOptions(
+        caching=True, bucket_size=32, score_strategy=policy, backing_store=store_factory,
+        local_hbm_for_values=rows * width * 4) for i, rows in enumerate(CACHED)}
+    decay = 0.01 if optimizer is OptimizerType.ADAM else 0.0
+    return DynamicEmbCollection(configs, table_options=options, group_tables=group_tables,
+                                optimizer=OptimizerConfig(optimizer, learning_rate=0.05,
+                                                          weight_decay=decay))
+
+
+def batch(gen):
+    parts = [torch.randint(0, v, (48,), generator=gen) for v in VOCAB]
+    return KeyedJaggedTensor.from_lengths_sync(FEATURES, torch.cat(parts),
+                                               torch.full((3 * 12,), 4))
+
+
+def step(m, kjt):
+    out = m(kjt)
+    sum((out[f].values() ** 2).sum() * (i + 1) for i, f in enumerate(FEATURES)).backward()
+    return out
+
+
+def assert_same_tables(a, b):
+    """Outputs aside, everything a table holds: device images, rows with optimizer state,
+    the stores' rows and scores, counters."""
+    assert a.stats() == b.stats()
+    for name, vocab in zip(a.tables, VOCAB):
+        ta, tb = a.tables[name], b.tables[name]
+        for x, y in zip(ta.tier.hash.image(), tb.tier.hash.image()):
+            assert torch.equal(x, y), name
+        keys = torch.arange(vocab)
+        ra, rb = a.read_rows(name, keys, with_state=True), b.read_rows(name, keys, with_state=True)
+        assert torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1]), name
+        (rows_a, found_a, scores_a), (rows_b, found_b, scores_b) = (
+            ta.store.find(keys), tb.store.find(keys))  # what a key not stored gets is unset
+        assert torch.equal(found_a, found_b), name
+        assert torch.equal(rows_a[found_a], rows_b[found_b]), name
+        assert torch.equal(scores_a[found_a], scores_b[found_b]), name
+        assert ta.store.size() == tb.store.size()
+
+
+def host_bytes(optimizer, rows=128):
+    return rows * ((DIM + OptimizerConfig(optimizer).state_dim(DIM)) * 4 + 20)
+
+
+@pytest.mark.parametrize("optimizer", list(OptimizerType))
+@pytest.mark.parametrize("host_level", [False, True])
+def test_tables_on_disk_train_bit_for_bit_as_over_host_memory(optimizer, host_level):
+    directory = tempfile.mkdtemp()
+    factory = disk_store(directory, host_cache_bytes=host_bytes(optimizer) if host_level else 0)
+    on_disk, in_memory = module(factory, optimizer), module(None, optimizer)
+    if host_level:
+        assert all(isinstance(t.store, HostCachedStore) for t in on_disk.tables.values())
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(25):
+        kjt = batch(gen)
+        a, b = step(on_disk, kjt), step(in_memory, kjt)
+        for f in FEATURES:
+            assert torch.equal(a[f].values(), b[f].values()), f
+    assert_same_tables(on_disk, in_memory)
+    stats = on_disk.stats()
+    assert all(s["write_backs"] > 300 and s["loads"] > 100 for s in stats.values())
+    if host_level:  # the host level filled and spilled to disk
+        assert all(t.store.disk.size() > 0 for t in on_disk.tables.values())
+    assert len(os.listdir(directory)) == 3
+    del on_disk, a, b  # the outputs' autograd graph holds the module too
+    import gc
+    gc.collect()
+    assert os.listdir(directory) == []  # a table's directory goes with it
+
+
+@pytest.mark.parametrize("group_tables", [False, True])
+def test_a_full_disk_mid_step_raises_and_leaves_every_table_as_it_was(group_tables):
+    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=host_bytes(OptimizerType.ADAM))
+    on_disk = module(factory, group_tables=group_tables)
+    in_memory = module(None, group_tables=group_tables)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(6):  # the caches and host levels fill: the next step spills to disk
+        kjt = batch(gen)
+        step(on_disk, kjt), step(in_memory, kjt)
+    full = on_disk.tables["t1"].store.disk
+    write = full._write
+
+    def no_space(*args, **kwargs):
+        raise OSError(f"writing the disk store at {str(full.path)!r} failed, nothing was "
+                      f"written: IO error: No space left on device")
+    full._write = no_space
+    kjt = batch(gen)
+    with pytest.raises(OSError, match="No space left"):
+        on_disk(kjt)
+    assert not any(t.has_batches_in_flight() for t in on_disk.tables.values())
+    assert all(t.tier.hash.pinned_count() == 0 for t in on_disk.tables.values())
+    # t1 is as it was; the tables filled before it in the step keep that step's claim
+    # (their evicted rows are safely in their stores), and nothing of any table is lost
+    t1 = ("t1",)
+    keys = torch.arange(VOCAB[1])
+    before = in_memory.read_rows("t1", keys, with_state=True)
+    after = on_disk.read_rows("t1", keys, with_state=True)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    assert in_memory.stats()["t1"] == on_disk.stats()["t1"]
+    for x, y in zip(on_disk.tables["t1"].tier.hash.image(),
+                    in_memory.tables["t1"].tier.hash.image()):
+        assert torch.equal(x, y), t1
+    full._write = write  # room again: training goes on
+    step(on_disk, batch(gen))
+
+
+def test_dump_and_load_stream_a_disk_backed_module_and_training_goes_on_the_same():
+    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=host_bytes(OptimizerType.ADAM))
+    trained = module(factory)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(12):
+        step(trained, batch(gen))
+    with pytest.raises(RuntimeError, match="dynemb.checkpoint.dump"):
+        trained.state_dict()
+    path = tempfile.mkdtemp()
+    dump(trained, path)
+    resumed, in_memory = module(factory), module(None)
+    load(resumed, path), load(in_memory, path)
+    for name, vocab in zip(trained.tables, VOCAB):
+        keys = torch.arange(vocab)
+        want = trained.read_rows(name, keys, with_state=True)
+        for other in (resumed, in_memory):
+            got = other.read_rows(name, keys, with_state=True)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+    for _ in range(5):
+        kjt = batch(gen)
+        a, b, c = step(trained, kjt), step(resumed, kjt), step(in_memory, kjt)
+        for f in FEATURES:
+            assert torch.equal(a[f].values(), b[f].values())
+            assert torch.equal(a[f].values(), c[f].values())
+
+
+KILLED = textwrap.dedent("""
+    import os, signal, sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_disk_tables import batch, module, step
+    from dynemb.disk_levels import disk_store
+    m = module(disk_store({directory!r}))
+    gen = torch.Generator().manual_seed(1)
+    for i in range(30):
+        step(m, batch(gen))
+        if i == 20:
+            m.tables["t1"].store._db.flush()
+    print(m.tables["t1"].store.path, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_store_left_by_a_killed_process_opens_again():
+    directory = tempfile.mkdtemp()
+    script = KILLED.format(tests=os.path.dirname(__file__), directory=directory)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    path = run.stdout.strip().splitlines()[-1]
+    assert os.path.isdir(path)  # killed: nothing removed it
+    width = DIM + OptimizerConfig(OptimizerType.ADAM).state_dim(DIM)
+    facts = {"name": "t1", "dim": DIM, "optimizer": "ADAM", "width": width}
+    store = DiskBackingStore(path, width, torch.float32, torch.device("cpu"), table=facts)
+    keys, start, seen = [], 0, 0
+    while start is not None:
+        k, r, s, start = store.export(start, 100)
+        seen += k.numel()
+        keys.append(k)
+    assert seen == store.size() > 0  # the row count and the rows agree
+    found = store.find(torch.cat(keys))[1]
+    assert bool(found.all())
+    assert int(torch.cat(keys).max()) < VOCAB[1]
