@@ -234,6 +234,10 @@ class DiskBackingStore:
         gone = sum(present[keys.numel():])
         self._write(keys, rows, scores, erase, size=self._size + new - gone)
 
+    def flush(self) -> None:
+        """Write what RocksDB holds in memory (its memtable) to the store's files."""
+        self._db.flush()
+
     def close(self) -> None:
         """Close the database (and remove its directory if the store was built with
         ``remove_on_close``); the store is unusable after."""
@@ -305,7 +309,11 @@ class DiskBackingStore:
 
 
 def _close(db, remove: Optional[Path]) -> None:
-    db.close()
+    try:
+        db.close()
+    except Exception:  # a store about to be removed may have lost its files already
+        if remove is None:
+            raise
     if remove is not None:
         shutil.rmtree(remove, ignore_errors=True)
 
