@@ -24,6 +24,9 @@ from dynemb.disk_store import DiskBackingStore, DiskOptions, check_writable
 from dynemb.hash_table_checks import SLOT_BYTES
 from dynemb.types import MAX_BUCKET_SIZE
 
+#: Bytes RocksDB spends per entry beyond its key and value (index, bloom filter, block
+#: trailers), as a planning estimate.
+DISK_ENTRY_OVERHEAD = 32
 #: Export cursors from here on are the disk level's (below: the host level's slots).
 _DISK_CURSORS = 1 << 64
 
@@ -157,6 +160,24 @@ class disk_store:  # noqa: N801 - used like a function: backing_store=disk_store
         records."""
         return disk_store(self.directory, host_cache_bytes=self.host_cache_bytes,
                           options=self.options, table={**self.table, **facts})
+
+    def planned_levels(self, rows: int, row_bytes: int) -> Tuple[int, int, int]:
+        """``(host rows, disk rows, disk bytes)`` of a table of ``rows`` rows of
+        ``row_bytes`` bytes at its largest (what the planner reserves; every row on disk,
+        the host level's rows in host memory). A disk entry is its row, its score and its
+        key, plus :data:`DISK_ENTRY_OVERHEAD` of RocksDB's own.
+
+        Example::
+
+            >>> disk_store("/tmp", host_cache_bytes=1 << 20).planned_levels(10_000, 256)
+            (3712, 10000, 3050000)
+        """
+        host = 0
+        if self.host_cache_bytes:
+            slot = row_bytes + SLOT_BYTES
+            host = self.host_cache_bytes // slot // MAX_BUCKET_SIZE * MAX_BUCKET_SIZE
+        entry = row_bytes + 8 + 9 + DISK_ENTRY_OVERHEAD
+        return host, rows, rows * entry
 
     def __call__(self, width: int, dtype: torch.dtype, device: torch.device):
         if self.host_cache_bytes:  # a budget too small raises before any directory is made

@@ -201,3 +201,24 @@ def test_a_store_left_by_a_killed_process_opens_again():
     found = store.find(torch.cat(keys))[1]
     assert bool(found.all())
     assert int(torch.cat(keys).max()) < VOCAB[1]
+
+
+def test_the_planner_counts_device_host_and_disk_bytes_of_a_table_on_disk():
+    from dynemb.planning.footprint import table_footprint
+    config = EmbeddingConfig(name="big", embedding_dim=64, num_embeddings=1_000_000,
+                             feature_names=["f"])
+    optimizer = OptimizerConfig(OptimizerType.SGD)
+    row_bytes = 64 * 4
+    cache = 8192 * row_bytes
+    in_memory = table_footprint(config, DynamicEmbTableOptions(
+        caching=True, global_hbm_for_values=cache), optimizer, world_size=1)
+    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=64 << 20)
+    on_disk = table_footprint(config, DynamicEmbTableOptions(
+        caching=True, global_hbm_for_values=cache, backing_store=factory), optimizer,
+        world_size=1)
+    host_rows, disk_rows, disk_bytes = factory.planned_levels(1_000_000, row_bytes)
+    assert on_disk.device_rows == in_memory.device_rows == 8192
+    assert on_disk.host_rows == host_rows and host_rows * (row_bytes + 20) <= 64 << 20
+    assert on_disk.storage().ddr < 64 << 20 + 4096 < in_memory.storage().ddr
+    assert on_disk.storage().ssd == disk_bytes >= disk_rows * (row_bytes + 8 + 9)
+    assert on_disk.storage().hbm == in_memory.storage().hbm and in_memory.storage().ssd == 0

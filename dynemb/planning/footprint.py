@@ -27,6 +27,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence, Tuple, Union
@@ -118,6 +119,7 @@ class TableFootprint:
     host_exact: bool = True
     is_inference: bool = False
     stash_bytes: int = 0
+    disk_bytes: int = 0
 
     @property
     def device_static_bytes(self) -> int:
@@ -153,8 +155,9 @@ class TableFootprint:
         CPU, input and output count once each."""
         if self.compute_device == "cpu":
             io = 0 if self.is_inference else self.input_bytes + self.output_bytes
-            return Storage(hbm=0, ddr=self.device_static_bytes + io + self.host_bytes)
-        return Storage(hbm=self.device_bytes, ddr=self.host_bytes)
+            return Storage(hbm=0, ddr=self.device_static_bytes + io + self.host_bytes,
+                           ssd=self.disk_bytes)
+        return Storage(hbm=self.device_bytes, ddr=self.host_bytes, ssd=self.disk_bytes)
 
 
 def hash_table_bytes(slots: int) -> int:
@@ -248,6 +251,12 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
     state_dim = optimizer.state_dim(dim)
     row = RowLayout(dim, state_dim, layout.dtype)
     rows = TABLE_CLASSES[layout.mode].planned_rows(layout, local_options)
+    disk_bytes = 0
+    levels = getattr(local_options.backing_store, "planned_levels", None)
+    if layout.mode is StorageMode.CACHE and levels is not None:  # a store on disk
+        host_rows, disk_rows, disk_bytes = levels(layout.target_rows, row.row_bytes)
+        rows = dataclasses.replace(rows, host_rows=host_rows, host_hash_slots=host_rows,
+                                   host_exact=True)
     fixed = DynamicTable.fixed_memory()
     stash = 0 if is_inference else rows.device_rows * stashed_bytes_per_row(local_options.stash,
                                                                             row)
@@ -284,7 +293,7 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
         host_optimizer_bytes=rows.host_rows * row.state_bytes, host_hash_bytes=host_hash,
         host_fixed_bytes=fixed.host_other_bytes, pipeline_type=pipeline_type,
         compute_device=compute_device, host_exact=rows.host_exact, is_inference=is_inference,
-        stash_bytes=stash)
+        stash_bytes=stash, disk_bytes=disk_bytes)
 
 
 # -- every table of a model --------------------------------------------------------------------
