@@ -219,6 +219,6 @@ def test_the_planner_counts_device_host_and_disk_bytes_of_a_table_on_disk():
     host_rows, disk_rows, disk_bytes = factory.planned_levels(1_000_000, row_bytes)
     assert on_disk.device_rows == in_memory.device_rows == 8192
     assert on_disk.host_rows == host_rows and host_rows * (row_bytes + 20) <= 64 << 20
-    assert on_disk.storage().ddr < 64 << 20 + 4096 < in_memory.storage().ddr
+    assert on_disk.storage().ddr < (64 << 20) + 4096 < in_memory.storage().ddr
     assert on_disk.storage().ssd == disk_bytes >= disk_rows * (row_bytes + 8 + 9)
     assert on_disk.storage().hbm == in_memory.storage().hbm and in_memory.storage().ssd == 0
