@@ -16,7 +16,8 @@ logits are lowered by log-popularity, estimated with a count sketch of the strea
 Tables, to show the storage machinery at work:
 
 - ``items``: CACHE mode: the device holds a few thousand rows (LRU) of a host backing store
-  that holds every row; evicted rows are written back, missed rows loaded.
+  that holds every row; evicted rows are written back, missed rows loaded. With ``--disk
+  DIR`` that store is on disk (RocksDB), behind a host level of ``--host-cache-mb``.
 - ``users``: HBM_DIRECT with frequency admission (threshold 2): a user gets a row on their
   second appearance; until then (forever, for the long tail of a Zipf activity) lookups read
   the initializer row and nothing is stored or trained.
@@ -51,6 +52,7 @@ from tqdm import tqdm
 
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, FrequencyAdmission,
                     OptimizerConfig, OptimizerType)
+from dynemb.disk_levels import disk_store
 
 OUT_DIR = Path(__file__).resolve().parent / "output"
 FEATURES = ["user", "history", "target"]
@@ -204,7 +206,10 @@ class CountSketch:
 
 
 # -- model -------------------------------------------------------------------------------------
-def build_collection(cfg: Config, device: torch.device, seed: int) -> DynamicEmbCollection:
+def build_collection(cfg: Config, device: torch.device, seed: int,
+                     disk: Optional[Path] = None, host_cache_mb: int = 0) -> DynamicEmbCollection:
+    """The two tables. ``disk``: the items table's store goes to disk there (RocksDB, the
+    ``dynemb[disk]`` extra), behind a host level of ``host_cache_mb`` MiB (0: none)."""
     optimizer = OptimizerConfig(OptimizerType.ROWWISE_ADAGRAD, learning_rate=EMBEDDING_LR)
     row_bytes = (cfg.dim + optimizer.state_dim(cfg.dim)) * 4
     tables = [
@@ -213,10 +218,11 @@ def build_collection(cfg: Config, device: torch.device, seed: int) -> DynamicEmb
         EmbeddingConfig(name="users", embedding_dim=cfg.dim, num_embeddings=2 * cfg.users,
                         feature_names=["user"]),
     ]
+    store = None if disk is None else disk_store(disk, host_cache_bytes=host_cache_mb << 20)
     options = {
         # a device budget of cache_rows rows, well below the catalog: CACHE over a host store
         "items": DynamicEmbTableOptions(caching=True, local_hbm_for_values=cfg.cache_rows *
-                                        row_bytes, seed=seed),
+                                        row_bytes, seed=seed, backing_store=store),
         "users": DynamicEmbTableOptions(admission=FrequencyAdmission(threshold=2), seed=seed),
     }
     return DynamicEmbCollection(tables, device, table_options=options, optimizer=optimizer)
@@ -295,14 +301,15 @@ def popularity_hit_rate(sketch: CountSketch, examples: Dict[str, np.ndarray],
 
 
 # -- training ----------------------------------------------------------------------------------
-def train(cfg: Config, device: torch.device, seed: int, out_dir: Path) -> Dict[str, object]:
+def train(cfg: Config, device: torch.device, seed: int, out_dir: Path,
+          disk: Optional[Path] = None, host_cache_mb: int = 0) -> Dict[str, object]:
     torch.manual_seed(seed)
     world = SessionWorld(cfg.items, cfg.clusters, cfg.users, seed)
     train_rng, eval_rng = np.random.default_rng(seed + 1), np.random.default_rng(seed + 2)
     held_out = world.sample(cfg.eval_examples, cfg.max_history, eval_rng)
     catalog = torch.from_numpy(world.item_ids).to(device)
 
-    ec = build_collection(cfg, device, seed)
+    ec = build_collection(cfg, device, seed, disk, host_cache_mb)
     model = NextItemModel(ec, cfg.dim).to(device)
     dense_opt = torch.optim.Adam(model.tower.parameters(), lr=DENSE_LR)
     sketch = CountSketch(device)
@@ -462,9 +469,17 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR,
                         help=f"where the plot and metrics go (default {OUT_DIR})")
+    parser.add_argument("--disk", type=Path,
+                        help="keep the items table's store on disk in this directory "
+                             "(RocksDB; docs/storage.md)")
+    parser.add_argument("--host-cache-mb", type=int, default=0,
+                        help="with --disk: a host-memory level of this many MiB in front of "
+                             "the disk (default 0: none)")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be >= 1")
+    if args.host_cache_mb < 0 or (args.host_cache_mb and args.disk is None):
+        parser.error("--host-cache-mb is a size in MiB >= 0, and goes with --disk")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda needs a GPU (and the gpu extra installed)")
     return args
@@ -482,7 +497,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
         # barrier waits, which stall badly on a busy 2-core machine. dynemb's numba kernels
         # keep their own threads.
         torch.set_num_threads(1)
-    return train(cfg, device, args.seed, args.out_dir)
+    return train(cfg, device, args.seed, args.out_dir, args.disk, args.host_cache_mb)
 
 
 if __name__ == "__main__":

@@ -152,3 +152,18 @@ def test_tables_benchmark_quick(tmp_path):
             assert run["calls_per_step"][phase] == 1, phase
     saved = json.loads((tmp_path / "tables_profile_quick.json").read_text())
     assert saved["runs"] == json.loads(json.dumps(profile["runs"]))
+
+
+def test_disk_benchmark_quick(tmp_path):
+    from benchmarks import bench_disk
+    report = bench_disk.main(["--quick", "--out-dir", str(tmp_path), "--work-dir",
+                              str(tmp_path)])
+    r = report["result"]
+    assert r["store"]["insert"]["rows_per_s"] > 0 and r["store"]["find"]["rows_per_s"] > 0
+    assert set(r["step"]["ms_per_step"]) == {"host memory", "disk", "disk + host level"}
+    big = r["big"]
+    assert big["rows"] > 4 * big["host_cap_bytes"] // (64 * 4)  # larger than its host cap
+    assert big["host_rows"] + big["disk_rows"] + big["cached_rows"] >= big["rows"]
+    saved = json.loads((tmp_path / "disk_cpu_quick.json").read_text())
+    assert saved["result"]["big"]["rows"] == big["rows"]
+    assert (tmp_path / "disk_cpu_quick.png").stat().st_size > 0

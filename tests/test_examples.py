@@ -54,6 +54,19 @@ def test_train_next_item_quick_learns(tmp_path):
     assert items["rows_device"] == items["device_capacity"] < items["rows_backing"]
 
 
+def test_train_next_item_with_its_items_on_disk_learns_the_same(tmp_path):
+    """``--disk``: the items table's store in RocksDB behind a 1 MiB host level; the same
+    run, bit for bit, as over host memory (same losses, HR@10 and counters)."""
+    run_example("train_next_item.py", "--quick", "--out-dir", "mem", cwd=tmp_path)
+    run_example("train_next_item.py", "--quick", "--out-dir", "disk", "--disk", "stores",
+                "--host-cache-mb", "1", cwd=tmp_path)
+    mem, disk = (json.loads((tmp_path / d / "train_next_item.json").read_text())
+                 for d in ("mem", "disk"))
+    for key in ("initial_loss", "final_loss", "hr10", "cache_hit_rate", "stats"):
+        assert mem[key] == disk[key], key
+    assert list((tmp_path / "stores").iterdir()) == []  # the store went with its table
+
+
 def test_train_sharded_quick_learns(tmp_path):
     """The README's main job in its seconds-long form: two spawned CPU ranks train under
     TrainPipelineSparseDist, beat the popularity baseline, store nothing in eval mode,
