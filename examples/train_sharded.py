@@ -26,6 +26,7 @@ Run (one command; the ranks are spawned here, CPU and gloo)::
     python examples/train_sharded.py --quick         # seconds-long smoke run
     python examples/train_sharded.py --nproc 4 --pipeline prefetch
     python examples/train_sharded.py --resume --nproc 3   # continue the last run on 3 ranks
+    python examples/train_sharded.py --disk /nvme/emb --host-cache-mb 64   # items on disk
 
 On GPUs, launch it with torchrun (one process per GPU; NCCL and CUDA are picked up from the
 environment torchrun sets)::
@@ -49,6 +50,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -272,17 +274,25 @@ def summed_stats(dmp) -> Dict[str, Any]:
 
 
 # -- checkpoints -------------------------------------------------------------------------------
-def save_checkpoint(dmp, optimizer, path: Path, step: int) -> Dict[str, Any]:
+def save_checkpoint(dmp, optimizer, path: Path, step: int,
+                    tables_on_disk: bool = False) -> Dict[str, Any]:
     """The whole model (MLP, dynamic tables with their optimizer state, scores and counters)
     and the optimizers (the dense Adam's state; the tables' learning rate, which their fused
     optimizer's ``state_dict`` holds), with ``torch.distributed.checkpoint``: each rank
-    writes its own share."""
+    writes its own share. ``tables_on_disk``: the tables, which may not fit in memory, are
+    streamed to ``path / "tables"`` by ``dynemb.checkpoint.dump`` instead (a table on disk
+    has no ``state_dict``), and DCP saves the rest."""
     import torch.distributed.checkpoint as dcp
     start = time.perf_counter()
-    dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict(),
+    state = {"model": dmp.state_dict()} if not tables_on_disk else {
+        "head": dmp.module.head.state_dict()}
+    if tables_on_disk:
+        from dynemb.checkpoint import dump
+        dump(dmp, path / "tables")
+    dcp.save({**state, "optim": optimizer.state_dict(),
               "progress": {"step": step, "world_size": dist.get_world_size()}},
              checkpoint_id=str(path))
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     return {"path": str(path), "step": step, "mb": size / 2 ** 20,
             "seconds": time.perf_counter() - start, "lr": embedding_lr(dmp)}
 
@@ -292,27 +302,35 @@ def embedding_lr(dmp) -> float:
     return dmp.module.ec.fused_optimizer.lr
 
 
-def load_checkpoint(dmp, optimizer, path: Path) -> Dict[str, Any]:
+def load_checkpoint(dmp, optimizer, path: Path, tables_on_disk: bool = False) -> Dict[str, Any]:
     """Load a checkpoint of :func:`save_checkpoint`, saved by any number of ranks (each
     dynamic row goes to its owner in this world; training goes on at the saved learning
-    rate); returns its progress."""
+    rate); returns its progress. Tables on disk come back from their file dump, which loads
+    on as many ranks as saved it."""
     import torch.distributed.checkpoint as dcp
 
-    from dynemb.checkpoint import DynamicEmbLoadPlanner
+    from dynemb.checkpoint import DynamicEmbLoadPlanner, load
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"no checkpoint at {path} (run without --resume first)")
-    state = {"model": dmp.state_dict(), "optim": optimizer.state_dict(),
-             "progress": {"step": 0, "world_size": 0}}
+    if tables_on_disk:
+        load(dmp, path / "tables")
+        model = {"head": dmp.module.head.state_dict()}
+    else:
+        model = {"model": dmp.state_dict()}
+    state = {**model, "optim": optimizer.state_dict(), "progress": {"step": 0, "world_size": 0}}
     dcp.load(state, checkpoint_id=str(path), planner=DynamicEmbLoadPlanner())
-    dmp.load_state_dict(state["model"])
+    if tables_on_disk:
+        dmp.module.head.load_state_dict(state["head"])
+    else:
+        dmp.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optim"])
     return state["progress"]
 
 
 # -- training ----------------------------------------------------------------------------------
 def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: int,
-          out_dir: Path, pipeline_kind: str,
-          resume: Optional[Path] = None) -> Optional[Dict[str, Any]]:
+          out_dir: Path, pipeline_kind: str, resume: Optional[Path] = None,
+          disk: Optional[Path] = None, host_cache_mb: int = 0) -> Optional[Dict[str, Any]]:
     from tqdm import tqdm
     torch.manual_seed(seed)          # the same MLP start on every rank
     world = SessionWorld(cfg.items, cfg.clusters, cfg.users, seed)
@@ -320,14 +338,15 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
     catalog = torch.from_numpy(world.item_ids).to(device)
     sketch = CountSketch(device)
 
-    model = ShardedNextItem(build_collection(cfg, torch.device("meta"), seed), cfg.dim)
+    model = ShardedNextItem(build_collection(cfg, torch.device("meta"), seed, disk,
+                                             host_cache_mb), cfg.dim)
     dmp = shard(model, cfg, device)
     optimizer = combined_optimizer(dmp)
     pipeline = make_pipeline(pipeline_kind, dmp, optimizer, device)
     ec = dmp.module.ec
     first_step = 0
     if resume is not None:
-        progress = load_checkpoint(dmp, optimizer, resume)
+        progress = load_checkpoint(dmp, optimizer, resume, tables_on_disk=disk is not None)
         first_step = int(progress["step"])
         if rank == 0:
             print(f"resumed from {resume}: step {first_step}, saved by "
@@ -390,7 +409,8 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
     dist.all_reduce(total)
     sketch.total = int(total)
     stats = summed_stats(dmp)
-    checkpoint = save_checkpoint(dmp, optimizer, out_dir / "checkpoint", first_step + cfg.steps)
+    checkpoint = save_checkpoint(dmp, optimizer, out_dir / "checkpoint", first_step + cfg.steps,
+                                 tables_on_disk=disk is not None)
     if rank != 0:
         return None
     metrics: Dict[str, Any] = {
@@ -426,7 +446,13 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace,
     device = rank_device(args.device)
     prepare_rank(device)
     resume = (args.out_dir / "checkpoint") if args.resume else None
-    return train(rank, world_size, cfg, device, args.seed, args.out_dir, args.pipeline, resume)
+    disk = None if args.disk is None else args.disk / f"rank{rank}"
+    metrics = train(rank, world_size, cfg, device, args.seed, args.out_dir, args.pipeline,
+                    resume, disk, args.host_cache_mb)
+    # a spawned rank ends with os._exit, which runs no finalizer: free the model (and with
+    # it the directories of its stores on disk) now
+    gc.collect()
+    return metrics
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -447,9 +473,18 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                              f"{OUT_DIR})")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the checkpoint in --out-dir (saved by any number "
-                             "of ranks) for --steps more steps")
+                             "of ranks; with --disk, by as many as now) for --steps more steps")
+    parser.add_argument("--disk", type=Path,
+                        help="keep the items table's store on disk in this directory (RocksDB; "
+                             "docs/storage.md); the checkpoint then streams the tables with "
+                             "dynemb.checkpoint.dump")
+    parser.add_argument("--host-cache-mb", type=int, default=0,
+                        help="with --disk: a host-memory level of this many MiB per rank in "
+                             "front of the disk (default 0: none)")
     args = parser.parse_args(argv)
     require_positive(parser, args, "steps", "nproc")
+    if args.host_cache_mb < 0 or (args.host_cache_mb and args.disk is None):
+        parser.error("--host-cache-mb is a size in MiB >= 0, and goes with --disk")
     return args
 
 

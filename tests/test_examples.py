@@ -151,3 +151,28 @@ def test_two_tower_swap_refuses_bad_arguments(args, message, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "two_tower_swap.py"), *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_train_sharded_with_its_items_on_disk_learns_the_same_and_resumes(tmp_path):
+    """``--disk``: each rank's share of the items table over RocksDB behind a 1 MiB host
+    level gives the run of host memory, bit for bit; the checkpoint streams the tables with
+    ``dynemb.checkpoint.dump`` and ``--resume`` continues from it."""
+    run_example("train_sharded.py", "--quick", "--out-dir", "mem", cwd=tmp_path)
+    run_example("train_sharded.py", "--quick", "--out-dir", "disk", "--disk", "stores",
+                "--host-cache-mb", "1", cwd=tmp_path)
+    mem, disk = (json.loads((tmp_path / d / "train_sharded.json").read_text())
+                 for d in ("mem", "disk"))
+    for key in ("initial_loss", "final_loss", "hr10", "cache_hit_rate", "stats",
+                "stats_per_rank"):
+        assert mem[key] == disk[key], key
+    assert (tmp_path / "disk" / "checkpoint" / "tables").is_dir()
+    proc = run_example("train_sharded.py", "--quick", "--out-dir", "disk", "--disk", "stores",
+                       "--host-cache-mb", "1", "--resume", "--steps", "10", cwd=tmp_path)
+    assert f"resumed from disk/checkpoint: step {disk['steps']}, saved by 2 ranks, loaded " \
+           f"on 2" in proc.stdout
+    resumed = json.loads((tmp_path / "disk" / "train_sharded.json").read_text())
+    assert resumed["first_step"] == disk["steps"] and resumed["checkpoint"]["step"] == \
+        disk["steps"] + 10
+    # every rank's stores went with its tables
+    assert [list(d.iterdir()) for d in (tmp_path / "stores").iterdir()] == [[], []]
+
