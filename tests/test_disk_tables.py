@@ -222,3 +222,79 @@ def test_the_planner_counts_device_host_and_disk_bytes_of_a_table_on_disk():
     assert on_disk.storage().ddr < (64 << 20) + 4096 < in_memory.storage().ddr
     assert on_disk.storage().ssd == disk_bytes >= disk_rows * (row_bytes + 8 + 9)
     assert on_disk.storage().hbm == in_memory.storage().hbm and in_memory.storage().ssd == 0
+
+
+FULL_DISK = textwrap.dedent("""
+    import resource, signal, sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_disk_tables import CACHED, DIM, VOCAB, batch, step
+    from dynemb import DynamicEmbCollection, DynamicEmbTableOptions
+    from dynemb.disk_levels import disk_store
+    from dynemb.disk_store import DiskOptions
+    from dynemb.optimizers import OptimizerConfig, OptimizerType
+    from torchrec import EmbeddingConfig
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, EFBIG
+    config = EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=50_000,
+                             feature_names=["f0", "f1", "f2"])
+    store = disk_store({directory!r}, options=DiskOptions(wal=True, write_buffer_bytes=1 << 20))
+    m = DynamicEmbCollection([config], table_options=DynamicEmbTableOptions(
+        caching=True, bucket_size=32, backing_store=store, local_hbm_for_values=512 * 24 * 4),
+        optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIMIT_FSIZE))
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.arange(50_000)
+    for i in range(300):
+        kjt = batch(gen)
+        before = m.read_rows("t", keys, with_state=True), m.stats()["t"]
+        try:
+            step(m, kjt)
+        except OSError as error:
+            after = m.read_rows("t", keys, with_state=True), m.stats()["t"]
+            same = (torch.equal(before[0][0], after[0][0]) and
+                    torch.equal(before[0][1], after[0][1]) and before[1] == after[1])
+            pins = m.tables["t"].tier.hash.pinned_count()
+            print("FAILED AT", i, "UNCHANGED", same, "PINS", pins, "|", error, flush=True)
+            break
+    else:
+        print("NEVER FAILED")
+""").replace("resource.RLIMIT_FSIZE))", "resource.RLIM_INFINITY))")
+
+
+def test_a_really_full_disk_raises_and_leaves_the_table_as_it_was():
+    # a file-size limit makes RocksDB's writes fail as on a full disk (EFBIG, not ENOSPC)
+    script = FULL_DISK.format(tests=os.path.dirname(__file__), directory=tempfile.mkdtemp())
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = run.stdout.strip().splitlines()[-1]
+    assert line.startswith("FAILED AT") and "UNCHANGED True PINS 0" in line, line
+    assert "writing the disk store" in line and "nothing was written" in line
+
+
+def test_dump_and_load_move_a_disk_backed_table_a_chunk_at_a_time(monkeypatch):
+    # never the whole table in memory: every read from the store and every write to it
+    # during dump and load is at most one chunk
+    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=host_bytes(OptimizerType.ADAM))
+    trained = module(factory)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(10):
+        step(trained, batch(gen))
+    stored = sum(t.store.size() for t in trained.tables.values())
+    assert stored > 500
+    sizes = {"export": [], "insert": []}
+    for cls in (DiskBackingStore, HostCachedStore):
+        export, insert = cls.export, cls.insert
+        monkeypatch.setattr(cls, "export", lambda self, start, n, _f=export: (
+            sizes["export"].append(n), _f(self, start, n))[1])
+        monkeypatch.setattr(cls, "insert", lambda self, k, r, s, _f=insert: (
+            sizes["insert"].append(k.numel()), _f(self, k, r, s))[1])
+    path = tempfile.mkdtemp()
+    dump(trained, path, chunk_rows=64)
+    resumed = module(factory)
+    load(resumed, path)
+    assert max(sizes["export"]) == 64 and sum(sizes["insert"]) >= stored
+    assert max(sizes["insert"]) <= 64
+    for name, vocab in zip(trained.tables, VOCAB):
+        keys = torch.arange(vocab)
+        want, got = (m.read_rows(name, keys, with_state=True) for m in (trained, resumed))
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])

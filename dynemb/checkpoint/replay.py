@@ -7,8 +7,11 @@ live one.
   bit. Each delta then patches each tier by key (its deleted keys erased, its entries
   inserted or overwritten, never evicting) or replaces it whole, and the tier takes the
   delta's clock. Every tier ends holding as many keys as the last dump recorded.
-- **By key** otherwise (another capacity, a user backing store): the chain is merged per
-  tier in memory and restored as :func:`~dynemb.checkpoint.table_state.restore` does.
+- **Streamed**: a user backing store's tier (a disk store, say) of a full dump alone goes
+  into the new table's store chunk by chunk, by key, as the dump wrote it.
+- **By key** otherwise (another capacity, a user backing store behind deltas): the chain is
+  merged per tier in memory and restored as :func:`~dynemb.checkpoint.table_state.restore`
+  does.
 
 ``read(i, record)`` gives the tensors of the data file ``record`` of link ``i``; a link is
 a table's entry in one manifest (see :mod:`dynemb.checkpoint.files`).
@@ -36,18 +39,25 @@ def replay(table, links: List[Dict], read: Reader, *, in_place: bool = False):
     :class:`~dynemb.TableFullError` for entries that find no slot."""
     fresh = table if in_place else table.empty_copy()  # what fits is where the load starts
     parts = fresh.checkpoint_tiers()
-    if not all(_fits(parts[n].hash, t) for n, t in links[0]["tiers"].items()):
+    # a store of the user's (a disk store, say) takes a full dump's entries chunk by chunk,
+    # as its export gave them: the table never has to fit in memory
+    streamed = {n for n, t in links[0]["tiers"].items()
+                if parts[n].hash is None and len(links) == 1 and t["write"] == "replace"}
+    if not all(n in streamed or _fits(parts[n].hash, t) for n, t in links[0]["tiers"].items()):
         del fresh
         return restore(table, [_merged(table, links, read)])
     for i, link in enumerate(links):
         for name, tier in link["tiers"].items():
             files = _Files(table, name, tier, lambda record, i=i: read(i, record))
-            if tier["write"] == "replace":
+            if name in streamed:
+                for data in files("entries"):
+                    fresh.insert_saved_entries(name, data["keys"], data["scores"], data["rows"])
+            elif tier["write"] == "replace":
                 _replace(fresh, name, tier, files)
             else:
                 _patch(fresh, name, tier, files)
     for name, tier in links[-1]["tiers"].items():
-        size = fresh.checkpoint_tiers()[name].hash.size()
+        size = fresh.checkpoint_tiers()[name].size()
         if size != tier["live_rows"]:
             raise CheckpointFileError(f"table {table.name!r}: the checkpoint chain gives its "
                                       f"{name} tier {size} keys, the last dump recorded "
