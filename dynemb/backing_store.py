@@ -105,11 +105,12 @@ class HostBackingStore:
 
     def insert_spilling(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
                         spill) -> None:
-        """``insert`` over a lower level of storage: ``spill(keys, rows, scores, erase)`` gets
-        the rows this store evicts to make room (before it overwrites them) and those of
-        ``keys`` it found no slot for, and ``erase``, the keys new to this store (the lower
-        level's copies are stale). If ``spill`` raises, the store holds what it held before
-        the call (it may keep a larger capacity)."""
+        """``insert`` over a lower level of storage: ``spill(keys, rows, scores, erase,
+        evicted)`` gets the rows this store evicts to make room (the first ``evicted``
+        entries, taken before they are overwritten) and then those of ``keys`` it found no
+        slot for, and ``erase``, the keys new to this store (the lower level's copies are
+        stale). If ``spill`` raises, the store holds what it held before the call (it may
+        keep a larger capacity)."""
         self._check_insert(keys, rows, scores)
         keys, rows, scores = (self._to_host(t) for t in (keys, rows, scores))
         result = self._table.find_or_insert(keys, scores, assume_unique=True, pin=True,
@@ -123,7 +124,7 @@ class HostBackingStore:
                   torch.cat([weights.index_select(0, result.slots[evicted]),
                              rows[failed].to(weights.dtype)]),
                   torch.cat([result.previous_scores[evicted], scores[failed]]),
-                  keys[result.inserted])
+                  keys[result.inserted], int(evicted.sum()))
         except BaseException:
             self._table.undo(result)
             raise

@@ -97,8 +97,10 @@ class HostCachedStore:
         """Rows go to the host level; what it evicts for them goes to disk and the disk's
         copies of the keys new to the host are deleted, in one atomic disk write. If that
         write fails (a full disk), both levels are as they were. Returns 0."""
-        def spill(out_keys, out_rows, out_scores, new_keys):
-            self.disk.write(out_keys, out_rows, out_scores, erase=new_keys)
+        def spill(out_keys, out_rows, out_scores, new_keys, evicted):
+            # a key the host level held is not on disk: no need to look it up there
+            absent = torch.arange(out_keys.numel()) < evicted
+            self.disk.write(out_keys, out_rows, out_scores, erase=new_keys, absent=absent)
         self.host.insert_spilling(keys, rows, scores, spill)
         return 0
 

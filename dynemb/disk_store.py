@@ -222,17 +222,23 @@ class DiskBackingStore:
 
     # -- beyond the protocol -----------------------------------------------------------------
     def write(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
-              erase: Optional[torch.Tensor] = None) -> None:
+              erase: Optional[torch.Tensor] = None,
+              absent: Optional[torch.Tensor] = None) -> None:
         """Put ``keys`` (rows, scores) and delete ``erase`` in one atomic write batch; a
-        failed write (a full disk, say) raises ``OSError`` and changes nothing."""
+        failed write (a full disk, say) raises ``OSError`` and changes nothing. ``absent``
+        [N] bool: keys the caller knows are not stored (not looked up to keep the count)."""
         self._check_rows(keys, rows, scores)
         erase = keys[:0] if erase is None else erase
         check_index_tensor(erase, "erase", erase.device)
-        both = torch.cat([keys.cpu(), erase.cpu()])
-        present = [v is not None for v in self._get(both)] if both.numel() else []
-        new = keys.numel() - sum(present[:keys.numel()])
-        gone = sum(present[keys.numel():])
-        self._write(keys, rows, scores, erase, size=self._size + new - gone)
+        known = torch.zeros(keys.numel(), dtype=torch.bool) if absent is None else absent.cpu()
+        if known.shape != keys.shape or known.dtype != torch.bool:
+            raise ValueError(f"absent must be [{keys.numel()}] bool, got {known.dtype} "
+                             f"{tuple(known.shape)}")
+        looked_up = torch.cat([keys.cpu()[~known], erase.cpu()])
+        present = [v is not None for v in self._get(looked_up)]
+        stored = sum(present[:looked_up.numel() - erase.numel()])
+        gone = sum(present[looked_up.numel() - erase.numel():])
+        self._write(keys, rows, scores, erase, size=self._size + keys.numel() - stored - gone)
 
     def flush(self) -> None:
         """Write what RocksDB holds in memory (its memtable) to the store's files."""

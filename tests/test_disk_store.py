@@ -206,3 +206,14 @@ def test_rows_keep_their_bits_in_every_dtype():
         got = store.find(torch.arange(50))[0]
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         assert got.dtype == dtype and torch.equal(got.view(bits), rows.view(bits))
+
+
+def test_a_directory_this_process_cannot_write_is_refused_before_anything_is_made(monkeypatch):
+    # (as root every directory is writable: the check is made to say no)
+    base = tempfile.mkdtemp()
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(PermissionError, match="not writable"):
+        new_disk(os.path.join(base, "store"))
+    with pytest.raises(PermissionError, match="not writable"):
+        disk_store(os.path.join(base, "stores"))(WIDTH, torch.float32, CPU)
+    assert os.listdir(base) == []
