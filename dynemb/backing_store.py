@@ -94,7 +94,7 @@ class HostBackingStore:
         return rows.to(self.device), found.to(self.device), scores.to(self.device)
 
     def insert(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> int:
-        self._check_insert(keys, rows, scores)
+        check_store_rows(keys, rows, scores, self.width)
         result = self._table.find_or_insert(self._to_host(keys), self._to_host(scores),
                                             assume_unique=True)
         if result.remap is not None:
@@ -111,7 +111,7 @@ class HostBackingStore:
         slot for, and ``erase``, the keys new to this store (the lower level's copies are
         stale). If ``spill`` raises, the store holds what it held before the call (it may
         keep a larger capacity)."""
-        self._check_insert(keys, rows, scores)
+        check_store_rows(keys, rows, scores, self.width)
         keys, rows, scores = (self._to_host(t) for t in (keys, rows, scores))
         result = self._table.find_or_insert(keys, scores, assume_unique=True, pin=True,
                                             on_failure="report")
@@ -131,15 +131,6 @@ class HostBackingStore:
         self._table.release(result.slots)
         placed = result.slots >= 0
         weights.index_copy_(0, result.slots[placed], rows[placed].to(weights.dtype))
-
-    def _check_insert(self, keys, rows, scores) -> None:
-        if rows.shape != (keys.numel(), self.width):
-            raise ValueError(f"rows must have shape [{keys.numel()}, {self.width}], got "
-                             f"{tuple(rows.shape)}")
-        check_index_tensor(scores, "scores", scores.device)
-        if scores.shape != keys.shape:
-            raise ValueError(f"scores must have shape {tuple(keys.shape)}, got "
-                             f"{tuple(scores.shape)}")
 
     def load_into(self, keys: torch.Tensor, dst: torch.Tensor,
                   dst_slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -196,6 +187,20 @@ class HostBackingStore:
     def __repr__(self) -> str:
         return (f"HostBackingStore(width={self.width}, size={self.size()}, "
                 f"capacity={self.capacity})")
+
+
+def check_store_rows(keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
+                     width: int) -> None:
+    """Raise ``ValueError`` unless ``rows`` [N, width] and int64 ``scores`` [N] go with
+    ``keys`` [N] (what a store's ``insert`` takes)."""
+    check_index_tensor(keys, "keys", keys.device)
+    if rows.shape != (keys.numel(), width):
+        raise ValueError(f"rows must have shape [{keys.numel()}, {width}], got "
+                         f"{tuple(rows.shape)}")
+    check_index_tensor(scores, "scores", scores.device)
+    if scores.shape != keys.shape:
+        raise ValueError(f"scores must have shape {tuple(keys.shape)}, got "
+                         f"{tuple(scores.shape)}")
 
 
 #: Slots the default store starts with, in buckets of this size.

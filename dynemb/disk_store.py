@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from dynemb.backing_store import check_store_rows
 from dynemb.validation import check_index_tensor
 
 #: Version of the on-disk layout (keys, values, facts).
@@ -227,7 +228,7 @@ class DiskBackingStore:
         """Put ``keys`` (rows, scores) and delete ``erase`` in one atomic write batch; a
         failed write (a full disk, say) raises ``OSError`` and changes nothing. ``absent``
         [N] bool: keys the caller knows are not stored (not looked up to keep the count)."""
-        self._check_rows(keys, rows, scores)
+        check_store_rows(keys, rows, scores, self.width)
         erase = keys[:0] if erase is None else erase
         check_index_tensor(erase, "erase", erase.device)
         known = torch.zeros(keys.numel(), dtype=torch.bool) if absent is None else absent.cpu()
@@ -262,16 +263,6 @@ class DiskBackingStore:
                 f"dtype={self._facts['dtype']}, size={self._size})")
 
     # -- encoding ----------------------------------------------------------------------------
-    def _check_rows(self, keys, rows, scores) -> None:
-        check_index_tensor(keys, "keys", keys.device)
-        if rows.shape != (keys.numel(), self.width):
-            raise ValueError(f"rows must have shape [{keys.numel()}, {self.width}], got "
-                             f"{tuple(rows.shape)}")
-        check_index_tensor(scores, "scores", scores.device)
-        if scores.shape != keys.shape:
-            raise ValueError(f"scores must have shape {tuple(keys.shape)}, got "
-                             f"{tuple(scores.shape)}")
-
     def _get(self, keys: torch.Tensor) -> List[Optional[bytes]]:
         return self._db.get(_encode_keys(keys)) if keys.numel() else []
 
