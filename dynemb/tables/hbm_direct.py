@@ -74,11 +74,11 @@ class HbmDirectTable(DynamicTable):
         try:
             self._fill_new_rows(batch.keys, result)
         except BaseException:  # e.g. a CACHE store's disk is full: the claim is undone
-            self.undo_claim(batch, result)
+            self._undo_claim(batch, result)
             raise
         self._count_claim(self.tier, batch, result)
 
-    def undo_claim(self, batch: TableBatch, result) -> None:
+    def _undo_claim(self, batch: TableBatch, result) -> None:
         """Put the table back as it was before ``batch``'s claim (``result``), whose rows
         were not filled: the keys it evicted are back in their slots, with their rows,
         which nothing overwrote. The batch holds no pins after."""
