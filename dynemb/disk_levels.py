@@ -122,6 +122,10 @@ class HostCachedStore:
         """The host level's ``(row bytes, hash-table bytes)`` (its memory)."""
         return self.host.nbytes()
 
+    def memory_bytes(self) -> int:
+        """Host memory the disk level's RocksDB holds now."""
+        return self.disk.memory_bytes()
+
     def close(self) -> None:
         self.disk.close()
 
@@ -163,23 +167,24 @@ class disk_store:  # noqa: N801 - used like a function: backing_store=disk_store
         return disk_store(self.directory, host_cache_bytes=self.host_cache_bytes,
                           options=self.options, table={**self.table, **facts})
 
-    def planned_levels(self, rows: int, row_bytes: int) -> Tuple[int, int, int]:
-        """``(host rows, disk rows, disk bytes)`` of a table of ``rows`` rows of
-        ``row_bytes`` bytes at its largest (what the planner reserves; every row on disk,
-        the host level's rows in host memory). A disk entry is its row, its score and its
-        key, plus :data:`DISK_ENTRY_OVERHEAD` of RocksDB's own.
+    def planned_levels(self, rows: int, row_bytes: int) -> Tuple[int, int, int, int]:
+        """``(host rows, disk rows, disk bytes, RocksDB's host bytes)`` of a table of
+        ``rows`` rows of ``row_bytes`` bytes at its largest (what the planner reserves:
+        every row on disk, the host level's rows and RocksDB's memtables and block cache in
+        host memory). A disk entry is its row, its score and its key, plus
+        :data:`DISK_ENTRY_OVERHEAD` of RocksDB's own.
 
         Example::
 
             >>> disk_store("/tmp", host_cache_bytes=1 << 20).planned_levels(10_000, 256)
-            (3712, 10000, 3050000)
+            (3712, 10000, 3050000, 201326592)
         """
         host = 0
         if self.host_cache_bytes:
             slot = row_bytes + SLOT_BYTES
             host = self.host_cache_bytes // slot // MAX_BUCKET_SIZE * MAX_BUCKET_SIZE
         entry = row_bytes + 8 + 9 + DISK_ENTRY_OVERHEAD
-        return host, rows, rows * entry
+        return host, rows, rows * entry, self.options.memory_bytes()
 
     def __call__(self, width: int, dtype: torch.dtype, device: torch.device):
         if self.host_cache_bytes:  # a budget too small raises before any directory is made

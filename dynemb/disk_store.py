@@ -79,6 +79,11 @@ class DiskOptions:
         if not isinstance(self.wal, bool):
             raise TypeError(f"wal must be a bool, got {self.wal!r}")
 
+    def memory_bytes(self) -> int:
+        """Host memory these settings let RocksDB hold at most, as planned: two memtables and
+        the block cache (indexes and filters come on top, a few bytes per row)."""
+        return 2 * max(1 << 20, self.write_buffer_bytes) + self.block_cache_bytes
+
     def rocksdb(self):
         """``(rocksdict.Options, rocksdict.WriteOptions)`` of these settings."""
         rd = _rocksdict()
@@ -249,6 +254,12 @@ class DiskBackingStore:
         """Close the database (and remove its directory if the store was built with
         ``remove_on_close``); the store is unusable after."""
         self._closer()
+
+    def memory_bytes(self) -> int:
+        """Host memory RocksDB holds for the store now: its memtables, the block cache's
+        use and the table readers (indexes and filters)."""
+        return sum(self._db.property_int_value(f"rocksdb.{name}") or 0 for name in (
+            "cur-size-all-mem-tables", "block-cache-usage", "estimate-table-readers-mem"))
 
     def nbytes_on_disk(self) -> int:
         """Bytes of the store's files now (RocksDB's live data files)."""

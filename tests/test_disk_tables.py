@@ -216,10 +216,11 @@ def test_the_planner_counts_device_host_and_disk_bytes_of_a_table_on_disk():
     on_disk = table_footprint(config, DynamicEmbTableOptions(
         caching=True, global_hbm_for_values=cache, backing_store=factory), optimizer,
         world_size=1)
-    host_rows, disk_rows, disk_bytes = factory.planned_levels(1_000_000, row_bytes)
+    host_rows, disk_rows, disk_bytes, rocksdb = factory.planned_levels(1_000_000, row_bytes)
+    assert rocksdb == 2 * (64 << 20) + (64 << 20)  # two memtables and the block cache
     assert on_disk.device_rows == in_memory.device_rows == 8192
     assert on_disk.host_rows == host_rows and host_rows * (row_bytes + 20) <= 64 << 20
-    assert on_disk.storage().ddr < (64 << 20) + 4096 < in_memory.storage().ddr
+    assert on_disk.storage().ddr < (64 << 20) + rocksdb + 4096 < in_memory.storage().ddr
     assert on_disk.storage().ssd == disk_bytes >= disk_rows * (row_bytes + 8 + 9)
     assert on_disk.storage().hbm == in_memory.storage().hbm and in_memory.storage().ssd == 0
 
@@ -298,3 +299,20 @@ def test_dump_and_load_move_a_disk_backed_table_a_chunk_at_a_time(monkeypatch):
         keys = torch.arange(vocab)
         want, got = (m.read_rows(name, keys, with_state=True) for m in (trained, resumed))
         assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+def test_memory_breakdown_counts_the_host_level_and_what_rocksdb_holds():
+    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=host_bytes(OptimizerType.ADAM))
+    on_disk = module(factory)
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(8):
+        step(on_disk, batch(gen))
+    table = on_disk.tables["t1"]
+    memory = table.memory_breakdown()
+    rows, hash_bytes = table.store.host.nbytes()
+    assert memory.host_values_bytes + memory.host_optimizer_bytes == rows
+    assert memory.host_hash_bytes == hash_bytes
+    rocksdb = table.store.memory_bytes()
+    assert rocksdb > 0 and memory.host_other_bytes >= rocksdb
+    assert rocksdb <= table.store.disk.options.memory_bytes() + (1 << 20)
+

@@ -251,10 +251,10 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
     state_dim = optimizer.state_dim(dim)
     row = RowLayout(dim, state_dim, layout.dtype)
     rows = TABLE_CLASSES[layout.mode].planned_rows(layout, local_options)
-    disk_bytes = 0
+    disk_bytes = store_memory = 0
     levels = getattr(local_options.backing_store, "planned_levels", None)
     if layout.mode is StorageMode.CACHE and levels is not None:  # a store on disk
-        host_rows, disk_rows, disk_bytes = levels(layout.target_rows, row.row_bytes)
+        host_rows, _, disk_bytes, store_memory = levels(layout.target_rows, row.row_bytes)
         rows = dataclasses.replace(rows, host_rows=host_rows, host_hash_slots=host_rows,
                                    host_exact=True)
     fixed = DynamicTable.fixed_memory()
@@ -291,7 +291,7 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
         prefetch_bytes=prefetch_bytes, io_bytes=io,
         host_values_bytes=rows.host_rows * row.embedding_bytes,
         host_optimizer_bytes=rows.host_rows * row.state_bytes, host_hash_bytes=host_hash,
-        host_fixed_bytes=fixed.host_other_bytes, pipeline_type=pipeline_type,
+        host_fixed_bytes=fixed.host_other_bytes + store_memory, pipeline_type=pipeline_type,
         compute_device=compute_device, host_exact=rows.host_exact, is_inference=is_inference,
         stash_bytes=stash, disk_bytes=disk_bytes)
 

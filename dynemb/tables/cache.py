@@ -183,14 +183,16 @@ class CacheTable(HbmDirectTable):
         return self.store.size()
 
     def _host_memory(self) -> MemoryBreakdown:
-        """The default store's bytes; a user store that cannot tell counts 0."""
+        """The store's host bytes: its rows and hash table (``nbytes``) and what else it
+        holds (``memory_bytes``: a disk store's RocksDB); a user store that cannot tell
+        counts 0."""
         nbytes = getattr(self.store, "nbytes", None)
-        if nbytes is None:
-            return MemoryBreakdown()
-        rows, hash_bytes = nbytes()
+        other = getattr(self.store, "memory_bytes", None)
+        rows, hash_bytes = (0, 0) if nbytes is None else nbytes()
         values = rows * self.row_layout.embedding_bytes // self.row_layout.row_bytes
         return MemoryBreakdown(host_values_bytes=values, host_optimizer_bytes=rows - values,
-                               host_hash_bytes=hash_bytes)
+                               host_hash_bytes=hash_bytes,
+                               host_other_bytes=0 if other is None else other())
 
     # -- checkpoint ----------------------------------------------------------------------------
     def _host_checkpoint_tier(self) -> TierParts:
