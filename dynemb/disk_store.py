@@ -168,7 +168,7 @@ class DiskBackingStore:
     def _open_facts(self) -> int:
         saved = self._db.get(_FACTS_KEY)
         if saved is None:
-            if next(iter(self._db.keys(from_key=_ROW)), None) is not None:
+            if next(iter(self._db.keys()), None) is not None:
                 raise StoreMismatchError(f"{str(self.path)!r} holds a RocksDB database that "
                                          f"is not a dynemb store; nothing was changed")
             self._write(facts=True)

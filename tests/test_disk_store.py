@@ -217,3 +217,18 @@ def test_a_directory_this_process_cannot_write_is_refused_before_anything_is_mad
     with pytest.raises(PermissionError, match="not writable"):
         disk_store(os.path.join(base, "stores"))(WIDTH, torch.float32, CPU)
     assert os.listdir(base) == []
+
+
+def test_a_rocksdb_database_that_is_not_a_store_is_left_alone():
+    import rocksdict
+    path = tempfile.mkdtemp()
+    options = rocksdict.Options(raw_mode=True)
+    options.create_if_missing(True)
+    db = rocksdict.Rdict(path, options)
+    db[b"\x00someone else's"] = b"data"
+    db.close()
+    with pytest.raises(StoreMismatchError, match="not a dynemb store"):
+        new_disk(path)
+    db = rocksdict.Rdict(path, options)
+    assert list(db.keys()) == [b"\x00someone else's"]
+    db.close()
