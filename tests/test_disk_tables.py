@@ -77,6 +77,16 @@ def host_bytes(optimizer, rows=128):
     return rows * ((DIM + OptimizerConfig(optimizer).state_dim(DIM)) * 4 + 20)
 
 
+def trained_on_disk(seed: int, steps: int):
+    """(the disk store factory, a module over it trained ``steps`` steps)."""
+    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=host_bytes(OptimizerType.ADAM))
+    trained = module(factory)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        step(trained, batch(gen))
+    return factory, trained
+
+
 @pytest.mark.parametrize("optimizer", list(OptimizerType))
 @pytest.mark.parametrize("host_level", [False, True])
 def test_tables_on_disk_train_bit_for_bit_as_over_host_memory(optimizer, host_level):
@@ -140,11 +150,8 @@ def test_a_full_disk_mid_step_raises_and_leaves_every_table_as_it_was(group_tabl
 
 
 def test_dump_and_load_stream_a_disk_backed_module_and_training_goes_on_the_same():
-    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=host_bytes(OptimizerType.ADAM))
-    trained = module(factory)
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(12):
-        step(trained, batch(gen))
+    factory, trained = trained_on_disk(seed=3, steps=12)
+    gen = torch.Generator().manual_seed(30)
     with pytest.raises(RuntimeError, match="dynemb.checkpoint.dump"):
         trained.state_dict()
     path = tempfile.mkdtemp()
@@ -275,11 +282,7 @@ def test_a_really_full_disk_raises_and_leaves_the_table_as_it_was():
 def test_dump_and_load_move_a_disk_backed_table_a_chunk_at_a_time(monkeypatch):
     # never the whole table in memory: every read from the store and every write to it
     # during dump and load is at most one chunk
-    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=host_bytes(OptimizerType.ADAM))
-    trained = module(factory)
-    gen = torch.Generator().manual_seed(4)
-    for _ in range(10):
-        step(trained, batch(gen))
+    factory, trained = trained_on_disk(seed=4, steps=10)
     stored = sum(t.store.size() for t in trained.tables.values())
     assert stored > 500
     sizes = {"export": [], "insert": []}
@@ -302,11 +305,7 @@ def test_dump_and_load_move_a_disk_backed_table_a_chunk_at_a_time(monkeypatch):
 
 
 def test_memory_breakdown_counts_the_host_level_and_what_rocksdb_holds():
-    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=host_bytes(OptimizerType.ADAM))
-    on_disk = module(factory)
-    gen = torch.Generator().manual_seed(6)
-    for _ in range(8):
-        step(on_disk, batch(gen))
+    _, on_disk = trained_on_disk(seed=6, steps=8)
     table = on_disk.tables["t1"]
     memory = table.memory_breakdown()
     rows, hash_bytes = table.store.host.nbytes()
