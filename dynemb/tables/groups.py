@@ -142,10 +142,11 @@ class TableGroup:
         """Whether ``tables`` still holds the group's tables, each still in its part of the
         group's arrays (a checkpoint load or reset may have replaced a table, a direct call
         of its hash table's ``grow`` its arrays)."""
-        for name, table, storage in zip(self.names, self.tables, self._storage):
-            if tables.get(name) is not table:
-                return False
-            if any(now is not then for now, then in zip(self._storage_of(table), storage)):
+        for name, table, (arrays, weights, counters) in zip(self.names, self.tables,
+                                                             self._storage):
+            if (tables.get(name) is not table or table.tier.hash.arrays is not arrays
+                    or table.tier.flat.weights is not weights
+                    or table.counters.values is not counters):
                 return False
         return True
 
