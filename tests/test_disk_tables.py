@@ -315,3 +315,12 @@ def test_memory_breakdown_counts_the_host_level_and_what_rocksdb_holds():
     assert rocksdb > 0 and memory.host_other_bytes >= rocksdb
     assert rocksdb <= table.store.disk.options.memory_bytes() + (1 << 20)
 
+
+
+def test_saving_or_copying_a_disk_backed_module_whole_refuses_and_names_dump():
+    import copy
+    import io
+    on_disk = module(disk_store(tempfile.mkdtemp()))
+    for attempt in (lambda: torch.save(on_disk, io.BytesIO()), lambda: copy.deepcopy(on_disk)):
+        with pytest.raises(TypeError, match="dynemb.checkpoint.dump"):
+            attempt()
