@@ -8,11 +8,11 @@ import torch
 
 from dynemb.backends import resolve_kernels
 from dynemb.kernel_backend import KernelBackend, TableArrays
-from dynemb.hash_table_images import HashTableImages, compose_remaps
+from dynemb.hash_table_images import HashTableImages, compose_remaps, restore_scores_at
 from dynemb.hash_table_checks import (MAX_BUCKETS, SLOT_BYTES, check_claim_arguments,
                                       check_scores, check_table_arguments, max_table_capacity)
 from dynemb.types import (EMPTY_KEY, TOMBSTONE_KEY, EraseResult, ExportBatch, FindOrInsertResult,
-                          ScorePolicy, TableFullError, pack_lfu_lru, unpack_lfu_lru)
+                          ScorePolicy, TableFullError)
 from dynemb.validation import check_index_tensor, check_int, check_keys, check_slots
 
 __all__ = ["MAX_BUCKETS", "SLOT_BYTES", "ScoredHashTable", "max_table_capacity"]
@@ -440,17 +440,3 @@ class ScoredHashTable(HashTableImages):
     def __repr__(self) -> str:
         return (f"ScoredHashTable(capacity={self.capacity}, bucket_size={self.bucket_size}, "
                 f"policy={self.policy.name}, device={self.device}, backend={self._backend.name})")
-
-
-def restore_scores_at(table_scores: torch.Tensor, policy: ScorePolicy, slots: torch.Tensor,
-                      scores: torch.Tensor) -> None:
-    """:meth:`ScoredHashTable.restore_scores` on a score array ``table_scores`` (a table's,
-    or a table group's holding several tables of one ``policy``), unchecked."""
-    if policy is ScorePolicy.LFU:
-        table_scores.index_add_(0, slots, scores)
-    elif policy is ScorePolicy.LFU_LRU:  # counts add up, the new last use stays
-        counts, clocks = unpack_lfu_lru(table_scores[slots])
-        table_scores.index_copy_(0, slots, pack_lfu_lru(counts + unpack_lfu_lru(scores)[0],
-                                                        clocks))
-    elif policy is ScorePolicy.STEP:
-        table_scores.index_copy_(0, slots, scores)

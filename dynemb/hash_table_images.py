@@ -9,7 +9,8 @@ from typing import Optional
 import torch
 
 from dynemb.kernel_backend import TableArrays
-from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, FindOrInsertResult, ScorePolicy, TableFullError
+from dynemb.types import (EMPTY_KEY, TOMBSTONE_KEY, FindOrInsertResult, ScorePolicy,
+                          TableFullError, pack_lfu_lru, unpack_lfu_lru)
 from dynemb.validation import check_index_tensor, check_keys
 
 
@@ -164,3 +165,18 @@ def compose_remaps(first: Optional[torch.Tensor], then: torch.Tensor) -> torch.T
     live = first >= 0
     out[live] = then[first[live]]
     return out
+
+
+def restore_scores_at(table_scores: torch.Tensor, policy: ScorePolicy, slots: torch.Tensor,
+                      scores: torch.Tensor) -> None:
+    """:meth:`~dynemb.hash_table.ScoredHashTable.restore_scores` on a score array
+    ``table_scores`` (a table's, or a table group's holding several tables of one
+    ``policy``), unchecked."""
+    if policy is ScorePolicy.LFU:
+        table_scores.index_add_(0, slots, scores)
+    elif policy is ScorePolicy.LFU_LRU:  # counts add up, the new last use stays
+        counts, clocks = unpack_lfu_lru(table_scores[slots])
+        table_scores.index_copy_(0, slots, pack_lfu_lru(counts + unpack_lfu_lru(scores)[0],
+                                                        clocks))
+    elif policy is ScorePolicy.STEP:
+        table_scores.index_copy_(0, slots, scores)

@@ -18,7 +18,7 @@ from numba.typed import List as TypedList
 
 from dynemb.backing_store import HostBackingStore
 from dynemb.counters import COUNTER_NAMES
-from dynemb.hash_table import restore_scores_at
+from dynemb.hash_table_images import restore_scores_at
 from dynemb.kernel_backend import TableArrays
 from dynemb.kernels import group_stores_cpu
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
