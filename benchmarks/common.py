@@ -84,7 +84,7 @@ def machine_info(git: Optional[dict], packages: Sequence[str] = ()) -> dict:
         "processor": platform.processor(), "cpu_model": _cpu_model(),
         "machine": platform.machine(),
         "nproc": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
-        "numba_threads": ALL_THREADS, "numba_threading_layer": numba.threading_layer(),
+        "numba_threads": ALL_THREADS, "numba_threading_layer": _threading_layer(),
         "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS",
                                                 "NUMBA_NUM_THREADS", "NUMBA_THREADING_LAYER")},
         "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
@@ -97,6 +97,14 @@ def machine_info(git: Optional[dict], packages: Sequence[str] = ()) -> dict:
         info["gpu"] = torch.cuda.get_device_name()
     info.update({name: package_version(name) for name in packages})
     return info
+
+
+def _threading_layer() -> Optional[str]:
+    """numba's threading layer, None where no parallel CPU kernel ran (a CUDA-only run)."""
+    try:
+        return numba.threading_layer()
+    except ValueError:  # "Threading layer is not initialized."
+        return None
 
 
 def _cpu_model() -> str:

@@ -17,7 +17,7 @@ from dynemb.flat_table import FlatTable
 from dynemb.hash_table import ScoredHashTable
 from dynemb.row_moves import copy_rows
 from dynemb.types import MAX_BUCKET_SIZE, ScorePolicy
-from dynemb.validation import check_index_tensor
+from dynemb.validation import canonical_device, check_index_tensor
 
 
 @runtime_checkable
@@ -36,6 +36,9 @@ class BackingStore(Protocol):
       ``(keys, rows, scores, next_start)`` instead: checkpoints then keep the scores (with
       three values they save 0 for each).
     - ``size() -> int``: keys stored.
+
+    Keys and rows come on the table's device; ``find`` may answer on another (a store that
+    keeps its rows on the host answers there) and the table moves the answer to its device.
     """
 
     width: int
@@ -74,7 +77,7 @@ class HostBackingStore:
                  initial_capacity: int = 1 << 12, max_capacity: Optional[int] = None):
         bucket = min(MAX_BUCKET_SIZE, initial_capacity)
         self.width = width
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         host = torch.device("cpu")
         kernels = backend_for_device(host)
         # CUSTOMIZED: the store ranks rows by the scores the device table gave them.

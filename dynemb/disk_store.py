@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from dynemb.backing_store import check_store_rows
-from dynemb.validation import check_index_tensor
+from dynemb.validation import canonical_device, check_index_tensor
 
 #: Version of the on-disk layout (keys, values, facts).
 FORMAT = 1
@@ -143,7 +143,7 @@ class DiskBackingStore:
                  remove_on_close: bool = False):
         self.width = int(width)
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.path = Path(path)
         self.options = options or DiskOptions()
         self._row_bytes = self.width * torch.empty(0, dtype=dtype).element_size()

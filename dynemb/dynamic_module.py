@@ -28,6 +28,7 @@ from dynemb.prefetch import PrefetchState
 from dynemb.stashing.collection_stash import CollectionStash
 from dynemb.tables import DynamicTable
 from dynemb.tracing import ScriptingRefused
+from dynemb.validation import canonical_device
 
 _META_HINT = ("is on the meta device and holds no rows: shard it (DistributedModelParallel "
               "with its dynemb sharder) or build it on a real device")
@@ -50,7 +51,7 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
                     optimizer, validate_inputs: bool, backend: Optional[str],
                     group_tables: bool = False) -> None:
         self._core = DynamicCore(
-            type(self).__name__, configs, torch.device(device if device is not None else "cpu"),
+            type(self).__name__, configs, canonical_device(device if device is not None else "cpu"),
             table_options=table_options, optimizer=optimizer, backend=backend,
             validate_inputs=validate_inputs, weights_are_counts=self._weights_are_counts,
             variable_batch=self._variable_batch, group_tables=group_tables)

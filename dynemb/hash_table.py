@@ -13,7 +13,8 @@ from dynemb.hash_table_checks import (MAX_BUCKETS, SLOT_BYTES, check_claim_argum
                                       check_scores, check_table_arguments, max_table_capacity)
 from dynemb.types import (EMPTY_KEY, TOMBSTONE_KEY, EraseResult, ExportBatch, FindOrInsertResult,
                           ScorePolicy, TableFullError)
-from dynemb.validation import check_index_tensor, check_int, check_keys, check_slots
+from dynemb.validation import (canonical_device, check_index_tensor, check_int, check_keys,
+                               check_slots)
 
 __all__ = ["MAX_BUCKETS", "SLOT_BYTES", "ScoredHashTable", "max_table_capacity"]
 
@@ -63,7 +64,7 @@ class ScoredHashTable(HashTableImages):
                  kernels: Optional[KernelBackend] = None):
         bucket_size = check_table_arguments(capacity, bucket_size, policy, grow_at_load_factor,
                                             max_capacity)
-        self.device = torch.device(device if device is not None else "cpu")
+        self.device = canonical_device(device if device is not None else "cpu")
         self._backend = resolve_kernels(self.device, backend, kernels)
         self.policy = policy
         self.bucket_size = bucket_size

@@ -28,7 +28,7 @@ from dynemb.occurrence_grads import OccurrenceGrads, occurrence_csr
 from dynemb.optimizer_config import (OptimizerConfig, OptimizerType, check_number,
                                      clip_gradients)
 from dynemb.types import SUPPORTED_DTYPES
-from dynemb.validation import check_int
+from dynemb.validation import check_int, same_device
 
 __all__ = ["OccurrenceGrads", "OptimizerConfig", "OptimizerType", "clip_gradients",
            "fused_update", "occurrence_csr", "round_rows"]
@@ -179,7 +179,7 @@ def _check_rounding_inputs(keys, rows: int, device: torch.device, stochastic) ->
             tuple(keys.shape) != (rows,)):
         got = f"{keys.dtype} {tuple(keys.shape)}" if isinstance(keys, torch.Tensor) else keys
         raise ValueError(f"keys must be an int64 tensor of shape ({rows},), got {got}")
-    if keys.device != device:
+    if not same_device(keys.device, device):
         raise ValueError(f"keys are on {keys.device} but the rows on {device}")
 
 
@@ -210,7 +210,7 @@ def _check_inputs(weights, slots, grads, dim, state_dim) -> None:
         raise ValueError(f"grads must be a float tensor of shape [{slots.numel()}, {dim}], got "
                          f"{grads.dtype} {tuple(grads.shape)}")
     for t, name in ((slots, "slots"), (grads, "grads")):
-        if t.device != weights.device:
+        if not same_device(t.device, weights.device):
             raise ValueError(f"{name} is on {t.device} but weights are on {weights.device}")
     # On the GPU this check would stall the host; slots come from the table there.
     if slots.numel() and weights.device.type == "cpu" and int(slots.max()) >= weights.shape[0]:

@@ -17,7 +17,7 @@ def check_index_tensor(t, name: str, device: torch.device) -> None:
         raise TypeError(f"{name} must have dtype torch.int64, got {t.dtype}")
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    if t.device != device:
+    if not same_device(t.device, device):
         raise ValueError(f"{name} is on {t.device} but the table is on {device}")
 
 
@@ -125,7 +125,7 @@ def check_kjt(kjt, device: torch.device, *, check_lengths: bool = True,
     values = kjt.values()
     if values.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"ids must be int64 or int32, got {values.dtype}")
-    if not _same_device(values.device, device):
+    if not same_device(values.device, device):
         raise ValueError(f"the KJT's ids are on {values.device} but the tables are on {device}; "
                          f"pass the KJT on {device} (kjt.to(torch.device({str(device)!r})))")
     keys = list(kjt.keys())
@@ -145,11 +145,22 @@ def check_kjt(kjt, device: torch.device, *, check_lengths: bool = True,
         validate_keyed_jagged_tensor(kjt)  # TorchRec's: offsets and weights agree with them
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return _indexed(a) == _indexed(b)
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` name one device: ``cuda`` is the current CUDA device, as torch
+    places a tensor created with ``device="cuda"`` (whose ``.device`` then reads ``cuda:0``)."""
+    return canonical_device(a) == canonical_device(b)
 
 
-def _indexed(device: torch.device) -> torch.device:
+def canonical_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` with its index: ``"cuda"`` becomes ``cuda:<current>``,
+    so that it compares equal to the ``.device`` of the tensors made on it.
+
+    Example::
+
+        >>> canonical_device("cpu")
+        device(type='cpu')
+    """
+    device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return device

@@ -200,19 +200,27 @@ def run_census(ec, batches, any_device: bool) -> Dict[str, Dict[str, int]]:
 def run_warn(ec, batches) -> Dict[str, Dict[str, int]]:
     import torch
     found = {p: Counter() for p in PHASES}
+    sites: List[str] = []
+
+    def record_site(message, category, filename, lineno, file=None, line=None):
+        # called inside warnings.warn: the stack still holds the code that synced
+        if "synchroniz" in str(message):
+            torch_site = f"{os.sep.join(filename.split(os.sep)[-2:])}:{lineno}"
+            frames = [f for f in traceback.extract_stack()[:-1] if f.filename != warnings.__file__]
+            sites.append(f"{where(frames)} via {torch_site}")
+
     for kjt in batches:
         for phase, call in step_phases(ec, kjt).items():
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
+                warnings.showwarning = record_site
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
                     call()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            for w in caught:
-                if "synchroniz" in str(w.message):
-                    site = f"{os.sep.join(w.filename.split(os.sep)[-2:])}:{w.lineno}"
-                    found[phase][site] += 1
+            found[phase].update(sites)
+            sites.clear()
     return {p: dict(c) for p, c in found.items()}
 
 

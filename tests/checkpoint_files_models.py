@@ -23,10 +23,11 @@ def small_store(width, dtype, device):
 
 
 def make(mode="hbm_direct", optimizer="sgd", *, policy=ScorePolicy.LRU, admission=False,
-         evicting=False, store_evicts=False, dtype=None, backend=None, **overrides):
+         evicting=False, store_evicts=False, dtype=None, backend=None, device=None,
+         **overrides):
     """A two-table collection; ``evicting``: too small for the ids of the workload;
     ``store_evicts``: a CACHE store of 32 slots; ``backend`` "cuda": the CUDA kernels (under
-    numba's simulator without a GPU)."""
+    numba's simulator without a GPU), on ``device`` (None: the CPU)."""
     opt = OPTIMIZERS[optimizer]
     table_options = options(mode, opt, policy, admission, dtype)
     if evicting:  # 32 device rows (HBM_DIRECT: growing to 64); DEFAULT: 96 in all
@@ -43,7 +44,7 @@ def make(mode="hbm_direct", optimizer="sgd", *, policy=ScorePolicy.LRU, admissio
     configs = [EmbeddingConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=1024,
                                feature_names=[f"f{i}"]) for i in range(2)]
     ec = DynamicEmbCollection(configs, table_options=table_options, optimizer=opt,
-                              backend=backend)
+                              backend=backend, device=device)
     assert set(ec.storage_modes().values()) == {StorageMode(mode)}
     return ec
 

@@ -75,7 +75,7 @@ def loss_of(out, seed=1):
     for name in sorted(out):
         values = out[name].values()
         gen = torch.Generator().manual_seed(seed + values.numel())
-        weights = torch.randn(values.shape, generator=gen)
+        weights = torch.randn(values.shape, generator=gen).to(values.device)
         total = total + (values * weights).sum() + (values ** 2).sum() * 0.1
     return total
 

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from checkpoint_files_models import (assert_same_rows, assert_same_state, logical_rows, make,
                                      module_state)
 from checkpoint_models import MODES, batches, train
+from conftest import BACKENDS
 from dynemb import ScorePolicy
 from dynemb.checkpoint import changes, dump, load
 from dynemb.checkpoint.files import CheckpointFileError
@@ -26,7 +27,7 @@ def chain(tmp_path, ec, cuts=(1, 10, 18)):
     the infos and the module's state at the last dump."""
     paths, infos, done = [], [], 0
     for i, cut in enumerate(cuts):
-        train(ec, KJTS[done:cut])
+        train(ec, [kjt.to(ec.device) for kjt in KJTS[done:cut]])
         done = cut
         paths.append(tmp_path / f"d{i}")
         infos.append(dump(ec, paths[-1], since=infos[-1] if infos else None))
@@ -60,7 +61,8 @@ def test_a_full_dump_and_its_deltas_give_back_the_last_dump(tmp_path, mode, poli
 @pytest.mark.parametrize("mode", MODES)
 def test_the_sync_free_cuda_path_tracks_the_same_changes(tmp_path, mode):
     # padded batches, failures recorded instead of raised: -1 slots mark nothing
-    kwargs = dict(mode=mode, optimizer="sgd", evicting=True, backend="cuda")
+    kwargs = dict(mode=mode, optimizer="sgd", evicting=True, backend="cuda",
+                  device=torch.device(BACKENDS[1][1]))
     ec = make(**kwargs)
     paths, _, expected = chain(tmp_path, ec, cuts=(1, 4, 7))
     assert mode == "default" or ec.stats()["t0"]["evictions"] > 0

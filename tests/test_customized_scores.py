@@ -20,10 +20,11 @@ ROW = RowLayout(DIM, OPT.state_dim(DIM), torch.float32).row_bytes
 MODES = {"hbm_direct": dict(init_capacity=4, max_capacity=4),
          "cache": dict(caching=True, global_hbm_for_values=4 * ROW),
          "default": dict(global_hbm_for_values=4 * ROW, max_capacity=8)}
-BACKEND_NAMES = [b for b, _ in BACKENDS]
+BACKEND_IDS = [b for b, _ in BACKENDS]
 
 
-def module(mode="hbm_direct", backend="cpu", *, lru_table=False):
+def module(mode="hbm_direct", backend=BACKENDS[0], *, lru_table=False):
+    """``backend``: a (kernels, device) pair of conftest.BACKENDS."""
     options = {"c": DynamicEmbTableOptions(score_strategy=ScorePolicy.CUSTOMIZED,
                                            bucket_size=4, **MODES[mode])}
     configs = [EmbeddingConfig(name="c", embedding_dim=DIM, num_embeddings=64,
@@ -32,7 +33,8 @@ def module(mode="hbm_direct", backend="cpu", *, lru_table=False):
         options["l"] = DynamicEmbTableOptions()
         configs.append(EmbeddingConfig(name="l", embedding_dim=DIM, num_embeddings=64,
                                        feature_names=["fl"]))
-    ec = DynamicEmbCollection(configs, table_options=options, optimizer=OPT, backend=backend)
+    ec = DynamicEmbCollection(configs, table_options=options, optimizer=OPT,
+                              backend=backend[0], device=torch.device(backend[1]))
     assert ec.storage_modes()["c"] is StorageMode(mode)
     return ec
 
@@ -49,7 +51,7 @@ def kjt(ids, other=None):
 def step(ec, ids, score=None, other=None):
     if score is not None:
         ec.set_scores({"c": score})
-    out = ec(kjt(ids, other))
+    out = ec(kjt(ids, other).to(ec.device))
     sum(jt.values().sum() for jt in out.values()).backward()
 
 
@@ -64,7 +66,7 @@ def stored_scores(ec):
     return out
 
 
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_every_key_of_a_training_batch_gets_the_score_set(mode, backend):
     ec = module(mode, backend)
@@ -77,7 +79,7 @@ def test_every_key_of_a_training_batch_gets_the_score_set(mode, backend):
     assert ec.scores == {"c": -7}
 
 
-@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
 @pytest.mark.parametrize("mode", ["hbm_direct", "cache"])
 def test_a_full_bucket_evicts_the_lowest_score_set(mode, backend):
     ec = module(mode, backend)
@@ -89,7 +91,7 @@ def test_a_full_bucket_evicts_the_lowest_score_set(mode, backend):
     step(ec, [6], score=5)             # evicts 4 (20), the lowest before the call
     assert stored_scores(ec) == {1: 50, 2: 50, 5: 30, 6: 5}
     if mode == "cache":                # evicted rows went to the store with their scores
-        rows, found, scores = ec.tables["c"].store.find(torch.tensor([3, 4]))
+        rows, found, scores = ec.tables["c"].store.find(torch.tensor([3, 4], device=ec.device))
         assert found.tolist() == [True, True] and scores.tolist() == [10, 20]
         step(ec, [3], score=40)        # back from the store: the new score (evicts 6)
         assert stored_scores(ec) == {1: 50, 2: 50, 5: 30, 3: 40}

@@ -21,26 +21,29 @@ OPTIONS = {
 FEATURES = {"a": "fa", "c": "fc", "d": "fd"}
 
 
-def module(pooled, backend="cpu"):
+def module(pooled, backend=("cpu", "cpu")):
+    """``backend``: a (kernels, device) pair of conftest.BACKENDS."""
+    kernels, device = backend[0], torch.device(backend[1])
     if pooled:
         configs = [EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=256,
                                       feature_names=[f]) for n, f in FEATURES.items()]
         return DynamicEmbBagCollection(configs, table_options=OPTIONS, optimizer=SGD,
-                                       backend=backend)
+                                       backend=kernels, device=device)
     configs = [EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=256,
                                feature_names=[f]) for n, f in FEATURES.items()]
-    return DynamicEmbCollection(configs, table_options=OPTIONS, optimizer=SGD, backend=backend)
+    return DynamicEmbCollection(configs, table_options=OPTIONS, optimizer=SGD, backend=kernels,
+                                device=device)
 
 
-def batch(step):
+def batch(step, device="cpu"):
     ids = [(step * 5 + i) % 40 for i in range(6)]
     return KeyedJaggedTensor.from_lengths_sync(
-        list(FEATURES.values()), torch.tensor(ids * 3), torch.tensor([6, 6, 6]))
+        list(FEATURES.values()), torch.tensor(ids * 3), torch.tensor([6, 6, 6])).to(device)
 
 
 def train(ec, steps):
     for step in range(steps):
-        out = ec(batch(step))
+        out = ec(batch(step, ec.device))
         values = out.values() if hasattr(out, "length_per_key") else torch.cat(
             [jt.values() for jt in out.values()])
         values.sum().backward()
@@ -48,25 +51,26 @@ def train(ec, steps):
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
 def test_resetting_one_table_leaves_the_others_as_they_were(pooled, backend):
-    ec = module(pooled, backend[0])
+    ec = module(pooled, backend)
+    ids = IDS.to(ec.device)
     assert ec.storage_modes() == {"a": StorageMode.HBM_DIRECT, "c": StorageMode.CACHE,
                                   "d": StorageMode.DEFAULT}
-    fresh = module(pooled, backend[0])
+    fresh = module(pooled, backend)
     train(fresh, 1)
     train(ec, 12)
     assert ec.stats()["c"]["rows_backing"] > 0 and ec.stats()["d"]["rows_backing"] > 0
-    kept = {n: ec.read_rows(n, IDS, with_state=True) for n in ("a", "d")}
+    kept = {n: ec.read_rows(n, ids, with_state=True) for n in ("a", "d")}
     kept_stats = {n: ec.stats()[n] for n in ("a", "d")}
     generation = ec.generation
-    pending = ec(batch(12))
-    ec.prefetch(batch(13))
+    pending = ec(batch(12, ec.device))
+    ec.prefetch(batch(13, ec.device))
     ec.reset_parameters(tables=["c"])
     assert ec.pending_prefetches == 0 and ec.generation == generation + 1
     assert ec.steps == {"a": 12, "c": 0, "d": 12}
     stats = ec.stats()["c"]
     assert (stats["rows_device"], stats["rows_backing"], stats["lookups"]) == (0, 0, 0)
     for name in ("a", "d"):
-        rows, found = ec.read_rows(name, IDS, with_state=True)
+        rows, found = ec.read_rows(name, ids, with_state=True)
         assert torch.equal(found, kept[name][1]) and torch.equal(rows, kept[name][0])
         # the pending lookup and the prefetch counted, nothing else changed
         assert ec.stats()[name]["rows_device"] == kept_stats[name]["rows_device"]
@@ -76,8 +80,8 @@ def test_resetting_one_table_leaves_the_others_as_they_were(pooled, backend):
     train(ec, 1)
     for name, table in ec.tables.items():
         assert table.tier.hash.size() > 0
-    got, found = ec.read_rows("c", IDS, with_state=True)
-    want, want_found = fresh.read_rows("c", IDS, with_state=True)
+    got, found = ec.read_rows("c", ids, with_state=True)
+    want, want_found = fresh.read_rows("c", ids, with_state=True)
     assert torch.equal(found, want_found) and torch.equal(got[found], want[found])
     assert ec.steps["c"] == 1
 

@@ -43,7 +43,7 @@ from dynemb.sharding.bag_input_dist import RwBagSparseFeaturesDist
 from dynemb.rank_share import local_table_options, rows_per_rank
 from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables
 from dynemb.sharding.step_check import BackwardStepCheck
-from dynemb.validation import check_keys, check_kjt
+from dynemb.validation import canonical_device, check_keys, check_kjt
 
 
 @dataclass
@@ -126,7 +126,7 @@ class ShardedDynamicEmbBagCollection(
         pg = self._pg
         self._is_weighted = module.is_weighted()
         options = module.table_options
-        device = torch.device(device if device is not None else "cpu")
+        device = canonical_device(device if device is not None else "cpu")
         names = output_names_by_table(configs)
         self.local = LocalBagShard(
             [local_bag_config(c, self._world_size, n) for c, n in zip(configs, names)],

@@ -36,7 +36,7 @@ from dynemb.rank_share import local_table_config, local_table_options
 from dynemb.sharding.routing import RoutedIds
 from dynemb.sharding.step_check import BackwardStepCheck
 from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables, check_plan  # noqa: F401
-from dynemb.validation import check_keys, check_kjt
+from dynemb.validation import canonical_device, check_keys, check_kjt
 
 @dataclass
 class DynamicEmbShardingContext(EmbeddingCollectionContext):
@@ -119,7 +119,7 @@ class ShardedDynamicEmbCollection(
         pg = self._pg
         self._need_indices = module.need_indices()
         options = module.table_options
-        device = torch.device(device if device is not None else "cpu")
+        device = canonical_device(device if device is not None else "cpu")
         self.local = LocalShardCollection(
             [local_table_config(c, self._world_size) for c in configs], device,
             table_options={c.name: local_table_options(options[c.name], self._world_size)

@@ -24,7 +24,11 @@ from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.collective_utils import validate_collectives_enabled
+try:
+    from torchrec.distributed.collective_utils import validate_collectives_enabled
+except ImportError:  # TorchRec before 1.8 has no collective validation (and appends no tag)
+    def validate_collectives_enabled() -> bool:
+        return False
 
 from dynemb.bridges.kjt_all_to_all import Head, KJTAllToAllWithHead
 

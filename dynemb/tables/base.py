@@ -31,7 +31,7 @@ from dynemb.tables.checkpoint_tiers import CheckpointTiers
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows, storage_bytes
 from dynemb.tables.tier import DeferredFailures, Tier
 from dynemb.types import EMPTY_KEY, TableFullError
-from dynemb.validation import check_keys
+from dynemb.validation import canonical_device, check_keys
 
 
 class DynamicTable(CheckpointTiers):
@@ -59,7 +59,7 @@ class DynamicTable(CheckpointTiers):
             options = dataclasses.replace(options, initializer=Initializer())
         self.options = options
         self.optimizer = optimizer
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.backend = backend
         self.kernels = backend_for_device(self.device, backend)
         self.state_dim = optimizer.state_dim(dim)

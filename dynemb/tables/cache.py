@@ -71,7 +71,14 @@ class CacheTable(HbmDirectTable):
         return PlannedRows(layout.device_capacity, host_rows=slots, host_hash_slots=slots)
 
     def _present(self, keys: torch.Tensor) -> torch.Tensor:
-        return super()._present(keys) | self.store.find(keys)[1]
+        return super()._present(keys) | self._store_find(keys)[1]
+
+    def _store_find(self, keys: torch.Tensor):
+        """The store's ``find``, answered on the table's device: a user store may keep its
+        rows, and answer, on the host."""
+        rows, found, scores = self.store.find(keys)
+        return (rows.to(self.device, non_blocking=True), found.to(self.device, non_blocking=True),
+                scores.to(self.device, non_blocking=True))
 
     def _fill_new_rows(self, keys: torch.Tensor, result) -> None:
         self._write_back(result)
@@ -163,7 +170,7 @@ class CacheTable(HbmDirectTable):
         if self._store_moves_rows:
             found, scores = self.store.load_into(new_keys, self.tier.flat.weights, new_slots)
         else:
-            rows, found, scores = self.store.find(new_keys)
+            rows, found, scores = self._store_find(new_keys)
             if bool(found.any()):
                 self.tier.flat.weights.index_copy_(0, new_slots[found], rows[found])
         if bool(found.any()):
@@ -173,7 +180,7 @@ class CacheTable(HbmDirectTable):
                                         seed=self.options.seed, table_id=self.table_id)
 
     def _eval_fallback(self, keys: torch.Tensor) -> torch.Tensor:
-        rows, stored, _ = self.store.find(keys)
+        rows, stored, _ = self._store_find(keys)
         return torch.where(stored[:, None], rows[:, :self.dim].float(), self._eval_rows(keys))
 
     def _row_sources(self):

@@ -12,6 +12,7 @@ from dynemb.hash_table import ScoredHashTable
 from dynemb.kernel_backend import KernelBackend
 from dynemb.options import DynamicEmbTableOptions, TableLayout
 from dynemb.types import TableFullError
+from dynemb.validation import canonical_device
 
 
 class Tier:
@@ -26,7 +27,7 @@ class Tier:
     def __init__(self, layout: TableLayout, capacity: int, dim: int, state_dim: int,
                  options: DynamicEmbTableOptions, device: torch.device,
                  kernels: Optional[KernelBackend], *, grow: bool = False):
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.kernels = resolve_kernels(self.device, kernels=kernels)
         self.hash = ScoredHashTable(
             capacity, bucket_size=layout.bucket_size, policy=options.score_strategy,
