@@ -5,6 +5,7 @@ import torch
 from dynemb import ScorePolicy
 from dynemb.hash_table import ScoredHashTable
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
+from dynemb.validation import canonical_device, same_device
 from test_hash_table import snapshot
 
 
@@ -126,3 +127,16 @@ def test_kjt_ids_on_another_device_than_the_tables_name_both_devices():
     with pytest.raises(ValueError, match=r"the KJT's ids are on cpu but the tables are on "
                                          r"cuda:0; pass the KJT on cuda:0"):
         check_kjt(kjt, torch.device("cuda", 0))
+
+
+def test_a_cuda_device_without_index_is_the_current_one(monkeypatch):
+    # torch makes a tensor for device "cuda" on the current device and names it cuda:<i>;
+    # a table built on "cuda" must accept it (checked without a GPU by faking the current one)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert canonical_device("cuda") == torch.device("cuda", 1)
+    assert canonical_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert canonical_device("cpu") == torch.device("cpu")
+    assert same_device(torch.device("cuda", 1), torch.device("cuda"))
+    assert not same_device(torch.device("cuda", 0), torch.device("cuda"))
+    assert not same_device(torch.device("cpu"), torch.device("cuda"))
