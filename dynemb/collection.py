@@ -118,33 +118,46 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, DynamicModule):
         trains = trains_now(self)
         out: Dict[str, Any] = {}
         with self._core.lookup(kjt, trains) as state:
-            for name, rows in self._rows(state, trains):
-                out.update(self._table_outputs(name, rows, state, kjt))
+            done = set()
+            for name in self._core.tables:
+                if name in done:
+                    continue
+                batch = state.batches[name]
+                if isinstance(batch, GroupBatch):
+                    done.update(batch.names)
+                    out.update(self._group_outputs(batch, state, trains, kjt))
+                else:
+                    out.update(self._table_outputs(name, self._table_rows(name, batch, trains),
+                                                   state, kjt))
         return {n: out[n] for n in self._output_names if n in out}
 
-    def _rows(self, state: PrefetchState, trains: bool):
-        """``(table, rows of its input ids)`` for every table, gathered straight per
-        occurrence: a group's tables in one gather (:mod:`dynemb.tables.groups`). Their
+    def _table_rows(self, name: str, batch, trains: bool) -> torch.Tensor:
+        """A table's rows of its input ids, gathered straight per occurrence. Their
         backward hands the output gradients to the fused optimizer kernel, which clips and
         sums them per row itself."""
-        done = set()
-        for name in self._core.tables:
-            if name in done:
-                continue
-            batch = state.batches[name]
-            if isinstance(batch, GroupBatch):
-                if trains:
-                    anchor = torch.empty(0, device=self._core.device, requires_grad=True)
-                    parts = GroupOccurrenceLookup.apply(anchor, self._core, batch)
-                else:
-                    parts = batch.group.lookup_occurrences(batch)
-                done.update(batch.names)
-                yield from zip(batch.names, parts)
-            elif trains:
-                anchor = torch.empty(0, device=self._core.device, requires_grad=True)
-                yield name, OccurrenceLookup.apply(anchor, self._core, name, batch)
-            else:
-                yield name, self._core.tables[name].lookup_occurrences(batch)
+        if trains:
+            anchor = torch.empty(0, device=self._core.device, requires_grad=True)
+            return OccurrenceLookup.apply(anchor, self._core, name, batch)
+        return self._core.tables[name].lookup_occurrences(batch)
+
+    def _group_outputs(self, batch: GroupBatch, state: PrefetchState, trains: bool,
+                       kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        """The outputs of a group's tables (:mod:`dynemb.tables.groups`) from one gather,
+        split straight into one part per feature: no per-table cut."""
+        segments = [(name, feature, count) for name in batch.names
+                    for feature, count in state.features[name]]
+        sizes = [count for _, _, count in segments]
+        if trains:
+            anchor = torch.empty(0, device=self._core.device, requires_grad=True)
+            part_tables = [batch.group.index[name] for name, _, _ in segments]
+            parts = GroupOccurrenceLookup.apply(anchor, self._core, batch, sizes, part_tables)
+        else:
+            parts = batch.group.lookup_occurrences(batch, sizes)
+        lengths = state.lengths
+        return {self._output_name[(name, feature)]: JaggedTensor(
+                    values=values, lengths=lengths[feature],
+                    weights=kjt[feature].values() if self._need_indices else None)
+                for (name, feature, _), values in zip(segments, parts)}
 
     def _table_outputs(self, name: str, rows: torch.Tensor, state: PrefetchState,
                        kjt: KeyedJaggedTensor) -> Dict[str, Any]:

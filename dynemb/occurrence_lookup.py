@@ -34,22 +34,28 @@ class OccurrenceLookup(torch.autograd.Function):
 
 class GroupOccurrenceLookup(torch.autograd.Function):
     """:class:`OccurrenceLookup` for every table of a group at once
-    (:mod:`dynemb.tables.groups`): one output per table, from one gather; backward updates the
-    rows of the tables whose outputs took a gradient, in one fused update."""
+    (:mod:`dynemb.tables.groups`): one gather split into parts of ``sizes`` (one per
+    feature of each table), ``part_tables[i]`` the group index of part ``i``'s table;
+    backward updates the rows of the tables some of whose parts took a gradient, in one
+    fused update."""
 
     @staticmethod
-    def forward(ctx, anchor, core: DynamicCore, batch: GroupBatch):
-        ctx.core, ctx.batch = core, batch
+    def forward(ctx, anchor, core: DynamicCore, batch: GroupBatch, sizes, part_tables):
+        ctx.core, ctx.batch, ctx.sizes, ctx.part_tables = core, batch, sizes, part_tables
         ctx.generation = core.generation
-        ctx.set_materialize_grads(False)  # a table whose outputs took no gradient gets None
-        return batch.group.lookup_occurrences(batch)
+        ctx.set_materialize_grads(False)  # a part that took no gradient gets None
+        return batch.group.lookup_occurrences(batch, sizes)
 
     @staticmethod
     def backward(ctx, *grad_rows):
         core = ctx.core
         core.before_backward()
         batch = ctx.batch
-        grads = batch.group.occurrence_grads(batch, grad_rows, clip=core.max_gradient)
-        core.apply_group_gradients(batch, grads, [g is not None for g in grad_rows],
-                                   ctx.generation)
-        return None, None, None
+        grads = batch.group.occurrence_grads(batch, grad_rows, clip=core.max_gradient,
+                                             sizes=ctx.sizes)
+        taking = [False] * len(batch.names)
+        for grad, table in zip(grad_rows, ctx.part_tables):
+            if grad is not None:
+                taking[table] = True
+        core.apply_group_gradients(batch, grads, taking, ctx.generation)
+        return None, None, None, None, None

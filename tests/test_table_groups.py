@@ -203,6 +203,40 @@ def test_mixed_groups_and_lone_tables_match_their_twin():
     assert_same_module(grouped, alone)
 
 
+def test_tables_of_several_features_and_a_shared_feature_match_their_twin():
+    # t0 reads f0 and f1, t1 reads f2, t2 reads f3 and f1 (outputs f1@t0, f1@t2); the loss
+    # leaves some outputs out (t1's entirely), and some batches lack f3
+    tables = [EmbeddingConfig(name="t0", embedding_dim=8, num_embeddings=300,
+                              feature_names=["f0", "f1"]),
+              EmbeddingConfig(name="t1", embedding_dim=8, num_embeddings=300,
+                              feature_names=["f2"]),
+              EmbeddingConfig(name="t2", embedding_dim=8, num_embeddings=300,
+                              feature_names=["f3", "f1"])]
+    options = {t.name: DynamicEmbTableOptions(max_capacity=512, bucket_size=32)
+               for t in tables}
+    config = OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05)
+    grouped, alone = (DynamicEmbCollection(tables, table_options=options, optimizer=config,
+                                           group_tables=g) for g in (True, False))
+    assert grouped_names(grouped) == [("t0", "t1", "t2")]
+    gen = torch.Generator().manual_seed(21)
+    for i in range(16):
+        features = FEATURES if i % 3 else FEATURES[:3]
+        kjt = batch(gen) if i % 3 else KeyedJaggedTensor.from_lengths_sync(
+            features, torch.randint(0, 900, (132,), generator=gen),
+            torch.cat([torch.full((12,), n) for n in (4, 4, 3)]))
+        outs = []
+        for module in (grouped, alone):
+            out = module(kjt)
+            used = [name for name in out if name in ("f0", "f1@t2", "f3")]
+            loss = sum((out[name].values() ** 2).sum() for name in used)
+            loss.backward()
+            outs.append(out)
+        assert sorted(outs[0]) == sorted(outs[1])
+        assert_same_outputs(*outs)
+    assert_same_module(grouped, alone)
+    assert grouped.stats()["t1"]["lookups"] > 0 and grouped.stats()["t0"]["evictions"] > 0
+
+
 def test_a_full_table_evicts_only_its_own_keys():
     grouped, _ = twins(OptimizerType.SGD)
     gen = torch.Generator().manual_seed(11)

@@ -347,25 +347,30 @@ class TableGroup:
         self.counters += torch.from_numpy(delta)
 
     # -- forward and backward ------------------------------------------------------------------
-    def lookup_occurrences(self, batch: GroupBatch) -> Tuple[torch.Tensor, ...]:
-        """Every input key's row (float32), one tensor per table (views of one gather)."""
+    def lookup_occurrences(self, batch: GroupBatch,
+                           sizes: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, ...]:
+        """Every input key's row (float32), views of one gather split into ``sizes`` (None:
+        one tensor per table; a collection passes one size per feature of each table)."""
         slots = batch.slots.index_select(0, batch.inverse)
         rows = self.weights[:, :self.dim].index_select(0, slots).float()
-        sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
+        if sizes is None:
+            sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
         return rows.split(sizes)
 
     def occurrence_grads(self, batch: GroupBatch, grads: Sequence[Optional[torch.Tensor]], *,
-                         clip: Optional[float]) -> OccurrenceGrads:
-        """The gradients of every input key's row (``grads``: per table [N_t, dim], None for
-        a table whose outputs took none: zeros there), summed per row by the update."""
+                         clip: Optional[float],
+                         sizes: Optional[Sequence[int]] = None) -> OccurrenceGrads:
+        """The gradients of every input key's row (``grads``: one per part of
+        :meth:`lookup_occurrences` of the same ``sizes``, None for a part that took none:
+        zeros there), summed per row by the update."""
+        if sizes is None:
+            sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
         if len(grads) == 1:
             occurrence = grads[0]
         else:
             occurrence = torch.cat([
-                g if g is not None else torch.zeros(
-                    batch.key_bounds[t + 1] - batch.key_bounds[t], self.dim,
-                    device=self.device)
-                for t, g in enumerate(grads)])
+                g if g is not None else torch.zeros(size, self.dim, device=self.device)
+                for g, size in zip(grads, sizes)])
         return OccurrenceGrads.from_inverse(occurrence, batch.inverse, batch.keys.numel(),
                                             clip=clip)
 
