@@ -8,7 +8,7 @@
 #   GPU_CHECK_SIMULATE=1 bash scripts/gpu_check.sh   # dry run without a GPU (numba's simulator)
 #
 # Stages, in the order they run (the extra sanitizers last, so a short budget drops them
-# first): env ptx tests memcheck racecheck sync bench ems synccheck initcheck.
+# first): env ptx tests memcheck racecheck sync bench tables ems synccheck initcheck.
 # Writes into $OUT (default ./gpu_out): summary.txt (stage, PASS/FAIL/SKIP, seconds, note;
 # the tail of each failed stage's log), env.txt, pytest.xml and logs.tar.gz (every log and
 # JSON), refreshed after each stage so an interrupted run still leaves its results.
@@ -25,7 +25,7 @@ BUDGET=${GPU_CHECK_BUDGET_S:-1500}
 SIMULATE=${GPU_CHECK_SIMULATE:-0}
 SITE=${TMPDIR:-/tmp}/dynemb_gpu_site
 WORK=${TMPDIR:-/tmp}/dynemb_gpu_work
-ALL_STAGES=(env ptx tests memcheck racecheck sync bench ems synccheck initcheck)
+ALL_STAGES=(env ptx tests memcheck racecheck sync bench tables ems synccheck initcheck)
 # The tests with a CUDA variant: the `backend` fixture's cuda ids, tests named after cuda,
 # and those that take both entries of conftest.BACKENDS; the PTX test is the ptx stage's.
 TEST_SELECTION='(cuda or backends_agree or sync_free_path) and not compiles_to_ptx'
@@ -252,6 +252,16 @@ run_bench() {
     return $rc
 }
 
+# many tables: step time and kernels per step against the table count (scripts/gpu_tables.py)
+run_tables() {
+    if [[ $SIMULATE == 1 ]]; then
+        "$PY" -m scripts.gpu_tables --device cpu --backend cuda --tables 1 4 --ids 256 \
+            --batch 16 --warmup 1 --steps 1 --profiled-steps 1 --json "$WORK/tables_cuda.json"
+    else
+        "$PY" -m scripts.gpu_tables --json "$WORK/tables_cuda.json"
+    fi
+}
+
 # memory stashing: stash / restore bandwidth under set_sync_debug_mode("error"), and the device
 # peak and step time of a model with and without stashing (benchmarks/bench_ems.py)
 run_ems() {
@@ -269,6 +279,7 @@ run_named() {
         tests) stage tests 600 run_tests ;;
         sync) stage sync 300 run_sync ;;
         bench) stage bench 420 run_bench ;;
+        tables) stage tables 300 run_tables ;;
         ems) stage ems 300 run_ems ;;
         *)
             if [[ $SIMULATE == 1 ]]; then skip "$1" "simulate: no GPU to sanitize"
@@ -309,6 +320,6 @@ main() {
 }
 
 export -f install_kit choose_numba_stack install_dynemb has_dist dist_version run_env run_ptx \
-    run_tests run_sanitizer run_sync run_bench run_ems
+    run_tests run_sanitizer run_sync run_bench run_tables run_ems
 export PY KIT SITE WORK REPO SIMULATE TEST_SELECTION
 main "$@"

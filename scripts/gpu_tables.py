@@ -1,0 +1,206 @@
+"""Many tables on a GPU: step time and CUDA kernels per training step against the table count.
+
+The GPU side of ``benchmarks/bench_tables.py``: the same workload (``--ids`` ids a step split
+evenly over T one-feature tables, Zipf ids, dim ``--dim``, SGD), every id fitting its
+HBM_DIRECT table, for each T of ``--tables``:
+
+- ``dynemb``: ``DynamicEmbCollection`` on the GPU (``validate_inputs=False``), a step being
+  ``ec(kjt)`` (inline prefetch) and backward from fixed gradients (the fused update);
+- ``torch_sparse``: TorchRec's ``EmbeddingCollection`` on the GPU with sparse gradients and
+  ``torch.optim.SGD``, the same ids (dense row numbers) and gradients.
+
+Per method and T: the median step time over ``--steps`` steps (CUDA synchronized), and from
+``torch.profiler`` over ``--profiled-steps`` steps the CUDA kernels, memcpys and memsets per
+step (CUPTI sees numba's launches as well as torch's). A table count whose kernels per step
+grow with T is one that launches per table.
+
+Usage::
+
+    python -m scripts.gpu_tables --json tables_cuda.json                 # on a GPU
+    python -m scripts.gpu_tables --device cpu --backend cuda --tables 1 4 --ids 256 \\
+        --steps 1 --profiled-steps 1                                     # simulator dry run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--backend", default=None, choices=[None, "cpu", "cuda"],
+                        help="kernels (default: by device; cuda with --device cpu: simulator)")
+    parser.add_argument("--tables", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--ids", type=int, default=65536, help="ids per step over all tables")
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=256, help="samples per step")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--profiled-steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    if args.device == "cpu" and args.backend == "cuda":
+        os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    return args
+
+
+def workload(args, tables: int):
+    from benchmarks.bench_tables import Workload
+    cfg = argparse.Namespace(seed=args.seed, ids=args.ids, vocab_factor=4, zipf=1.05,
+                             batch=args.batch, warmup=args.warmup,
+                             steps=args.steps + args.profiled_steps)
+    return Workload(cfg, tables)
+
+
+def device_kjt(wl, i: int, dense: bool, device):
+    """Batch ``i`` on ``device`` with its per-feature lengths and offsets given, so that
+    TorchRec reads nothing back from the device (see scripts/gpu_sync_check.py)."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    values = wl.dense[i] if dense else wl.raw[i]
+    lengths = wl.lengths
+    per_key = [wl.per_table] * wl.tables
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    offset_per_key = [k * wl.per_table for k in range(wl.tables + 1)]
+    return KeyedJaggedTensor(
+        keys=wl.features, values=values.to(device), lengths=lengths.to(device),
+        offsets=offsets.to(device), stride=len(lengths) // wl.tables,
+        length_per_key=per_key, offset_per_key=offset_per_key)
+
+
+class Dynemb:
+    name, dense = "dynemb", False
+
+    def __init__(self, args, wl, device):
+        import torch
+        from benchmarks.bench_tables import (FIT_LOAD, optimizer_config, table_configs,
+                                             whole_buckets)
+        from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, StorageMode
+        fit = whole_buckets(wl.rows / FIT_LOAD, DynamicEmbTableOptions().bucket_size)
+        options = DynamicEmbTableOptions(max_capacity=fit, init_capacity=fit)
+        self.module = DynamicEmbCollection(
+            table_configs(wl, args.dim, fit), table_options=options,
+            optimizer=optimizer_config("sgd"), device=torch.device(device),
+            validate_inputs=False, backend=args.backend)
+        assert set(self.module.storage_modes().values()) == {StorageMode.HBM_DIRECT}
+        self.groups = len(self.module.table_groups())
+
+    def step(self, kjt, features, grads):
+        import torch
+        out = self.module(kjt)
+        torch.autograd.backward([out[f].values() for f in features], grads)
+
+
+class TorchSparse:
+    name, dense = "torch_sparse", True
+
+    def __init__(self, args, wl, device):
+        import torch
+        from torchrec import EmbeddingCollection
+        from benchmarks.bench_tables import LEARNING_RATE, table_configs
+        self.module = EmbeddingCollection(tables=table_configs(wl, args.dim, wl.rows),
+                                          device=torch.device(device))
+        for emb in self.module.embeddings.values():
+            emb.sparse = True
+        self.opt = torch.optim.SGD(list(self.module.parameters()), lr=LEARNING_RATE)
+        self.groups = 0
+
+    def step(self, kjt, features, grads):
+        import torch
+        self.opt.zero_grad(set_to_none=True)
+        out = self.module(kjt)
+        torch.autograd.backward([out[f].values() for f in features], grads)
+        self.opt.step()
+
+
+def synchronize(device) -> None:
+    import torch
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_activity(prof) -> Dict[str, int]:
+    """Kernels, memcpys and memsets the profiler saw on the device."""
+    from torch.autograd import DeviceType
+    counts = {"kernels": 0, "memcpy": 0, "memset": 0}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kind = "memcpy" if "memcpy" in name else "memset" if "memset" in name else "kernels"
+        counts[kind] += 1
+    return counts
+
+
+def measure(method, args, wl, device) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    gen = torch.Generator().manual_seed(args.seed + args.dim)
+    grads = [g.to(device) for g in torch.randn(wl.tables * wl.per_table, args.dim,
+                                               generator=gen).split(wl.per_table)]
+    kjts = [device_kjt(wl, i, method.dense, device)
+            for i in range(args.warmup + args.steps + args.profiled_steps)]
+    synchronize(device)
+    for kjt in kjts[:args.warmup]:
+        method.step(kjt, wl.features, grads)
+    times = []
+    for kjt in kjts[args.warmup:args.warmup + args.steps]:
+        synchronize(device)
+        start = time.perf_counter()
+        method.step(kjt, wl.features, grads)
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    activities = [ProfilerActivity.CPU]
+    if torch.device(device).type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for kjt in kjts[args.warmup + args.steps:]:
+            method.step(kjt, wl.features, grads)
+        synchronize(device)
+    per_step = {k: v / max(args.profiled_steps, 1) for k, v in device_activity(prof).items()}
+    return {"method": method.name, "tables": wl.tables, "groups": method.groups,
+            "step_ms": statistics.median(times), "step_ms_all": times, **per_step}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import torch
+    from tqdm import tqdm
+    device = args.device
+    rows = []
+    with tqdm(total=2 * len(args.tables), desc="methods x T") as bar:
+        for tables in args.tables:
+            wl = workload(args, tables)
+            for cls in (Dynemb, TorchSparse):
+                rows.append(measure(cls(args, wl, device), args, wl, device))
+                bar.update()
+    report = {"device": device, "backend": args.backend, "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+              "config": vars(args), "rows": rows}
+    print(f"{'T':>5} {'method':<13} {'groups':>6} {'step ms':>9} {'kernels':>8} "
+          f"{'memcpy':>7} {'memset':>7}")
+    for r in rows:
+        print(f"{r['tables']:>5} {r['method']:<13} {r['groups']:>6} {r['step_ms']:>9.2f} "
+              f"{r['kernels']:>8.1f} {r['memcpy']:>7.1f} {r['memset']:>7.1f}")
+    for name in ("dynemb", "torch_sparse"):
+        mine = {r["tables"]: r for r in rows if r["method"] == name}
+        low, high = min(mine), max(mine)
+        print(f"{name}: step at T={high} / T={low}: "
+              f"{mine[high]['step_ms'] / mine[low]['step_ms']:.2f}; kernels per step "
+              f"{mine[low]['kernels']:.0f} -> {mine[high]['kernels']:.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
