@@ -120,6 +120,24 @@ class TorchSparse:
         self.opt.step()
 
 
+def label_numba_launches() -> None:
+    """Each launch of the CUDA backend shows in the profiler as ``numba:<kernel>``, with its
+    host time (argument conversion, launch) as its own."""
+    import torch
+    from dynemb.backends import CudaBackend
+    launch = CudaBackend._launch
+    if getattr(launch, "labelled", False):
+        return
+
+    def labelled(self, kernel, n, *args):
+        name = getattr(getattr(kernel, "py_func", None), "__name__", "kernel")
+        with torch.profiler.record_function(f"numba:{name}"):
+            launch(self, kernel, n, *args)
+
+    labelled.labelled = True
+    CudaBackend._launch = labelled
+
+
 def synchronize(device) -> None:
     import torch
     if torch.device(device).type == "cuda":
@@ -166,7 +184,21 @@ def measure(method, args, wl, device) -> dict:
         synchronize(device)
     per_step = {k: v / max(args.profiled_steps, 1) for k, v in device_activity(prof).items()}
     return {"method": method.name, "tables": wl.tables, "groups": method.groups,
-            "step_ms": statistics.median(times), "step_ms_all": times, **per_step}
+            "step_ms": statistics.median(times), "step_ms_all": times, **per_step,
+            "top_ops": top_ops(prof, args.profiled_steps)}
+
+
+def top_ops(prof, steps: int, limit: int = 15) -> List[dict]:
+    """Where a step's time goes: the ops of most host time (self), with their device time,
+    in ms per step."""
+    rows = []
+    for avg in prof.key_averages():
+        device_us = getattr(avg, "self_device_time_total", 0) or 0
+        rows.append({"op": avg.key, "calls": avg.count / max(steps, 1),
+                     "self_cpu_ms": avg.self_cpu_time_total / 1e3 / max(steps, 1),
+                     "self_device_ms": device_us / 1e3 / max(steps, 1)})
+    rows.sort(key=lambda r: -(r["self_cpu_ms"] + r["self_device_ms"]))
+    return rows[:limit]
 
 
 def main(argv=None) -> int:
@@ -175,6 +207,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
     device = args.device
+    label_numba_launches()
     rows = []
     with tqdm(total=2 * len(args.tables), desc="methods x T") as bar:
         for tables in args.tables:
@@ -196,6 +229,12 @@ def main(argv=None) -> int:
         print(f"{name}: step at T={high} / T={low}: "
               f"{mine[high]['step_ms'] / mine[low]['step_ms']:.2f}; kernels per step "
               f"{mine[low]['kernels']:.0f} -> {mine[high]['kernels']:.0f}")
+    for r in rows:
+        if r["method"] == "dynemb" and r["tables"] in (min(args.tables), max(args.tables)):
+            print(f"dynemb at T={r['tables']}, ms per step (host self, device self):")
+            for op in r["top_ops"][:10]:
+                print(f"  {op['op'][:60]:<60} x{op['calls']:<6.0f} {op['self_cpu_ms']:8.3f} "
+                      f"{op['self_device_ms']:8.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
