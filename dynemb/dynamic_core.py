@@ -308,9 +308,12 @@ class DynamicCore:
         self._awaiting_backward = []
 
     def _release(self, looked_up: Iterable[Tuple[str, Any]]) -> None:
+        released = set()  # a group batch stands for each of its tables: release it once
         for name, batch in looked_up:
             if isinstance(batch, GroupBatch):
-                batch.group.release(batch)  # once for all its tables
+                if id(batch) not in released:
+                    released.add(id(batch))
+                    batch.group.release(batch)  # for all its tables
             else:
                 self.tables[name].release(batch)
 
