@@ -247,7 +247,8 @@ run_bench() {
     # the collection step at bench_collection's default workload, timing only
     for opt in sgd adam; do
         "$PY" -m scripts.gpu_sync_check --batch 4096 --length 20 --dim 128 --optimizer "$opt" \
-            --warmup 6 --steps 0 --timed-steps 36 --json "$WORK/bench_step_$opt.json" || rc=1
+            --warmup 6 --steps 0 --timed-steps 36 --profiled-steps 3 \
+            --json "$WORK/bench_step_$opt.json" || rc=1
     done
     return $rc
 }

@@ -66,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4, help="checked steps per mode")
     parser.add_argument("--timed-steps", type=int, default=20,
                         help="steps timed after the checks (0: none)")
+    parser.add_argument("--profiled-steps", type=int, default=0,
+                        help="steps after the timed ones under torch.profiler (0: none): "
+                             "CUDA kernels per step and the top ops, numba's launches and "
+                             "argument conversions named")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
@@ -264,6 +268,27 @@ def time_steps(ec, batches, device) -> Dict[str, float]:
             "min_ms": min(times), "max_ms": max(times)} if times else {}
 
 
+def profile_steps(ec, batches, device) -> Dict:
+    """Device activity per step and the top ops of ``batches`` under torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from scripts.gpu_profile import device_activity, label_numba_launches, top_ops
+    label_numba_launches()
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        for kjt in batches:
+            for call in step_phases(ec, kjt).values():
+                call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    per_step = {k: v / len(batches) for k, v in device_activity(prof).items()}
+    return {**per_step, "top_ops": top_ops(prof, len(batches), limit=25)}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -271,7 +296,8 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     ec = make_collection(args, device)
     on_cuda = device.type == "cuda"
-    count = args.warmup + args.steps * (3 if on_cuda else 1) + args.timed_steps
+    count = (args.warmup + args.steps * (3 if on_cuda else 1) + args.timed_steps
+             + args.profiled_steps)
     batches = [make_batch(args, gen, device) for _ in range(count)]
     if on_cuda:
         torch.cuda.synchronize()
@@ -291,6 +317,8 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         report["error"] = run_error(ec, next_batches(args.steps))
     report["timing"] = time_steps(ec, next_batches(args.timed_steps), device)
+    if args.profiled_steps:
+        report["profile"] = profile_steps(ec, next_batches(args.profiled_steps), device)
     report["stats"] = {name: {k: v for k, v in s.items() if isinstance(v, (int, float))}
                        for name, s in ec.stats().items()}
     failed = print_report(report, on_cuda)
@@ -323,6 +351,13 @@ def print_report(report, on_cuda: bool) -> int:
     if t:
         print(f"step time over {t['steps']} steps: median {t['median_ms']:.2f} ms "
               f"(min {t['min_ms']:.2f}, max {t['max_ms']:.2f}) on {report['device']}")
+    p = report.get("profile")
+    if p:
+        print(f"per step: {p['kernels']:.0f} kernels, {p['memcpy']:.0f} memcpys, "
+              f"{p['memset']:.0f} memsets; top ops, ms per step (host self, device self):")
+        for op in p["top_ops"]:
+            print(f"  {op['op'][:60]:<60} x{op['calls']:<6.0f} {op['self_cpu_ms']:8.3f} "
+                  f"{op['self_device_ms']:8.3f}")
     print(f"{'PASS' if not failed else 'FAIL'}: {failed} sync findings")
     return failed
 

@@ -28,7 +28,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List
+from scripts.gpu_profile import device_activity, label_numba_launches, top_ops
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -120,41 +120,10 @@ class TorchSparse:
         self.opt.step()
 
 
-def label_numba_launches() -> None:
-    """Each launch of the CUDA backend shows in the profiler as ``numba:<kernel>``, with its
-    host time (argument conversion, launch) as its own."""
-    import torch
-    from dynemb.backends import CudaBackend
-    launch = CudaBackend._launch
-    if getattr(launch, "labelled", False):
-        return
-
-    def labelled(self, kernel, n, *args):
-        name = getattr(getattr(kernel, "py_func", None), "__name__", "kernel")
-        with torch.profiler.record_function(f"numba:{name}"):
-            launch(self, kernel, n, *args)
-
-    labelled.labelled = True
-    CudaBackend._launch = labelled
-
-
 def synchronize(device) -> None:
     import torch
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-def device_activity(prof) -> Dict[str, int]:
-    """Kernels, memcpys and memsets the profiler saw on the device."""
-    from torch.autograd import DeviceType
-    counts = {"kernels": 0, "memcpy": 0, "memset": 0}
-    for event in prof.events():
-        if event.device_type != DeviceType.CUDA:
-            continue
-        name = event.name.lower()
-        kind = "memcpy" if "memcpy" in name else "memset" if "memset" in name else "kernels"
-        counts[kind] += 1
-    return counts
 
 
 def measure(method, args, wl, device) -> dict:
@@ -186,19 +155,6 @@ def measure(method, args, wl, device) -> dict:
     return {"method": method.name, "tables": wl.tables, "groups": method.groups,
             "step_ms": statistics.median(times), "step_ms_all": times, **per_step,
             "top_ops": top_ops(prof, args.profiled_steps)}
-
-
-def top_ops(prof, steps: int, limit: int = 15) -> List[dict]:
-    """Where a step's time goes: the ops of most host time (self), with their device time,
-    in ms per step."""
-    rows = []
-    for avg in prof.key_averages():
-        device_us = getattr(avg, "self_device_time_total", 0) or 0
-        rows.append({"op": avg.key, "calls": avg.count / max(steps, 1),
-                     "self_cpu_ms": avg.self_cpu_time_total / 1e3 / max(steps, 1),
-                     "self_device_ms": device_us / 1e3 / max(steps, 1)})
-    rows.sort(key=lambda r: -(r["self_cpu_ms"] + r["self_device_ms"]))
-    return rows[:limit]
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,57 @@
+"""Profiling helpers of the GPU scripts: numba's launches and argument conversions named in
+``torch.profiler``, and a step's top ops."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+
+def label_numba_launches() -> None:
+    """Each launch of the CUDA backend shows in the profiler as ``numba:<kernel>`` (the
+    launch's host time: argument typing and the launch) and each tensor handed to numba as
+    ``numba:as_cuda_array`` (its conversion), so that their host time is their own."""
+    import torch
+    from dynemb.backends import CudaBackend
+    launch = CudaBackend._launch
+    if getattr(launch, "labelled", False):
+        return
+
+    def labelled(self, kernel, n, *args):
+        name = getattr(getattr(kernel, "py_func", None), "__name__", "kernel")
+        with torch.profiler.record_function(f"numba:{name}"):
+            launch(self, kernel, n, *args)
+
+    labelled.labelled = True
+    CudaBackend._launch = labelled
+    convert = CudaBackend._arr
+
+    def labelled_arr(self, t):
+        with torch.profiler.record_function("numba:as_cuda_array"):
+            return convert(self, t)
+
+    CudaBackend._arr = labelled_arr
+
+
+def device_activity(prof) -> Dict[str, int]:
+    """Kernels, memcpys and memsets the profiler saw on the device."""
+    from torch.autograd import DeviceType
+    counts = {"kernels": 0, "memcpy": 0, "memset": 0}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kind = "memcpy" if "memcpy" in name else "memset" if "memset" in name else "kernels"
+        counts[kind] += 1
+    return counts
+
+
+def top_ops(prof, steps: int, limit: int = 15) -> List[dict]:
+    """Where a step's time goes: the ops of most host time (self), with their device time,
+    in ms per step."""
+    rows = []
+    for avg in prof.key_averages():
+        device_us = getattr(avg, "self_device_time_total", 0) or 0
+        rows.append({"op": avg.key, "calls": avg.count / max(steps, 1),
+                     "self_cpu_ms": avg.self_cpu_time_total / 1e3 / max(steps, 1),
+                     "self_device_ms": device_us / 1e3 / max(steps, 1)})
+    rows.sort(key=lambda r: -(r["self_cpu_ms"] + r["self_device_ms"]))
+    return rows[:limit]
