@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dynemb.kernel_backend import KernelBackend, TableArrays
-from dynemb.group_kernels import CpuGroupKernels
+from dynemb.group_kernels import CpuGroupKernels, CudaGroupKernels
 from dynemb.kernels import dedup_cpu, init_cpu, optim_cpu, pool_cpu, round_cpu, table_cpu
 from dynemb.kernels.constants import EMPTY_KEY, TOMBSTONE_KEY, cuda_simulator_enabled
 from dynemb.threads import apply_defaults as apply_thread_defaults
@@ -184,7 +184,7 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
-class CudaBackend:
+class CudaBackend(CudaGroupKernels):
     """numba-cuda kernels on CUDA tensors, launched on torch's current stream.
 
     Under the simulator the same kernels take CPU tensors.
@@ -194,16 +194,15 @@ class CudaBackend:
     #: Slot failures are counted on the device and reported at a later call (reading them
     #: would stall the host); unique keys are padded with EMPTY_KEY (slot -1).
     defers_failures = True
-    #: No table-group kernels yet: every table runs alone (dynemb.tables.groups).
-    runs_groups = False
 
     def __init__(self):
         from numba import cuda
 
-        from dynemb.kernels import init_cuda, optim_cuda, round_cuda, table_cuda
+        from dynemb.kernels import groups_cuda, init_cuda, optim_cuda, round_cuda, table_cuda
 
         self._cuda = cuda
         self._table = table_cuda
+        self._groups = groups_cuda
         self._init = init_cuda
         self._optim = optim_cuda
         self._round = round_cuda

@@ -1,7 +1,7 @@
-"""The CPU backend's table-group kernels (:mod:`dynemb.tables.groups`), launched on torch
+"""The backends' table-group kernels (:mod:`dynemb.tables.groups`), launched on torch
 tensors: segment ``t`` of a group's keys is table ``t``'s, and table ``t`` owns its own rows
-of the group's arrays (``kernels/groups_cpu.py``). Mixed into
-:class:`~dynemb.backends.CpuBackend`."""
+of the group's arrays (``kernels/groups_cpu.py``, ``kernels/groups_cuda.py``). Mixed into
+:class:`~dynemb.backends.CpuBackend` and :class:`~dynemb.backends.CudaBackend`."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +12,7 @@ from dynemb.kernels import group_stores_cpu, groups_cpu
 
 
 class CpuGroupKernels:
-    """The group kernels of the ``@njit`` backend (the CUDA backend has none yet)."""
+    """The group kernels of the ``@njit`` backend."""
 
     #: Has the table-group kernels.
     runs_groups = True
@@ -78,3 +78,39 @@ class CpuGroupKernels:
             store_buckets, bucket_sizes, max_capacities, grow_at, clocks, n(out_slots),
             n(out_inserted), n(out_prev_keys), n(out_prev_scores), n(out_failed),
             n(out_found), n(out_scores), out_stats)
+
+
+class CudaGroupKernels:
+    """The group kernels of the CUDA backend: every argument a device tensor, nothing read
+    back (``seg[i]``: the table of key ``i``; per-table values as device tensors). Needs the
+    backend's ``_launch``, ``_arr`` and ``_groups`` (``kernels/groups_cuda.py``)."""
+
+    #: Has the table-group kernels.
+    runs_groups = True
+
+    def find_or_insert_group(self, table: TableArrays, sizes, seg, row_offset, num_buckets,
+                             ukeys, counts, given, policy, clocks, allow_evict, out_slots,
+                             out_inserted, out_prev_keys, out_prev_scores, out_failed):
+        """Look up and pin every table's keys, then claim slots for the missing ones, as
+        ``find_or_insert`` with ``pin`` does for one table (two launches: every hit holds its
+        pin before any key picks a victim)."""
+        groups_cuda, a, n = self._groups, self._arr, ukeys.numel()
+        where = (a(seg), a(row_offset), a(num_buckets), table.bucket_size)
+        self._launch(groups_cuda.lookup_update_group_kernel, n, a(table.keys),
+                     a(table.scores), a(table.refcnt), *where, a(ukeys), a(counts), a(given),
+                     policy, a(clocks), True, a(out_slots), a(out_prev_scores))
+        hit = out_slots >= 0
+        self._launch(groups_cuda.insert_missing_group_kernel, n, a(table.keys),
+                     a(table.scores), a(table.refcnt), a(sizes), *where, a(ukeys), a(counts),
+                     a(given), policy, a(clocks), allow_evict, a(out_slots), a(out_prev_keys),
+                     a(out_prev_scores), a(out_failed))
+        torch.logical_and(out_slots >= 0, ~hit, out=out_inserted)
+
+    def init_rows_at_group_device(self, weights, slots, keys, mask, seg, dim, seeds, table_ids,
+                                  kinds, p0, p1, low, high):
+        """``init_rows_at`` with key ``i`` starting from table ``seg[i]``'s initializer
+        (per-table values as device tensors)."""
+        a = self._arr
+        self._launch(self._groups.init_rows_at_group_kernel, slots.numel() * weights.shape[1],
+                     a(weights), a(slots), a(keys), a(mask), a(seg), dim, a(seeds),
+                     a(table_ids), a(kinds), a(p0), a(p1), a(low), a(high))

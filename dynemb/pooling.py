@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from dynemb.dynamic_core import DynamicCore
 from dynemb.optimizers import OccurrenceGrads, occurrence_csr
 from dynemb.tables import DynamicTable, TableBatch
+from dynemb.device_values import values_on
 from dynemb.tables.groups import GroupBatch
 
 
@@ -133,7 +134,10 @@ def pool_group(out: torch.Tensor, batch: GroupBatch, members: List[Tuple[str, Ba
     size, dim = out.shape[0], group.dim
     occ_slots = batch.slots.index_select(0, batch.inverse)
     rows = group.weights
-    if rows.dtype != torch.float32:  # float16 / bfloat16 rows: pool float32 copies
+    if batch.seg is not None:  # CUDA: a key without a slot pools zeros; pool gathered rows
+        rows = group.lookup_occurrences(batch, [occ_slots.numel()])[0]
+        occ_slots = torch.arange(occ_slots.numel(), device=occ_slots.device)
+    elif rows.dtype != torch.float32:  # float16 / bfloat16 rows: pool float32 copies
         rows = rows[:, :dim].float()
     uniform = len({bags.mode for _, bags in members}) == 1
     parts = [members] if uniform else [[m] for m in members]
@@ -189,8 +193,8 @@ def group_occurrence_grads(grad_out: torch.Tensor, batch: GroupBatch,
 
 def _group_columns(members: List[Tuple[str, Bags]], dim: int, device) -> torch.Tensor:
     """The first output column of each feature of the group's tables, in order."""
-    return torch.tensor([bags.column + dim * i for _, bags in members
-                         for i in range(bags.num_features)], dtype=torch.int64, device=device)
+    return values_on([bags.column + dim * i for _, bags in members
+                      for i in range(bags.num_features)], torch.int64, torch.device(device))
 
 
 def _copied_group_grads(grad_out, batch: GroupBatch, members, clip) -> OccurrenceGrads:

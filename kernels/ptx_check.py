@@ -44,6 +44,7 @@ def launch_signatures():
     rows = nt.Array(nt.float32, 2, "C")
     bits32 = nt.Array(i32, 2, "C")
     bits16 = nt.Array(nt.int16, 2, "C")
+    f64v = nt.Array(f64, 1, "C")
     return {
         "find_kernel": (k64, i64, i64, k64, k64),
         "lookup_update_kernel": (k64, k64, r32, i64, i64, k64, k64, k64, i64, i64, b1, k64, k64),
@@ -60,6 +61,12 @@ def launch_signatures():
         "pool_bags_kernel": (rows, k64, k64, nt.Array(nt.float32, 1, "C"), b1, i64, k64, i64,
                              rows),
         "round_rows_kernel": (bits32, bits16, k64, i64, i64, i64, i64, b1),
+        "lookup_update_group_kernel": (k64, k64, r32, k64, k64, k64, i64, k64, k64, k64, i64,
+                                       k64, b1, k64, k64),
+        "insert_missing_group_kernel": (k64, k64, r32, k64, k64, k64, k64, i64, k64, k64, k64,
+                                        i64, k64, b1, k64, k64, k64, mask),
+        "init_rows_at_group_kernel": (rows, k64, k64, mask, k64, i64, k64, k64, k64, f64v,
+                                      f64v, f64v, f64v),
     }
 
 

@@ -33,6 +33,8 @@ class GroupBatch:
         self.unreleased = set(range(len(group.names)))  # tables whose pins have not ended
         self.consumed = False
         self.applied: set = set()
+        #: [U] the table of each unique key, on the device (the CUDA path's; None on CPU)
+        self.seg = None
 
     @property
     def names(self) -> Tuple[str, ...]:

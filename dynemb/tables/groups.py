@@ -43,12 +43,15 @@ from dynemb.optimizers import OccurrenceGrads, fused_update
 from dynemb.options import StashMode, StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_batch import GroupBatch
+from dynemb.tables.group_device import DeviceGroupPrefetch
 from dynemb.tables.group_stores import GroupStores
 from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
 
 __all__ = ["GroupBatch", "TableGroup", "group_signature", "group_tables"]
 
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
+#: The counters a training prefetch adds to, in the order ``group_device`` sums them.
+PREFETCH_COUNTERS = ("lookups", "unique_keys", "hits", "misses", "inserts", "evictions")
 #: The modes whose tables group: HBM_DIRECT, and CACHE (the device tier grouped; each
 #: table's evicted rows go to its own store, and its new rows come from it, table by table).
 GROUPED_MODES = (StorageMode.HBM_DIRECT, StorageMode.CACHE)
@@ -67,6 +70,10 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
         return None
     weights = table.tier.flat.weights
     if weights.dtype != torch.float32 and options.stochastic_rounding:
+        return None
+    if table.kernels.defers_failures and (  # what the sync-free path (group_device) runs
+            table.mode is not StorageMode.HBM_DIRECT or weights.dtype != torch.float32
+            or hash_table.policy is ScorePolicy.CUSTOMIZED):
         return None
     return (table.mode, table.tier.device, table.kernels.name, weights.dtype, table.dim,
             weights.shape[1], table.optimizer, hash_table.policy, hash_table.bucket_size)
@@ -124,15 +131,25 @@ class TableGroup:
             table.counters.use_storage(self.counters[t])
         self._storage = [self._storage_of(t) for t in tables]
         self._offsets = np.asarray(self.row_offset[:-1], dtype=np.int64)
-        self._num_buckets = np.asarray([c // self.bucket_size for c in capacities],
+        self.bucket_counts = np.asarray([c // self.bucket_size for c in capacities],
                                        dtype=np.int64)
         init = [t.options.initializer.kernel_params() for t in tables]
-        self._init_kinds = np.asarray([p[0] for p in init], dtype=np.int64)
-        self._init_params = [np.asarray([p[i] for p in init], dtype=np.float64)
+        self.init_kinds = np.asarray([p[0] for p in init], dtype=np.int64)
+        self.init_params = [np.asarray([p[i] for p in init], dtype=np.float64)
                              for i in range(1, 5)]
-        self._seeds = np.asarray([t.options.seed for t in tables], dtype=np.int64)
-        self._table_ids = np.asarray([t.table_id for t in tables], dtype=np.int64)
+        self.seeds = np.asarray([t.options.seed for t in tables], dtype=np.int64)
+        self.table_ids = np.asarray([t.table_id for t in tables], dtype=np.int64)
         self._stores = GroupStores(self) if self.mode is StorageMode.CACHE else None
+        self._on_device = DeviceGroupPrefetch(self) if self.kernels.defers_failures else None
+
+    @property
+    def allows_eviction(self) -> bool:
+        return self.policy is not ScorePolicy.NO_EVICTION
+
+    @property
+    def prefetch_counter_columns(self) -> List[int]:
+        """The columns of :data:`PREFETCH_COUNTERS` in :attr:`counters`."""
+        return [_COUNTER[name] for name in PREFETCH_COUNTERS]
 
     @staticmethod
     def _storage_of(table: DynamicTable):
@@ -159,9 +176,11 @@ class TableGroup:
         if len(old.tables) != len(self.tables) or any(
                 a is not b for a, b in zip(old.tables, self.tables)):
             return False
+        device = batch.slots.device
         shift = torch.tensor([new - was for new, was in zip(self.row_offset, old.row_offset)][:-1],
-                             dtype=torch.int64)
-        sizes = torch.tensor(np.diff(np.asarray(batch.unique_bounds)), dtype=torch.int64)
+                             dtype=torch.int64, device=device)
+        sizes = torch.tensor(np.diff(np.asarray(batch.unique_bounds)), dtype=torch.int64,
+                             device=device)
         delta = torch.repeat_interleave(shift, sizes, output_size=batch.slots.numel())
         batch.slots = torch.where(batch.slots >= 0, batch.slots + delta, -1)
         batch.group = self
@@ -188,7 +207,11 @@ class TableGroup:
 
         None when a key finds no slot (its bucket full of pinned rows): the whole claim is
         undone, the group unchanged, and the caller runs the tables one by one (which
-        raises the error a table alone raises, where a table alone raises it)."""
+        raises the error a table alone raises, where a table alone raises it). On the CUDA
+        kernels nothing is read back (:mod:`dynemb.tables.group_device`): a key without a
+        slot is served zeros and its table raises at a later prefetch, as alone."""
+        if self._on_device is not None:
+            return self._on_device.prefetch(keys, occurrences)
         key_bounds = [0]
         for part in keys:
             key_bounds.append(key_bounds[-1] + part.numel())
@@ -215,7 +238,7 @@ class TableGroup:
             self._undo_tables(batch, claim, stats, tables)
             undone.extend(tables)
         try:
-            self._track_changes(claim)
+            self.track_changes(claim)
             if self.mode is StorageMode.CACHE:  # a store may raise (a full disk, say)
                 self._stores.fill(claim, np.flatnonzero(stats[:, 0] + stats[:, 1]).tolist(),
                                   undo)
@@ -254,7 +277,7 @@ class TableGroup:
         all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
         # in bucket order, the order of the slots: the claim and the update walk each
         # table's rows front to back
-        return self.kernels.dedup_segments(all_keys, key_bounds, self._num_buckets)
+        return self.kernels.dedup_segments(all_keys, key_bounds, self.bucket_counts)
 
     def _given_scores(self, scores, bounds: List[int], unique: torch.Tensor) -> torch.Tensor:
         if self.policy is not ScorePolicy.CUSTOMIZED:
@@ -273,9 +296,9 @@ class TableGroup:
         failed = torch.empty(u, dtype=torch.bool)
         stats = np.empty((len(self.tables), 3), dtype=np.int64)
         self.kernels.find_or_insert_group(
-            self.arrays, self.arrays.size, self._offsets, self._num_buckets, unique,
+            self.arrays, self.arrays.size, self._offsets, self.bucket_counts, unique,
             unique_bounds, counts, given, self.policy.code, clocks,
-            self.policy is not ScorePolicy.NO_EVICTION, True, slots, inserted, prev_keys,
+            self.allows_eviction, True, slots, inserted, prev_keys,
             prev_scores, failed, stats)
         if stats[:, 2].any():
             self._rollback(slots, inserted, prev_keys, prev_scores, stats)
@@ -291,7 +314,7 @@ class TableGroup:
         return FindOrInsertResult(keys[lo:hi], None, local, inserted[lo:hi], prev_keys[lo:hi],
                                   prev_scores[lo:hi], None, None)
 
-    def _track_changes(self, claim) -> None:
+    def track_changes(self, claim) -> None:
         """Tables tracking their changes for checkpoint deltas mark the slots claimed."""
         for t, table in enumerate(self.tables):
             if table.changes is not None:
@@ -313,8 +336,8 @@ class TableGroup:
         initializer."""
         if self.weights.dtype == torch.float32:
             self.kernels.init_rows_at_group(
-                self.weights, slots, keys, inserted, unique_bounds, self.dim, self._seeds,
-                self._table_ids, self._init_kinds, *self._init_params)
+                self.weights, slots, keys, inserted, unique_bounds, self.dim, self.seeds,
+                self.table_ids, self.init_kinds, *self.init_params)
             return
         for t, table in enumerate(self.tables):  # float16 / bfloat16 rows: table by table
             lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
@@ -352,7 +375,11 @@ class TableGroup:
         """Every input key's row (float32), views of one gather split into ``sizes`` (None:
         one tensor per table; a collection passes one size per feature of each table)."""
         slots = batch.slots.index_select(0, batch.inverse)
-        rows = self.weights[:, :self.dim].index_select(0, slots).float()
+        if self._on_device is None:  # every key has its row
+            rows = self.weights[:, :self.dim].index_select(0, slots).float()
+        else:  # a key without a slot reads zeros (group_device)
+            rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0)).float()
+            rows = torch.where((slots >= 0)[:, None], rows, 0.0)
         if sizes is None:
             sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
         return rows.split(sizes)
@@ -411,9 +438,14 @@ class TableGroup:
         slots = batch.slots
         kept = self.arrays.keys[slots.clamp(min=0)] == batch.keys
         dropped = ((slots >= 0) & ~kept).to(torch.int64)
-        total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])  # per table:
-        bounds = torch.tensor(batch.unique_bounds, dtype=torch.int64)     # differences
-        self.counters[:, _COUNTER["dropped_updates"]] += total[bounds[1:]] - total[bounds[:-1]]
+        if batch.seg is not None:  # the table of each key, on the device: no host read
+            per_table = torch.zeros(len(self.tables), dtype=torch.int64,
+                                    device=dropped.device).index_add_(0, batch.seg, dropped)
+        else:
+            total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])  # per table:
+            bounds = torch.tensor(batch.unique_bounds, dtype=torch.int64)     # differences
+            per_table = total[bounds[1:]] - total[bounds[:-1]]
+        self.counters[:, _COUNTER["dropped_updates"]] += per_table
         return torch.where(kept, slots, -1)
 
     def release(self, batch: GroupBatch, tables: Optional[Sequence[int]] = None) -> None:

@@ -1,0 +1,167 @@
+"""A table group's training prefetch on a backend that must not wait for the device (CUDA):
+the same one dedup, one claim and one initialization per group as ``TableGroup.prefetch``,
+with nothing read back on the host.
+
+What the host cannot know without waiting, it does not need:
+
+- **Sizes.** Each table's unique keys are padded to its number of input keys (``EMPTY_KEY``,
+  count 0, slot -1), so the unique bounds are the key bounds, known from the input.
+- **Failures.** A key that finds no slot (its bucket full of pinned rows, or NO_EVICTION) is
+  served zeros and not trained, as a CUDA table alone does; each table's count of them is
+  copied to the host without waiting and raised at a later prefetch
+  (:class:`GroupFailures`).
+- **Per-table values** (bounds, clocks) go to the device through pinned memory
+  (:func:`dynemb.device_values.values_on`).
+
+Within a table, the unique keys come sorted (as ``dedup.padded_unique`` sorts a table's own),
+each at its table's position in the key bounds.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from dynemb.device_values import values_on
+from dynemb.tables.group_batch import GroupBatch
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, TableFullError
+
+
+def segmented_padded_unique(keys: torch.Tensor, seg: torch.Tensor, bounds: torch.Tensor):
+    """(unique keys, inverse, counts) of each segment ``keys[bounds[t]:bounds[t + 1]]`` (``seg``
+    [N]: the segment of each key; ``bounds`` [T + 1] on the device), every output [N]:
+    segment ``t``'s sorted unique keys start at ``bounds[t]``, ``EMPTY_KEY`` (count 0) fills
+    the rest of its part. Sort-based, no host sync.
+
+    Example::
+
+        >>> keys, seg = torch.tensor([5, 3, 5, 3, 9]), torch.tensor([0, 0, 0, 1, 1])
+        >>> u, inverse, counts = segmented_padded_unique(keys, seg, torch.tensor([0, 3, 5]))
+        >>> u.tolist()[:2], u.tolist()[3:], inverse.tolist(), counts.tolist()[:2]
+        ([3, 5], [3, 9], [1, 0, 1, 3, 4], [1, 2])
+    """
+    n = keys.numel()
+    unique = torch.full_like(keys, EMPTY_KEY)
+    inverse = torch.zeros_like(keys)
+    counts = torch.zeros_like(keys)
+    if n == 0:
+        return unique, inverse, counts
+    by_key, order = torch.sort(keys, stable=True)
+    sorted_seg, by_seg = torch.sort(seg[order], stable=True)  # segments keep their places
+    order = order[by_seg]
+    sorted_keys = by_key[by_seg]
+    new_run = torch.ones(n, dtype=torch.bool, device=keys.device)
+    new_run[1:] = (sorted_keys[1:] != sorted_keys[:-1]) | (sorted_seg[1:] != sorted_seg[:-1])
+    run = torch.cumsum(new_run.to(torch.int64), 0) - 1
+    first = bounds[:-1].clamp(max=n - 1)  # where each segment starts (empty ones: unused)
+    place = bounds[:-1][sorted_seg] + run - run[first][sorted_seg]
+    unique.scatter_(0, place, sorted_keys)
+    counts.scatter_add_(0, place, torch.ones_like(place))
+    inverse.scatter_(0, order, place)
+    return unique, inverse, counts
+
+
+class GroupFailures:
+    """Per table of a group, the keys that found no slot, counted on the device and copied to
+    the host without waiting; :meth:`check` raises at a later prefetch once the copy is in."""
+
+    def __init__(self, names: Sequence[str], device: torch.device):
+        self.names = list(names)
+        self.total = torch.zeros(len(names), dtype=torch.int64, device=device)
+        self._on_gpu = device.type == "cuda"
+        self.host = torch.zeros(len(names), dtype=torch.int64, pin_memory=self._on_gpu)
+        self._event = None
+
+    def record(self, per_table: torch.Tensor) -> None:
+        self.total += per_table
+        self.host.copy_(self.total, non_blocking=self._on_gpu)
+        if self._on_gpu:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def check(self) -> None:
+        if self._event is not None and not self._event.query():
+            return
+        counts = self.host.tolist()
+        if not any(counts):
+            return
+        self.total.zero_()
+        self.host.zero_()
+        named = ", ".join(f"{name!r}: {n}" for name, n in zip(self.names, counts) if n)
+        raise TableFullError(
+            f"tables {named} keys of earlier batches found no slot (buckets full of pinned "
+            f"rows or NO_EVICTION) and were served zeros without being trained",
+            torch.empty(0, dtype=torch.int64), None)
+
+
+class DeviceGroupPrefetch:
+    """``TableGroup.prefetch`` without host reads, for a group on the CUDA kernels."""
+
+    def __init__(self, group):
+        self.group = group
+        device = group.device
+        self.device = device
+        self.row_offset = values_on(group.row_offset[:-1], torch.int64, device)
+        self.num_buckets = values_on(group.bucket_counts.tolist(), torch.int64, device)
+        self.seeds = values_on(group.seeds.tolist(), torch.int64, device)
+        self.table_ids = values_on(group.table_ids.tolist(), torch.int64, device)
+        self.init_kinds = values_on(group.init_kinds.tolist(), torch.int64, device)
+        self.init_params = [values_on(p.tolist(), torch.float64, device)
+                            for p in group.init_params]
+        self.failures = GroupFailures(group.names, device)
+
+    def prefetch(self, keys: Sequence[torch.Tensor],
+                 occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
+        group = self.group
+        self.failures.check()
+        tables = len(group.tables)
+        key_bounds: List[int] = [0]
+        for part in keys:
+            key_bounds.append(key_bounds[-1] + part.numel())
+        n = key_bounds[-1]
+        bounds = values_on(key_bounds, torch.int64, self.device)
+        # the table of each position: how many tables end at or before it
+        seg = torch.searchsorted(bounds[1:], torch.arange(n, device=self.device), right=True)
+        all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
+        unique, inverse, counts = segmented_padded_unique(all_keys, seg, bounds)
+        given_counts = None
+        if any(o is not None for o in occurrences):
+            given_counts = torch.cat([o if o is not None else torch.ones_like(k)
+                                      for o, k in zip(occurrences, keys)])
+            counts = torch.zeros_like(counts).index_add_(0, inverse, given_counts)
+        clocks = values_on([t.tier.hash.tick() for t in group.tables], torch.int64,
+                           self.device)
+        slots, prev_keys, prev_scores = (torch.empty_like(unique) for _ in range(3))
+        inserted = torch.empty(n, dtype=torch.bool, device=self.device)
+        failed = torch.empty_like(inserted)
+        group.kernels.find_or_insert_group(
+            group.arrays, group.arrays.size, seg, self.row_offset, self.num_buckets, unique,
+            counts, unique.new_zeros(1).expand(unique.shape), group.policy.code, clocks,
+            group.allows_eviction, slots, inserted, prev_keys, prev_scores, failed)
+        self.failures.record(torch.zeros(tables, dtype=torch.int64, device=self.device)
+                             .index_add_(0, seg, failed.to(torch.int64)))
+        batch = GroupBatch(group, unique, inverse, counts, list(key_bounds), key_bounds, slots)
+        batch.seg = seg
+        for table in group.tables:
+            table.hold_group_batch(batch)
+        group.track_changes((unique, slots, inserted, prev_keys, prev_scores, key_bounds))
+        group.kernels.init_rows_at_group_device(
+            group.weights, slots, unique, inserted, seg, group.dim, self.seeds, self.table_ids,
+            self.init_kinds, *self.init_params)
+        self._count(seg, unique, slots, inserted, prev_keys, given_counts)
+        return batch
+
+    def _count(self, seg, unique, slots, inserted, prev_keys, given_counts) -> None:
+        """Every table's lookups, unique keys, hits, misses, inserts and evictions, summed
+        per table on the device in one ``index_add_``."""
+        group = self.group
+        hits = (slots >= 0) & ~inserted
+        evicted = inserted & (prev_keys != EMPTY_KEY) & (prev_keys != TOMBSTONE_KEY)
+        real = unique != EMPTY_KEY
+        lookups = (torch.ones_like(seg) if given_counts is None else given_counts)
+        columns = torch.stack([lookups, real.to(torch.int64), hits.to(torch.int64),
+                               (real & ~hits).to(torch.int64), inserted.to(torch.int64),
+                               evicted.to(torch.int64)], 1)
+        per_table = torch.zeros(len(group.tables), columns.shape[1], dtype=torch.int64,
+                                device=self.device).index_add_(0, seg, columns)
+        group.counters[:, group.prefetch_counter_columns] += per_table

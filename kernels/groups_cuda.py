@@ -1,0 +1,129 @@
+"""CUDA kernels (``@cuda.jit``) of a table group, one thread per key: the single-table kernels
+of ``table_cuda.py`` / ``init_cuda.py`` with each key in its own table's part of the group's
+arrays (see ``groups_cpu.py`` for the layout).
+
+``seg[i]`` is the table of key ``i``; table ``t`` owns the slots ``[row_offset[t],
+row_offset[t] + num_buckets[t] * bucket_size)`` and scores with its own clock
+``clocks[t]``. Slots in and out are group slots. Keys of one call are unique per table;
+``EMPTY_KEY`` pads (slot -1, nothing written).
+"""
+from numba import cuda, int64
+
+from .constants import EMPTY_KEY, cuda_simulator_enabled
+from .hashing import bucket_base_and_start, is_live_key
+from .hashing import probe as _probe_cpu
+from .init_common import initial_value
+from .rng import row_stream
+from .scoring import INT64_MAX, score_on_hit, score_on_insert
+
+probe = _probe_cpu.py_func if cuda_simulator_enabled() else _probe_cpu
+
+
+@cuda.jit
+def lookup_update_group_kernel(tbl_keys, tbl_scores, refcnt, seg, row_offset, num_buckets,
+                               bucket_size, ukeys, counts, given, policy, clocks, pin,
+                               out_slots, out_prev_scores):
+    """``table_cuda.lookup_update_kernel`` with key ``i`` in table ``seg[i]``'s slots."""
+    i = cuda.grid(1)
+    if i >= ukeys.size:
+        return
+    key = ukeys[i]
+    out_slots[i] = -1
+    out_prev_scores[i] = 0
+    if key == EMPTY_KEY:
+        return
+    t = seg[i]
+    first = row_offset[t]
+    end = first + num_buckets[t] * bucket_size
+    s = probe(tbl_keys[first:end], key, num_buckets[t], bucket_size)
+    if s < 0:
+        return
+    s += first
+    out_slots[i] = s
+    old = tbl_scores[s]
+    out_prev_scores[i] = old
+    tbl_scores[s] = score_on_hit(policy, old, clocks[t], counts[i], given[i])
+    if pin:
+        cuda.atomic.add(refcnt, s, 1)
+
+
+@cuda.jit
+def insert_missing_group_kernel(tbl_keys, tbl_scores, refcnt, sizes, seg, row_offset,
+                                num_buckets, bucket_size, ukeys, counts, given, policy, clocks,
+                                allow_evict, slots, prev_keys, prev_scores, failed):
+    """``table_cuda.insert_missing_kernel`` with key ``i`` in table ``seg[i]``'s slots and
+    its live key count ``sizes[seg[i]]``."""
+    i = cuda.grid(1)
+    if i >= ukeys.size:
+        return
+    key = ukeys[i]
+    prev_keys[i] = EMPTY_KEY
+    failed[i] = False
+    if slots[i] >= 0 or key == EMPTY_KEY:
+        return
+    t = seg[i]
+    base, start = bucket_base_and_start(key, num_buckets[t], bucket_size)
+    base += row_offset[t]
+    mask = bucket_size - 1
+    taken = cuda.local.array(2, int64)
+    taken[0] = 0
+    taken[1] = 0
+    claimed = -1
+    for j in range(bucket_size):
+        pos = (start + j) & mask
+        s = base + pos
+        if not is_live_key(tbl_keys[s]):
+            if cuda.atomic.cas(refcnt, s, 0, 1) == 0:
+                claimed = s
+                break
+            taken[pos >> 6] |= int64(1) << (pos & 63)
+    while claimed < 0 and allow_evict:
+        best = -1
+        lowest = INT64_MAX
+        for j in range(bucket_size):
+            pos = (start + j) & mask
+            if taken[pos >> 6] & (int64(1) << (pos & 63)):
+                continue
+            s = base + pos
+            if refcnt[s] == 0 and is_live_key(tbl_keys[s]) and (best < 0 or tbl_scores[s] < lowest):
+                best = s
+                lowest = tbl_scores[s]
+        if best < 0:
+            break
+        if cuda.atomic.cas(refcnt, best, 0, 1) == 0:
+            claimed = best
+        else:
+            pos = best - base
+            taken[pos >> 6] |= int64(1) << (pos & 63)
+    if claimed < 0:
+        failed[i] = True
+        return
+    prev = tbl_keys[claimed]
+    prev_keys[i] = prev
+    prev_scores[i] = tbl_scores[claimed]
+    tbl_keys[claimed] = key
+    tbl_scores[claimed] = score_on_insert(policy, clocks[t], counts[i], given[i])
+    if not is_live_key(prev):
+        cuda.atomic.add(sizes, t, 1)
+    slots[i] = claimed
+
+
+@cuda.jit
+def init_rows_at_group_kernel(weights, slots, keys, mask, seg, dim, seeds, table_ids, kinds, p0,
+                              p1, low, high):
+    """``init_cuda.init_rows_at_kernel`` with key ``i`` starting from table ``seg[i]``'s
+    initializer, seed and table id: one thread per element of the rows."""
+    n = cuda.grid(1)
+    width = weights.shape[1]
+    if n < slots.size * width:
+        i = n // width
+        j = n - i * width
+        s = slots[i]
+        if s < 0 or not mask[i]:
+            return
+        if j < dim:
+            t = seg[i]
+            weights[s, j] = initial_value(kinds[t], p0[t], p1[t], low[t], high[t],
+                                          row_stream(seeds[t], table_ids[t], keys[i]), j)
+        else:
+            weights[s, j] = 0.0
