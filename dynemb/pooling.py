@@ -164,7 +164,9 @@ def group_occurrence_grads(grad_out: torch.Tensor, batch: GroupBatch,
     group = batch.group
     dim = group.dim
     size, columns = grad_out.shape
-    if clip is not None and any(bags.mode == "mean" for _, bags in members):
+    if batch.seg is not None or clip is not None and any(bags.mode == "mean"
+                                                         for _, bags in members):
+        # CUDA (its update kernel takes contiguous gradients), or clipped MEAN bags
         return _copied_group_grads(grad_out, batch, members, clip)
     grad_out = grad_out.contiguous()
     device = grad_out.device

@@ -1,0 +1,148 @@
+"""Table groups on the CUDA kernels (dynemb.tables.group_device; numba's simulator without a
+GPU): a grouped module trains as its tables one by one on the same kernels, its step's
+launches do not grow with the number of tables, a key without a slot is reported as a table
+alone reports it, and the segmented dedup against a plain Python model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchrec import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from conftest import BACKENDS
+from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
+                    OptimizerConfig, OptimizerType)
+from dynemb.backends import CudaBackend
+from dynemb.tables.group_device import segmented_padded_unique
+from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
+
+KERNELS, DEVICE = BACKENDS[1][0], torch.device(BACKENDS[1][1])
+DIM = 4
+
+
+def tables(count, rows=64, pooled=False):
+    config = EmbeddingBagConfig if pooled else EmbeddingConfig
+    return [config(name=f"t{i}", embedding_dim=DIM, num_embeddings=rows,
+                   feature_names=[f"f{i}"]) for i in range(count)]
+
+
+def twins(count, optimizer=OptimizerType.ADAM, policy=ScorePolicy.LRU, capacity=64,
+          pooled=False):
+    options = DynamicEmbTableOptions(max_capacity=capacity, bucket_size=16,
+                                     score_strategy=policy)
+    module = DynamicEmbBagCollection if pooled else DynamicEmbCollection
+    config = OptimizerConfig(optimizer, learning_rate=0.05)
+    return [module(tables(count, pooled=pooled), table_options=options, optimizer=config,
+                   device=DEVICE, backend=KERNELS, group_tables=grouped)
+            for grouped in (True, False)]
+
+
+def batch(gen, count, per_table=6, vocab=40):
+    ids = torch.randint(0, vocab, (count * per_table,), generator=gen)
+    lengths = torch.full((count * 3,), per_table // 3)  # 3 samples
+    return KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(count)], ids,
+                                               lengths).to(DEVICE)
+
+
+def train(module, kjt, used):
+    """One step; the loss reads the outputs of the features in ``used`` only."""
+    out = module(kjt)
+    if isinstance(out, dict):
+        loss = sum((out[f].values() ** 2).sum() for f in used)
+        values = {f: out[f].values().detach().cpu() for f in out}
+    else:
+        dense = out.to_dict()
+        loss = sum((dense[f] ** 2).sum() for f in used)
+        values = {f: dense[f].detach().cpu() for f in dense}
+    loss.backward()
+    return values
+
+
+def assert_same_tables(a, b, keys):
+    """Rows (with optimizer state) of ``keys`` and every counter, table by table: the slots
+    the two chose may differ (concurrent claims), what they hold may not."""
+    assert a.stats() == b.stats()
+    for name in a.tables:
+        rows_a, found_a = a.read_rows(name, keys, with_state=True)
+        rows_b, found_b = b.read_rows(name, keys, with_state=True)
+        assert torch.equal(found_a, found_b), name
+        assert torch.equal(rows_a[found_a], rows_b[found_b]), name
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
+@pytest.mark.parametrize("optimizer", [OptimizerType.SGD, OptimizerType.ADAM])
+def test_grouped_tables_train_as_alone_on_the_cuda_kernels(optimizer, pooled):
+    # 40 ids in 8 buckets of 16 per table: nothing evicted, so concurrent claims (which may
+    # pick other slots, or among equal scores other victims, on a GPU) change nothing read
+    grouped, alone = twins(3, optimizer, capacity=128, pooled=pooled)
+    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == []
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        kjt = batch(gen, 3)
+        used = ["f0", "f2"] if step % 2 else ["f0", "f1", "f2"]  # t1 left out at times
+        out_g, out_a = train(grouped, kjt, used), train(alone, kjt, used)
+        assert out_g.keys() == out_a.keys()
+        for f in out_g:
+            assert torch.equal(out_g[f], out_a[f]), f
+    assert_same_tables(grouped, alone, torch.arange(40, device=DEVICE))
+    assert grouped.steps == alone.steps
+
+
+def test_a_steps_launches_do_not_grow_with_the_tables(monkeypatch):
+    launches = []
+    launch = CudaBackend._launch
+
+    def counted(self, kernel, n, *args):
+        launches.append(kernel.py_func.__name__)
+        launch(self, kernel, n, *args)
+
+    monkeypatch.setattr(CudaBackend, "_launch", counted)
+    per_step = {}
+    for count in (2, 5):
+        grouped, alone = twins(count, OptimizerType.SGD)
+        gen = torch.Generator().manual_seed(count)
+        for module, name in ((grouped, "grouped"), (alone, "alone")):
+            kjt = batch(gen, count, per_table=3)
+            train(module, kjt, [f"f{i}" for i in range(count)])  # kernels compiled, tables warm
+            launches.clear()
+            train(module, batch(gen, count, per_table=3), [f"f{i}" for i in range(count)])
+            per_step[name, count] = sorted(launches)
+    assert per_step["grouped", 2] == per_step["grouped", 5]
+    assert "insert_missing_group_kernel" in per_step["grouped", 2]
+    assert len(per_step["alone", 5]) > len(per_step["alone", 2])
+
+
+def test_a_key_without_a_slot_is_reported_at_the_next_prefetch_as_alone():
+    # NO_EVICTION, one bucket of 16 per table: t1's 24 new ids cannot all fit
+    grouped, alone = twins(2, OptimizerType.SGD, ScorePolicy.NO_EVICTION, capacity=16)
+    full = KeyedJaggedTensor.from_lengths_sync(
+        ["f0", "f1"], torch.cat([torch.arange(3), 100 + torch.arange(24)]),
+        torch.tensor([3, 24])).to(DEVICE)
+    for module in (grouped, alone):
+        out = train(module, full, ["f0", "f1"])
+        assert torch.count_nonzero(out["f1"].abs().sum(1) == 0) >= 8  # served zeros
+        assert module.stats()["t1"]["rows_device"] == 16
+        with pytest.raises(TableFullError, match="'t1'"):
+            module(full)
+        module(full)  # reported once: the next prefetch goes on
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(-4, 9), max_size=7), min_size=1, max_size=5))
+def test_segmented_padded_unique_matches_a_python_model(segments):
+    keys = torch.tensor([k for part in segments for k in part], dtype=torch.int64)
+    bounds = [0]
+    for part in segments:
+        bounds.append(bounds[-1] + len(part))
+    seg = torch.tensor([t for t, part in enumerate(segments) for _ in part], dtype=torch.int64)
+    unique, inverse, counts = segmented_padded_unique(keys, seg, torch.tensor(bounds))
+    for t, part in enumerate(segments):
+        lo, hi = bounds[t], bounds[t + 1]
+        want = sorted(set(part))
+        assert unique[lo:lo + len(want)].tolist() == want
+        assert unique[lo + len(want):hi].tolist() == [EMPTY_KEY] * (hi - lo - len(want))
+        assert counts[lo:lo + len(want)].tolist() == [part.count(k) for k in want]
+        assert counts[lo + len(want):hi].tolist() == [0] * (hi - lo - len(want))
+    assert torch.equal(unique[inverse], keys)
