@@ -318,6 +318,42 @@ def check_rounding(report: Report, twins: Twins, gen) -> None:
                          torch.equal(got[0], got[1]))
 
 
+def check_table_groups(report: Report, twins: Twins, gen) -> None:
+    """The group kernels (lookup_update_group, insert_missing_group, init_rows_at_group):
+    three tables trained as one group, outputs and rows against the CPU backend's group."""
+    import torch
+    from torchrec import EmbeddingConfig
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig
+    configs = [EmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=64,
+                               feature_names=[f"f{i}"]) for i in range(3)]
+    options = DynamicEmbTableOptions(max_capacity=128, bucket_size=16)
+    modules = [DynamicEmbCollection(configs, table_options=options, optimizer=OptimizerConfig(),
+                                    device=dev, backend=be) for _, dev, be in twins.sides()]
+    report.check("tables of one shape group on both backends",
+                 all(m.table_groups() == [("t0", "t1", "t2")] for m in modules))
+    same = True
+    for _ in range(3):
+        ids = torch.randint(0, 50, (18,), generator=gen)
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], ids,
+                                                  torch.full((6,), 3))
+        outs = []
+        for module, (_, dev, _) in zip(modules, twins.sides()):
+            out = module(kjt.to(dev))
+            sum((out[f].values() ** 2).sum() for f in out).backward()
+            outs.append({f: out[f].values().detach().cpu() for f in out})
+        same &= all(torch.allclose(outs[0][f], outs[1][f], rtol=1e-5, atol=1e-6)
+                    for f in outs[0])
+    keys = torch.arange(50)
+    for name in ("t0", "t1", "t2"):
+        rows = [m.read_rows(name, keys.to(dev))[0].cpu()
+                for m, (_, dev, _) in zip(modules, twins.sides())]
+        same &= torch.allclose(rows[0], rows[1], rtol=1e-5, atol=1e-6)
+    report.check("a table group trains as the CPU backend's", bool(same))
+    report.check("a table group counts as the CPU backend's",
+                 modules[0].stats() == modules[1].stats())
+
+
 def kernels_that_ran() -> Optional[List[str]]:
     """Kernels of ptx_check's list compiled in this process (so launched at least once);
     None under the simulator, which compiles nothing."""
@@ -330,7 +366,7 @@ def kernels_that_ran() -> Optional[List[str]]:
 
 
 CHECKS: List[Callable] = [check_lru_pins_and_failures, check_initializers, check_fused_updates,
-                          check_rounding]
+                          check_rounding, check_table_groups]
 
 
 def run(args) -> Report:

@@ -14,7 +14,9 @@ initialization, one gather, one fused update and one release for all its tables,
 the results its table alone would give (the claim is the single-table kernel run on each
 table's part, see ``kernels/groups_cpu.py``). CACHE tables then write their evicted rows
 back to their own stores and load their new rows, table by table. Eval batches go table by
-table over the same storage.
+table over the same storage. On the CUDA kernels (HBM_DIRECT groups) the prefetch reads
+nothing back on the host (:mod:`dynemb.tables.group_device`). Which tables group:
+:func:`~dynemb.tables.group_signature.group_signature`.
 
 Example::
 
@@ -40,10 +42,11 @@ import torch
 from dynemb.counters import COUNTER_NAMES
 from dynemb.kernel_backend import TableArrays
 from dynemb.optimizers import OccurrenceGrads, fused_update
-from dynemb.options import StashMode, StorageMode
+from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_batch import GroupBatch
 from dynemb.tables.group_device import DeviceGroupPrefetch
+from dynemb.tables.group_signature import group_signature
 from dynemb.tables.group_stores import GroupStores
 from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
 
@@ -52,33 +55,6 @@ __all__ = ["GroupBatch", "TableGroup", "group_signature", "group_tables"]
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
 #: The counters a training prefetch adds to, in the order ``group_device`` sums them.
 PREFETCH_COUNTERS = ("lookups", "unique_keys", "hits", "misses", "inserts", "evictions")
-#: The modes whose tables group: HBM_DIRECT, and CACHE (the device tier grouped; each
-#: table's evicted rows go to its own store, and its new rows come from it, table by table).
-GROUPED_MODES = (StorageMode.HBM_DIRECT, StorageMode.CACHE)
-
-
-def group_signature(table: DynamicTable) -> Optional[Hashable]:
-    """What tables of one group share, or None for a table that trains alone (another
-    storage mode, a table that grows, admission, stashing, or float16 / bfloat16 rows
-    rounded with noise drawn per table)."""
-    options = table.options
-    hash_table = table.tier.hash
-    if (table.mode not in GROUPED_MODES or table.admission is not None
-            or hash_table.grow_at_load_factor is not None  # a table that grows
-            or options.stash is not StashMode.NONE
-            or not table.kernels.runs_groups):
-        return None
-    weights = table.tier.flat.weights
-    if weights.dtype != torch.float32 and options.stochastic_rounding:
-        return None
-    if table.kernels.defers_failures and (  # what the sync-free path (group_device) runs
-            table.mode is not StorageMode.HBM_DIRECT or weights.dtype != torch.float32
-            or hash_table.policy is ScorePolicy.CUSTOMIZED):
-        return None
-    return (table.mode, table.tier.device, table.kernels.name, weights.dtype, table.dim,
-            weights.shape[1], table.optimizer, hash_table.policy, hash_table.bucket_size)
-
-
 def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
     """The groups of ``tables`` (two tables or more each), in table order; a table with no
     partner is left out (it trains alone)."""

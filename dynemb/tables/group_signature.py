@@ -1,0 +1,37 @@
+"""Which tables can train as one group (:mod:`dynemb.tables.groups`): those that agree on
+everything the group kernels read."""
+from __future__ import annotations
+
+from typing import Hashable, Optional
+
+import torch
+
+from dynemb.options import StashMode, StorageMode
+from dynemb.tables.base import DynamicTable
+from dynemb.types import ScorePolicy
+
+#: The modes whose tables group: HBM_DIRECT, and CACHE (the device tier grouped; each
+#: table's evicted rows go to its own store, and its new rows come from it, table by table).
+GROUPED_MODES = (StorageMode.HBM_DIRECT, StorageMode.CACHE)
+
+
+def group_signature(table: DynamicTable) -> Optional[Hashable]:
+    """What tables of one group share, or None for a table that trains alone (another
+    storage mode, a table that grows, admission, stashing, or float16 / bfloat16 rows
+    rounded with noise drawn per table)."""
+    options = table.options
+    hash_table = table.tier.hash
+    if (table.mode not in GROUPED_MODES or table.admission is not None
+            or hash_table.grow_at_load_factor is not None  # a table that grows
+            or options.stash is not StashMode.NONE
+            or not table.kernels.runs_groups):
+        return None
+    weights = table.tier.flat.weights
+    if weights.dtype != torch.float32 and options.stochastic_rounding:
+        return None
+    if table.kernels.defers_failures and (  # what the sync-free path (group_device) runs
+            table.mode is not StorageMode.HBM_DIRECT or weights.dtype != torch.float32
+            or hash_table.policy is ScorePolicy.CUSTOMIZED):
+        return None
+    return (table.mode, table.tier.device, table.kernels.name, weights.dtype, table.dim,
+            weights.shape[1], table.optimizer, hash_table.policy, hash_table.bucket_size)
