@@ -29,9 +29,10 @@ def tables(count, rows=64, pooled=False):
 
 
 def twins(count, optimizer=OptimizerType.ADAM, policy=ScorePolicy.LRU, capacity=64,
-          pooled=False):
+          pooled=False, dtype=None):
     options = DynamicEmbTableOptions(max_capacity=capacity, bucket_size=16,
-                                     score_strategy=policy)
+                                     score_strategy=policy, embedding_dtype=dtype,
+                                     stochastic_rounding=False)
     module = DynamicEmbBagCollection if pooled else DynamicEmbCollection
     config = OptimizerConfig(optimizer, learning_rate=0.05)
     return [module(tables(count, pooled=pooled), table_options=options, optimizer=config,
@@ -88,6 +89,29 @@ def test_grouped_tables_train_as_alone_on_the_cuda_kernels(optimizer, pooled):
             assert torch.equal(out_g[f], out_a[f]), f
     assert_same_tables(grouped, alone, torch.arange(40, device=DEVICE))
     assert grouped.steps == alone.steps
+
+
+@pytest.mark.parametrize("policy, dtype", [(ScorePolicy.CUSTOMIZED, None),
+                                           (ScorePolicy.LFU, torch.float16)],
+                         ids=["customized", "lfu-float16"])
+def test_customized_scores_and_half_rows_train_as_alone(policy, dtype):
+    grouped, alone = twins(3, OptimizerType.ROWWISE_ADAGRAD, policy, capacity=128, dtype=dtype)
+    assert grouped.table_groups() == [("t0", "t1", "t2")]
+    gen = torch.Generator().manual_seed(2)
+    for step in range(3):
+        kjt = batch(gen, 3)
+        for module in (grouped, alone):
+            if policy is ScorePolicy.CUSTOMIZED:
+                module.set_scores({"t0": 10 * step, "t1": 7 - step, "t2": 3})
+        out_g, out_a = (train(m, kjt, ["f0", "f1", "f2"]) for m in (grouped, alone))
+        for f in out_g:
+            assert torch.equal(out_g[f], out_a[f]), f
+    assert_same_tables(grouped, alone, torch.arange(40, device=DEVICE))
+    if policy is ScorePolicy.CUSTOMIZED:  # each table's keys took its own score
+        for table, given, last in (("t0", {0, 10, 20}, 20), ("t1", {7, 6, 5}, 5),
+                                   ("t2", {3}, 3)):
+            scores = set(grouped.tables[table].tier.hash.export().scores.tolist())
+            assert scores <= given and last in scores, table
 
 
 def test_a_steps_launches_do_not_grow_with_the_tables(monkeypatch):

@@ -24,7 +24,7 @@ import torch
 
 from dynemb.device_values import values_on
 from dynemb.tables.group_batch import GroupBatch
-from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, TableFullError
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy, TableFullError
 
 
 def segmented_padded_unique(keys: torch.Tensor, seg: torch.Tensor, bounds: torch.Tensor):
@@ -110,8 +110,8 @@ class DeviceGroupPrefetch:
                             for p in group.init_params]
         self.failures = GroupFailures(group.names, device)
 
-    def prefetch(self, keys: Sequence[torch.Tensor],
-                 occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
+    def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
+                 scores: Sequence[Optional[int]]) -> GroupBatch:
         group = self.group
         self.failures.check()
         tables = len(group.tables)
@@ -134,9 +134,13 @@ class DeviceGroupPrefetch:
         slots, prev_keys, prev_scores = (torch.empty_like(unique) for _ in range(3))
         inserted = torch.empty(n, dtype=torch.bool, device=self.device)
         failed = torch.empty_like(inserted)
+        if group.policy is ScorePolicy.CUSTOMIZED:  # each table's score, for its keys
+            given = values_on(list(scores), torch.int64, self.device)[seg]
+        else:
+            given = unique.new_zeros(1).expand(unique.shape)
         group.kernels.find_or_insert_group(
             group.arrays, group.arrays.size, seg, self.row_offset, self.num_buckets, unique,
-            counts, unique.new_zeros(1).expand(unique.shape), group.policy.code, clocks,
+            counts, given, group.policy.code, clocks,
             group.allows_eviction, slots, inserted, prev_keys, prev_scores, failed)
         self.failures.record(torch.zeros(tables, dtype=torch.int64, device=self.device)
                              .index_add_(0, seg, failed.to(torch.int64)))
@@ -145,9 +149,12 @@ class DeviceGroupPrefetch:
         for table in group.tables:
             table.hold_group_batch(batch)
         group.track_changes((unique, slots, inserted, prev_keys, prev_scores, key_bounds))
-        group.kernels.init_rows_at_group_device(
-            group.weights, slots, unique, inserted, seg, group.dim, self.seeds, self.table_ids,
-            self.init_kinds, *self.init_params)
+        if group.weights.dtype == torch.float32:
+            group.kernels.init_rows_at_group_device(
+                group.weights, slots, unique, inserted, seg, group.dim, self.seeds,
+                self.table_ids, self.init_kinds, *self.init_params)
+        else:  # float16 / bfloat16 rows: table by table
+            group.initialize_rows(slots, unique, inserted, key_bounds)
         self._count(seg, unique, slots, inserted, prev_keys, given_counts)
         return batch
 

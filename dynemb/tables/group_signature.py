@@ -8,7 +8,6 @@ import torch
 
 from dynemb.options import StashMode, StorageMode
 from dynemb.tables.base import DynamicTable
-from dynemb.types import ScorePolicy
 
 #: The modes whose tables group: HBM_DIRECT, and CACHE (the device tier grouped; each
 #: table's evicted rows go to its own store, and its new rows come from it, table by table).
@@ -29,9 +28,7 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
     weights = table.tier.flat.weights
     if weights.dtype != torch.float32 and options.stochastic_rounding:
         return None
-    if table.kernels.defers_failures and (  # what the sync-free path (group_device) runs
-            table.mode is not StorageMode.HBM_DIRECT or weights.dtype != torch.float32
-            or hash_table.policy is ScorePolicy.CUSTOMIZED):
-        return None
+    if table.kernels.defers_failures and table.mode is not StorageMode.HBM_DIRECT:
+        return None  # the sync-free path (group_device) has no CACHE stores
     return (table.mode, table.tier.device, table.kernels.name, weights.dtype, table.dim,
             weights.shape[1], table.optimizer, hash_table.policy, hash_table.bucket_size)

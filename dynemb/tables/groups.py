@@ -190,7 +190,7 @@ class TableGroup:
         kernels nothing is read back (:mod:`dynemb.tables.group_device`): a key without a
         slot is served zeros and its table raises at a later prefetch, as alone."""
         if self._on_device is not None:
-            return self._on_device.prefetch(keys, occurrences)
+            return self._on_device.prefetch(keys, occurrences, scores)
         key_bounds = [0]
         for part in keys:
             key_bounds.append(key_bounds[-1] + part.numel())
