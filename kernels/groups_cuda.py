@@ -52,7 +52,10 @@ def insert_missing_group_kernel(tbl_keys, tbl_scores, refcnt, sizes, seg, row_of
                                 num_buckets, bucket_size, ukeys, counts, given, policy, clocks,
                                 allow_evict, slots, prev_keys, prev_scores, failed):
     """``table_cuda.insert_missing_kernel`` with key ``i`` in table ``seg[i]``'s slots and
-    its live key count ``sizes[seg[i]]``."""
+    its live key count ``sizes[seg[i]]``. Its claim loop repeats that kernel's: a
+    ``cuda.jit(device=True)`` helper would need a GPU to compile to PTX (numba-cuda 0.30
+    compiles device functions for the current device), and the loop's atomics rule out an
+    ``@njit`` one. Change both together."""
     i = cuda.grid(1)
     if i >= ukeys.size:
         return

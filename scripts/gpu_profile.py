@@ -55,3 +55,10 @@ def top_ops(prof, steps: int, limit: int = 15) -> List[dict]:
                      "self_device_ms": device_us / 1e3 / max(steps, 1)})
     rows.sort(key=lambda r: -(r["self_cpu_ms"] + r["self_device_ms"]))
     return rows[:limit]
+
+
+def print_top_ops(ops: List[dict], limit: int = 10) -> None:
+    """The rows of :func:`top_ops`, one line each: op, calls, host and device ms per step."""
+    for op in ops[:limit]:
+        print(f"  {op['op'][:60]:<60} x{op['calls']:<6.0f} {op['self_cpu_ms']:8.3f} "
+              f"{op['self_device_ms']:8.3f}")

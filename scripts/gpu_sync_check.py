@@ -353,11 +353,10 @@ def print_report(report, on_cuda: bool) -> int:
               f"(min {t['min_ms']:.2f}, max {t['max_ms']:.2f}) on {report['device']}")
     p = report.get("profile")
     if p:
+        from scripts.gpu_profile import print_top_ops  # on the path: profile_steps put it
         print(f"per step: {p['kernels']:.0f} kernels, {p['memcpy']:.0f} memcpys, "
               f"{p['memset']:.0f} memsets; top ops, ms per step (host self, device self):")
-        for op in p["top_ops"]:
-            print(f"  {op['op'][:60]:<60} x{op['calls']:<6.0f} {op['self_cpu_ms']:8.3f} "
-                  f"{op['self_device_ms']:8.3f}")
+        print_top_ops(p["top_ops"], limit=len(p["top_ops"]))
     print(f"{'PASS' if not failed else 'FAIL'}: {failed} sync findings")
     return failed
 

@@ -28,7 +28,7 @@ import os
 import statistics
 import sys
 import time
-from scripts.gpu_profile import device_activity, label_numba_launches, top_ops
+from scripts.gpu_profile import device_activity, label_numba_launches, print_top_ops, top_ops
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -188,9 +188,7 @@ def main(argv=None) -> int:
     for r in rows:
         if r["method"] == "dynemb" and r["tables"] in (min(args.tables), max(args.tables)):
             print(f"dynemb at T={r['tables']}, ms per step (host self, device self):")
-            for op in r["top_ops"][:10]:
-                print(f"  {op['op'][:60]:<60} x{op['calls']:<6.0f} {op['self_cpu_ms']:8.3f} "
-                      f"{op['self_device_ms']:8.3f}")
+            print_top_ops(r["top_ops"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
