@@ -59,7 +59,8 @@ def split_by_table(kjt: KeyedJaggedTensor, configs: List[BaseEmbeddingConfig],
         present = [f for f in config.feature_names if f in ids_of]
         parts = [ids_of[f] for f in present]
         keys = (parts[0] if len(parts) == 1 else torch.cat(parts) if parts else empty)
-        keys = keys.to(device)
+        if keys.device != device:  # check_kjt put the ids there: no call per table
+            keys = keys.to(device)
         occurrences = None
         if counted:
             occurrences = (torch.cat([weights_of[f] for f in present]) if present else
