@@ -112,27 +112,51 @@ class DeviceGroupPrefetch:
 
     def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
                  scores: Sequence[Optional[int]]) -> GroupBatch:
+        """Claim and pin the rows of every table's ``keys`` (see ``TableGroup.prefetch``)."""
         group = self.group
         self.failures.check()
-        tables = len(group.tables)
         key_bounds: List[int] = [0]
         for part in keys:
             key_bounds.append(key_bounds[-1] + part.numel())
-        n = key_bounds[-1]
         bounds = values_on(key_bounds, torch.int64, self.device)
         # the table of each position: how many tables end at or before it
-        seg = torch.searchsorted(bounds[1:], torch.arange(n, device=self.device), right=True)
+        seg = torch.searchsorted(bounds[1:], torch.arange(key_bounds[-1], device=self.device),
+                                 right=True)
         all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
         unique, inverse, counts = segmented_padded_unique(all_keys, seg, bounds)
         given_counts = None
-        if any(o is not None for o in occurrences):
+        if any(o is not None for o in occurrences):  # ids deduplicated upstream
             given_counts = torch.cat([o if o is not None else torch.ones_like(k)
                                       for o, k in zip(occurrences, keys)])
             counts = torch.zeros_like(counts).index_add_(0, inverse, given_counts)
+        slots, inserted, prev_keys, prev_scores = self._claim(seg, unique, counts, scores)
+        batch = GroupBatch(group, unique, inverse, counts, list(key_bounds), key_bounds, slots)
+        batch.seg = seg
+        for table in group.tables:
+            table.hold_group_batch(batch)
+        try:
+            group.track_changes((unique, slots, inserted, prev_keys, prev_scores, key_bounds))
+            if group.weights.dtype == torch.float32:
+                group.kernels.init_rows_at_group_device(
+                    group.weights, slots, unique, inserted, seg, group.dim, self.seeds,
+                    self.table_ids, self.init_kinds, *self.init_params)
+            else:  # float16 / bfloat16 rows: table by table
+                group.initialize_rows(slots, unique, inserted, key_bounds)
+        except Exception:
+            group.release(batch)
+            raise
+        self._count(seg, unique, slots, inserted, prev_keys, given_counts)
+        return batch
+
+    def _claim(self, seg, unique, counts, scores):
+        """(slots, inserted, previous keys, previous scores) of one pinning claim of every
+        table's unique keys, each table at its next clock; the keys that found no slot go to
+        :attr:`failures`."""
+        group = self.group
         clocks = values_on([t.tier.hash.tick() for t in group.tables], torch.int64,
                            self.device)
         slots, prev_keys, prev_scores = (torch.empty_like(unique) for _ in range(3))
-        inserted = torch.empty(n, dtype=torch.bool, device=self.device)
+        inserted = torch.empty(unique.shape, dtype=torch.bool, device=self.device)
         failed = torch.empty_like(inserted)
         if group.policy is ScorePolicy.CUSTOMIZED:  # each table's score, for its keys
             given = values_on(list(scores), torch.int64, self.device)[seg]
@@ -140,23 +164,12 @@ class DeviceGroupPrefetch:
             given = unique.new_zeros(1).expand(unique.shape)
         group.kernels.find_or_insert_group(
             group.arrays, group.arrays.size, seg, self.row_offset, self.num_buckets, unique,
-            counts, given, group.policy.code, clocks,
-            group.allows_eviction, slots, inserted, prev_keys, prev_scores, failed)
-        self.failures.record(torch.zeros(tables, dtype=torch.int64, device=self.device)
+            counts, given, group.policy.code, clocks, group.allows_eviction, slots, inserted,
+            prev_keys, prev_scores, failed)
+        self.failures.record(torch.zeros(len(group.tables), dtype=torch.int64,
+                                         device=self.device)
                              .index_add_(0, seg, failed.to(torch.int64)))
-        batch = GroupBatch(group, unique, inverse, counts, list(key_bounds), key_bounds, slots)
-        batch.seg = seg
-        for table in group.tables:
-            table.hold_group_batch(batch)
-        group.track_changes((unique, slots, inserted, prev_keys, prev_scores, key_bounds))
-        if group.weights.dtype == torch.float32:
-            group.kernels.init_rows_at_group_device(
-                group.weights, slots, unique, inserted, seg, group.dim, self.seeds,
-                self.table_ids, self.init_kinds, *self.init_params)
-        else:  # float16 / bfloat16 rows: table by table
-            group.initialize_rows(slots, unique, inserted, key_bounds)
-        self._count(seg, unique, slots, inserted, prev_keys, given_counts)
-        return batch
+        return slots, inserted, prev_keys, prev_scores
 
     def _count(self, seg, unique, slots, inserted, prev_keys, given_counts) -> None:
         """Every table's lookups, unique keys, hits, misses, inserts and evictions, summed
