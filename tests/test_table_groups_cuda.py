@@ -170,3 +170,22 @@ def test_segmented_padded_unique_matches_a_python_model(segments):
         assert counts[lo:lo + len(want)].tolist() == [part.count(k) for k in want]
         assert counts[lo + len(want):hi].tolist() == [0] * (hi - lo - len(want))
     assert torch.equal(unique[inverse], keys)
+
+
+def test_a_failure_after_the_claim_leaves_no_pins(monkeypatch):
+    grouped, _ = twins(2, OptimizerType.SGD)
+    gen = torch.Generator().manual_seed(9)
+    train(grouped, batch(gen, 2), ["f0", "f1"])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    kernels = grouped.tables["t0"].kernels
+    monkeypatch.setattr(type(kernels), "init_rows_at_group_device", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        grouped(batch(gen, 2, vocab=1000))  # new keys: their rows need the initializer
+    monkeypatch.undo()
+    grouped.clear_prefetched()  # the earlier step's lookup held its pins until now
+    assert all(t.tier.hash.pinned_count() == 0 for t in grouped.tables.values())
+    train(grouped, batch(gen, 2), ["f0", "f1"])  # the next step goes on
+    assert grouped.steps == {"t0": 2, "t1": 2}
