@@ -58,6 +58,8 @@ _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
 #: list would copy the list to the device and wait for it).
 PREFETCH_COUNTERS = ("lookups", "unique_keys", "hits", "misses", "inserts", "evictions")
 assert COUNTER_NAMES[:len(PREFETCH_COUNTERS)] == PREFETCH_COUNTERS
+
+
 def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
     """The groups of ``tables`` (two tables or more each), in table order; a table with no
     partner is left out (it trains alone)."""
