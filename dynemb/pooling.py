@@ -12,10 +12,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from dynemb.device_values import values_on
 from dynemb.dynamic_core import DynamicCore
 from dynemb.optimizers import OccurrenceGrads, occurrence_csr
 from dynemb.tables import DynamicTable, TableBatch
-from dynemb.device_values import values_on
 from dynemb.tables.groups import GroupBatch
 
 

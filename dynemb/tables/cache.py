@@ -77,8 +77,7 @@ class CacheTable(HbmDirectTable):
         """The store's ``find``, answered on the table's device: a user store may keep its
         rows, and answer, on the host."""
         rows, found, scores = self.store.find(keys)
-        return (rows.to(self.device, non_blocking=True), found.to(self.device, non_blocking=True),
-                scores.to(self.device, non_blocking=True))
+        return rows.to(self.device), found.to(self.device), scores.to(self.device)
 
     def _fill_new_rows(self, keys: torch.Tensor, result) -> None:
         self._write_back(result)
