@@ -148,7 +148,7 @@ def check_kjt(kjt, device: torch.device, *, check_lengths: bool = True,
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Whether ``a`` and ``b`` name one device: ``cuda`` is the current CUDA device, as torch
     places a tensor created with ``device="cuda"`` (whose ``.device`` then reads ``cuda:0``)."""
-    return canonical_device(a) == canonical_device(b)
+    return a == b or canonical_device(a) == canonical_device(b)
 
 
 def canonical_device(device) -> torch.device:

@@ -22,9 +22,16 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from dynemb.counters import COUNTER_NAMES
 from dynemb.device_values import values_on
 from dynemb.tables.group_batch import GroupBatch
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy, TableFullError
+
+#: The counters a training prefetch adds to, in the order :meth:`DeviceGroupPrefetch._count`
+#: sums them: the first columns of the counters, so that it adds to a view (indexing with a
+#: list would copy the list to the device and wait for it).
+PREFETCH_COUNTERS = ("lookups", "unique_keys", "hits", "misses", "inserts", "evictions")
+assert COUNTER_NAMES[:len(PREFETCH_COUNTERS)] == PREFETCH_COUNTERS
 
 
 def segmented_padded_unique(keys: torch.Tensor, seg: torch.Tensor, bounds: torch.Tensor):
@@ -184,4 +191,4 @@ class DeviceGroupPrefetch:
                                evicted.to(torch.int64)], 1)
         per_table = torch.zeros(len(group.tables), columns.shape[1], dtype=torch.int64,
                                 device=self.device).index_add_(0, seg, columns)
-        group.counters[:, group.prefetch_counter_columns] += per_table
+        group.counters[:, :len(PREFETCH_COUNTERS)] += per_table

@@ -53,11 +53,6 @@ from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
 __all__ = ["GroupBatch", "TableGroup", "group_signature", "group_tables"]
 
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
-#: The counters a training prefetch adds to, in the order ``group_device`` sums them: the
-#: first columns of the counters, so that the device path adds to a view (indexing with a
-#: list would copy the list to the device and wait for it).
-PREFETCH_COUNTERS = ("lookups", "unique_keys", "hits", "misses", "inserts", "evictions")
-assert COUNTER_NAMES[:len(PREFETCH_COUNTERS)] == PREFETCH_COUNTERS
 
 
 def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
@@ -126,11 +121,6 @@ class TableGroup:
     @property
     def allows_eviction(self) -> bool:
         return self.policy is not ScorePolicy.NO_EVICTION
-
-    @property
-    def prefetch_counter_columns(self) -> slice:
-        """The columns of :data:`PREFETCH_COUNTERS` in :attr:`counters`."""
-        return slice(0, len(PREFETCH_COUNTERS))
 
     @staticmethod
     def _storage_of(table: DynamicTable):
