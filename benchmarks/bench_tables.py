@@ -245,7 +245,7 @@ class RowwiseAdagrad:
 
     def __init__(self, params: List[torch.Tensor], lr: float, eps: float):
         self.params, self.lr, self.eps = params, lr, eps
-        self.acc = [torch.zeros(p.shape[0]) for p in params]
+        self.acc = [torch.zeros(p.shape[0], device=p.device) for p in params]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

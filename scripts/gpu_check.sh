@@ -7,13 +7,15 @@
 #   bash scripts/gpu_check.sh ptx tests        # some stages (install always runs first)
 #   GPU_CHECK_SIMULATE=1 bash scripts/gpu_check.sh   # dry run without a GPU (numba's simulator)
 #
-# Stages, in the order they run (the extra sanitizers last, so a short budget drops them
-# first): env ptx tests memcheck racecheck sync bench tables ems synccheck initcheck.
+# Stages, in the order they run when none is named (the extra sanitizers last, so a short
+# budget drops them first): env ptx tests memcheck racecheck sync bench tables ems synccheck
+# initcheck. Named stages run in the order named.
 # Writes into $OUT (default ./gpu_out): summary.txt (stage, PASS/FAIL/SKIP, seconds, note;
 # the tail of each failed stage's log), env.txt, pytest.xml and logs.tar.gz (every log and
 # JSON), refreshed after each stage so an interrupted run still leaves its results.
 # Environment: PYTHON (default python3), GPU_KIT_DIR (gpu_kit), GPU_CHECK_BUDGET_S (1500:
-# stages that would not end in time are skipped), GPU_CHECK_SIMULATE.
+# stages that would not end in time are skipped), GPU_CHECK_SIMULATE, GPU_CHECK_TEST_WORKERS
+# (8: pytest-xdist processes of the tests stage, where the kit brought it).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 REPO=$(pwd)
@@ -207,6 +209,8 @@ run_tests() {
                       --junitxml "$WORK/pytest.xml" -o junit_family=xunit1)
     mapfile -t files < <(grep -lE 'cuda|BACKENDS|make_table|to_dev|\bbackend\b' tests/test_*.py)
     "$PY" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout 240)
+    # parallel processes (the kit's pytest-xdist): the stage is mostly compiling kernels
+    "$PY" -c "import xdist" 2>/dev/null && args+=(-n "${GPU_CHECK_TEST_WORKERS:-8}")
     if [[ $SIMULATE == 1 ]]; then
         NUMBA_ENABLE_CUDASIM=1 "$PY" -m pytest "${args[@]}" "${files[@]}"
     else
@@ -290,12 +294,6 @@ run_named() {
     esac
 }
 
-wanted() {
-    local s
-    for s in "${STAGES[@]}"; do [[ $s == "$1" ]] && return 0; done
-    return 1
-}
-
 main() {
     STAGES=("$@")
     (( ${#STAGES[@]} )) || STAGES=("${ALL_STAGES[@]}")
@@ -310,8 +308,10 @@ main() {
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     numba_path=$(cat "$WORK/numba_path" 2>/dev/null)
     [[ -n $numba_path ]] && export PYTHONPATH="$numba_path:$PYTHONPATH"
-    for s in "${ALL_STAGES[@]}"; do
-        wanted "$s" && run_named "$s"
+    # stages named on the command line run in that order (the most wanted first, so a short
+    # budget drops the others); with none named, every stage in the order of ALL_STAGES
+    for s in "${STAGES[@]}"; do
+        run_named "$s"
     done
     [[ -f $WORK/tails.txt ]] && cat "$WORK/tails.txt" >> "$SUMMARY"
     echo "total $(($(date +%s) - START))s" >> "$SUMMARY"

@@ -33,6 +33,12 @@ DEPS=(
     mypy-extensions==1.2.0
     tqdm==4.70.1
 )
+# Runs the `tests` stage in parallel processes: most of its time is compiling kernels, one
+# core at a time in one process.
+TEST_TOOLS=(
+    pytest-xdist==3.8.0
+    execnet==2.1.2
+)
 # The numba-cuda this project pins (the machine has its own, of unknown version), and a
 # numpy it imports with: numba-cuda 0.30.4's CUDA target uses np.row_stack, gone in numpy
 # 2.5, which the machine had when last listed. gpu_check.sh takes them only if they run a
@@ -41,7 +47,7 @@ PINNED=(
     numba-cuda==0.30.4
     numpy==2.4.6
 )
-ALL=("${CORE[@]}" "${DEPS[@]}" "${PINNED[@]}")
+ALL=("${CORE[@]}" "${DEPS[@]}" "${TEST_TOOLS[@]}" "${PINNED[@]}")
 
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64
            manylinux_2_17_x86_64 manylinux2014_x86_64)

@@ -1,15 +1,17 @@
 """Many tables on a GPU: step time and CUDA kernels per training step against the table count.
 
 The GPU side of ``benchmarks/bench_tables.py``: the same workload (``--ids`` ids a step split
-evenly over T one-feature tables, Zipf ids, dim ``--dim``, SGD), every id fitting its
+evenly over T one-feature tables, Zipf ids, dim ``--dim``, each optimizer of ``--optimizers``),
+every id fitting its
 HBM_DIRECT table, for each T of ``--tables``:
 
 - ``dynemb``: ``DynamicEmbCollection`` on the GPU (``validate_inputs=False``), a step being
   ``ec(kjt)`` (inline prefetch) and backward from fixed gradients (the fused update);
 - ``torch_sparse``: TorchRec's ``EmbeddingCollection`` on the GPU with sparse gradients and
-  ``torch.optim.SGD``, the same ids (dense row numbers) and gradients.
+  ``torch.optim.SGD`` or bench_tables' ``RowwiseAdagrad``, the same ids (dense row numbers)
+  and gradients.
 
-Per method and T: the median step time over ``--steps`` steps (CUDA synchronized), and from
+Per optimizer, method and T: the median step time over ``--steps`` steps (CUDA synchronized), and from
 ``torch.profiler`` over ``--profiled-steps`` steps the CUDA kernels, memcpys and memsets per
 step (CUPTI sees numba's launches as well as torch's). A table count whose kernels per step
 grow with T is one that launches per table.
@@ -39,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tables", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--ids", type=int, default=65536, help="ids per step over all tables")
     parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--optimizers", nargs="+", choices=["sgd", "rowwise_adagrad"],
+                        default=["sgd", "rowwise_adagrad"])
     parser.add_argument("--batch", type=int, default=256, help="samples per step")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
@@ -78,7 +82,7 @@ def device_kjt(wl, i: int, dense: bool, device):
 class Dynemb:
     name, dense = "dynemb", False
 
-    def __init__(self, args, wl, device):
+    def __init__(self, args, wl, device, opt_name):
         import torch
         from benchmarks.bench_tables import (FIT_LOAD, optimizer_config, table_configs,
                                              whole_buckets)
@@ -87,7 +91,7 @@ class Dynemb:
         options = DynamicEmbTableOptions(max_capacity=fit, init_capacity=fit)
         self.module = DynamicEmbCollection(
             table_configs(wl, args.dim, fit), table_options=options,
-            optimizer=optimizer_config("sgd"), device=torch.device(device),
+            optimizer=optimizer_config(opt_name), device=torch.device(device),
             validate_inputs=False, backend=args.backend)
         assert set(self.module.storage_modes().values()) == {StorageMode.HBM_DIRECT}
         self.groups = len(self.module.table_groups())
@@ -101,15 +105,17 @@ class Dynemb:
 class TorchSparse:
     name, dense = "torch_sparse", True
 
-    def __init__(self, args, wl, device):
+    def __init__(self, args, wl, device, opt_name):
         import torch
         from torchrec import EmbeddingCollection
-        from benchmarks.bench_tables import LEARNING_RATE, table_configs
+        from benchmarks.bench_tables import EPS, LEARNING_RATE, RowwiseAdagrad, table_configs
         self.module = EmbeddingCollection(tables=table_configs(wl, args.dim, wl.rows),
                                           device=torch.device(device))
         for emb in self.module.embeddings.values():
             emb.sparse = True
-        self.opt = torch.optim.SGD(list(self.module.parameters()), lr=LEARNING_RATE)
+        weights = list(self.module.parameters())
+        self.opt = (torch.optim.SGD(weights, lr=LEARNING_RATE) if opt_name == "sgd"
+                    else RowwiseAdagrad(weights, LEARNING_RATE, EPS))
         self.groups = 0
 
     def step(self, kjt, features, grads):
@@ -126,7 +132,7 @@ def synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(method, args, wl, device) -> dict:
+def measure(method, args, wl, device, opt_name) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
     gen = torch.Generator().manual_seed(args.seed + args.dim)
@@ -152,7 +158,7 @@ def measure(method, args, wl, device) -> dict:
             method.step(kjt, wl.features, grads)
         synchronize(device)
     per_step = {k: v / max(args.profiled_steps, 1) for k, v in device_activity(prof).items()}
-    return {"method": method.name, "tables": wl.tables, "groups": method.groups,
+    return {"method": method.name, "optimizer": opt_name, "tables": wl.tables, "groups": method.groups,
             "step_ms": statistics.median(times), "step_ms_all": times, **per_step,
             "top_ops": top_ops(prof, args.profiled_steps)}
 
@@ -165,29 +171,32 @@ def main(argv=None) -> int:
     device = args.device
     label_numba_launches()
     rows = []
-    with tqdm(total=2 * len(args.tables), desc="methods x T") as bar:
-        for tables in args.tables:
-            wl = workload(args, tables)
-            for cls in (Dynemb, TorchSparse):
-                rows.append(measure(cls(args, wl, device), args, wl, device))
-                bar.update()
+    with tqdm(total=2 * len(args.tables) * len(args.optimizers), desc="methods x T") as bar:
+        for opt_name in args.optimizers:
+            for tables in args.tables:
+                wl = workload(args, tables)
+                for cls in (Dynemb, TorchSparse):
+                    method = cls(args, wl, device, opt_name)
+                    rows.append(measure(method, args, wl, device, opt_name))
+                    bar.update()
     report = {"device": device, "backend": args.backend, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
               "config": vars(args), "rows": rows}
-    print(f"{'T':>5} {'method':<13} {'groups':>6} {'step ms':>9} {'kernels':>8} "
+    print(f"{'opt':<16} {'T':>5} {'method':<13} {'groups':>6} {'step ms':>9} {'kernels':>8} "
           f"{'memcpy':>7} {'memset':>7}")
     for r in rows:
-        print(f"{r['tables']:>5} {r['method']:<13} {r['groups']:>6} {r['step_ms']:>9.2f} "
+        print(f"{r['optimizer']:<16} {r['tables']:>5} {r['method']:<13} {r['groups']:>6} {r['step_ms']:>9.2f} "
               f"{r['kernels']:>8.1f} {r['memcpy']:>7.1f} {r['memset']:>7.1f}")
-    for name in ("dynemb", "torch_sparse"):
-        mine = {r["tables"]: r for r in rows if r["method"] == name}
+    for opt_name, name in [(o, n) for o in args.optimizers for n in ("dynemb", "torch_sparse")]:
+        mine = {r["tables"]: r for r in rows if r["method"] == name and r["optimizer"] == opt_name}
         low, high = min(mine), max(mine)
-        print(f"{name}: step at T={high} / T={low}: "
+        print(f"{name} {opt_name}: step at T={high} / T={low}: "
               f"{mine[high]['step_ms'] / mine[low]['step_ms']:.2f}; kernels per step "
               f"{mine[low]['kernels']:.0f} -> {mine[high]['kernels']:.0f}")
     for r in rows:
-        if r["method"] == "dynemb" and r["tables"] in (min(args.tables), max(args.tables)):
-            print(f"dynemb at T={r['tables']}, ms per step (host self, device self):")
+        if (r["method"] == "dynemb" and r["optimizer"] == args.optimizers[0]
+                and r["tables"] in (min(args.tables), max(args.tables))):
+            print(f"dynemb {r['optimizer']} at T={r['tables']}, ms per step (host self, device self):")
             print_top_ops(r["top_ops"])
     if args.json:
         with open(args.json, "w") as f:
