@@ -278,7 +278,7 @@ def check_fused_updates(report: Report, twins: Twins, gen) -> None:
             grads = torch.randn(slots.numel(), dim, generator=gen)
             got = []
             for _, dev, be in twins.sides():
-                w = w0.to(dev)
+                w = w0.to(dev, copy=True)  # on the CPU side .to() alone would update w0
                 for step in (1, 2):
                     fused_update(w, slots.to(dev), grads.to(dev), dim=dim, config=config,
                                  lr=config.learning_rate, step=step, backend=be)
@@ -354,6 +354,46 @@ def check_table_groups(report: Report, twins: Twins, gen) -> None:
                  modules[0].stats() == modules[1].stats())
 
 
+def check_pooled_group(report: Report, twins: Twins, gen) -> None:
+    """pool_bags_kernel: ``DynamicEmbBagCollection`` trained on both backends, unweighted (a
+    SUM and a MEAN table) and weighted (SUM), empty bags among them; pooled outputs and rows
+    against the CPU's."""
+    import torch
+    from torchrec import EmbeddingBagConfig, PoolingType
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    from dynemb import DynamicEmbBagCollection, DynamicEmbTableOptions, OptimizerConfig
+    options = DynamicEmbTableOptions(max_capacity=128, bucket_size=16)
+    for weighted in (False, True):
+        configs = [EmbeddingBagConfig(name=f"b{i}", embedding_dim=40, num_embeddings=64,
+                                      feature_names=[f"g{i}"],
+                                      pooling=PoolingType.MEAN if i and not weighted
+                                      else PoolingType.SUM)
+                   for i in range(2)]
+        modules = [DynamicEmbBagCollection(configs, is_weighted=weighted, table_options=options,
+                                           optimizer=OptimizerConfig(), device=dev, backend=be)
+                   for _, dev, be in twins.sides()]
+        same = True
+        for _ in range(3):
+            lengths = torch.randint(0, 4, (10,), generator=gen)  # 5 samples, 2 features
+            ids = torch.randint(0, 50, (int(lengths.sum()),), generator=gen)
+            weights = torch.rand(ids.numel(), generator=gen) if weighted else None
+            kjt = KeyedJaggedTensor.from_lengths_sync(["g0", "g1"], ids, lengths,
+                                                      weights=weights)
+            outs = []
+            for module, (_, dev, _) in zip(modules, twins.sides()):
+                out = module(kjt.to(dev)).values()
+                (out ** 2).sum().backward()
+                outs.append(out.detach().cpu())
+            same &= torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        keys = torch.arange(50)
+        for name in ("b0", "b1"):
+            rows = [m.read_rows(name, keys.to(dev))[0].cpu()
+                    for m, (_, dev, _) in zip(modules, twins.sides())]
+            same &= torch.allclose(rows[0], rows[1], rtol=1e-5, atol=1e-5)
+        kind = "weighted SUM" if weighted else "SUM and MEAN"
+        report.check(f"pooled bags ({kind}) train as the CPU backend's", bool(same))
+
+
 def kernels_that_ran() -> Optional[List[str]]:
     """Kernels of ptx_check's list compiled in this process (so launched at least once);
     None under the simulator, which compiles nothing."""
@@ -366,7 +406,7 @@ def kernels_that_ran() -> Optional[List[str]]:
 
 
 CHECKS: List[Callable] = [check_lru_pins_and_failures, check_initializers, check_fused_updates,
-                          check_rounding, check_table_groups]
+                          check_rounding, check_table_groups, check_pooled_group]
 
 
 def run(args) -> Report:

@@ -359,7 +359,8 @@ class DynamicTable(CheckpointTiers):
         found = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
         for kind, source in (*self._row_sources(), ("tier", self.tier)):  # device tier last
             if kind == "store":
-                stored_rows, hit, _ = source.find(keys)
+                stored_rows, hit, _ = source.find(keys)  # a user store may answer on the host
+                stored_rows, hit = stored_rows.to(self.device), hit.to(self.device)
                 rows[hit] = stored_rows[hit][:, :width]
             else:
                 slots = source.hash.find(keys.to(source.device)).to(self.device)
