@@ -327,12 +327,38 @@ class CudaBackend(CudaGroupKernels):
 
     def fused_update(self, weights, slots, src, offsets, order, scale, clip, kind, dim, lr,
                      eps, beta1, beta2, weight_decay, bias1, bias2, acc0):
-        """In place on float32 ``weights`` [C, W]; one warp per row of ``slots``."""
+        """In place on float32 ``weights`` [C, W]; one warp per row of ``slots``, the rows
+        with many occurrences summed in pieces first (see ``optim_cuda``)."""
         # The kernel's shared buffer holds optim_cuda.MAX_THREADS_PER_BLOCK >= block size.
         a = self._arr
+        pieces = self._hot_row_pieces(src, offsets, order, scale, clip, dim)
         self._launch(self._optim.fused_update_kernel, slots.numel() * self._optim.WARP,
                      a(weights), a(slots), a(src), a(offsets), a(order), a(scale), *_f32(clip),
-                     kind, dim, *_f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
+                     *map(a, pieces), kind, dim,
+                     *_f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
+
+    def _hot_row_pieces(self, src, offsets, order, scale, clip, dim):
+        """``(piece_end, piece_count, pieces)`` of ``fused_update_kernel``: per row, its
+        number of pieces (0 for a row of at most ``PIECE`` occurrences) and where they end
+        in ``pieces`` [P, dim], which ``piece_sums_kernel`` fills. The number of pieces is
+        not read back: ``P`` is the bound ``2 N / PIECE + 1`` for N occurrences (a row of
+        ``c > PIECE`` occurrences has ``ceil(c / PIECE) < 2 c / PIECE`` pieces)."""
+        piece, occurrences, dev = self._optim.PIECE, order.numel(), offsets.device
+        rows = offsets.numel() - 1
+        if occurrences <= piece:  # no row can have more
+            none = torch.zeros(rows, dtype=torch.int64, device=dev)
+            return none, none, torch.empty(0, dim, dtype=torch.float32, device=dev)
+        counts = offsets[1:] - offsets[:-1]
+        piece_count = torch.where(counts > piece, (counts + piece - 1) // piece, 0)
+        piece_end = torch.cumsum(piece_count, 0)
+        bound = 2 * occurrences // piece + 1
+        piece_row = torch.searchsorted(piece_end, torch.arange(bound, device=dev), right=True)
+        pieces = torch.empty(bound, dim, dtype=torch.float32, device=dev)
+        a = self._arr
+        self._launch(self._optim.piece_sums_kernel, bound * self._optim.WARP, a(src),
+                     a(offsets), a(order), a(scale), *_f32(clip), a(piece_row), a(piece_end),
+                     a(piece_count), a(pieces), dim)
+        return piece_end, piece_count, pieces
 
     def round_rows(self, src, out, keys, seed, table_id, step, fmt, stochastic):
         """float32 ``src`` [N, D] rounded into float16 / bfloat16 ``out`` [N, D]; one thread

@@ -539,6 +539,67 @@ def test_occurrence_grads_equal_their_hand_summed_rows(backend, opt, clip, scale
     assert not torch.equal(got, initial)
 
 
+# rows around the CUDA kernel's piece size (optim_cuda.PIECE = 64 occurrences) and far above
+HOT_COUNTS = [0, 1, 5, 63, 64, 65, 128, 129, 700]
+
+
+def _hot_rows(seed=11, dim=40):
+    g = torch.Generator().manual_seed(seed)
+    inverse = torch.repeat_interleave(torch.arange(len(HOT_COUNTS)), torch.tensor(HOT_COUNTS))
+    inverse = inverse[torch.randperm(inverse.numel(), generator=g)]
+    src = torch.randn(inverse.numel(), dim, generator=g)
+    scale = torch.rand(inverse.numel(), generator=g) + 0.5
+    return inverse, src, scale
+
+
+@pytest.mark.parametrize("opt", [SGD, ROWWISE])
+def test_rows_with_hundreds_of_occurrences_sum_them_all(backend, opt):
+    """The CUDA kernel sums a row of more than 64 occurrences in pieces, each by its own
+    warp: every occurrence counts once, against a float64 sum by hand."""
+    from dynemb.optimizers import OccurrenceGrads
+    name, device = backend
+    inverse, src, scale = _hot_rows()
+    rows, dim = len(HOT_COUNTS), src.shape[1]
+    summed = torch.zeros(rows, dim, dtype=torch.float64)
+    summed.index_add_(0, inverse, (src.clamp(-1.5, 1.5) * scale.unsqueeze(1)).double())
+    config = OptimizerConfig(opt, learning_rate=0.1)
+    initial = flat(torch.randn(rows, dim, generator=torch.Generator().manual_seed(2)), config)
+    slots = torch.arange(rows, device=device)
+    expected, got = initial.to(device, copy=True), initial.to(device, copy=True)
+    fused_update(expected, slots, summed.float().to(device), dim=dim, config=config, lr=0.1,
+                 step=1, backend=name)
+    occ = OccurrenceGrads.from_inverse(src.to(device), inverse.to(device), rows,
+                                       scale=scale.to(device), clip=1.5)
+    fused_update(got, slots, occ, dim=dim, config=config, lr=0.1, step=1, backend=name)
+    torch.testing.assert_close(got.cpu(), expected.cpu(), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got.cpu()[1:], initial[1:])
+
+
+def test_a_hot_rows_update_does_not_depend_on_the_other_rows(backend):
+    """A row's gradient is the same float32 sum in any batch (the CUDA pieces are cut per
+    row): the grouped and the one-table paths update it bit for bit alike."""
+    from dynemb.optimizers import OccurrenceGrads
+    name, device = backend
+    inverse, src, _ = _hot_rows()
+    hot = len(HOT_COUNTS) - 1
+    mine = inverse == hot
+    config = OptimizerConfig(ROWWISE, learning_rate=0.1)
+    initial = flat(torch.randn(2, src.shape[1], generator=torch.Generator().manual_seed(5)),
+                   config)
+    results = []
+    # the whole batch (rows before the hot one shift its pieces' places), then the row alone
+    for batch_inverse, batch_src, rows, slot_of_hot in [(inverse, src, hot + 1, hot),
+                                                        (inverse[mine] * 0, src[mine], 1, 0)]:
+        slots = torch.full((rows,), -1)
+        slots[slot_of_hot] = 1
+        weights = initial.to(device, copy=True)
+        occ = OccurrenceGrads.from_inverse(batch_src.to(device), batch_inverse.to(device), rows)
+        fused_update(weights, slots.to(device), occ, dim=src.shape[1], config=config, lr=0.1,
+                     step=1, backend=name)
+        results.append(weights[1].cpu())
+    assert torch.equal(results[0], results[1])
+
+
 @pytest.mark.parametrize("rows,n", [(1, 0), (5, 1), (64, 1000), (1000, 64)])
 def test_occurrence_csr_lists_each_rows_positions_in_order(rows, n):
     from dynemb.occurrence_grads import _occurrence_csr_torch, occurrence_csr
