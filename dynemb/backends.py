@@ -23,6 +23,7 @@ import numba
 import numpy as np
 import torch
 
+from dynemb.bridges.numba_launch import KernelLauncher
 from dynemb.kernel_backend import KernelBackend, TableArrays
 from dynemb.group_kernels import CpuGroupKernels, CudaGroupKernels
 from dynemb.kernels import dedup_cpu, init_cpu, optim_cpu, pool_cpu, round_cpu, table_cpu
@@ -207,6 +208,7 @@ class CudaBackend(CudaGroupKernels):
         self._optim = optim_cuda
         self._round = round_cuda
         self._simulated = cuda_simulator_enabled()
+        self._launcher = None  # made at the first launch on a GPU
 
     def check_device(self, device: torch.device) -> None:
         want = "cpu" if self._simulated else "cuda"
@@ -222,10 +224,15 @@ class CudaBackend(CudaGroupKernels):
         evicted = inserted & (previous_keys != EMPTY_KEY) & (previous_keys != TOMBSTONE_KEY)
         return hits, inserted.sum(), evicted.sum()
 
+    def direct_launch_signatures(self) -> int:
+        """How many (kernel, argument signature) pairs this process launches without numba's
+        argument conversion (see :mod:`dynemb.bridges.numba_launch`)."""
+        return 0 if self._launcher is None else self._launcher.direct_signatures
+
     def _arr(self, t: torch.Tensor):
-        if self._simulated:
-            return t.numpy()
-        return self._cuda.as_cuda_array(t.detach())
+        """A kernel argument: the tensor itself on a GPU (``_launch`` hands it to numba),
+        its numpy view under the simulator."""
+        return t.numpy() if self._simulated else t
 
     def _launch(self, kernel, n: int, *args) -> None:
         if n <= 0:
@@ -236,8 +243,10 @@ class CudaBackend(CudaGroupKernels):
             blocks = (n + _SIMULATED_THREADS_PER_BLOCK - 1) // _SIMULATED_THREADS_PER_BLOCK
             kernel[blocks, _SIMULATED_THREADS_PER_BLOCK](*args)
             return
-        stream = self._cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-        kernel[blocks, _THREADS_PER_BLOCK, stream](*args)
+        if self._launcher is None:
+            self._launcher = KernelLauncher()
+        self._launcher.launch(kernel, blocks, _THREADS_PER_BLOCK, torch.cuda.current_stream(),
+                              args)
 
     def find(self, table: TableArrays, keys, out_slots, parallel=None):
         a = self._arr

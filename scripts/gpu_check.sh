@@ -257,6 +257,10 @@ run_bench() {
             --warmup 6 --steps 0 --timed-steps 36 --profiled-steps 3 \
             --json "$WORK/bench_step_$opt.json" || rc=1
     done
+    # the same SGD step with numba's own launch of every kernel (dynemb.bridges.numba_launch off)
+    DYNEMB_DIRECT_LAUNCH=0 "$PY" -m scripts.gpu_sync_check --batch 4096 --length 20 --dim 128 \
+        --optimizer sgd --warmup 6 --steps 0 --timed-steps 36 --profiled-steps 3 \
+        --json "$WORK/bench_step_sgd_numba_launch.json" || rc=1
     return $rc
 }
 

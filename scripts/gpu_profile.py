@@ -8,7 +8,8 @@ from typing import Dict, List
 def label_numba_launches() -> None:
     """Each launch of the CUDA backend shows in the profiler as ``numba:<kernel>`` (the
     launch's host time: argument typing and the launch) and each tensor handed to numba as
-    ``numba:as_cuda_array`` (its conversion), so that their host time is their own."""
+    ``numba:as_cuda_array`` (its conversion, which ``dynemb.bridges.numba_launch`` skips once a
+    kernel's arguments are checked), so that their host time is their own."""
     import torch
     from dynemb.backends import CudaBackend
     launch = CudaBackend._launch
@@ -22,13 +23,14 @@ def label_numba_launches() -> None:
 
     labelled.labelled = True
     CudaBackend._launch = labelled
-    convert = CudaBackend._arr
+    from numba import cuda
+    convert = cuda.as_cuda_array
 
-    def labelled_arr(self, t):
+    def labelled_convert(obj, *args, **kwargs):
         with torch.profiler.record_function("numba:as_cuda_array"):
-            return convert(self, t)
+            return convert(obj, *args, **kwargs)
 
-    CudaBackend._arr = labelled_arr
+    cuda.as_cuda_array = labelled_convert
 
 
 def device_activity(prof) -> Dict[str, int]:

@@ -441,6 +441,11 @@ def main(argv=None) -> int:
         missing = sorted(set(kernel_signatures()) - set(ran))
         report.check("every CUDA kernel launched", not missing,
                      f"missing: {missing}" if missing else f"{len(ran)} kernels")
+        from dynemb.backends import get_backend
+        direct = get_backend("cuda").direct_launch_signatures()
+        report.check("kernels launch directly once numba's marshalling of their arguments is "
+                     "matched (dynemb.bridges.numba_launch)", direct >= len(ran),
+                     f"{direct} kernel signatures launch directly, {len(ran)} kernels ran")
     seconds = time.perf_counter() - start
     print(f"{len(report.results) - report.failed} passed, {report.failed} failed "
           f"in {seconds:.1f}s on {args.device} ({args.backend} kernels)")

@@ -137,3 +137,73 @@ def test_the_device_assert_passes_true_and_fails_false():
     device_assert.assert_on_device(torch.tensor(True), "never")
     with pytest.raises(RuntimeError, match="other ids"):
         device_assert.assert_on_device(torch.tensor(False), "other ids")
+
+
+# -- numba_launch: numba-cuda's kernel argument marshalling --------------------------------
+# numba's real dispatcher cannot be imported next to its simulator (which the suite runs):
+# these checks run in a child process without NUMBA_ENABLE_CUDASIM.
+
+def numba_launch_checks() -> None:
+    """The direct launch's arguments equal those of numba's own ``_Kernel._prepare_args`` for
+    each argument kind the kernels take (on a GPU the launcher also checks this at each
+    kernel's first launch, and keeps numba's launch where they differ); the internals it
+    calls exist."""
+    import numpy as np
+    from cuda.core import LaunchConfig, launch  # what numba's launch calls
+    from numba.cuda import types as nt
+    from numba.cuda._compat import CUDA_CORE_GE_1_0
+    from numba.cuda.cudadrv.devicearray import _StridedLayoutShim, _StridedMemoryViewShim
+    from numba.cuda.dispatcher import CUDADispatcher, _Kernel
+    from dynemb.bridges import numba_launch
+
+    class FakeDeviceArray:
+        """What numba's launch reads of a device array, over a CPU tensor's memory."""
+        __cuda_memory__ = True
+
+        def __init__(self, t):
+            item = t.element_size()
+            self._strided_memory_view_shim = _StridedMemoryViewShim(
+                ptr=t.data_ptr(), shape=tuple(t.shape), dtype=np.dtype(str(t.dtype)[6:]),
+                size=t.numel(), _layout=_StridedLayoutShim(
+                    strides_in_bytes=tuple(s * item for s in t.stride()), is_contiguous_c=True,
+                    is_contiguous_f=t.dim() < 2, is_contiguous_any=True))
+
+    assert callable(CUDADispatcher.typeof_pyval) and callable(launch)
+    assert isinstance(LaunchConfig, type) and CUDA_CORE_GE_1_0 in (True, False)
+    assert all(name in vars(_Kernel) or name in ("argument_types", "cooperative", "debug",
+                                                  "_codelibrary")
+               for name in numba_launch._NUMBA_INTERNALS)
+    kernel = object.__new__(_Kernel)
+    kernel.extensions = []
+    rows, keys = torch.zeros(5, 3), torch.arange(7)
+    types = (nt.Array(nt.float32, 2, "C"), nt.Array(nt.int64, 1, "C"), nt.int64, nt.int32,
+             nt.float32, nt.float64, nt.boolean)
+    args = (rows, keys, 12, 3, np.float32(0.5), 0.25, True)
+    theirs = []
+    for ty, value in zip(types, (FakeDeviceArray(rows), FakeDeviceArray(keys), *args[2:])):
+        kernel._prepare_args(ty, value, 0, [], theirs)
+    mine = numba_launch._driver_args(types, args)
+    assert [numba_launch._comparable(x) for x in mine] == \
+        [numba_launch._comparable(x) for x in theirs], (mine, theirs)
+    assert mine[:9] == [0, 0, 15, 4, rows.data_ptr(), 5, 3, 12, 4]
+    print("numba_launch checks passed")
+
+
+def test_numba_launch_builds_the_driver_arguments_numba_builds():
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, "-c",
+                           "import test_bridges; test_bridges.numba_launch_checks()"],
+                          env={**env, "PYTHONPATH": os.pathsep.join(sys.path)},
+                          cwd=os.path.dirname(__file__), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "checks passed" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_numba_launch_keys_each_overload_by_dtype_and_rank():
+    from dynemb.bridges import numba_launch
+    assert numba_launch._signature((torch.zeros(2, 3), 1, True)) == \
+        ((torch.float32, 2), int, bool)
+    assert numba_launch._signature((torch.zeros(4, 3).t(),)) is None  # numba's own launch

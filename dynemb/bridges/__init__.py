@@ -14,5 +14,7 @@ on the pinned versions before anything else does:
 - :mod:`~dynemb.bridges.kjt_all_to_all`: TorchRec's ``KJTAllToAll`` with a header ahead of
   its splits exchange (the sharded modules' step check);
 - :mod:`~dynemb.bridges.storage_refs`: torch's use count of a tensor's storage;
-- :mod:`~dynemb.bridges.device_assert`: torch's assert that runs on the device.
+- :mod:`~dynemb.bridges.device_assert`: torch's assert that runs on the device;
+- :mod:`~dynemb.bridges.numba_launch`: numba-cuda's kernel launch (a compiled kernel's
+  argument marshalling and driver function), to launch without its per-tensor conversion.
 """
