@@ -285,6 +285,22 @@ def check_fused_updates(report: Report, twins: Twins, gen) -> None:
                 got.append(w.cpu())
             report.check(f"fused_update {config.type.value} float32 dim {dim} equals the CPU's",
                          torch.allclose(got[0], got[1], rtol=1e-5, atol=1e-6))
+        # rows of more than optim_cuda.PIECE occurrences: summed in pieces (piece_sums_kernel)
+        from dynemb.optimizers import OccurrenceGrads
+        dim = 40
+        inverse = torch.repeat_interleave(torch.arange(4), torch.tensor([3, 65, 300, 64]))
+        inverse = inverse[torch.randperm(inverse.numel(), generator=gen)]
+        src = torch.randn(inverse.numel(), dim, generator=gen)
+        w0 = torch.randn(6, dim + config.state_dim(dim), generator=gen).abs() * 0.1
+        got = []
+        for _, dev, be in twins.sides():
+            w = w0.to(dev, copy=True)
+            occ = OccurrenceGrads.from_inverse(src.to(dev), inverse.to(dev), 4, clip=2.0)
+            fused_update(w, torch.tensor([1, 3, 5, 0], device=dev), occ, dim=dim,
+                         config=config, lr=config.learning_rate, step=1, backend=be)
+            got.append(w.cpu())
+        report.check(f"fused_update {config.type.value}, rows of 65 and 300 occurrences, equals "
+                     "the CPU's", torch.allclose(got[0], got[1], rtol=1e-4, atol=1e-5))
         for dtype in (torch.float16, torch.bfloat16):
             dim = 24
             weights = []

@@ -163,7 +163,9 @@ def numba_launch_checks() -> None:
         def __init__(self, t):
             item = t.element_size()
             self._strided_memory_view_shim = _StridedMemoryViewShim(
-                ptr=t.data_ptr(), shape=tuple(t.shape), dtype=np.dtype(str(t.dtype)[6:]),
+                # numba's view of a null device pointer (an empty array's) is None
+                ptr=t.data_ptr() or None, shape=tuple(t.shape),
+                dtype=np.dtype(str(t.dtype)[6:]),
                 size=t.numel(), _layout=_StridedLayoutShim(
                     strides_in_bytes=tuple(s * item for s in t.stride()), is_contiguous_c=True,
                     is_contiguous_f=t.dim() < 2, is_contiguous_any=True))
@@ -175,12 +177,14 @@ def numba_launch_checks() -> None:
                for name in numba_launch._NUMBA_INTERNALS)
     kernel = object.__new__(_Kernel)
     kernel.extensions = []
-    rows, keys = torch.zeros(5, 3), torch.arange(7)
-    types = (nt.Array(nt.float32, 2, "C"), nt.Array(nt.int64, 1, "C"), nt.int64, nt.int32,
-             nt.float32, nt.float64, nt.boolean)
-    args = (rows, keys, 12, 3, np.float32(0.5), 0.25, True)
+    rows, keys, none = torch.zeros(5, 3), torch.arange(7), torch.empty(0)
+    assert none.data_ptr() == 0
+    types = (nt.Array(nt.float32, 2, "C"), nt.Array(nt.int64, 1, "C"),
+             nt.Array(nt.float32, 1, "C"), nt.int64, nt.int32, nt.float32, nt.float64,
+             nt.boolean)
+    args = (rows, keys, none, 12, 3, np.float32(0.5), 0.25, True)
     theirs = []
-    for ty, value in zip(types, (FakeDeviceArray(rows), FakeDeviceArray(keys), *args[2:])):
+    for ty, value in zip(types, (*map(FakeDeviceArray, args[:3]), *args[3:])):
         kernel._prepare_args(ty, value, 0, [], theirs)
     mine = numba_launch._driver_args(types, args)
     assert [numba_launch._comparable(x) for x in mine] == \

@@ -124,7 +124,8 @@ def _driver_args(types, args) -> list:
             for i in range(len(shape) - 1, -1, -1):  # C-contiguous strides from the shape
                 strides[i] = step
                 step *= shape[i]
-            out += [0, 0, a.numel(), item, a.data_ptr(), *shape, *strides]
+            # numba hands a null pointer (an empty tensor's) over as None
+            out += [0, 0, a.numel(), item, a.data_ptr() or None, *shape, *strides]
         elif ty == nt.boolean:
             out.append(a)
         elif ty == nt.float32:
@@ -161,6 +162,8 @@ def _checked_direct_path(kernel, args, converted):
 
 
 def _comparable(value):
+    if value is None:
+        return "None", 0
     if isinstance(value, ctypes._SimpleCData):
         return type(value).__name__, value.value
     return type(value).__name__ if isinstance(value, bool) else "int", int(value)
