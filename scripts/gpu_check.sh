@@ -270,7 +270,7 @@ run_tables() {
         "$PY" -m scripts.gpu_tables --device cpu --backend cuda --tables 1 4 --ids 256 \
             --batch 16 --warmup 1 --steps 1 --profiled-steps 1 --json "$WORK/tables_cuda.json"
     else
-        "$PY" -m scripts.gpu_tables --json "$WORK/tables_cuda.json"
+        "$PY" -m scripts.gpu_tables --json "$WORK/tables_cuda.json" --plot "$WORK/tables_cuda.png"
     fi
 }
 

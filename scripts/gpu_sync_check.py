@@ -213,6 +213,11 @@ def run_warn(ec, batches) -> Dict[str, Dict[str, int]]:
             frames = [f for f in traceback.extract_stack()[:-1] if f.filename != warnings.__file__]
             sites.append(f"{where(frames)} via {torch_site}")
 
+    # torch's first set_sync_debug_mode("warn") of a process warns of a sync of its own (on
+    # the H200: at that call, torch/cuda/__init__.py:1270, the only warning of the run, and
+    # error mode passed every phase); made here, outside the recorded phases
+    torch.cuda.set_sync_debug_mode("warn")
+    torch.cuda.set_sync_debug_mode("default")
     for kjt in batches:
         for phase, call in step_phases(ec, kjt).items():
             with warnings.catch_warnings():

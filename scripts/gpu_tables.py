@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profiled-steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--plot", help="also draw ms per step and kernels per step against T "
+                        "into this image file")
     args = parser.parse_args(argv)
     if args.device == "cpu" and args.backend == "cuda":
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
@@ -201,7 +203,38 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    if args.plot:
+        plot(report, args.plot)
     return 0
+
+
+def plot(report: dict, path: str) -> None:
+    """Step time and kernels per step against the table count, one line per method and
+    optimizer (log-log)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    lines = sorted({(r["method"], r.get("optimizer", "sgd")) for r in report["rows"]})
+    for method, opt in lines:
+        rows = sorted((r for r in report["rows"] if r["method"] == method
+                       and r.get("optimizer", "sgd") == opt), key=lambda r: r["tables"])
+        style = "-o" if method == "dynemb" else "--s"
+        for ax, field in zip(axes, ("step_ms", "kernels")):
+            ax.plot([r["tables"] for r in rows], [r[field] for r in rows], style,
+                    label=f"{method}, {opt}")
+    for ax, label in zip(axes, ("ms per step", "CUDA kernels per step")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tables T (same ids per step in all)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{report.get('gpu') or report['device']}: "
+                 f"{report['config']['ids']} ids a step, dim {report['config']['dim']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
