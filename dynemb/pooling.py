@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from dynemb.device_values import values_on
 from dynemb.dynamic_core import DynamicCore
@@ -33,24 +32,21 @@ class Bags:
     num_features: int
 
     def pool_into(self, out: torch.Tensor, table: DynamicTable, batch: TableBatch) -> None:
-        """Write the bags into their columns of ``out`` [B, C]: straight from the table's
-        rows by a kernel when they can be read in place, else by ``embedding_bag`` over the
-        looked-up unique rows."""
+        """Write the bags into their columns of ``out`` [B, C] by the pooling kernel:
+        straight from the table's rows when they can be read in place, else from its
+        looked-up unique rows (the same sums, in the same order, as a table group's)."""
         size, dim = out.shape[0], table.dim
         in_place = table.rows_in_place(batch)
         if in_place is not None:
             weights, occ_slots = in_place
-            cols = self.column + dim * torch.arange(self.num_features, device=out.device)
-            scale = (self.weights if self.weights is not None else
-                     torch.empty(0, dtype=torch.float32, device=out.device))
-            table.kernels.pool_bags(weights, occ_slots, self.offsets, scale,
-                                    self.mode == "mean", size, cols, dim, out)
-            return
-        pooled = F.embedding_bag(batch.inverse, table.lookup(batch), self.offsets,
-                                 mode=self.mode, per_sample_weights=self.weights,
-                                 include_last_offset=True)  # [F * B, D]
-        out[:, self.column:self.column + self.num_features * dim] = (
-            pooled.view(self.num_features, size, dim).transpose(0, 1).reshape(size, -1))
+        else:
+            weights = table.lookup(batch).to(torch.float32).contiguous()
+            occ_slots = batch.inverse.to(torch.int64).contiguous()
+        cols = self.column + dim * torch.arange(self.num_features, device=out.device)
+        scale = (self.weights if self.weights is not None else
+                 torch.empty(0, dtype=torch.float32, device=out.device))
+        table.kernels.pool_bags(weights, occ_slots, self.offsets, scale, self.mode == "mean",
+                                size, cols, dim, out)
 
     def occurrence_grads(self, grad_out: torch.Tensor, inverse: torch.Tensor, num_rows: int,
                          dim: int, clip: Optional[float], strided: bool) -> OccurrenceGrads:
@@ -155,19 +151,16 @@ def pool_group(out: torch.Tensor, batch: GroupBatch, members: List[Tuple[str, Ba
 def group_occurrence_grads(grad_out: torch.Tensor, batch: GroupBatch,
                            members: List[Tuple[str, Bags]],
                            clip: Optional[float]) -> OccurrenceGrads:
-    """:meth:`Bags.occurrence_grads` for a whole group: every id of its tables, in one.
+    """:meth:`Bags.occurrence_grads` for a whole group: every id of its tables, in one,
+    with a number of ops that does not depend on the number of tables.
 
-    The kernel reads each id's bag gradient straight from ``grad_out`` [B, C]: through a
-    view whose row ``r`` is ``grad_out.view(-1)[r:r + dim]``, the bag of feature column ``c``
-    and sample ``b`` is row ``b * C + c`` (no copy of the bags' gradients). MEAN bags with
-    clipping divide their gradients first, so those groups copy them."""
-    group = batch.group
-    dim = group.dim
+    Through a view of ``grad_out`` [B, C] whose row ``r`` is ``grad_out.view(-1)[r:r + dim]``,
+    the bag of feature column ``c`` and sample ``b`` is row ``b * C + c``. On CPU the kernel
+    reads each id's bag gradient straight from that view (no copy). CUDA's update kernel takes
+    contiguous rows, and clipped MEAN bags must be divided before the kernel clips them: there
+    the bags' gradients are gathered from the view in one indexing op."""
+    dim = batch.group.dim
     size, columns = grad_out.shape
-    if batch.seg is not None or clip is not None and any(bags.mode == "mean"
-                                                         for _, bags in members):
-        # CUDA (its update kernel takes contiguous gradients), or clipped MEAN bags
-        return _copied_group_grads(grad_out, batch, members, clip)
     grad_out = grad_out.contiguous()
     device = grad_out.device
     sample_rows = torch.arange(size, device=device) * columns
@@ -176,18 +169,29 @@ def group_occurrence_grads(grad_out: torch.Tensor, batch: GroupBatch,
                   + sample_rows[None, :]).reshape(-1)
     lengths = torch.cat([bags.lengths for _, bags in members])
     num_ids = batch.inverse.numel()
-    row_of_id = torch.repeat_interleave(row_of_bag, lengths, output_size=num_ids)
-    scale = None
-    if any(bags.mode == "mean" for _, bags in members):  # the division rides on the scale
-        per_bag = torch.cat([1.0 / bags.lengths.clamp(min=1).to(torch.float32)
+    per_bag = None  # each bag's divisor: its length for MEAN bags, 1 otherwise
+    if any(bags.mode == "mean" for _, bags in members):
+        per_bag = torch.cat([bags.lengths.clamp(min=1).to(torch.float32)
                              if bags.mode == "mean" else
                              torch.ones(bags.lengths.numel(), device=device)
                              for _, bags in members])
-        scale = torch.repeat_interleave(per_bag, lengths, output_size=num_ids)
+    rows = grad_out.to(torch.float32).as_strided((size * columns - dim + 1, dim), (1, 1))
+    divide_first = per_bag is not None and clip is not None
+    if batch.seg is not None or divide_first:
+        src = rows[row_of_bag]  # [bags, dim], contiguous
+        if divide_first:
+            src = src / per_bag.unsqueeze(1)
+        row_of_id = torch.repeat_interleave(torch.arange(row_of_bag.numel(), device=device),
+                                            lengths, output_size=num_ids)
+    else:
+        src = rows
+        row_of_id = torch.repeat_interleave(row_of_bag, lengths, output_size=num_ids)
+    scale = None
+    if per_bag is not None and not divide_first:  # the division rides on each id's scale
+        scale = torch.repeat_interleave(1.0 / per_bag, lengths, output_size=num_ids)
     if members[0][1].weights is not None:  # a weighted collection: every table has weights
         weights = torch.cat([bags.weights for _, bags in members])
         scale = weights if scale is None else weights * scale
-    src = grad_out.to(torch.float32).as_strided((size * columns - dim + 1, dim), (1, 1))
     offsets, order = occurrence_csr(batch.inverse, batch.keys.numel())
     return OccurrenceGrads(src, offsets, row_of_id[order].contiguous(),
                            None if scale is None else scale[order].contiguous(), clip)
@@ -197,31 +201,6 @@ def _group_columns(members: List[Tuple[str, Bags]], dim: int, device) -> torch.T
     """The first output column of each feature of the group's tables, in order."""
     return values_on([bags.column + dim * i for _, bags in members
                       for i in range(bags.num_features)], torch.int64, torch.device(device))
-
-
-def _copied_group_grads(grad_out, batch: GroupBatch, members, clip) -> OccurrenceGrads:
-    """:func:`group_occurrence_grads` with the bags' gradients copied out of ``grad_out``
-    (MEAN bags with clipping: divided by their lengths before the kernel clips them)."""
-    group = batch.group
-    grads, scales, bag_ids, bags_before = [], [], [], 0
-    for name, bags in members:
-        t = group.index[name]
-        n = batch.key_bounds[t + 1] - batch.key_bounds[t]
-        grad_bags, scale = bags.bag_grads(grad_out, n, group.dim, clip, strided=False)
-        grads.append(grad_bags)
-        scales.append(scale)
-        bag_ids.append(bags.bag_of_id(n) + bags_before)
-        bags_before += grad_bags.shape[0]
-    scale = None
-    if any(s is not None for s in scales):
-        scale = torch.cat([s if s is not None else
-                           torch.ones(b.numel(), device=grad_out.device)
-                           for s, b in zip(scales, bag_ids)])
-    offsets, order = occurrence_csr(batch.inverse, batch.keys.numel())
-    bag_of_id = torch.cat(bag_ids) if len(bag_ids) > 1 else bag_ids[0]
-    return OccurrenceGrads(torch.cat(grads).to(torch.float32), offsets,
-                           bag_of_id[order].contiguous(),
-                           None if scale is None else scale[order].contiguous(), clip)
 
 
 class PooledLookup(torch.autograd.Function):

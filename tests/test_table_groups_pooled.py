@@ -27,12 +27,13 @@ def configs(poolings):
             for i in range(4)]
 
 
-def twins(poolings, optimizer, weighted=False, clip=None):
+def twins(poolings, optimizer, weighted=False, clip=None, backend=None):
     options = DynamicEmbTableOptions(max_capacity=128, bucket_size=32,
                                      score_strategy=ScorePolicy.LFU)
     config = OptimizerConfig(optimizer, learning_rate=0.05, max_gradient=clip)
     return [DynamicEmbBagCollection(configs(poolings), is_weighted=weighted,
-                                    table_options=options, optimizer=config, group_tables=g)
+                                    table_options=options, optimizer=config, group_tables=g,
+                                    backend=backend)
             for g in (True, False)]
 
 
@@ -41,6 +42,15 @@ def batch(gen, weighted):
     ids = torch.randint(0, 700, (int(lengths.sum()),), generator=gen)
     weights = torch.rand(ids.numel(), generator=gen) if weighted else None
     return KeyedJaggedTensor.from_lengths_sync(FEATURES, ids, lengths, weights=weights)
+
+
+POOLINGS = [
+    ([PoolingType.SUM] * 4, False, None),
+    ([PoolingType.SUM] * 4, True, 0.05),
+    ([PoolingType.MEAN] * 4, False, None),
+    ([PoolingType.MEAN] * 4, False, 0.05),
+    ([PoolingType.SUM, PoolingType.MEAN, PoolingType.SUM, PoolingType.MEAN], False, None),
+]
 
 
 @pytest.mark.parametrize("poolings,weighted,clip", [
@@ -70,6 +80,32 @@ def test_a_grouped_bag_module_trains_bit_for_bit_as_its_tables_one_by_one(
         assert torch.equal(state_g[key], state_a[key]), key
     assert grouped.stats() == alone.stats()
     assert sum(s["evictions"] for s in grouped.stats().values()) > 0
+
+
+@pytest.mark.parametrize("poolings,weighted,clip", POOLINGS[1::2] + POOLINGS[4:])
+def test_a_grouped_bag_module_on_the_cuda_kernels_trains_as_its_tables_one_by_one(
+        poolings, weighted, clip):
+    """The CUDA kernels' group gathers every table's bag gradients in one op (their update
+    kernel takes contiguous rows); the same bits as the tables alone. (Adam: row-wise
+    AdaGrad's barriers make the simulator a hundred times slower.)"""
+    from conftest import BACKENDS
+    name, device = BACKENDS[1]
+    assert name == "cuda"
+    grouped, alone = (m.to(device) for m in twins(poolings, OptimizerType.ADAM,
+                                                  weighted, clip, backend="cuda"))
+    assert grouped.table_groups() == [("t0", "t1", "t2")]
+    gen = torch.Generator().manual_seed(3)
+    probe = torch.randn(BATCH, 8 * 4 + 4, generator=gen).to(device)
+    for _ in range(3):
+        kjt = batch(gen, weighted).to(device)
+        out_g, out_a = grouped(kjt), alone(kjt)
+        assert torch.equal(out_g.values(), out_a.values())
+        (out_g.values() * probe).sum().backward()
+        (out_a.values() * probe).sum().backward()
+    state_g, state_a = grouped.state_dict(), alone.state_dict()
+    for key in state_g:
+        assert torch.equal(state_g[key], state_a[key]), key
+    assert grouped.stats() == alone.stats()
 
 
 def test_eval_and_prefetched_bag_lookups_match_their_twin():
