@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from dynemb.device_values import values_on
 from dynemb.dynamic_core import DynamicCore
@@ -32,16 +33,25 @@ class Bags:
     num_features: int
 
     def pool_into(self, out: torch.Tensor, table: DynamicTable, batch: TableBatch) -> None:
-        """Write the bags into their columns of ``out`` [B, C] by the pooling kernel:
-        straight from the table's rows when they can be read in place, else from its
-        looked-up unique rows (the same sums, in the same order, as a table group's)."""
+        """Write the bags into their columns of ``out`` [B, C]: straight from the table's
+        rows by the pooling kernel when they can be read in place, else from its looked-up
+        unique rows: by the kernel on the CUDA kernels (as a table group there pools, so that
+        the two sum alike), by ``embedding_bag`` on CPU (as TorchRec's EBC and a serving
+        export pool)."""
         size, dim = out.shape[0], table.dim
         in_place = table.rows_in_place(batch)
         if in_place is not None:
             weights, occ_slots = in_place
-        else:
+        elif table.kernels.name == "cuda":
             weights = table.lookup(batch).to(torch.float32).contiguous()
             occ_slots = batch.inverse.to(torch.int64).contiguous()
+        else:
+            pooled = F.embedding_bag(batch.inverse, table.lookup(batch), self.offsets,
+                                     mode=self.mode, per_sample_weights=self.weights,
+                                     include_last_offset=True)  # [F * B, D]
+            out[:, self.column:self.column + self.num_features * dim] = (
+                pooled.view(self.num_features, size, dim).transpose(0, 1).reshape(size, -1))
+            return
         cols = self.column + dim * torch.arange(self.num_features, device=out.device)
         scale = (self.weights if self.weights is not None else
                  torch.empty(0, dtype=torch.float32, device=out.device))
