@@ -25,6 +25,7 @@ import torch
 
 from dynemb.bridges.numba_launch import KernelLauncher
 from dynemb.kernel_backend import KernelBackend, TableArrays
+from dynemb.hot_rows import hot_row_pieces
 from dynemb.group_kernels import CpuGroupKernels, CudaGroupKernels
 from dynemb.kernels import dedup_cpu, init_cpu, optim_cpu, pool_cpu, round_cpu, table_cpu
 from dynemb.kernels.constants import EMPTY_KEY, TOMBSTONE_KEY, cuda_simulator_enabled
@@ -347,26 +348,16 @@ class CudaBackend(CudaGroupKernels):
                      *_f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
 
     def _hot_row_pieces(self, src, offsets, order, scale, clip, dim):
-        """``(piece_end, piece_count, pieces)`` of ``fused_update_kernel``: per row, its
-        number of pieces (0 for a row of at most ``PIECE`` occurrences) and where they end
-        in ``pieces`` [P, dim], which ``piece_sums_kernel`` fills. The number of pieces is
-        not read back: ``P`` is the bound ``2 N / PIECE + 1`` for N occurrences (a row of
-        ``c > PIECE`` occurrences has ``ceil(c / PIECE) < 2 c / PIECE`` pieces)."""
-        piece, occurrences, dev = self._optim.PIECE, order.numel(), offsets.device
-        rows = offsets.numel() - 1
-        if occurrences <= piece:  # no row can have more
-            none = torch.zeros(rows, dtype=torch.int64, device=dev)
-            return none, none, torch.empty(0, dim, dtype=torch.float32, device=dev)
-        counts = offsets[1:] - offsets[:-1]
-        piece_count = torch.where(counts > piece, (counts + piece - 1) // piece, 0)
-        piece_end = torch.cumsum(piece_count, 0)
-        bound = 2 * occurrences // piece + 1
-        piece_row = torch.searchsorted(piece_end, torch.arange(bound, device=dev), right=True)
-        pieces = torch.empty(bound, dim, dtype=torch.float32, device=dev)
+        """``(piece_end, piece_count, pieces)`` of ``fused_update_kernel``: the layout of
+        :func:`~dynemb.hot_rows.hot_row_pieces`, ``pieces`` [P, dim] filled by
+        ``piece_sums_kernel``."""
+        piece_row, piece_end, piece_count = hot_row_pieces(offsets, order.numel(),
+                                                           self._optim.PIECE)
+        pieces = torch.empty(piece_row.numel(), dim, dtype=torch.float32, device=src.device)
         a = self._arr
-        self._launch(self._optim.piece_sums_kernel, bound * self._optim.WARP, a(src),
-                     a(offsets), a(order), a(scale), *_f32(clip), a(piece_row), a(piece_end),
-                     a(piece_count), a(pieces), dim)
+        self._launch(self._optim.piece_sums_kernel, piece_row.numel() * self._optim.WARP,
+                     a(src), a(offsets), a(order), a(scale), *_f32(clip), a(piece_row),
+                     a(piece_end), a(piece_count), a(pieces), dim)
         return piece_end, piece_count, pieces
 
     def round_rows(self, src, out, keys, seed, table_id, step, fmt, stochastic):

@@ -6,6 +6,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynemb.flat_table import RowLayout
 from dynemb.optimizers import (OptimizerConfig, OptimizerType, clip_gradients, fused_update,
@@ -550,6 +552,27 @@ def _hot_rows(seed=11, dim=40):
     src = torch.randn(inverse.numel(), dim, generator=g)
     scale = torch.rand(inverse.numel(), generator=g) + 0.5
     return inverse, src, scale
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=30), piece=st.integers(1, 9))
+def test_hot_row_pieces_cut_each_long_row_in_order(counts, piece):
+    """The CUDA update's layout of pieces against a Python model: rows of more than
+    ``piece`` occurrences are cut into ``ceil(count / piece)`` pieces, numbered row by row;
+    the padding past the last piece belongs to no row."""
+    from dynemb.hot_rows import hot_row_pieces
+    offsets = torch.tensor([0] + counts).cumsum(0)
+    piece_row, piece_end, piece_count = hot_row_pieces(offsets, sum(counts), piece)
+    want_rows = [r for r, c in enumerate(counts) if c > piece for _ in range(-(-c // piece))]
+    if sum(counts) <= piece:
+        assert piece_row.numel() == 0 and not piece_count.any()
+        return
+    model_counts = [-(-c // piece) if c > piece else 0 for c in counts]
+    assert piece_count.tolist() == model_counts
+    assert piece_end.tolist() == [sum(model_counts[:r + 1]) for r in range(len(counts))]
+    assert piece_row.numel() >= len(want_rows)  # the bound holds
+    assert piece_row[:len(want_rows)].tolist() == want_rows
+    assert (piece_row[len(want_rows):] >= len(counts)).all()
 
 
 @pytest.mark.parametrize("opt", [SGD, ROWWISE])

@@ -65,11 +65,18 @@ POOLINGS = [
 def test_a_grouped_bag_module_trains_bit_for_bit_as_its_tables_one_by_one(
         poolings, weighted, clip, optimizer):
     grouped, alone = twins(poolings, optimizer, weighted, clip)
+    train_alike(grouped, alone, weighted, steps=15, seed=1)
+    assert sum(s["evictions"] for s in grouped.stats().values()) > 0
+
+
+def train_alike(grouped, alone, weighted, steps, seed, device="cpu"):
+    """Both modules train on the same batches; outputs, then state and counters, are equal
+    bit for bit."""
     assert grouped.table_groups() == [("t0", "t1", "t2")]
-    gen = torch.Generator().manual_seed(1)
-    probe = torch.randn(BATCH, 8 * 4 + 4, generator=gen)
-    for _ in range(15):
-        kjt = batch(gen, weighted)
+    gen = torch.Generator().manual_seed(seed)
+    probe = torch.randn(BATCH, 8 * 4 + 4, generator=gen).to(device)
+    for _ in range(steps):
+        kjt = batch(gen, weighted).to(device)
         out_g, out_a = grouped(kjt), alone(kjt)
         assert torch.equal(out_g.values(), out_a.values())
         assert out_g.keys() == out_a.keys()
@@ -79,7 +86,6 @@ def test_a_grouped_bag_module_trains_bit_for_bit_as_its_tables_one_by_one(
     for key in state_g:
         assert torch.equal(state_g[key], state_a[key]), key
     assert grouped.stats() == alone.stats()
-    assert sum(s["evictions"] for s in grouped.stats().values()) > 0
 
 
 @pytest.mark.parametrize("poolings,weighted,clip", POOLINGS[1::2] + POOLINGS[4:])
@@ -93,19 +99,7 @@ def test_a_grouped_bag_module_on_the_cuda_kernels_trains_as_its_tables_one_by_on
     assert name == "cuda"
     grouped, alone = (m.to(device) for m in twins(poolings, OptimizerType.ADAM,
                                                   weighted, clip, backend="cuda"))
-    assert grouped.table_groups() == [("t0", "t1", "t2")]
-    gen = torch.Generator().manual_seed(3)
-    probe = torch.randn(BATCH, 8 * 4 + 4, generator=gen).to(device)
-    for _ in range(3):
-        kjt = batch(gen, weighted).to(device)
-        out_g, out_a = grouped(kjt), alone(kjt)
-        assert torch.equal(out_g.values(), out_a.values())
-        (out_g.values() * probe).sum().backward()
-        (out_a.values() * probe).sum().backward()
-    state_g, state_a = grouped.state_dict(), alone.state_dict()
-    for key in state_g:
-        assert torch.equal(state_g[key], state_a[key]), key
-    assert grouped.stats() == alone.stats()
+    train_alike(grouped, alone, weighted, steps=3, seed=3, device=device)
 
 
 def test_eval_and_prefetched_bag_lookups_match_their_twin():
