@@ -94,4 +94,3 @@ def _occurrence_csr_torch(inverse: torch.Tensor, num_rows: int):
     offsets = torch.zeros(num_rows + 1, dtype=torch.int64, device=inverse.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     return offsets, order
-

@@ -162,7 +162,8 @@ def group_occurrence_grads(grad_out: torch.Tensor, batch: GroupBatch,
                            members: List[Tuple[str, Bags]],
                            clip: Optional[float]) -> OccurrenceGrads:
     """:meth:`Bags.occurrence_grads` for a whole group: every id of its tables, in one,
-    with a number of ops that does not depend on the number of tables.
+    with a number of ops that does not depend on the number of tables (but the ``cat`` of
+    their lengths and weights).
 
     Through a view of ``grad_out`` [B, C] whose row ``r`` is ``grad_out.view(-1)[r:r + dim]``,
     the bag of feature column ``c`` and sample ``b`` is row ``b * C + c``. On CPU the kernel
@@ -180,11 +181,15 @@ def group_occurrence_grads(grad_out: torch.Tensor, batch: GroupBatch,
     lengths = torch.cat([bags.lengths for _, bags in members])
     num_ids = batch.inverse.numel()
     per_bag = None  # each bag's divisor: its length for MEAN bags, 1 otherwise
-    if any(bags.mode == "mean" for _, bags in members):
-        per_bag = torch.cat([bags.lengths.clamp(min=1).to(torch.float32)
-                             if bags.mode == "mean" else
-                             torch.ones(bags.lengths.numel(), device=device)
-                             for _, bags in members])
+    means = [bags.mode == "mean" for _, bags in members]
+    if any(means):
+        per_bag = lengths.clamp(min=1).to(torch.float32)
+        if not all(means):
+            is_mean = torch.repeat_interleave(
+                values_on(means, torch.bool, device),
+                values_on([bags.lengths.numel() for _, bags in members], torch.int64, device),
+                output_size=lengths.numel())
+            per_bag = torch.where(is_mean, per_bag, 1.0)
     rows = grad_out.to(torch.float32).as_strided((size * columns - dim + 1, dim), (1, 1))
     divide_first = per_bag is not None and clip is not None
     if batch.seg is not None or divide_first:
