@@ -27,13 +27,13 @@ def configs(poolings):
             for i in range(4)]
 
 
-def twins(poolings, optimizer, weighted=False, clip=None, backend=None):
+def twins(poolings, optimizer, weighted=False, clip=None, backend=None, device=None):
     options = DynamicEmbTableOptions(max_capacity=128, bucket_size=32,
                                      score_strategy=ScorePolicy.LFU)
     config = OptimizerConfig(optimizer, learning_rate=0.05, max_gradient=clip)
     return [DynamicEmbBagCollection(configs(poolings), is_weighted=weighted,
                                     table_options=options, optimizer=config, group_tables=g,
-                                    backend=backend)
+                                    backend=backend, device=device)
             for g in (True, False)]
 
 
@@ -97,8 +97,8 @@ def test_a_grouped_bag_module_on_the_cuda_kernels_trains_as_its_tables_one_by_on
     from conftest import BACKENDS
     name, device = BACKENDS[1]
     assert name == "cuda"
-    grouped, alone = (m.to(device) for m in twins(poolings, OptimizerType.ADAM,
-                                                  weighted, clip, backend="cuda"))
+    grouped, alone = twins(poolings, OptimizerType.ADAM, weighted, clip, backend="cuda",
+                           device=torch.device(device))
     train_alike(grouped, alone, weighted, steps=3, seed=3, device=device)
 
 
