@@ -209,5 +209,5 @@ def test_numba_launch_builds_the_driver_arguments_numba_builds():
 def test_numba_launch_keys_each_overload_by_dtype_and_rank():
     from dynemb.bridges import numba_launch
     assert numba_launch._signature((torch.zeros(2, 3), 1, True)) == \
-        ((torch.float32, 2), int, bool)
+        ((torch.float32, 2, -1), int, bool)  # -1: torch's index of the CPU
     assert numba_launch._signature((torch.zeros(4, 3).t(),)) is None  # numba's own launch

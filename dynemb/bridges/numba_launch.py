@@ -98,13 +98,14 @@ class KernelLauncher:
 
 def _signature(args) -> Tuple:
     """What picks the compiled kernel: each tensor's dtype and rank (contiguous tensors only;
-    None for any other), each scalar's type."""
+    None for any other) and its device (a kernel is loaded once per device), each scalar's
+    type."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
             if not a.is_contiguous():
                 return None
-            out.append((a.dtype, a.dim()))
+            out.append((a.dtype, a.dim(), a.get_device()))
         else:
             out.append(type(a))
     return tuple(out)
