@@ -5,6 +5,8 @@ from typing import Dict
 
 import torch
 
+from dynemb.device_values import values_on
+
 #: Counted events, in the order they are stored.
 COUNTER_NAMES = (
     "lookups",            # key occurrences looked up (duplicates included)
@@ -38,18 +40,31 @@ class TableCounters:
 
     def __init__(self, device: torch.device):
         self._values = torch.zeros(len(COUNTER_NAMES), dtype=torch.int64, device=device)
+        self._indices: Dict[tuple, torch.Tensor] = {}  # counter names -> their index tensor
 
     def add(self, name: str, amount) -> None:
-        self._values[_INDEX[name]] += amount
+        # in place on the element's view: one op (``values[i] += x`` is an add and a copy)
+        self._values[_INDEX[name]].add_(amount)
 
     def add_many(self, **amounts) -> None:
-        if all(isinstance(v, int) for v in amounts.values()):  # one tensor op on the host path
-            index = torch.tensor([_INDEX[k] for k in amounts], device=self._values.device)
-            self._values.index_add_(0, index, torch.tensor(list(amounts.values()),
-                                                           device=self._values.device))
+        """Add several counters: Python ints, or 0-d tensors on the counters' device, in one
+        ``index_add_`` (a device op per counter otherwise)."""
+        values = list(amounts.values())
+        device = self._values.device
+        if all(isinstance(v, int) for v in values):  # host values
+            source = values_on(values, torch.int64, device)
+        elif all(isinstance(v, torch.Tensor) and v.device == device for v in values):
+            source = torch.stack(values).to(torch.int64)
+        else:
+            for name, amount in amounts.items():
+                self.add(name, amount)
             return
-        for name, amount in amounts.items():
-            self.add(name, amount)
+        names = tuple(amounts)
+        index = self._indices.get(names)
+        if index is None:
+            index = self._indices[names] = values_on([_INDEX[k] for k in names], torch.int64,
+                                                     device)
+        self._values.index_add_(0, index, source)
 
     def nbytes(self) -> int:
         return self._values.numel() * self._values.element_size()
