@@ -29,7 +29,7 @@ from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode
 from dynemb.prefetch import PrefetchState, check_state_matches, prefetch_on_stream
 from dynemb.stashing.collection_stash import CollectionStash
-from dynemb.table_inputs import split_by_table
+from dynemb.table_inputs import TableInputs, split_by_table
 from dynemb.tables import DynamicTable, TableBatch
 from dynemb.tables.batch import check_batch_score, check_score
 from dynemb.tables.groups import GroupBatch, TableGroup, group_tables
@@ -57,6 +57,7 @@ class DynamicCore:
                  backend: Optional[str], validate_inputs: bool, weights_are_counts: bool,
                  variable_batch: bool, group_tables: bool = True):
         self.configs = configs
+        self._inputs = TableInputs(configs)  # which KJT features each table reads
         self.device = device
         self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
         if not isinstance(self.optimizer_config, OptimizerConfig):
@@ -83,6 +84,8 @@ class DynamicCore:
         self._awaiting_backward: List[Tuple[str, TableBatch]] = []
         self._steps = {name: 0 for name in self.tables}
         self._scores: Dict[str, int] = {}  # CUSTOMIZED tables: what training batches write
+        self._scored = [name for name, options in self.table_options.items()
+                        if options.score_strategy is ScorePolicy.CUSTOMIZED]
         self._generation = 0  # bumped by every checkpoint load: older lookups cannot backward
         self.fused_optimizer = DynamicEmbFusedOptimizer(self.optimizer_config.learning_rate)
         self._prefetch_stream = (torch.cuda.Stream(device=device)
@@ -218,12 +221,11 @@ class DynamicCore:
         return state
 
     def _prefetch_now(self, kjt: KeyedJaggedTensor, training: bool) -> PrefetchState:
-        per_table = split_by_table(kjt, self.configs, self.device, validate=self.validate_inputs,
+        per_table = split_by_table(kjt, self._inputs, self.device, validate=self.validate_inputs,
                                    weights_are_counts=self._weights_are_counts,
                                    variable_batch=self._variable_batch)
-        for name, table in self.tables.items():  # before any table changes
-            check_batch_score(name, table.options.score_strategy, training,
-                              self._scores.get(name))
+        for name in self._scored:  # before any table changes (no other policy can fail)
+            check_batch_score(name, ScorePolicy.CUSTOMIZED, training, self._scores.get(name))
         batches: Dict[str, Any] = {}
         try:
             for group in self._groups_for_training() if training else ():

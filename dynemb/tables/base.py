@@ -69,7 +69,7 @@ class DynamicTable(CheckpointTiers):
         self.admission = (AdmissionCounter(options.admission, self.device, self.kernels)
                           if options.admission is not None else None)
         self.counters = TableCounters(self.device)
-        self._held: List[TableBatch] = []
+        self._held: Dict[int, TableBatch] = {}  # by id(): batches holding pins, in order
         self._deferred = DeferredFailures(self.device)
         #: a :class:`~dynemb.checkpoint.changes.ChangeTracker` once checkpoint files track
         #: this table for incremental dumps (told of every claim, growth and update)
@@ -174,7 +174,7 @@ class DynamicTable(CheckpointTiers):
 
     def _hold(self, batch: TableBatch) -> None:
         batch.pinned = True
-        self._held.append(batch)
+        self._held[id(batch)] = batch
 
     def _admit(self, batch: TableBatch, present: torch.Tensor) -> torch.Tensor:
         """Keys allowed a row: those already stored and those reaching the threshold. The rest
@@ -223,7 +223,7 @@ class DynamicTable(CheckpointTiers):
     def _pin_holders(self) -> str:
         """Who holds the pins, for error messages: queued prefetches and looked-up batches
         whose backward has not run yet."""
-        queued = sum(1 for b in self._held if not b.consumed)
+        queued = sum(1 for b in self._held.values() if not b.consumed)
         looked_up = len(self._held) - queued
         if not self._held:
             return "no other batch: this batch alone has more keys than its buckets hold"
@@ -237,7 +237,7 @@ class DynamicTable(CheckpointTiers):
             self.changes.remapped(tier, remap)
         if tier is not self.tier:
             return
-        for held in self._held:
+        for held in self._held.values():
             if held.slots is not None:
                 held.slots = torch.where(held.slots >= 0, remap[held.slots.clamp(min=0)], -1)
 
@@ -322,7 +322,7 @@ class DynamicTable(CheckpointTiers):
             self.tier.hash.release(batch.slots)
         self._release_more(batch)
         batch.pinned = False
-        self._held = [b for b in self._held if b is not batch]
+        self._held.pop(id(batch), None)
 
     def _release_more(self, batch: TableBatch) -> None:
         """Pins a mode holds besides the device tier's."""
@@ -330,10 +330,10 @@ class DynamicTable(CheckpointTiers):
     def hold_group_batch(self, batch) -> None:
         """A batch of the table's group (:mod:`dynemb.tables.groups`) pins rows of this
         table until :meth:`drop_group_batch`."""
-        self._held.append(batch)
+        self._held[id(batch)] = batch
 
     def drop_group_batch(self, batch) -> None:
-        self._held = [b for b in self._held if b is not batch]
+        self._held.pop(id(batch), None)
 
     def has_batches_in_flight(self) -> bool:
         """A prefetched or looked-up batch still holds pins (its backward or release has not
@@ -396,7 +396,7 @@ class DynamicTable(CheckpointTiers):
         out.other_bytes += self.counters.nbytes() + storage_bytes([self._deferred.total])
         out.host_other_bytes += storage_bytes([self._deferred.host])
         out.in_flight_bytes += storage_bytes(
-            t for b in self._held for t in b.table_tensors(self.name))
+            t for b in self._held.values() for t in b.table_tensors(self.name))
         return out
 
     def __repr__(self) -> str:
