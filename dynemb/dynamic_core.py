@@ -22,6 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dynemb.checkpoint.module_state import (NAMESPACE, check_saved_tables, collect_saved,
                                            save_tables)
 from dynemb.checkpoint.table_state import SavedTable, restore
+from dynemb.batch_claims import check_failures, prefetch_all
 from dynemb.collection_config import build_configured_table, settle_table_options
 from dynemb.fused_optimizer import DynamicEmbFusedOptimizer, checked_lr
 from dynemb.optimizer_config import DefaultOptimizerNotice
@@ -75,6 +76,8 @@ class DynamicCore:
             table = self._build_table(config)
             if table is not None:  # None on the meta device
                 self.tables[config.name] = table
+        # the CUDA kernels report keys without a slot at a later prefetch
+        self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
         self.groups_on = group_tables
         self.groups: List[TableGroup] = []
         self._regroup()
@@ -226,23 +229,11 @@ class DynamicCore:
                                    variable_batch=self._variable_batch)
         for name in self._scored:  # before any table changes (no other policy can fail)
             check_batch_score(name, ScorePolicy.CUSTOMIZED, training, self._scores.get(name))
-        batches: Dict[str, Any] = {}
-        try:
-            for group in self._groups_for_training() if training else ():
-                batch = group.prefetch([per_table[n][0] for n in group.names],
-                                       [per_table[n][2] for n in group.names],
-                                       [self._scores.get(n) for n in group.names])
-                if batch is not None:  # None: a key found no slot; alone, they say where
-                    batches.update((name, batch) for name in group.names)
-            for name, table in self.tables.items():
-                if name in batches:
-                    continue
-                keys, _, occurrences = per_table[name]
-                batches[name] = table.prefetch(keys, training, occurrences=occurrences,
-                                               score=self._scores.get(name))
-        except Exception:
-            self._release(batches.items())
-            raise
+        groups = self._groups_for_training() if training else []
+        if training and self._defers_failures:  # earlier batches' keys without a slot (CUDA)
+            check_failures(groups, self.tables.values())
+        batches = prefetch_all(groups, self.tables, per_table, training, self._scores,
+                               self._release)
         batches = {name: batches[name] for name in self.tables}
         features = {name: per_table[name][1] for name in self.tables}
         lengths = per_table["__lengths__"]

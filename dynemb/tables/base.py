@@ -14,7 +14,7 @@ input length (``EMPTY_KEY`` entries, slot -1) so the hot path never reads a size
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, List, Optional, Tuple, Union
+from typing import Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
@@ -153,9 +153,24 @@ class DynamicTable(CheckpointTiers):
         ``occurrences`` [N] (int64), when given, says how many times each entry of ``keys``
         stands for (ids deduplicated upstream); counts and counters use it. ``score``: what
         a training batch of a CUSTOMIZED table writes as the score of each of its keys
-        (required there, see :func:`check_batch_score`; ignored by the other policies)."""
+        (required there, see :func:`check_batch_score`; ignored by the other policies).
+        The same as :meth:`claim_batch` then :meth:`finish_batch`."""
+        return self.finish_batch(self.claim_batch(keys, training, occurrences, score))
+
+    def claims_apart(self, training: bool) -> bool:
+        """Whether :meth:`claim_batch` of such a batch only claims (and :meth:`undo_batch`
+        can take it back exactly); else it does all of the prefetch."""
+        return False
+
+    def claim_batch(self, keys: torch.Tensor, training: bool,
+                    occurrences: Optional[torch.Tensor] = None,
+                    score: Optional[int] = None) -> TableBatch:
+        """The first half of :meth:`prefetch`. Where :meth:`claims_apart`, the batch's rows
+        are claimed and pinned but neither filled nor counted: :meth:`finish_batch` does
+        that, or :meth:`undo_batch` puts the table back as it was (a module whose other
+        table refuses the batch changes no table). Else the whole prefetch runs here."""
         score = check_batch_score(self.name, self.options.score_strategy, training, score)
-        self._deferred.check(self.name)
+        self.check_failures()
         # in the bucket order of the device tier, where training claims them
         unique = unique_keys(keys, kernels=self.kernels, num_buckets=self.tier.hash.num_buckets)
         counts = unique.counts
@@ -163,14 +178,54 @@ class DynamicTable(CheckpointTiers):
             counts = torch.zeros_like(counts).index_add_(0, unique.inverse, occurrences)
         batch = TableBatch(self.name, self.mode, training, unique.keys, unique.inverse,
                            counts, unique.num_unique, score=score)
+        batch.lookups = keys.numel() if occurrences is None else occurrences.sum()
         try:
-            self._resolve(batch)
+            if self.claims_apart(training):
+                batch.pending = self._claim_training(batch)
+            else:
+                self._resolve(batch)
         except Exception:  # e.g. a user's backing store raised: the pins taken end
             self.release(batch)
             raise
-        self.counters.add("lookups", keys.numel() if occurrences is None else occurrences.sum())
-        self.counters.add("unique_keys", unique.num_unique.sum())
         return batch
+
+    def finish_batch(self, batch: TableBatch) -> TableBatch:
+        """Fill the rows :meth:`claim_batch` claimed and count the batch (its lookups once)."""
+        if batch.pending is not None:
+            result, batch.pending = batch.pending, None
+            try:
+                self._finish_training(batch, result)
+            except Exception:
+                self.release(batch)
+                raise
+        self.counters.add("lookups", batch.lookups)
+        self.counters.add("unique_keys", batch.num_unique.sum())
+        batch.lookups = None
+        return batch
+
+    def undo_batch(self, batch: TableBatch) -> None:
+        """Take back a :meth:`claim_batch` that :meth:`finish_batch` did not follow: keys,
+        scores, size, clock and pins as before it (a growth during the claim stays)."""
+        if batch.pending is not None:
+            result, batch.pending = batch.pending, None
+            self._undo_claim(batch, result)
+        self.release(batch)
+
+    def check_failures(self) -> None:
+        """Raise the ``TableFullError`` of keys that found no slot in earlier batches on the
+        sync-free (CUDA) path, if their count has reached the host."""
+        self._deferred.check(self.name)
+
+    def _claim_training(self, batch: TableBatch):
+        """The claim of a training batch (see :meth:`claims_apart`)."""
+        raise NotImplementedError
+
+    def _finish_training(self, batch: TableBatch, result) -> None:
+        """Fill and count the rows of :meth:`_claim_training`'s ``result``."""
+        raise NotImplementedError
+
+    def _undo_claim(self, batch: TableBatch, result) -> None:
+        raise NotImplementedError
 
     def _hold(self, batch: TableBatch) -> None:
         batch.pinned = True

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -42,6 +42,10 @@ class TableBatch:
     pinned: bool = False
     consumed: bool = False
     applied: bool = False
+    #: between :meth:`~dynemb.tables.DynamicTable.claim_batch` and ``finish_batch``: the
+    #: claim whose rows are not yet filled, and the lookups not yet counted
+    pending: Any = None
+    lookups: Any = None
 
     @property
     def num_keys(self) -> int:

@@ -35,6 +35,8 @@ class GroupBatch:
         self.applied: set = set()
         #: [U] the table of each unique key, on the device (the CUDA path's; None on CPU)
         self.seg = None
+        #: between ``TableGroup.claim`` and ``finish``: the claim whose rows are not filled
+        self.pending = None
 
     @property
     def names(self) -> Tuple[str, ...]:

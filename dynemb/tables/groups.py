@@ -172,6 +172,24 @@ class TableGroup:
     # -- prefetch ------------------------------------------------------------------------------
     def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
                  scores: Sequence[Optional[int]]) -> Optional[GroupBatch]:
+        """:meth:`claim_batch` then :meth:`finish_batch`."""
+        batch = self.claim_batch(keys, occurrences, scores)
+        return None if batch is None else self.finish_batch(batch)
+
+    def claims_apart(self) -> bool:
+        """Whether :meth:`claim_batch` only claims (:meth:`undo_batch` takes it back
+        exactly): on the host kernels. The CUDA path does all of the prefetch at once."""
+        return self._on_device is None
+
+    def check_failures(self) -> None:
+        """Raise the ``TableFullError`` of keys of earlier batches that found no slot on the
+        CUDA path (once their count has reached the host)."""
+        if self._on_device is not None:
+            self._on_device.failures.check()
+
+    def claim_batch(self, keys: Sequence[torch.Tensor],
+                    occurrences: Sequence[Optional[torch.Tensor]],
+                    scores: Sequence[Optional[int]]) -> Optional[GroupBatch]:
         """Claim and pin the rows of every table's ``keys`` (one tensor per table, group
         order) for training. ``occurrences``: per table, what each id stands for (None: 1);
         ``scores``: per table, the CUSTOMIZED score (None for other policies).
@@ -180,7 +198,10 @@ class TableGroup:
         undone, the group unchanged, and the caller runs the tables one by one (which
         raises the error a table alone raises, where a table alone raises it). On the CUDA
         kernels nothing is read back (:mod:`dynemb.tables.group_device`): a key without a
-        slot is served zeros and its table raises at a later prefetch, as alone."""
+        slot is served zeros and its table raises at a later prefetch, as alone.
+
+        On the host kernels the rows are claimed but neither filled nor counted yet:
+        :meth:`finish_batch` does that, or :meth:`undo_batch` takes the claim back."""
         if self._on_device is not None:
             return self._on_device.prefetch(keys, occurrences, scores)
         key_bounds = [0]
@@ -202,7 +223,31 @@ class TableGroup:
         for table in self.tables:
             table.hold_group_batch(batch)
         claim = (unique, slots, inserted, prev_keys, prev_scores, unique_bounds)
-        occurrences = given_counts if counted else None
+        batch.pending = (claim, stats, given_counts if counted else None)
+        return batch
+
+    def undo_batch(self, batch: GroupBatch) -> None:
+        """Take back a :meth:`claim_batch` that :meth:`finish_batch` did not follow: keys, scores,
+        sizes, clocks and pins as before it. A finished batch's pins just end."""
+        if batch.pending is None:
+            self.release(batch)
+            return
+        (_, slots, inserted, prev_keys, prev_scores, _), stats, _ = batch.pending
+        batch.pending = None
+        self._rollback(slots, inserted, prev_keys, prev_scores, stats)
+        for table in self.tables:
+            table.drop_group_batch(batch)
+        batch.unreleased = set()
+        batch.pinned = False
+
+    def finish_batch(self, batch: GroupBatch) -> GroupBatch:
+        """Fill the rows :meth:`claim_batch` claimed (CACHE: write-backs and loads, else the
+        initializers) and count them."""
+        if batch.pending is None:
+            return batch
+        claim, stats, occurrences = batch.pending
+        batch.pending = None
+        unique, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
         undone: List[int] = []
 
         def undo(tables: List[int]) -> None:  # their rows could not be filled

@@ -64,6 +64,13 @@ class HbmDirectTable(DynamicTable):
             self._resolve_eval(batch)
 
     def _resolve_training(self, batch: TableBatch) -> None:
+        self._finish_training(batch, self._claim_training(batch))
+
+    def claims_apart(self, training: bool) -> bool:
+        # admission counts a batch's keys before it claims: that part is not taken back
+        return training and self.admission is None
+
+    def _claim_training(self, batch: TableBatch):
         claim = batch.keys
         if self.admission is not None:
             admitted = self._admit(batch, self._present(batch.keys))
@@ -71,6 +78,9 @@ class HbmDirectTable(DynamicTable):
         result = self._claim(self.tier, claim, batch.counts, batch.score)
         batch.slots = result.slots
         self._hold(batch)
+        return result
+
+    def _finish_training(self, batch: TableBatch, result) -> None:
         try:
             self._fill_new_rows(batch.keys, result)
         except BaseException:  # e.g. a CACHE store's disk is full: the claim is undone
