@@ -634,7 +634,7 @@ def profile_phases():
          ("dynemb/optimizers.py", "fused_update")),
         ("release pins", DynamicTable, "release", ("dynemb/tables/base.py", "release")),
         # a group's phases (dynemb.tables.groups), under the same labels
-        ("dedup", TableGroup, "_dedup", ("dynemb/tables/groups.py", "_dedup")),
+        ("dedup", TableGroup, "dedup", ("dynemb/tables/groups.py", "dedup")),
         ("find_or_insert (claim, pin)", TableGroup, "_claim",
          ("dynemb/tables/groups.py", "_claim")),
         ("counters of the claim", TableGroup, "_count_prefetch",

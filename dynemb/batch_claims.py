@@ -24,7 +24,11 @@ def prefetch_all(groups: Sequence[TableGroup], tables: Mapping[str, DynamicTable
                  inputs: Inputs, training: bool, scores: Mapping[str, int],
                  release: Callable[[Iterable[Tuple[str, Any]]], None]) -> Dict[str, Any]:
     """Each table's batch (a group's tables share theirs) of ``inputs``; on any error the
-    claims are taken back, every pin taken ends (``release``) and the error propagates."""
+    claims are taken back, every pin taken ends (``release``) and the error propagates.
+    ``groups``: for a training batch, those to claim as one; else those that look up as one
+    (:meth:`~dynemb.tables.groups.TableGroup.lookup_batch`)."""
+    if not training:
+        return _look_up_all(groups, tables, inputs, scores, release)
     batches: Dict[str, Any] = {}
     claimed: List[Tuple[Any, Any]] = []  # (group or table, batch) not yet filled
     at_once = [group for group in groups if not group.claims_apart()]
@@ -55,6 +59,27 @@ def prefetch_all(groups: Sequence[TableGroup], tables: Mapping[str, DynamicTable
         for owner, batch in reversed(claimed):
             if batch.pending is not None:  # claimed, not filled: taken back
                 owner.undo_batch(batch)
+        release(batches.items())
+        raise
+    return batches
+
+
+def _look_up_all(groups: Sequence[TableGroup], tables: Mapping[str, DynamicTable],
+                 inputs: Inputs, scores: Mapping[str, int],
+                 release: Callable[[Iterable[Tuple[str, Any]]], None]) -> Dict[str, Any]:
+    """A read-only batch: nothing to take back, the pins taken end on an error."""
+    batches: Dict[str, Any] = {}
+    try:
+        for group in groups:
+            keys, occurrences, _ = _group_inputs(group, inputs, scores)
+            batch = group.lookup_batch(keys, occurrences)
+            batches.update((name, batch) for name in group.names)
+        for name, table in tables.items():
+            if name not in batches:
+                keys, _, occurrences = inputs[name]
+                batches[name] = table.prefetch(keys, False, occurrences=occurrences,
+                                               score=scores.get(name))
+    except Exception:
         release(batches.items())
         raise
     return batches

@@ -229,7 +229,8 @@ class DynamicCore:
                                    variable_batch=self._variable_batch)
         for name in self._scored:  # before any table changes (no other policy can fail)
             check_batch_score(name, ScorePolicy.CUSTOMIZED, training, self._scores.get(name))
-        groups = self._groups_for_training() if training else []
+        groups = (self._groups_for_training() if training else
+                  [g for g in self.groups if g.looks_up_as_one() and g.intact(self.tables)])
         if training and self._defers_failures:  # earlier batches' keys without a slot (CUDA)
             check_failures(groups, self.tables.values())
         batches = prefetch_all(groups, self.tables, per_table, training, self._scores,

@@ -51,6 +51,15 @@ class CpuGroupKernels:
             allow_evict, pin, n(out_slots), n(out_inserted), n(out_prev_keys),
             n(out_prev_scores), n(out_failed), out_stats)
 
+    def find_group(self, table: TableArrays, row_offset, num_buckets, ukeys, unique_bounds,
+                   out_slots):
+        """``groups_cpu.find_group_cpu``: each table's part of ``ukeys`` found in its own rows
+        (group slots, -1 where absent); ``row_offset``, ``num_buckets`` and
+        ``unique_bounds`` are numpy arrays."""
+        groups_cpu.find_group_cpu(self._np(table.keys), row_offset, num_buckets,
+                                  table.bucket_size, self._np(ukeys), unique_bounds,
+                                  self._np(out_slots))
+
     def claim_counts_group(self, unique_bounds, slots, inserted, previous_keys, out):
         """Per table: (hits, inserts, evictions) of a group claim into numpy ``out`` [T, 3]."""
         groups_cpu.claim_counts_group_cpu(unique_bounds, self._np(slots), self._np(inserted),

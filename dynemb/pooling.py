@@ -137,10 +137,14 @@ def pool_group(out: torch.Tensor, batch: GroupBatch, members: List[Tuple[str, Ba
     group's rows: one kernel call for all of them when they pool alike (else one per
     table)."""
     group = batch.group
+    if batch.fallback is not None and group.kernels.name != "cuda":
+        _pool_group_eval(out, batch, members)
+        return
     size, dim = out.shape[0], group.dim
     occ_slots = batch.slots.index_select(0, batch.inverse)
     rows = group.weights
-    if batch.seg is not None:  # CUDA: a key without a slot pools zeros; pool gathered rows
+    if batch.seg is not None or batch.fallback is not None:
+        # CUDA: a key without a slot pools zeros; eval: a key not stored pools its eval row
         rows = group.lookup_occurrences(batch, [occ_slots.numel()])[0]
         occ_slots = torch.arange(occ_slots.numel(), device=occ_slots.device)
     elif rows.dtype != torch.float32:  # float16 / bfloat16 rows: pool float32 copies
@@ -156,6 +160,33 @@ def pool_group(out: torch.Tensor, batch: GroupBatch, members: List[Tuple[str, Ba
                  else torch.empty(0, dtype=torch.float32, device=out.device))
         group.kernels.pool_bags(rows, occ_slots, offsets, scale, part[0][1].mode == "mean",
                                 size, cols, dim, out)
+
+
+def _pool_group_eval(out: torch.Tensor, batch: GroupBatch,
+                     members: List[Tuple[str, Bags]]) -> None:
+    """A group's read-only batch on CPU: ``embedding_bag`` over its unique rows (stored, or
+    the eval initializer's), as each table alone pools its eval lookups, in one call when
+    the tables pool alike. Each bag sums the same rows in the same order as alone."""
+    group = batch.group
+    size, dim = out.shape[0], group.dim
+    rows = group.unique_rows(batch)
+    uniform = len({bags.mode for _, bags in members}) == 1
+    for part in ([members] if uniform else [[m] for m in members]):
+        bounds = [(batch.key_bounds[group.index[name]], batch.key_bounds[group.index[name] + 1])
+                  for name, _ in part]
+        ids = torch.cat([batch.inverse[lo:hi] for lo, hi in bounds])
+        starts = [0]
+        for lo, hi in bounds:
+            starts.append(starts[-1] + hi - lo)
+        offsets = torch.cat([bags.offsets[:-1] + start for (_, bags), start in zip(part, starts)]
+                            + [part[-1][1].offsets[-1:] + starts[-2]])
+        weights = (torch.cat([bags.weights for _, bags in part])
+                   if part[0][1].weights is not None else None)
+        pooled = F.embedding_bag(ids, rows, offsets, mode=part[0][1].mode,
+                                 per_sample_weights=weights, include_last_offset=True)
+        columns = (_group_columns(part, dim, out.device)[:, None]
+                   + torch.arange(dim, device=out.device)).reshape(-1)
+        out[:, columns] = pooled.view(-1, size, dim).transpose(0, 1).reshape(size, -1)
 
 
 def group_occurrence_grads(grad_out: torch.Tensor, batch: GroupBatch,

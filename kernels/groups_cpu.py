@@ -12,7 +12,8 @@ on its range: the slots chosen are those a table of its own would choose.
 import numpy as np
 from numba import njit, prange
 
-from .hashing import bucket_index, is_live_key, mix64
+from .constants import EMPTY_KEY
+from .hashing import bucket_index, is_live_key, mix64, probe
 from .init_common import fill_row
 from .rng import row_stream
 from .table_cpu import _claim_range, _new_work
@@ -130,6 +131,20 @@ def find_or_insert_group_cpu(tbl_keys, tbl_scores, refcnt, sizes, row_offset, nu
         out_stats[t, 0] = added
         out_stats[t, 1] = evicted
         out_stats[t, 2] = failed
+
+
+@njit(cache=True, parallel=True)
+def find_group_cpu(tbl_keys, row_offset, num_buckets, bucket_size, ukeys, useg, out_slots):
+    """``table_cpu.find_cpu`` of every table of a group: ``out_slots[i]`` is the group slot
+    of ``ukeys[i]`` in its table ``t`` (``i`` in ``useg[t]:useg[t + 1]``), or -1. Nothing is
+    written to the table."""
+    for t in prange(useg.size - 1):
+        first = row_offset[t]
+        part = tbl_keys[first:first + num_buckets[t] * bucket_size]
+        for i in range(useg[t], useg[t + 1]):
+            key = ukeys[i]
+            s = -1 if key == EMPTY_KEY else probe(part, key, num_buckets[t], bucket_size)
+            out_slots[i] = s + first if s >= 0 else -1
 
 
 @njit(cache=True, parallel=True)

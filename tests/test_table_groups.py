@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynemb import DynamicEmbCollection, DynamicEmbTableOptions
+from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind
 from dynemb.admission import FrequencyAdmission
 from dynemb.backing_store import HostBackingStore
 from dynemb.kernel_backend import TableArrays
@@ -266,6 +266,43 @@ def test_eval_and_no_grad_lookups_match_their_twin():
     grouped.eval(), alone.eval()
     assert_same_outputs(grouped(kjt), alone(kjt))
     assert_same_module(grouped, alone)
+
+
+EVAL_INITIALIZERS = [Initializer(InitializerKind.NORMAL, mean=0.5, std=0.1),
+                     Initializer(InitializerKind.UNIFORM, low=-2.0, high=-1.0),
+                     Initializer(InitializerKind.CONSTANT, value=3.0),
+                     Initializer(InitializerKind.TRUNCATED_NORMAL, mean=0.0, std=1.0)]
+
+
+def test_a_grouped_eval_lookup_is_one_group_batch_and_matches_its_twin():
+    """Eval reads every table's stored rows and, for keys never stored, its own
+    eval_initializer's rows (seeded per table), in one lookup for the group: outputs,
+    counters, pins and state as the tables alone, with eval batches queued ahead too."""
+    options = {f"t{i}": DynamicEmbTableOptions(max_capacity=cap, bucket_size=32, seed=11 + i,
+                                               eval_initializer=EVAL_INITIALIZERS[i])
+               for i, cap in enumerate((256, 256, 128, 512))}
+    config = OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05)
+    grouped, alone = [DynamicEmbCollection(configs(), table_options=options, optimizer=config,
+                                           group_tables=g) for g in (True, False)]
+    assert grouped.table_groups() == [("t0", "t1", "t2", "t3")]
+    gen = torch.Generator().manual_seed(7)
+    train_both(grouped, alone, gen, 5)
+    grouped.eval(), alone.eval()
+    for _ in range(3):  # seen and unseen keys: vocabularies larger than what trained
+        kjt = batch(gen, vocab=(3000, 3000, 3000, 3000))
+        state = grouped.prefetch(kjt)
+        assert isinstance(state.batches["t0"], GroupBatch)
+        assert state.batches["t0"] is state.batches["t3"]
+        alone.prefetch(kjt)
+        assert grouped.tables["t1"].has_batches_in_flight()
+        out_g, out_a = grouped(kjt), alone(kjt)
+        assert_same_outputs(out_g, out_a)
+        unseen = out_g["f2"].values()[(out_g["f2"].values() == 3.0).all(1)]
+        assert unseen.numel() > 0  # t2's eval_initializer answered for its unseen keys
+    assert_same_module(grouped, alone)
+    assert not any(t.has_batches_in_flight() for t in grouped.tables.values())
+    assert sum(int(t.tier.hash.pinned_count()) for t in grouped.tables.values()) == 0
+    assert grouped.stats()["t0"]["misses"] > 0
 
 
 def test_state_dicts_load_across_grouped_and_lone_modules_and_training_goes_on_the_same():

@@ -88,6 +88,29 @@ def train_alike(grouped, alone, weighted, steps, seed, device="cpu"):
     assert grouped.stats() == alone.stats()
 
 
+@pytest.mark.parametrize("poolings,weighted,clip", POOLINGS)
+def test_a_grouped_bag_module_pools_eval_lookups_as_its_tables_one_by_one(
+        poolings, weighted, clip):
+    """Eval and no_grad lookups of a group in one batch (unseen keys read their eval
+    initializer's rows, pooled like stored ones): the same bits, counters and state."""
+    grouped, alone = twins(poolings, OptimizerType.ADAM, weighted, clip)
+    train_alike(grouped, alone, weighted, steps=4, seed=2)
+    gen = torch.Generator().manual_seed(9)
+    for mode in ("no_grad", "eval", "eval"):
+        if mode == "eval":
+            grouped.eval(), alone.eval()
+        with torch.no_grad():
+            kjt = batch(gen, weighted)
+            out_g, out_a = grouped(kjt), alone(kjt)
+        assert torch.equal(out_g.values(), out_a.values()), mode
+    state_g, state_a = grouped.state_dict(), alone.state_dict()
+    for key in state_g:
+        assert torch.equal(state_g[key], state_a[key]), key
+    assert grouped.stats() == alone.stats()
+    assert grouped.stats()["t0"]["misses"] > 0
+    assert not any(t.has_batches_in_flight() for t in grouped.tables.values())
+
+
 @pytest.mark.parametrize("poolings,weighted,clip", POOLINGS[1::2] + POOLINGS[4:])
 def test_a_grouped_bag_module_on_the_cuda_kernels_trains_as_its_tables_one_by_one(
         poolings, weighted, clip):

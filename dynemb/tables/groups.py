@@ -46,6 +46,7 @@ from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_batch import GroupBatch
 from dynemb.tables.group_device import DeviceGroupPrefetch
+from dynemb.tables.group_eval import GroupEvalLookup
 from dynemb.tables.group_signature import group_signature
 from dynemb.tables.group_stores import GroupStores
 from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
@@ -106,7 +107,7 @@ class TableGroup:
             table.tier.flat.use_storage(self.weights[lo:hi])
             table.counters.use_storage(self.counters[t])
         self._storage = [self._storage_of(t) for t in tables]
-        self._offsets = np.asarray(self.row_offset[:-1], dtype=np.int64)
+        self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)  # numpy, for the kernels
         self.bucket_counts = np.asarray([c // self.bucket_size for c in capacities],
                                        dtype=np.int64)
         init = [t.options.initializer.kernel_params() for t in tables]
@@ -117,6 +118,8 @@ class TableGroup:
         self.table_ids = np.asarray([t.table_id for t in tables], dtype=np.int64)
         self._stores = GroupStores(self) if self.mode is StorageMode.CACHE else None
         self._on_device = DeviceGroupPrefetch(self) if self.kernels.defers_failures else None
+        self._eval = (GroupEvalLookup(self) if self._on_device is None
+                      and self.mode is StorageMode.HBM_DIRECT else None)
 
     @property
     def allows_eviction(self) -> bool:
@@ -170,6 +173,15 @@ class TableGroup:
         batch.pinned = False
 
     # -- prefetch ------------------------------------------------------------------------------
+    def looks_up_as_one(self) -> bool:
+        """Whether eval lookups run for the whole group at once (:meth:`lookup_batch`)."""
+        return self._eval is not None
+
+    def lookup_batch(self, keys: Sequence[torch.Tensor],
+                     occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
+        """A read-only (eval) lookup of every table's ``keys`` (:mod:`dynemb.tables.group_eval`)."""
+        return self._eval.lookup_batch(keys, occurrences)
+
     def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
                  scores: Sequence[Optional[int]]) -> Optional[GroupBatch]:
         """:meth:`claim_batch` then :meth:`finish_batch`."""
@@ -207,7 +219,7 @@ class TableGroup:
         key_bounds = [0]
         for part in keys:
             key_bounds.append(key_bounds[-1] + part.numel())
-        unique, inverse, counts, unique_bounds = self._dedup(keys, key_bounds)
+        unique, inverse, counts, unique_bounds = self.dedup(keys, key_bounds)
         counted = any(o is not None for o in occurrences)
         if counted:  # ids deduplicated upstream: each stands for its occurrences
             given_counts = torch.cat([o if o is not None else torch.ones_like(k)
@@ -288,7 +300,7 @@ class TableGroup:
         batch.unreleased -= set(tables)
         batch.pinned = bool(batch.unreleased)
 
-    def _dedup(self, keys: Sequence[torch.Tensor], key_bounds: List[int]):
+    def dedup(self, keys: Sequence[torch.Tensor], key_bounds: List[int]):
         """(unique keys, inverse, counts, unique bounds [T + 1]) of every table's keys."""
         all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
         # in bucket order, the order of the slots: the claim and the update walk each
@@ -312,7 +324,7 @@ class TableGroup:
         failed = torch.empty(u, dtype=torch.bool)
         stats = np.empty((len(self.tables), 3), dtype=np.int64)
         self.kernels.find_or_insert_group(
-            self.arrays, self.arrays.size, self._offsets, self.bucket_counts, unique,
+            self.arrays, self.arrays.size, self.row_starts, self.bucket_counts, unique,
             unique_bounds, counts, given, self.policy.code, clocks,
             self.allows_eviction, True, slots, inserted, prev_keys,
             prev_scores, failed, stats)
@@ -391,7 +403,11 @@ class TableGroup:
         """Every input key's row (float32), views of one gather split into ``sizes`` (None:
         one tensor per table; a collection passes one size per feature of each table)."""
         slots = batch.slots.index_select(0, batch.inverse)
-        if self._on_device is None:  # every key has its row
+        if batch.fallback is not None:  # eval: a key not stored reads its eval initializer row
+            rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0)).float()
+            rows = torch.where((slots >= 0)[:, None], rows,
+                               batch.fallback.index_select(0, batch.inverse))
+        elif self._on_device is None:  # every key has its row
             rows = self.weights[:, :self.dim].index_select(0, slots).float()
         else:  # a key without a slot reads zeros (group_device)
             rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0)).float()
@@ -399,6 +415,15 @@ class TableGroup:
         if sizes is None:
             sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
         return rows.split(sizes)
+
+    def unique_rows(self, batch: GroupBatch) -> torch.Tensor:
+        """[U, dim] float32: each unique key's row; an eval batch's keys not stored read
+        their eval initializer's row."""
+        slots = batch.slots
+        rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0)).float()
+        if batch.fallback is not None:
+            rows = torch.where((slots >= 0)[:, None], rows, batch.fallback)
+        return rows
 
     def occurrence_grads(self, batch: GroupBatch, grads: Sequence[Optional[torch.Tensor]], *,
                          clip: Optional[float],

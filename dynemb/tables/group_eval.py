@@ -1,0 +1,82 @@
+"""A table group's read-only lookup (eval, or a forward under ``torch.no_grad``) in one call
+per phase: one dedup, one find, one initializer call for the keys not stored, and later one
+gather and one release, whatever the number of tables. Each table's rows, counters and pins
+are those its own eval lookup gives: found keys read their row, the others their table's
+``eval_initializer`` row; nothing is inserted or rescored.
+
+For the HBM_DIRECT groups of the host kernels (:mod:`dynemb.tables.groups`); a CACHE group
+reads its misses from each table's store, and a CUDA group looks up table by table.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dynemb.counters import COUNTER_NAMES
+from dynemb.tables.group_batch import GroupBatch
+
+_COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
+
+
+class GroupEvalLookup:
+    """Read-only lookups of ``group``'s tables (see the module docstring)."""
+
+    def __init__(self, group):
+        self.group = group
+        params = [t.options.eval_initializer.kernel_params() for t in group.tables]
+        self.kinds = np.asarray([p[0] for p in params], dtype=np.int64)
+        self.params = [np.asarray([p[i] for p in params], dtype=np.float64)
+                       for i in range(1, 5)]
+
+    def lookup_batch(self, keys: Sequence[torch.Tensor],
+                     occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
+        """Every table's ``keys`` (group order) found and pinned until released; the keys
+        not stored get their eval rows in ``batch.fallback`` [U, dim]."""
+        group = self.group
+        key_bounds: List[int] = [0]
+        for part in keys:
+            key_bounds.append(key_bounds[-1] + part.numel())
+        unique, inverse, counts, unique_bounds = group.dedup(keys, key_bounds)
+        given_counts = None
+        if any(o is not None for o in occurrences):  # ids deduplicated upstream
+            given_counts = torch.cat([o if o is not None else torch.ones_like(k)
+                                      for o, k in zip(occurrences, keys)])
+            counts = torch.zeros_like(counts).index_add_(0, inverse, given_counts)
+        slots = torch.empty_like(unique)
+        group.kernels.find_group(group.arrays, group.row_starts, group.bucket_counts, unique,
+                                 unique_bounds, slots)
+        group.kernels.add_refcounts(group.arrays, slots, 1)  # until the rows are read
+        batch = GroupBatch(group, unique, inverse, counts, unique_bounds.tolist(), key_bounds,
+                           slots)
+        batch.training = False
+        for table in group.tables:
+            table.hold_group_batch(batch)
+        found = slots >= 0
+        batch.fallback = torch.zeros(unique.numel(), group.dim)
+        group.kernels.init_rows_at_group(
+            batch.fallback, torch.arange(unique.numel()), unique, ~found, unique_bounds,
+            group.dim, group.seeds, group.table_ids, self.kinds, *self.params)
+        self._count(batch, found, given_counts)
+        return batch
+
+    def _count(self, batch: GroupBatch, found: torch.Tensor,
+               occurrences: Optional[torch.Tensor]) -> None:
+        """Each table's lookups, unique keys, hits and misses, as its eval lookup counts."""
+        bounds = np.asarray(batch.unique_bounds, dtype=np.int64)
+        found_before = np.concatenate([[0], np.cumsum(found.numpy())])
+        hits = found_before[bounds[1:]] - found_before[bounds[:-1]]
+        unique = np.diff(bounds)
+        key_bounds = np.asarray(batch.key_bounds, dtype=np.int64)
+        if occurrences is None:
+            lookups = np.diff(key_bounds)
+        else:
+            total = np.concatenate([[0], np.cumsum(occurrences.numpy())])
+            lookups = total[key_bounds[1:]] - total[key_bounds[:-1]]
+        delta = np.zeros((len(self.group.tables), len(COUNTER_NAMES)), dtype=np.int64)
+        delta[:, _COUNTER["lookups"]] = lookups
+        delta[:, _COUNTER["unique_keys"]] = unique
+        delta[:, _COUNTER["hits"]] = hits
+        delta[:, _COUNTER["misses"]] = unique - hits
+        self.group.counters += torch.from_numpy(delta)
