@@ -115,6 +115,13 @@ class CudaGroupKernels:
                      a(out_prev_scores), a(out_failed))
         torch.logical_and(out_slots >= 0, ~hit, out=out_inserted)
 
+    def find_group_device(self, table: TableArrays, seg, row_offset, num_buckets, ukeys,
+                          out_slots):
+        """Each key found in its table's rows (group slots, -1 where absent)."""
+        a = self._arr
+        self._launch(self._groups.find_group_kernel, ukeys.numel(), a(table.keys), a(seg),
+                     a(row_offset), a(num_buckets), table.bucket_size, a(ukeys), a(out_slots))
+
     def init_rows_at_group_device(self, weights, slots, keys, mask, seg, dim, seeds, table_ids,
                                   kinds, p0, p1, low, high):
         """``init_rows_at`` with key ``i`` starting from table ``seg[i]``'s initializer

@@ -20,6 +20,25 @@ probe = _probe_cpu.py_func if cuda_simulator_enabled() else _probe_cpu
 
 
 @cuda.jit
+def find_group_kernel(tbl_keys, seg, row_offset, num_buckets, bucket_size, ukeys, out_slots):
+    """``table_cuda.find_kernel`` with key ``i`` in table ``seg[i]``'s slots (group slots
+    out, -1 where absent); nothing is written to the table."""
+    i = cuda.grid(1)
+    if i >= ukeys.size:
+        return
+    key = ukeys[i]
+    out_slots[i] = -1
+    if key == EMPTY_KEY:
+        return
+    t = seg[i]
+    first = row_offset[t]
+    s = probe(tbl_keys[first:first + num_buckets[t] * bucket_size], key, num_buckets[t],
+              bucket_size)
+    if s >= 0:
+        out_slots[i] = s + first
+
+
+@cuda.jit
 def lookup_update_group_kernel(tbl_keys, tbl_scores, refcnt, seg, row_offset, num_buckets,
                                bucket_size, ukeys, counts, given, policy, clocks, pin,
                                out_slots, out_prev_scores):

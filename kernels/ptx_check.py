@@ -63,6 +63,7 @@ def launch_signatures():
         "pool_bags_kernel": (rows, k64, k64, nt.Array(nt.float32, 1, "C"), b1, i64, k64, i64,
                              rows),
         "round_rows_kernel": (bits32, bits16, k64, i64, i64, i64, i64, b1),
+        "find_group_kernel": (k64, k64, k64, k64, i64, k64, k64),
         "lookup_update_group_kernel": (k64, k64, r32, k64, k64, k64, i64, k64, k64, k64, i64,
                                        k64, b1, k64, k64),
         "insert_missing_group_kernel": (k64, k64, r32, k64, k64, k64, k64, i64, k64, k64, k64,

@@ -13,7 +13,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from conftest import BACKENDS
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
-                    OptimizerConfig, OptimizerType)
+                    Initializer, InitializerKind, OptimizerConfig, OptimizerType)
 from dynemb.backends import CudaBackend
 from dynemb.tables.group_device import segmented_padded_unique
 from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
@@ -89,6 +89,40 @@ def test_grouped_tables_train_as_alone_on_the_cuda_kernels(optimizer, pooled):
             assert torch.equal(out_g[f], out_a[f]), f
     assert_same_tables(grouped, alone, torch.arange(40, device=DEVICE))
     assert grouped.steps == alone.steps
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
+def test_grouped_eval_lookups_match_alone_on_the_cuda_kernels(pooled):
+    """A group's eval lookup on the CUDA kernels: one find kernel, pins until the rows are
+    read, unseen keys from each table's eval initializer; the same outputs and counters."""
+    options = {f"t{i}": DynamicEmbTableOptions(  # a different eval row per table
+        max_capacity=128, bucket_size=16,
+        eval_initializer=Initializer(InitializerKind.CONSTANT, value=float(i + 2)))
+        for i in range(3)}
+    module = DynamicEmbBagCollection if pooled else DynamicEmbCollection
+    grouped, alone = [module(tables(3, pooled=pooled), table_options=options,
+                             optimizer=OptimizerConfig(OptimizerType.SGD, learning_rate=0.05),
+                             device=DEVICE, backend=KERNELS, group_tables=g)
+                      for g in (True, False)]
+    assert grouped.table_groups() == [("t0", "t1", "t2")]
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        kjt = batch(gen, 3)
+        train(grouped, kjt, ["f0", "f1", "f2"]), train(alone, kjt, ["f0", "f1", "f2"])
+    grouped.eval(), alone.eval()
+    with torch.no_grad():
+        kjt = batch(gen, 3, vocab=200)  # ids never trained, too
+        state = grouped.prefetch(kjt)
+        assert state.batches["t0"] is state.batches["t2"]
+        out_g, out_a = grouped(kjt), alone(kjt)
+    dense_g = out_g.to_dict() if pooled else {f: jt.values() for f, jt in out_g.items()}
+    dense_a = out_a.to_dict() if pooled else {f: jt.values() for f, jt in out_a.items()}
+    for f in dense_g:
+        assert torch.equal(dense_g[f].cpu(), dense_a[f].cpu()), f
+    if not pooled:
+        assert bool((dense_g["f2"] == 4.0).all(1).any())  # t2's eval row, for an unseen id
+    assert_same_tables(grouped, alone, torch.arange(200, device=DEVICE))
+    assert sum(int(t.tier.hash.pinned_count()) for t in grouped.tables.values()) == 0
 
 
 @pytest.mark.parametrize("policy, dtype", [(ScorePolicy.CUSTOMIZED, None),

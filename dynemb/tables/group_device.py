@@ -115,13 +115,16 @@ class DeviceGroupPrefetch:
         self.init_kinds = values_on(group.init_kinds.tolist(), torch.int64, device)
         self.init_params = [values_on(p.tolist(), torch.float64, device)
                             for p in group.init_params]
+        evals = [t.options.eval_initializer.kernel_params() for t in group.tables]
+        self.eval_kinds = values_on([p[0] for p in evals], torch.int64, device)
+        self.eval_params = [values_on([p[i] for p in evals], torch.float64, device)
+                            for i in range(1, 5)]
         self.failures = GroupFailures(group.names, device)
 
-    def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
-                 scores: Sequence[Optional[int]]) -> GroupBatch:
-        """Claim and pin the rows of every table's ``keys`` (see ``TableGroup.prefetch``)."""
-        group = self.group
-        self.failures.check()
+    def _dedup(self, keys: Sequence[torch.Tensor],
+               occurrences: Sequence[Optional[torch.Tensor]]):
+        """(key bounds, the table of each position, unique keys padded per table, inverse,
+        counts, the given occurrences or None) of every table's keys."""
         key_bounds: List[int] = [0]
         for part in keys:
             key_bounds.append(key_bounds[-1] + part.numel())
@@ -136,6 +139,43 @@ class DeviceGroupPrefetch:
             given_counts = torch.cat([o if o is not None else torch.ones_like(k)
                                       for o, k in zip(occurrences, keys)])
             counts = torch.zeros_like(counts).index_add_(0, inverse, given_counts)
+        return key_bounds, seg, unique, inverse, counts, given_counts
+
+    def lookup_batch(self, keys: Sequence[torch.Tensor],
+                     occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
+        """A read-only (eval) lookup of every table's ``keys``, as
+        :mod:`dynemb.tables.group_eval` does on the host kernels, with nothing read back:
+        found keys pinned until released, the others' eval rows in ``batch.fallback``."""
+        group = self.group
+        key_bounds, seg, unique, inverse, counts, given_counts = self._dedup(keys, occurrences)
+        slots = torch.empty_like(unique)
+        group.kernels.find_group_device(group.arrays, seg, self.row_offset, self.num_buckets,
+                                        unique, slots)
+        group.kernels.add_refcounts(group.arrays, slots, 1)
+        batch = GroupBatch(group, unique, inverse, counts, list(key_bounds), key_bounds, slots)
+        batch.seg, batch.training = seg, False
+        for table in group.tables:
+            table.hold_group_batch(batch)
+        real = unique != EMPTY_KEY
+        found = slots >= 0
+        batch.fallback = torch.zeros(unique.numel(), group.dim, device=self.device)
+        group.kernels.init_rows_at_group_device(
+            batch.fallback, torch.arange(unique.numel(), device=self.device), unique,
+            real & ~found, seg, group.dim, self.seeds, self.table_ids, self.eval_kinds,
+            *self.eval_params)
+        lookups = torch.ones_like(seg) if given_counts is None else given_counts
+        columns = torch.stack([lookups, real.to(torch.int64), found.to(torch.int64),
+                               (real & ~found).to(torch.int64)], 1)
+        group.counters[:, :4] += torch.zeros(len(group.tables), 4, dtype=torch.int64,
+                                             device=self.device).index_add_(0, seg, columns)
+        return batch
+
+    def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
+                 scores: Sequence[Optional[int]]) -> GroupBatch:
+        """Claim and pin the rows of every table's ``keys`` (see ``TableGroup.prefetch``)."""
+        group = self.group
+        self.failures.check()
+        key_bounds, seg, unique, inverse, counts, given_counts = self._dedup(keys, occurrences)
         slots, inserted, prev_keys, prev_scores = self._claim(seg, unique, counts, scores)
         batch = GroupBatch(group, unique, inverse, counts, list(key_bounds), key_bounds, slots)
         batch.seg = seg

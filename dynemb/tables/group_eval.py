@@ -4,8 +4,10 @@ gather and one release, whatever the number of tables. Each table's rows, counte
 are those its own eval lookup gives: found keys read their row, the others their table's
 ``eval_initializer`` row; nothing is inserted or rescored.
 
-For the HBM_DIRECT groups of the host kernels (:mod:`dynemb.tables.groups`); a CACHE group
-reads its misses from each table's store, and a CUDA group looks up table by table.
+For the HBM_DIRECT groups of the host kernels (:mod:`dynemb.tables.groups`); on the CUDA
+kernels ``DeviceGroupPrefetch.lookup_batch`` (:mod:`dynemb.tables.group_device`) does the
+same with nothing read back. A CACHE group looks up table by table (a miss is read from its
+table's store).
 """
 from __future__ import annotations
 
