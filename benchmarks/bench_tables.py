@@ -449,6 +449,7 @@ def run_config(cfg, wl: Workload, opt_name: str, bar: tqdm) -> dict:
         if isinstance(m, DynembMethod):
             entry["timed_counters"] = check_counters(cfg, wl, m, before[m.name])
         row["methods"][m.name] = entry
+    row["eval_ms"] = time_eval(cfg, wl, methods)
     for m in DYNEMB_METHODS:
         for base in BASELINES:
             mine, theirs = row["methods"][m], row["methods"][base]
@@ -458,6 +459,31 @@ def run_config(cfg, wl: Workload, opt_name: str, bar: tqdm) -> dict:
     gc.unfreeze()
     gc.collect()
     return row
+
+
+#: the methods whose eval forward is timed too (after the training steps and their counters)
+EVAL_METHODS = ("hbm_fit", "hbm_fit_alone", "torch_sparse")
+EVAL_STEPS = 10
+
+
+def time_eval(cfg, wl: Workload, methods: List[Method]) -> Dict[str, float]:
+    """Median ms of an eval forward (``module.eval()``, ``torch.no_grad()``) of the
+    EVAL_METHODS on the timed batches, in an order drawn per batch."""
+    chosen = [m for m in methods if m.name in EVAL_METHODS]
+    times: Dict[str, List[float]] = {m.name: [] for m in chosen}
+    for m in chosen:
+        m.module.eval()
+    with torch.no_grad():
+        for i in range(cfg.warmup, cfg.warmup + min(cfg.steps, EVAL_STEPS)):
+            for j in np.random.default_rng(i).permutation(len(chosen)):
+                m = chosen[j]
+                kjt = wl.kjt(i, m.dense_ids)
+                t0 = time.perf_counter()
+                m.forward(kjt, wl.features)
+                times[m.name].append((time.perf_counter() - t0) * 1e3)
+    for m in chosen:
+        m.module.train()
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def check_counters(cfg, wl: Workload, m: DynembMethod, before: Dict[str, int]) -> dict:
@@ -533,6 +559,16 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_eval(rows: List[dict]) -> str:
+    """Eval forward ms per T and optimizer (the tables' group against them one by one)."""
+    lines = [f"{'T':>4} {'opt':<16}" + "".join(f"{m:>16}" for m in EVAL_METHODS)
+             + "   (eval forward, ms, median)"]
+    for r in rows:
+        lines.append(f"{r['tables']:>4} {r['optimizer']:<16}"
+                     + "".join(f"{r['eval_ms'][m]:>16.1f}" for m in EVAL_METHODS))
+    return "\n".join(lines)
+
+
 def format_targets(results: List[dict]) -> str:
     out = []
     for t in results:
@@ -570,6 +606,9 @@ NOTES = [
     "Function with T outputs, a JaggedTensor each; backward: autograd over T gradients and "
     "their concatenation). A target's 'less the output floor's growth' takes the floor's "
     "growth from the fewest to the most tables out of the method's step at the most.",
+    "eval_ms: after the timed steps (and their counters), an eval forward (module.eval(), "
+    "torch.no_grad()) of hbm_fit, hbm_fit_alone and torch_sparse on the first 10 timed "
+    "batches, in an order drawn per batch; median ms.",
     "Methods take turns on each batch, in an order drawn per step (seeded by the step). hbm_fit, cache, "
     "torch_sparse and torchrec start from the same rows (dynemb's initializer per id) and must "
     "return the same embeddings at every step (probe rows of 4 features, rtol 1e-3, atol "
@@ -858,6 +897,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
               "rows": rows, "targets": goals, "runtime_s": time.perf_counter() - start,
               "peak_rss_gib": peak_rss_gib()}
     print(format_table(rows))
+    print()
+    print(format_eval(rows))
     print()
     print(format_targets(goals))
     write_report(report, cfg.out_dir, report_stem(FILE_STEM, cfg.quick), plot)

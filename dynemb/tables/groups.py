@@ -403,19 +403,21 @@ class TableGroup:
                            sizes: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, ...]:
         """Every input key's row (float32), views of one gather split into ``sizes`` (None:
         one tensor per table; a collection passes one size per feature of each table)."""
-        slots = batch.slots.index_select(0, batch.inverse)
         if batch.fallback is not None:  # eval: a key not stored reads its eval initializer row
-            rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0)).float()
-            rows = torch.where((slots >= 0)[:, None], rows,
-                               batch.fallback.index_select(0, batch.inverse))
-        elif self._on_device is None:  # every key has its row
+            rows = self.unique_rows(batch).index_select(0, batch.inverse)
+            return rows.split(self._sizes(batch, sizes))
+        slots = batch.slots.index_select(0, batch.inverse)
+        if self._on_device is None:  # every key has its row
             rows = self.weights[:, :self.dim].index_select(0, slots).float()
         else:  # a key without a slot reads zeros (group_device)
             rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0)).float()
             rows = torch.where((slots >= 0)[:, None], rows, 0.0)
-        if sizes is None:
-            sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
-        return rows.split(sizes)
+        return rows.split(self._sizes(batch, sizes))
+
+    @staticmethod
+    def _sizes(batch: GroupBatch, sizes: Optional[Sequence[int]]) -> Sequence[int]:
+        """``sizes``, or one part per table when None."""
+        return np.diff(np.asarray(batch.key_bounds)).tolist() if sizes is None else sizes
 
     def unique_rows(self, batch: GroupBatch) -> torch.Tensor:
         """[U, dim] float32: each unique key's row; an eval batch's keys not stored read
