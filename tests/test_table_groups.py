@@ -131,6 +131,14 @@ def test_grouped_cache_tables_train_bit_for_bit_as_alone(optimizer, policy):
         got, want = (m.read_rows(name, keys, with_state=True) for m in (grouped, alone))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert grouped.flush() == alone.flush()
+    grouped.eval(), alone.eval()  # keys cached, keys only in the stores, keys never seen
+    for _ in range(3):
+        kjt = batch(gen, vocab=(2000, 2000, 2000, 4000))
+        state = grouped.prefetch(kjt)
+        assert state.batches["t0"] is state.batches["t3"]  # one eval lookup for the group
+        alone.prefetch(kjt)
+        assert_same_outputs(grouped(kjt), alone(kjt))
+    assert_same_module(grouped, alone)
 
 
 class _FailingStore(HostBackingStore):

@@ -4,10 +4,11 @@ gather and one release, whatever the number of tables. Each table's rows, counte
 are those its own eval lookup gives: found keys read their row, the others their table's
 ``eval_initializer`` row; nothing is inserted or rescored.
 
-For the HBM_DIRECT groups of the host kernels (:mod:`dynemb.tables.groups`); on the CUDA
-kernels ``DeviceGroupPrefetch.lookup_batch`` (:mod:`dynemb.tables.group_device`) does the
-same with nothing read back. A CACHE group looks up table by table (a miss is read from its
-table's store).
+For the HBM_DIRECT and CACHE groups of the host kernels (:mod:`dynemb.tables.groups`); a
+CACHE table's key missing from the cache reads its store's row where the store has it (one
+store ``find`` per table with such keys, as alone: nothing is loaded). On the CUDA kernels
+``DeviceGroupPrefetch.lookup_batch`` (:mod:`dynemb.tables.group_device`) does the same for
+HBM_DIRECT groups with nothing read back.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from dynemb.counters import COUNTER_NAMES
+from dynemb.options import StorageMode
 from dynemb.tables.group_batch import GroupBatch
 
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
@@ -60,8 +62,24 @@ class GroupEvalLookup:
         group.kernels.init_rows_at_group(
             batch.fallback, torch.arange(unique.numel()), unique, ~found, unique_bounds,
             group.dim, group.seeds, group.table_ids, self.kinds, *self.params)
+        if group.mode is StorageMode.CACHE:
+            self._read_stores(batch, found)
         self._count(batch, found, given_counts)
         return batch
+
+    def _read_stores(self, batch: GroupBatch, found: torch.Tensor) -> None:
+        """The stored rows of the keys missing from the cache, into ``batch.fallback``
+        (where a table's store has them; the others keep their eval rows)."""
+        group = self.group
+        missing = (~found).numpy()
+        before = np.concatenate([[0], np.cumsum(missing)])
+        bounds = np.asarray(batch.unique_bounds, dtype=np.int64)
+        for t in np.flatnonzero(before[bounds[1:]] - before[bounds[:-1]]):
+            lo = bounds[t]
+            where = torch.from_numpy(lo + np.flatnonzero(missing[lo:bounds[t + 1]]))
+            rows, stored, _ = group.tables[t].store.find(batch.keys[where])
+            stored = stored.to(group.device)
+            batch.fallback[where[stored]] = rows.to(group.device)[stored, :group.dim].float()
 
     def _count(self, batch: GroupBatch, found: torch.Tensor,
                occurrences: Optional[torch.Tensor]) -> None:

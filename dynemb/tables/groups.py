@@ -118,9 +118,8 @@ class TableGroup:
         self.table_ids = np.asarray([t.table_id for t in tables], dtype=np.int64)
         self._stores = GroupStores(self) if self.mode is StorageMode.CACHE else None
         self._on_device = DeviceGroupPrefetch(self) if self.kernels.defers_failures else None
-        self._eval = None  # eval lookups of the whole group: HBM_DIRECT (a CACHE miss reads
-        if self.mode is StorageMode.HBM_DIRECT:  # its table's store)
-            self._eval = self._on_device or GroupEvalLookup(self)
+        # eval lookups of the whole group (CACHE groups run on the host kernels only)
+        self._eval = self._on_device or GroupEvalLookup(self)
 
     @property
     def allows_eviction(self) -> bool:
