@@ -335,8 +335,9 @@ def check_rounding(report: Report, twins: Twins, gen) -> None:
 
 
 def check_table_groups(report: Report, twins: Twins, gen) -> None:
-    """The group kernels (lookup_update_group, insert_missing_group, init_rows_at_group):
-    three tables trained as one group, outputs and rows against the CPU backend's group."""
+    """The group kernels (lookup_update_group, insert_missing_group, init_rows_at_group,
+    find_group): three tables trained as one group, then an eval lookup of it; outputs and
+    rows against the CPU backend's group."""
     import torch
     from torchrec import EmbeddingConfig
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -368,6 +369,19 @@ def check_table_groups(report: Report, twins: Twins, gen) -> None:
     report.check("a table group trains as the CPU backend's", bool(same))
     report.check("a table group counts as the CPU backend's",
                  modules[0].stats() == modules[1].stats())
+    # find_group: an eval lookup of the group, seen and unseen keys
+    ids = torch.randint(0, 100, (18,), generator=gen)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], ids, torch.full((6,), 3))
+    outs = []
+    for module, (_, dev, _) in zip(modules, twins.sides()):
+        module.eval()
+        with torch.no_grad():
+            out = module(kjt.to(dev))
+        outs.append({f: out[f].values().cpu() for f in out})
+    report.check("a table group's eval lookup reads as the CPU backend's",
+                 all(torch.allclose(outs[0][f], outs[1][f], rtol=1e-5, atol=1e-6)
+                     for f in outs[0])
+                 and modules[0].stats() == modules[1].stats())
 
 
 def check_pooled_group(report: Report, twins: Twins, gen) -> None:
