@@ -60,6 +60,15 @@ class CpuGroupKernels:
                                   table.bucket_size, self._np(ukeys), unique_bounds,
                                   self._np(out_slots))
 
+    def store_find_group(self, store_keys, store_rows, store_buckets, bucket_sizes, movable,
+                         ukeys, unique_bounds, want, out_rows, out_found):
+        """``group_stores_cpu.store_find_group_cpu``: the wanted keys found in their tables'
+        stores (typed lists of arrays; rows as raw bits)."""
+        n = self._np
+        group_stores_cpu.store_find_group_cpu(store_keys, store_rows, store_buckets,
+                                              bucket_sizes, movable, n(ukeys), unique_bounds,
+                                              n(want), n(out_rows), n(out_found))
+
     def claim_counts_group(self, unique_bounds, slots, inserted, previous_keys, out):
         """Per table: (hits, inserts, evictions) of a group claim into numpy ``out`` [T, 3]."""
         groups_cpu.claim_counts_group_cpu(unique_bounds, self._np(slots), self._np(inserted),

@@ -114,3 +114,24 @@ def store_moves_group_cpu(weights, wb_keys, wb_scores, wb_rows, wb_seg, ld_keys,
                 dst[c] = src[c]
             loaded += 1
         out_stats[t, STAT_LOADED] = loaded
+
+
+@njit(cache=True, parallel=True)
+def store_find_group_cpu(store_keys, store_rows, store_buckets, bucket_sizes, movable, ukeys,
+                         useg, want, out_rows, out_found):
+    """Each wanted key ``ukeys[i]`` of table ``t`` (``i`` in ``useg[t]:useg[t + 1]``, for the
+    tables ``movable``) looked up in its store: ``out_found[i]`` and, where found, its row's
+    bits in ``out_rows[i]``. Nothing is written to the stores (``HostBackingStore.find``)."""
+    for t in prange(useg.size - 1):
+        if not movable[t]:
+            continue
+        keys, rows = store_keys[t], store_rows[t]
+        for i in range(useg[t], useg[t + 1]):
+            out_found[i] = False
+            if not want[i]:
+                continue
+            s = probe(keys, ukeys[i], store_buckets[t], bucket_sizes[t])
+            if s >= 0:
+                out_found[i] = True
+                for j in range(out_rows.shape[1]):
+                    out_rows[i, j] = rows[s, j]

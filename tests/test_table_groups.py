@@ -550,3 +550,8 @@ def test_group_stores_that_grow_evict_or_are_a_users_match_their_twin(policy, mo
         assert grouped.tables[name].store.hash_table.clock == \
             alone.tables[name].store.hash_table.clock
     assert grouped.flush() == alone.flush()
+    grouped.eval(), alone.eval()  # the stores read in one kernel call, the user's by its find
+    for _ in range(2):
+        kjt = batch(gen, vocab=(2000, 2000, 2000, 4000))
+        assert_same_outputs(grouped(kjt), alone(kjt))
+    assert_same_module(grouped, alone)

@@ -5,8 +5,9 @@ are those its own eval lookup gives: found keys read their row, the others their
 ``eval_initializer`` row; nothing is inserted or rescored.
 
 For the HBM_DIRECT and CACHE groups of the host kernels (:mod:`dynemb.tables.groups`); a
-CACHE table's key missing from the cache reads its store's row where the store has it (one
-store ``find`` per table with such keys, as alone: nothing is loaded). On the CUDA kernels
+CACHE table's key missing from the cache reads its store's row where the store has it (the
+default stores in one kernel call, a user's store by its ``find``; as alone, nothing is
+loaded). On the CUDA kernels
 ``DeviceGroupPrefetch.lookup_batch`` (:mod:`dynemb.tables.group_device`) does the same for
 HBM_DIRECT groups with nothing read back.
 """
@@ -69,13 +70,18 @@ class GroupEvalLookup:
 
     def _read_stores(self, batch: GroupBatch, found: torch.Tensor) -> None:
         """The stored rows of the keys missing from the cache, into ``batch.fallback``
-        (where a table's store has them; the others keep their eval rows)."""
+        (where a table's store has them; the others keep their eval rows): the default
+        stores in one kernel call, a user's store by its own ``find``."""
         group = self.group
+        bounds = np.asarray(batch.unique_bounds, dtype=np.int64)
+        rows, stored, alone = group.read_stores(batch.keys, bounds, ~found)
+        batch.fallback[stored] = rows[stored]
         missing = (~found).numpy()
         before = np.concatenate([[0], np.cumsum(missing)])
-        bounds = np.asarray(batch.unique_bounds, dtype=np.int64)
-        for t in np.flatnonzero(before[bounds[1:]] - before[bounds[:-1]]):
+        for t in alone:
             lo = bounds[t]
+            if before[bounds[t + 1]] == before[lo]:
+                continue
             where = torch.from_numpy(lo + np.flatnonzero(missing[lo:bounds[t + 1]]))
             rows, stored, _ = group.tables[t].store.find(batch.keys[where])
             stored = stored.to(group.device)

@@ -10,7 +10,7 @@ the kernel cannot: its store must grow first, or it is a user's store.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -152,6 +152,22 @@ class GroupStores:
             if changes is not None and wb_seg[t + 1] > wb_seg[t]:
                 changes.written_back(wb_keys[wb_seg[t]:wb_seg[t + 1]])
         return np.flatnonzero(left).tolist()
+
+    def read(self, keys: torch.Tensor, unique_bounds: np.ndarray, want: torch.Tensor,
+             dim: int) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+        """(rows [U, dim] float32, found [U]) of the ``want``-ed keys in their tables'
+        stores, read without changing them, in one kernel call; and the tables it left
+        to the host (a user's store: their ``found`` is False here)."""
+        group = self.group
+        store_keys, _, _, _, store_rows, buckets, bucket_sizes, _, _ = self._store_arrays()
+        bits = _BITS[group.weights.element_size()]
+        out = torch.zeros(keys.numel(), group.weights.shape[1], dtype=bits)
+        found = torch.zeros(keys.numel(), dtype=torch.bool)  # the kernel skips a user's store
+        group.kernels.store_find_group(store_keys, store_rows, buckets, bucket_sizes,
+                                       self._movable, keys, np.asarray(unique_bounds), want,
+                                       out, found)
+        rows = out.view(group.weights.dtype)[:, :dim].float()
+        return rows, found, np.flatnonzero(~self._movable).tolist()
 
     @staticmethod
     def _entries_of(mask: torch.Tensor, bounds: np.ndarray, run: np.ndarray) -> torch.Tensor:

@@ -177,6 +177,11 @@ class TableGroup:
         """Whether eval lookups run for the whole group at once (:meth:`lookup_batch`)."""
         return self._eval is not None
 
+    def read_stores(self, keys: torch.Tensor, unique_bounds, want: torch.Tensor):
+        """A CACHE group's stores read for the ``want``-ed keys (see
+        :meth:`~dynemb.tables.group_stores.GroupStores.read`)."""
+        return self._stores.read(keys, unique_bounds, want, self.dim)
+
     def lookup_batch(self, keys: Sequence[torch.Tensor],
                      occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
         """A read-only (eval) lookup of every table's ``keys`` (:mod:`dynemb.tables.group_eval`)."""
