@@ -98,12 +98,20 @@ def run_group_twins(rank: int, world_size: int, scenarios: List[GroupScenario]
                 sum((v * (1 + torch.arange(v.numel()).view_as(v) % 3)).sum()
                     for v in values).backward()
                 outputs[name].append([v.detach().numpy().copy() for v in values])
+        evals = {name: [] for name in models}  # then eval lookups: one per group, too
+        for step in range(s.steps, s.steps + 2):
+            kjt = _batch(s, rank, step)
+            for name, dmp in models.items():
+                dmp.eval()
+                with torch.no_grad():
+                    evals[name].append([v.numpy().copy() for v in _values(dmp(kjt))])
+                dmp.train()
         state = {name: {k: v.detach().clone().numpy() for k, v in dmp.state_dict().items()
                         if isinstance(v, torch.Tensor) and v.numel()}
                  for name, dmp in models.items()}
         local = {name: dmp.module.dyn.local for name, dmp in models.items()}
         results.append({
-            "outputs": outputs, "state": state,
+            "outputs": outputs, "evals": evals, "state": state,
             "stats": {name: m.stats() for name, m in local.items()},
             "groups": {name: m.table_groups() for name, m in local.items()},
             "evictions": int(np.sum([st["evictions"] for st in local["grouped"].stats()

@@ -2,7 +2,7 @@
 with its tables grouped and table by table (``group_tables=False``) gives bit-identical
 outputs at every step and bit-identical local rows, optimizer state, scores and counters on
 every rank (tests/sharded_groups_worker.py), sequence and pooled, HBM_DIRECT and CACHE, with
-evictions."""
+evictions; then eval lookups, bit-identical too."""
 import numpy as np
 import pytest
 
@@ -32,10 +32,12 @@ def test_grouped_and_lone_sharded_tables_train_bit_for_bit_alike(world, name):
     for res in ranks:
         assert res["groups"]["grouped"] == [("t0", "t1", "t2")]
         assert res["groups"]["alone"] == []
-        for got, want in zip(res["outputs"]["grouped"], res["outputs"]["alone"]):
-            assert len(got) == len(want)
-            for g, w in zip(got, want):
-                np.testing.assert_array_equal(g, w)
+        for kind in ("outputs", "evals"):  # training steps, then eval lookups
+            for got, want in zip(res[kind]["grouped"], res[kind]["alone"]):
+                assert len(got) == len(want)
+                for g, w in zip(got, want):
+                    np.testing.assert_array_equal(g, w)
+        assert len(res["evals"]["grouped"]) == 2
         grouped, alone = res["state"]["grouped"], res["state"]["alone"]
         assert grouped.keys() == alone.keys() and grouped
         for key in grouped:
