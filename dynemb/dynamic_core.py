@@ -96,6 +96,15 @@ class DynamicCore:
         # memory stashing (dynemb.stashing): None unless a table's options ask for it
         self.memory_stash = CollectionStash.build(self.tables, device, self._prefetch_stream)
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Unpickling: what is derived from the configuration is derived again (a module
+        pickled by an earlier version may lack it)."""
+        self.__dict__.update(state)
+        self._inputs = TableInputs(self.configs)
+        self._scored = [name for name, options in self.table_options.items()
+                        if options.score_strategy is ScorePolicy.CUSTOMIZED]
+        self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
+
     def _regroup(self) -> None:
         """Group the current tables (each group copies its tables into its own arrays)."""
         self.groups = []  # the old groups' arrays go with the last table that views them
@@ -230,7 +239,7 @@ class DynamicCore:
         for name in self._scored:  # before any table changes (no other policy can fail)
             check_batch_score(name, ScorePolicy.CUSTOMIZED, training, self._scores.get(name))
         groups = (self._groups_for_training() if training else
-                  [g for g in self.groups if g.looks_up_as_one() and g.intact(self.tables)])
+                  [g for g in self.groups if g.intact(self.tables)])
         if training and self._defers_failures:  # earlier batches' keys without a slot (CUDA)
             check_failures(groups, self.tables.values())
         batches = prefetch_all(groups, self.tables, per_table, training, self._scores,

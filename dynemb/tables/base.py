@@ -82,6 +82,11 @@ class DynamicTable(CheckpointTiers):
         return Tier(self.layout, self.layout.init_capacity, self.dim, self.state_dim,
                     self.options, self.device, self.kernels, grow=self._grows)
 
+    def __setstate__(self, state: Dict) -> None:
+        self.__dict__.update(state)
+        if isinstance(self._held, list):  # pickled by an earlier version
+            self._held = {id(b): b for b in self._held}
+
     def empty_copy(self) -> "DynamicTable":
         """A new, empty table of the same configuration (name, layout, options, device)."""
         return type(self)(self.name, self.table_id, self.dim, self.layout, self.options,

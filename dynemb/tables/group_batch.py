@@ -21,6 +21,7 @@ class GroupBatch:
 
     training = True
     fallback = None
+    pending = None  # (a batch pickled by an earlier version has no instance value)
 
     def __init__(self, group, keys, inverse, counts, unique_bounds, key_bounds,
                  slots):

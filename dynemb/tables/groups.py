@@ -118,8 +118,14 @@ class TableGroup:
         self.table_ids = np.asarray([t.table_id for t in tables], dtype=np.int64)
         self._stores = GroupStores(self) if self.mode is StorageMode.CACHE else None
         self._on_device = DeviceGroupPrefetch(self) if self.kernels.defers_failures else None
-        # eval lookups of the whole group (CACHE groups run on the host kernels only)
-        self._eval = self._on_device or GroupEvalLookup(self)
+        self._eval = None  # the eval lookups of the whole group, made at the first
+
+    def __setstate__(self, state: Dict) -> None:
+        """Unpickling a group pickled by an earlier version: what it lacks is derived."""
+        self.__dict__.update(state)
+        if "row_starts" not in state:
+            self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)
+        self.__dict__.setdefault("_eval", None)  # made at the first eval lookup
 
     @property
     def allows_eviction(self) -> bool:
@@ -173,10 +179,6 @@ class TableGroup:
         batch.pinned = False
 
     # -- prefetch ------------------------------------------------------------------------------
-    def looks_up_as_one(self) -> bool:
-        """Whether eval lookups run for the whole group at once (:meth:`lookup_batch`)."""
-        return self._eval is not None
-
     def read_stores(self, keys: torch.Tensor, unique_bounds, want: torch.Tensor):
         """A CACHE group's stores read for the ``want``-ed keys (see
         :meth:`~dynemb.tables.group_stores.GroupStores.read`)."""
@@ -184,7 +186,10 @@ class TableGroup:
 
     def lookup_batch(self, keys: Sequence[torch.Tensor],
                      occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
-        """A read-only (eval) lookup of every table's ``keys`` (:mod:`dynemb.tables.group_eval`)."""
+        """A read-only (eval) lookup of every table's ``keys`` (:mod:`dynemb.tables.group_eval`;
+        on the CUDA kernels, :mod:`dynemb.tables.group_device`)."""
+        if self._eval is None:
+            self._eval = self._on_device or GroupEvalLookup(self)
         return self._eval.lookup_batch(keys, occurrences)
 
     def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
