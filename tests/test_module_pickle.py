@@ -85,6 +85,7 @@ def test_a_pickled_module_continues_training_exactly_like_the_original(kind, mod
             step(module, i)  # in "prefetch queued", step 4 consumes the queued prefetch
         assert module.tables["t"].tier.hash.pinned_count() == 0
         assert module.pending_prefetches == 0
+        assert not module.tables["t"].has_batches_in_flight()
     same_tables(copy, original)
     if mode == "cache":
         assert copy.stats()["t"]["write_backs"] > 0
@@ -141,3 +142,4 @@ def test_a_module_pickled_by_an_earlier_version_unpickles_and_trains_on_alike():
                              reference.read_rows(name, keys, with_state=True)):
             assert torch.equal(got, want)
     assert copy.stats() == reference.stats()
+    assert not any(t.has_batches_in_flight() for t in copy.tables.values())

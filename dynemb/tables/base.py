@@ -84,8 +84,10 @@ class DynamicTable(CheckpointTiers):
 
     def __setstate__(self, state: Dict) -> None:
         self.__dict__.update(state)
-        if isinstance(self._held, list):  # pickled by an earlier version
-            self._held = {id(b): b for b in self._held}
+        # held batches are keyed by id(), which unpickled objects do not keep (and an
+        # earlier version kept a list)
+        held = self._held.values() if isinstance(self._held, dict) else self._held
+        self._held = {id(b): b for b in held}
 
     def empty_copy(self) -> "DynamicTable":
         """A new, empty table of the same configuration (name, layout, options, device)."""
