@@ -7,9 +7,9 @@ are those its own eval lookup gives: found keys read their row, the others their
 For the HBM_DIRECT and CACHE groups of the host kernels (:mod:`dynemb.tables.groups`); a
 CACHE table's key missing from the cache reads its store's row where the store has it (the
 default stores in one kernel call, a user's store by its ``find``; as alone, nothing is
-loaded). On the CUDA kernels
-``DeviceGroupPrefetch.lookup_batch`` (:mod:`dynemb.tables.group_device`) does the same for
-HBM_DIRECT groups with nothing read back.
+loaded). On the CUDA kernels ``DeviceGroupPrefetch.lookup_batch``
+(:mod:`dynemb.tables.group_device`) does the same for HBM_DIRECT groups with nothing read
+back.
 """
 from __future__ import annotations
 

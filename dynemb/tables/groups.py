@@ -118,7 +118,7 @@ class TableGroup:
         self.table_ids = np.asarray([t.table_id for t in tables], dtype=np.int64)
         self._stores = GroupStores(self) if self.mode is StorageMode.CACHE else None
         self._on_device = DeviceGroupPrefetch(self) if self.kernels.defers_failures else None
-        self._eval = None  # the eval lookups of the whole group, made at the first
+        self._eval = None  # the eval lookups of the whole group, made at the first one
 
     def __setstate__(self, state: Dict) -> None:
         """Unpickling a group pickled by an earlier version: what it lacks is derived."""
