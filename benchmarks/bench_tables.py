@@ -40,6 +40,7 @@ import dynemb.collection
 import dynemb.dynamic_core
 import dynemb.occurrence_grads
 import dynemb.tables.base
+import dynemb.tables.group_update
 import dynemb.tables.groups
 from benchmarks.common import (ROOT, add_run_options, check, config_of, fill_defaults,
                                git_state, load_before_run, machine_info, new_parser,
@@ -682,7 +683,7 @@ def profile_phases():
          ("dynemb/tables/groups.py", "initialize_rows")),
         ("gather (rows per occurrence)", TableGroup, "lookup_occurrences",
          ("dynemb/tables/groups.py", "lookup_occurrences")),
-        ("fused update (kernel)", dynemb.tables.groups, "fused_update",
+        ("fused update (kernel)", dynemb.tables.group_update, "fused_update",
          ("dynemb/optimizers.py", "fused_update")),
         ("release pins", TableGroup, "release", ("dynemb/tables/groups.py", "release")),
     ]

@@ -126,8 +126,8 @@ class DynamicCore:
         lost = False
         for batch in in_flight.values():
             if isinstance(batch, GroupBatch) and batch.group not in self.groups:
-                if not any(group.take_over(batch) for group in self.groups):
-                    batch.group.end_pins_alone(batch)
+                if not any(batch.move_to(group) for group in self.groups):
+                    batch.end_pins_alone()
                     lost = True
         if lost:
             self.clear_prefetched()

@@ -124,7 +124,7 @@ def test_a_module_pickled_by_an_earlier_version_unpickles_and_trains_on_alike():
     for name in ("_inputs", "_scored", "_defers_failures"):
         del core.__dict__[name]
     for table in core.tables.values():
-        table.__dict__["_held"] = list(table._held.values())
+        table.__dict__["_held"] = list(table._held)
     for group in core.groups:
         group.__dict__["_offsets"] = group.__dict__.pop("row_starts")
         del group.__dict__["_eval"]

@@ -28,6 +28,7 @@ from dynemb.optimizers import OccurrenceGrads, OptimizerConfig, fused_update
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.batch import TableBatch, check_batch_score
 from dynemb.tables.checkpoint_tiers import CheckpointTiers
+from dynemb.tables.held_batches import HeldBatches
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows, storage_bytes
 from dynemb.tables.tier import DeferredFailures, Tier
 from dynemb.types import EMPTY_KEY, TableFullError
@@ -69,7 +70,7 @@ class DynamicTable(CheckpointTiers):
         self.admission = (AdmissionCounter(options.admission, self.device, self.kernels)
                           if options.admission is not None else None)
         self.counters = TableCounters(self.device)
-        self._held: Dict[int, TableBatch] = {}  # by id(): batches holding pins, in order
+        self._held = HeldBatches()
         self._deferred = DeferredFailures(self.device)
         #: a :class:`~dynemb.checkpoint.changes.ChangeTracker` once checkpoint files track
         #: this table for incremental dumps (told of every claim, growth and update)
@@ -84,10 +85,8 @@ class DynamicTable(CheckpointTiers):
 
     def __setstate__(self, state: Dict) -> None:
         self.__dict__.update(state)
-        # held batches are keyed by id(), which unpickled objects do not keep (and an
-        # earlier version kept a list)
-        held = self._held.values() if isinstance(self._held, dict) else self._held
-        self._held = {id(b): b for b in held}
+        if isinstance(self._held, list):  # pickled by an earlier version
+            self._held = HeldBatches(self._held)
 
     def empty_copy(self) -> "DynamicTable":
         """A new, empty table of the same configuration (name, layout, options, device)."""
@@ -166,7 +165,8 @@ class DynamicTable(CheckpointTiers):
 
     def claims_apart(self, training: bool) -> bool:
         """Whether :meth:`claim_batch` of such a batch only claims (and :meth:`undo_batch`
-        can take it back exactly); else it does all of the prefetch."""
+        can take it back exactly); else it does all of the prefetch. A mode that says so
+        provides ``_claim_training``, ``_finish_training`` and ``_undo_claim``."""
         return False
 
     def claim_batch(self, keys: torch.Tensor, training: bool,
@@ -223,20 +223,9 @@ class DynamicTable(CheckpointTiers):
         sync-free (CUDA) path, if their count has reached the host."""
         self._deferred.check(self.name)
 
-    def _claim_training(self, batch: TableBatch):
-        """The claim of a training batch (see :meth:`claims_apart`)."""
-        raise NotImplementedError
-
-    def _finish_training(self, batch: TableBatch, result) -> None:
-        """Fill and count the rows of :meth:`_claim_training`'s ``result``."""
-        raise NotImplementedError
-
-    def _undo_claim(self, batch: TableBatch, result) -> None:
-        raise NotImplementedError
-
     def _hold(self, batch: TableBatch) -> None:
         batch.pinned = True
-        self._held[id(batch)] = batch
+        self._held.add(batch)
 
     def _admit(self, batch: TableBatch, present: torch.Tensor) -> torch.Tensor:
         """Keys allowed a row: those already stored and those reaching the threshold. The rest
@@ -268,7 +257,7 @@ class DynamicTable(CheckpointTiers):
             raise TableFullError(
                 f"table {self.name!r}: {err.failed_keys.numel()} keys found no slot in "
                 f"{self._tier_name(tier)} ({tier.hash.capacity} rows, "
-                f"{tier.hash.pinned_count()} pinned by {self._pin_holders()}); prefetch fewer "
+                f"{tier.hash.pinned_count()} pinned by {self._held.describe()}); prefetch fewer "
                 f"batches ahead, raise the device budget, or use an evicting score_strategy. "
                 f"Nothing was inserted.", err.failed_keys, err.remap) from None
         if result.remap is not None:
@@ -282,24 +271,13 @@ class DynamicTable(CheckpointTiers):
     def _tier_name(self, tier: Tier) -> str:
         return "the cache" if self.mode is StorageMode.CACHE else f"the {self.mode.value} table"
 
-    def _pin_holders(self) -> str:
-        """Who holds the pins, for error messages: queued prefetches and looked-up batches
-        whose backward has not run yet."""
-        queued = sum(1 for b in self._held.values() if not b.consumed)
-        looked_up = len(self._held) - queued
-        if not self._held:
-            return "no other batch: this batch alone has more keys than its buckets hold"
-        return (f"{queued} prefetched batches not yet consumed by forward and {looked_up} "
-                f"looked-up batches waiting for their backward (their pins end at their "
-                f"backward or at the next training forward)")
-
     def _apply_remap(self, tier: Tier, remap: torch.Tensor) -> None:
         tier.flat.remap(remap, tier.hash.capacity)
         if self.changes is not None:
             self.changes.remapped(tier, remap)
         if tier is not self.tier:
             return
-        for held in self._held.values():
+        for held in self._held:
             if held.slots is not None:
                 held.slots = torch.where(held.slots >= 0, remap[held.slots.clamp(min=0)], -1)
 
@@ -384,7 +362,7 @@ class DynamicTable(CheckpointTiers):
             self.tier.hash.release(batch.slots)
         self._release_more(batch)
         batch.pinned = False
-        self._held.pop(id(batch), None)
+        self._held.drop(batch)
 
     def _release_more(self, batch: TableBatch) -> None:
         """Pins a mode holds besides the device tier's."""
@@ -392,10 +370,10 @@ class DynamicTable(CheckpointTiers):
     def hold_group_batch(self, batch) -> None:
         """A batch of the table's group (:mod:`dynemb.tables.groups`) pins rows of this
         table until :meth:`drop_group_batch`."""
-        self._held[id(batch)] = batch
+        self._held.add(batch)
 
     def drop_group_batch(self, batch) -> None:
-        self._held.pop(id(batch), None)
+        self._held.drop(batch)
 
     def has_batches_in_flight(self) -> bool:
         """A prefetched or looked-up batch still holds pins (its backward or release has not
@@ -458,7 +436,7 @@ class DynamicTable(CheckpointTiers):
         out.other_bytes += self.counters.nbytes() + storage_bytes([self._deferred.total])
         out.host_other_bytes += storage_bytes([self._deferred.host])
         out.in_flight_bytes += storage_bytes(
-            t for b in self._held.values() for t in b.table_tensors(self.name))
+            t for b in self._held for t in b.table_tensors(self.name))
         return out
 
     def __repr__(self) -> str:

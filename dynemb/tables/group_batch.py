@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+import numpy as np
 import torch
 
 from dynemb.tables.batch import TableBatch
@@ -65,3 +66,35 @@ class GroupBatch:
         batch.pinned, batch.consumed = self.pinned, self.consumed
         batch.applied = name in self.applied
         return batch
+
+    def move_to(self, group) -> bool:
+        """Make this batch of an earlier group of the same tables (regrouped while the batch
+        held pins, which moved with the tables' arrays) a batch of ``group``: its slots are
+        renumbered to that group's rows. False, and nothing changes, if the earlier group
+        had other tables."""
+        old = self.group
+        if len(old.tables) != len(group.tables) or any(
+                a is not b for a, b in zip(old.tables, group.tables)):
+            return False
+        device = self.slots.device
+        shift = torch.tensor([new - was for new, was in zip(group.row_offset, old.row_offset)][:-1],
+                             dtype=torch.int64, device=device)
+        sizes = torch.tensor(np.diff(np.asarray(self.unique_bounds)), dtype=torch.int64,
+                             device=device)
+        delta = torch.repeat_interleave(shift, sizes, output_size=self.slots.numel())
+        self.slots = torch.where(self.slots >= 0, self.slots + delta, -1)
+        self.group = group
+        return True
+
+    def end_pins_alone(self) -> None:
+        """End the batch's pins table by table, in each table's own arrays (when its group no
+        longer holds them: its tables were regrouped into other groups)."""
+        group = self.group
+        for t in sorted(self.unreleased):
+            table = group.tables[t]
+            lo, hi = self.unique_bounds[t], self.unique_bounds[t + 1]
+            part = self.slots[lo:hi]
+            table.tier.hash.release(torch.where(part >= 0, part - group.row_offset[t], -1))
+            table.drop_group_batch(self)
+        self.unreleased = set()
+        self.pinned = False

@@ -41,7 +41,6 @@ import torch
 
 from dynemb.counters import COUNTER_NAMES
 from dynemb.kernel_backend import TableArrays
-from dynemb.optimizers import OccurrenceGrads, fused_update
 from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_batch import GroupBatch
@@ -49,6 +48,7 @@ from dynemb.tables.group_device import DeviceGroupPrefetch
 from dynemb.tables.group_eval import GroupEvalLookup
 from dynemb.tables.group_signature import group_signature
 from dynemb.tables.group_stores import GroupStores
+from dynemb.tables.group_update import GroupUpdates
 from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
 
 __all__ = ["GroupBatch", "TableGroup", "group_signature", "group_tables"]
@@ -67,7 +67,7 @@ def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
     return [TableGroup(members) for members in by_signature.values() if len(members) > 1]
 
 
-class TableGroup:
+class TableGroup(GroupUpdates):
     """Tables of one :func:`group_signature` in one set of arrays (see the module
     docstring). Building it copies each table into its part of the group's arrays."""
 
@@ -146,37 +146,6 @@ class TableGroup:
                     or table.counters.values is not counters):
                 return False
         return True
-
-    def take_over(self, batch: GroupBatch) -> bool:
-        """Make a batch of an earlier group of the same tables (regrouped while the batch
-        held pins, which moved with the tables' arrays) a batch of this group: its slots are
-        renumbered to this group's rows. False, and nothing changes, if the earlier group had
-        other tables."""
-        old = batch.group
-        if len(old.tables) != len(self.tables) or any(
-                a is not b for a, b in zip(old.tables, self.tables)):
-            return False
-        device = batch.slots.device
-        shift = torch.tensor([new - was for new, was in zip(self.row_offset, old.row_offset)][:-1],
-                             dtype=torch.int64, device=device)
-        sizes = torch.tensor(np.diff(np.asarray(batch.unique_bounds)), dtype=torch.int64,
-                             device=device)
-        delta = torch.repeat_interleave(shift, sizes, output_size=batch.slots.numel())
-        batch.slots = torch.where(batch.slots >= 0, batch.slots + delta, -1)
-        batch.group = self
-        return True
-
-    def end_pins_alone(self, batch: GroupBatch) -> None:
-        """End a batch's pins table by table, in each table's own arrays (when this group no
-        longer holds them: its tables were regrouped into other groups)."""
-        for t in sorted(batch.unreleased):
-            table = self.tables[t]
-            lo, hi = batch.unique_bounds[t], batch.unique_bounds[t + 1]
-            part = batch.slots[lo:hi]
-            table.tier.hash.release(torch.where(part >= 0, part - self.row_offset[t], -1))
-            table.drop_group_batch(batch)
-        batch.unreleased = set()
-        batch.pinned = False
 
     # -- prefetch ------------------------------------------------------------------------------
     def read_stores(self, keys: torch.Tensor, unique_bounds, want: torch.Tensor):
@@ -436,70 +405,6 @@ class TableGroup:
         if batch.fallback is not None:
             rows = torch.where((slots >= 0)[:, None], rows, batch.fallback)
         return rows
-
-    def occurrence_grads(self, batch: GroupBatch, grads: Sequence[Optional[torch.Tensor]], *,
-                         clip: Optional[float],
-                         sizes: Optional[Sequence[int]] = None) -> OccurrenceGrads:
-        """The gradients of every input key's row (``grads``: one per part of
-        :meth:`lookup_occurrences` of the same ``sizes``, None for a part that took none:
-        zeros there), summed per row by the update."""
-        if sizes is None:
-            sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
-        if len(grads) == 1:
-            occurrence = grads[0]
-        else:
-            occurrence = torch.cat([
-                g if g is not None else torch.zeros(size, self.dim, device=self.device)
-                for g, size in zip(grads, sizes)])
-        return OccurrenceGrads.from_inverse(occurrence, batch.inverse, batch.keys.numel(),
-                                            clip=clip)
-
-    def apply_gradients(self, batch: GroupBatch, grads: OccurrenceGrads,
-                        taking: Sequence[bool], *, lr: float, steps: Mapping[str, int]) -> None:
-        """The fused update of the rows of the tables ``taking`` a gradient (``grads``: of
-        the batch's unique keys, see :meth:`occurrence_grads`), each at its own ``steps``;
-        then those tables' pins end (the others' at the next training lookup, as a table
-        alone keeps them until its backward or that lookup)."""
-        slots = self._live_slots(batch)
-        if not all(taking):  # tables without a gradient keep their rows as they are
-            slots = slots.clone()
-            for t, takes in enumerate(taking):
-                if not takes:
-                    slots[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
-        step_of = [steps[name] for name, takes in zip(self.names, taking) if takes]
-        for step in sorted(set(step_of)):
-            chosen = slots
-            if len(set(step_of)) > 1:  # tables at different steps: one update per step
-                chosen = slots.clone()
-                for t, name in enumerate(self.names):
-                    if not taking[t] or steps[name] != step:
-                        chosen[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
-            fused_update(self.weights, chosen, grads, dim=self.dim, config=self.optimizer,
-                         lr=lr, step=step, kernels=self.kernels, keys=batch.keys,
-                         stochastic_rounding=False)
-        batch.applied.update(name for name, takes in zip(self.names, taking) if takes)
-        for table, takes in zip(self.tables, taking):  # tracking began after the prefetch
-            if takes and table.changes is not None:
-                table.changes.updated(batch.member(table.name))
-        self.release(batch, [t for t, takes in enumerate(taking) if takes])
-
-    def _live_slots(self, batch: GroupBatch) -> torch.Tensor:
-        """The batch's slots if still pinned; else only those still holding its keys, the
-        others counted as dropped updates of their tables."""
-        if batch.pinned:
-            return batch.slots
-        slots = batch.slots
-        kept = self.arrays.keys[slots.clamp(min=0)] == batch.keys
-        dropped = ((slots >= 0) & ~kept).to(torch.int64)
-        if batch.seg is not None:  # the table of each key, on the device: no host read
-            per_table = torch.zeros(len(self.tables), dtype=torch.int64,
-                                    device=dropped.device).index_add_(0, batch.seg, dropped)
-        else:
-            total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])  # per table:
-            bounds = torch.tensor(batch.unique_bounds, dtype=torch.int64)     # differences
-            per_table = total[bounds[1:]] - total[bounds[:-1]]
-        self.counters[:, _COUNTER["dropped_updates"]] += per_table
-        return torch.where(kept, slots, -1)
 
     def release(self, batch: GroupBatch, tables: Optional[Sequence[int]] = None) -> None:
         """End the batch's pins of ``tables`` (indices; None: all), once per table."""

@@ -1,0 +1,82 @@
+"""A table group's backward (:mod:`dynemb.tables.groups`): the gradients of every input key's
+row in one tensor, and one fused update of the rows of every table that took a gradient,
+each table at its own step. Mixed into :class:`~dynemb.tables.groups.TableGroup`."""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from dynemb.counters import COUNTER_NAMES
+from dynemb.optimizers import OccurrenceGrads, fused_update
+from dynemb.tables.group_batch import GroupBatch
+
+_DROPPED = COUNTER_NAMES.index("dropped_updates")
+
+
+class GroupUpdates:
+    """The backward of a :class:`~dynemb.tables.groups.TableGroup` (its arrays, tables and
+    ``release``)."""
+
+    def occurrence_grads(self, batch: GroupBatch, grads: Sequence[Optional[torch.Tensor]], *,
+                         clip: Optional[float],
+                         sizes: Optional[Sequence[int]] = None) -> OccurrenceGrads:
+        """The gradients of every input key's row (``grads``: one per part of
+        :meth:`lookup_occurrences` of the same ``sizes``, None for a part that took none:
+        zeros there), summed per row by the update."""
+        sizes = self._sizes(batch, sizes)
+        if len(grads) == 1:
+            occurrence = grads[0]
+        else:
+            occurrence = torch.cat([
+                g if g is not None else torch.zeros(size, self.dim, device=self.device)
+                for g, size in zip(grads, sizes)])
+        return OccurrenceGrads.from_inverse(occurrence, batch.inverse, batch.keys.numel(),
+                                            clip=clip)
+
+    def apply_gradients(self, batch: GroupBatch, grads: OccurrenceGrads,
+                        taking: Sequence[bool], *, lr: float, steps: Mapping[str, int]) -> None:
+        """The fused update of the rows of the tables ``taking`` a gradient (``grads``: of
+        the batch's unique keys, see :meth:`occurrence_grads`), each at its own ``steps``;
+        then those tables' pins end (the others' at the next training lookup, as a table
+        alone keeps them until its backward or that lookup)."""
+        slots = self._live_slots(batch)
+        if not all(taking):  # tables without a gradient keep their rows as they are
+            slots = slots.clone()
+            for t, takes in enumerate(taking):
+                if not takes:
+                    slots[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
+        step_of = [steps[name] for name, takes in zip(self.names, taking) if takes]
+        for step in sorted(set(step_of)):
+            chosen = slots
+            if len(set(step_of)) > 1:  # tables at different steps: one update per step
+                chosen = slots.clone()
+                for t, name in enumerate(self.names):
+                    if not taking[t] or steps[name] != step:
+                        chosen[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
+            fused_update(self.weights, chosen, grads, dim=self.dim, config=self.optimizer,
+                         lr=lr, step=step, kernels=self.kernels, keys=batch.keys,
+                         stochastic_rounding=False)
+        batch.applied.update(name for name, takes in zip(self.names, taking) if takes)
+        for table, takes in zip(self.tables, taking):  # tracking began after the prefetch
+            if takes and table.changes is not None:
+                table.changes.updated(batch.member(table.name))
+        self.release(batch, [t for t, takes in enumerate(taking) if takes])
+
+    def _live_slots(self, batch: GroupBatch) -> torch.Tensor:
+        """The batch's slots if still pinned; else only those still holding its keys, the
+        others counted as dropped updates of their tables."""
+        if batch.pinned:
+            return batch.slots
+        slots = batch.slots
+        kept = self.arrays.keys[slots.clamp(min=0)] == batch.keys
+        dropped = ((slots >= 0) & ~kept).to(torch.int64)
+        if batch.seg is not None:  # the table of each key, on the device: no host read
+            per_table = torch.zeros(len(self.tables), dtype=torch.int64,
+                                    device=dropped.device).index_add_(0, batch.seg, dropped)
+        else:
+            total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])  # per table:
+            bounds = torch.tensor(batch.unique_bounds, dtype=torch.int64)     # differences
+            per_table = total[bounds[1:]] - total[bounds[:-1]]
+        self.counters[:, _DROPPED] += per_table
+        return torch.where(kept, slots, -1)
