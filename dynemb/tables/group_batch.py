@@ -2,12 +2,36 @@
 :mod:`dynemb.tables.groups`), from prefetch to backward."""
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from dynemb.tables.batch import TableBatch
+
+
+def key_bounds_of(keys: Sequence[torch.Tensor]) -> List[int]:
+    """[T + 1] where each table's keys start in their concatenation, and their total.
+
+    >>> key_bounds_of([torch.ones(2), torch.ones(0), torch.ones(3)])
+    [0, 2, 2, 5]
+    """
+    bounds = [0]
+    for part in keys:
+        bounds.append(bounds[-1] + part.numel())
+    return bounds
+
+
+def given_counts(keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
+                 inverse: torch.Tensor, counts: torch.Tensor):
+    """(counts, the occurrences concatenated): where ids were deduplicated upstream, each
+    stands for its given number of occurrences (None for a table: 1 each); with no
+    occurrences at all, ``(counts, None)`` unchanged."""
+    if all(o is None for o in occurrences):
+        return counts, None
+    given = torch.cat([o if o is not None else torch.ones_like(k)
+                       for o, k in zip(occurrences, keys)])
+    return torch.zeros_like(counts).index_add_(0, inverse, given), given
 
 
 class GroupBatch:

@@ -18,13 +18,13 @@ each at its table's position in the key bounds.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from dynemb.counters import COUNTER_NAMES
 from dynemb.device_values import values_on
-from dynemb.tables.group_batch import GroupBatch
+from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy, TableFullError
 
 #: The counters a training prefetch adds to, in the order :meth:`DeviceGroupPrefetch._count`
@@ -125,21 +125,15 @@ class DeviceGroupPrefetch:
                occurrences: Sequence[Optional[torch.Tensor]]):
         """(key bounds, the table of each position, unique keys padded per table, inverse,
         counts, the given occurrences or None) of every table's keys."""
-        key_bounds: List[int] = [0]
-        for part in keys:
-            key_bounds.append(key_bounds[-1] + part.numel())
+        key_bounds = key_bounds_of(keys)
         bounds = values_on(key_bounds, torch.int64, self.device)
         # the table of each position: how many tables end at or before it
         seg = torch.searchsorted(bounds[1:], torch.arange(key_bounds[-1], device=self.device),
                                  right=True)
         all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
         unique, inverse, counts = segmented_padded_unique(all_keys, seg, bounds)
-        given_counts = None
-        if any(o is not None for o in occurrences):  # ids deduplicated upstream
-            given_counts = torch.cat([o if o is not None else torch.ones_like(k)
-                                      for o, k in zip(occurrences, keys)])
-            counts = torch.zeros_like(counts).index_add_(0, inverse, given_counts)
-        return key_bounds, seg, unique, inverse, counts, given_counts
+        counts, given = given_counts(keys, occurrences, inverse, counts)
+        return key_bounds, seg, unique, inverse, counts, given
 
     def lookup_batch(self, keys: Sequence[torch.Tensor],
                      occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
@@ -147,7 +141,7 @@ class DeviceGroupPrefetch:
         :mod:`dynemb.tables.group_eval` does on the host kernels, with nothing read back:
         found keys pinned until released, the others' eval rows in ``batch.fallback``."""
         group = self.group
-        key_bounds, seg, unique, inverse, counts, given_counts = self._dedup(keys, occurrences)
+        key_bounds, seg, unique, inverse, counts, given = self._dedup(keys, occurrences)
         slots = torch.empty_like(unique)
         group.kernels.find_group_device(group.arrays, seg, self.row_offset, self.num_buckets,
                                         unique, slots)
@@ -163,7 +157,7 @@ class DeviceGroupPrefetch:
             batch.fallback, torch.arange(unique.numel(), device=self.device), unique,
             real & ~found, seg, group.dim, self.seeds, self.table_ids, self.eval_kinds,
             *self.eval_params)
-        lookups = torch.ones_like(seg) if given_counts is None else given_counts
+        lookups = torch.ones_like(seg) if given is None else given
         columns = torch.stack([lookups, real.to(torch.int64), found.to(torch.int64),
                                (real & ~found).to(torch.int64)], 1)
         group.counters[:, :4] += torch.zeros(len(group.tables), 4, dtype=torch.int64,
@@ -175,7 +169,7 @@ class DeviceGroupPrefetch:
         """Claim and pin the rows of every table's ``keys`` (see ``TableGroup.prefetch``)."""
         group = self.group
         self.failures.check()
-        key_bounds, seg, unique, inverse, counts, given_counts = self._dedup(keys, occurrences)
+        key_bounds, seg, unique, inverse, counts, given = self._dedup(keys, occurrences)
         slots, inserted, prev_keys, prev_scores = self._claim(seg, unique, counts, scores)
         batch = GroupBatch(group, unique, inverse, counts, list(key_bounds), key_bounds, slots)
         batch.seg = seg
@@ -192,7 +186,7 @@ class DeviceGroupPrefetch:
         except Exception:
             group.release(batch)
             raise
-        self._count(seg, unique, slots, inserted, prev_keys, given_counts)
+        self._count(seg, unique, slots, inserted, prev_keys, given)
         return batch
 
     def _claim(self, seg, unique, counts, scores):
@@ -218,14 +212,14 @@ class DeviceGroupPrefetch:
                              .index_add_(0, seg, failed.to(torch.int64)))
         return slots, inserted, prev_keys, prev_scores
 
-    def _count(self, seg, unique, slots, inserted, prev_keys, given_counts) -> None:
+    def _count(self, seg, unique, slots, inserted, prev_keys, given) -> None:
         """Every table's lookups, unique keys, hits, misses, inserts and evictions, summed
         per table on the device in one ``index_add_``."""
         group = self.group
         hits = (slots >= 0) & ~inserted
         evicted = inserted & (prev_keys != EMPTY_KEY) & (prev_keys != TOMBSTONE_KEY)
         real = unique != EMPTY_KEY
-        lookups = (torch.ones_like(seg) if given_counts is None else given_counts)
+        lookups = (torch.ones_like(seg) if given is None else given)
         columns = torch.stack([lookups, real.to(torch.int64), hits.to(torch.int64),
                                (real & ~hits).to(torch.int64), inserted.to(torch.int64),
                                evicted.to(torch.int64)], 1)

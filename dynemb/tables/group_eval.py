@@ -13,14 +13,14 @@ back.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from dynemb.counters import COUNTER_NAMES
 from dynemb.options import StorageMode
-from dynemb.tables.group_batch import GroupBatch
+from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
 
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
 
@@ -40,15 +40,9 @@ class GroupEvalLookup:
         """Every table's ``keys`` (group order) found and pinned until released; the keys
         not stored get their eval rows in ``batch.fallback`` [U, dim]."""
         group = self.group
-        key_bounds: List[int] = [0]
-        for part in keys:
-            key_bounds.append(key_bounds[-1] + part.numel())
+        key_bounds = key_bounds_of(keys)
         unique, inverse, counts, unique_bounds = group.dedup(keys, key_bounds)
-        given_counts = None
-        if any(o is not None for o in occurrences):  # ids deduplicated upstream
-            given_counts = torch.cat([o if o is not None else torch.ones_like(k)
-                                      for o, k in zip(occurrences, keys)])
-            counts = torch.zeros_like(counts).index_add_(0, inverse, given_counts)
+        counts, given = given_counts(keys, occurrences, inverse, counts)
         slots = torch.empty_like(unique)
         group.kernels.find_group(group.arrays, group.row_starts, group.bucket_counts, unique,
                                  unique_bounds, slots)
@@ -65,7 +59,7 @@ class GroupEvalLookup:
             group.dim, group.seeds, group.table_ids, self.kinds, *self.params)
         if group.mode is StorageMode.CACHE:
             self._read_stores(batch, found)
-        self._count(batch, found, given_counts)
+        self._count(batch, found, given)
         return batch
 
     def _read_stores(self, batch: GroupBatch, found: torch.Tensor) -> None:

@@ -43,7 +43,7 @@ from dynemb.counters import COUNTER_NAMES
 from dynemb.kernel_backend import TableArrays
 from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
-from dynemb.tables.group_batch import GroupBatch
+from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
 from dynemb.tables.group_device import DeviceGroupPrefetch
 from dynemb.tables.group_eval import GroupEvalLookup
 from dynemb.tables.group_signature import group_signature
@@ -195,15 +195,9 @@ class TableGroup(GroupUpdates):
         :meth:`finish_batch` does that, or :meth:`undo_batch` takes the claim back."""
         if self._on_device is not None:
             return self._on_device.prefetch(keys, occurrences, scores)
-        key_bounds = [0]
-        for part in keys:
-            key_bounds.append(key_bounds[-1] + part.numel())
+        key_bounds = key_bounds_of(keys)
         unique, inverse, counts, unique_bounds = self.dedup(keys, key_bounds)
-        counted = any(o is not None for o in occurrences)
-        if counted:  # ids deduplicated upstream: each stands for its occurrences
-            given_counts = torch.cat([o if o is not None else torch.ones_like(k)
-                                      for o, k in zip(occurrences, keys)])
-            counts = torch.zeros_like(counts).index_add_(0, inverse, given_counts)
+        counts, given_occurrences = given_counts(keys, occurrences, inverse, counts)
         ub = unique_bounds.tolist()
         given = self._given_scores(scores, ub, unique)
         claimed = self._claim(unique, counts, given, unique_bounds)
@@ -214,7 +208,7 @@ class TableGroup(GroupUpdates):
         for table in self.tables:
             table.hold_group_batch(batch)
         claim = (unique, slots, inserted, prev_keys, prev_scores, unique_bounds)
-        batch.pending = (claim, stats, given_counts if counted else None)
+        batch.pending = (claim, stats, given_occurrences)
         return batch
 
     def undo_batch(self, batch: GroupBatch) -> None:
