@@ -104,6 +104,8 @@ class DynamicCore:
         self._scored = [name for name, options in self.table_options.items()
                         if options.score_strategy is ScorePolicy.CUSTOMIZED]
         self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
+        for group in self.groups:
+            group.view_parts_again()
 
     def _regroup(self) -> None:
         """Group the current tables (each group copies its tables into its own arrays)."""

@@ -49,6 +49,13 @@ class GroupStores:
         self._lists = None
         self._empty = None
 
+    def __getstate__(self) -> dict:
+        """Without the kernel's typed lists (numba objects that do not pickle): they are
+        derived from the stores and rebuilt at the next call."""
+        state = self.__dict__.copy()
+        state.update(_sources=None, _lists=None, _empty=None)
+        return state
+
     def _store_arrays(self):
         """Typed lists of every store's (keys, scores, pins, size, rows as bits), plus
         (buckets, bucket size, max capacity, grow-at load factor) per store as numpy."""

@@ -99,13 +99,8 @@ class TableGroup(GroupUpdates):
                                    device=self.device)
         self.counters = torch.zeros(len(tables), len(COUNTER_NAMES), dtype=torch.int64,
                                     device=first.counters.values.device)
-        for t, table in enumerate(tables):
-            lo, hi = self.row_offset[t], self.row_offset[t + 1]
-            table.tier.hash.use_storage(TableArrays(
-                self.arrays.keys[lo:hi], self.arrays.scores[lo:hi], self.arrays.refcnt[lo:hi],
-                self.arrays.size[t:t + 1], (hi - lo) // self.bucket_size, self.bucket_size))
-            table.tier.flat.use_storage(self.weights[lo:hi])
-            table.counters.use_storage(self.counters[t])
+        for t in range(len(tables)):
+            self._move_into_part(t)
         self._storage = [self._storage_of(t) for t in tables]
         self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)  # numpy, for the kernels
         self.bucket_counts = np.asarray([c // self.bucket_size for c in capacities],
@@ -126,6 +121,30 @@ class TableGroup(GroupUpdates):
         if "row_starts" not in state:
             self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)
         self.__dict__.setdefault("_eval", None)  # made at the first eval lookup
+
+    def _move_into_part(self, t: int) -> None:
+        """Copy table ``t`` into its part of the group's arrays and make its arrays views
+        of that part."""
+        table = self.tables[t]
+        lo, hi = self.row_offset[t], self.row_offset[t + 1]
+        table.tier.hash.use_storage(TableArrays(
+            self.arrays.keys[lo:hi], self.arrays.scores[lo:hi], self.arrays.refcnt[lo:hi],
+            self.arrays.size[t:t + 1], (hi - lo) // self.bucket_size, self.bucket_size))
+        table.tier.flat.use_storage(self.weights[lo:hi])
+        table.counters.use_storage(self.counters[t])
+
+    def view_parts_again(self) -> None:
+        """After unpickling: plain ``pickle`` copies every tensor on its own (``torch.save``
+        and ``copy.deepcopy`` keep views), so a table's arrays may no longer be views of the
+        group's. Such a table's arrays (equal to its part) become views of its part again."""
+        for t, table in enumerate(self.tables):
+            lo = self.row_offset[t]
+            apart = (table.tier.hash.arrays.keys.data_ptr() != self.arrays.keys[lo:].data_ptr()
+                     or table.tier.flat.weights.data_ptr() != self.weights[lo:].data_ptr()
+                     or table.counters.values.data_ptr() != self.counters[t].data_ptr())
+            if apart:
+                self._move_into_part(t)
+                self._storage[t] = self._storage_of(table)
 
     @property
     def allows_eviction(self) -> bool:
