@@ -1,9 +1,10 @@
-"""Whether a table's up-front allocation fits the memory it goes to, checked before anything
-is allocated, with the options that allocate less named in the error."""
+"""Whether the up-front allocations of a module's tables fit the memory they go to, checked
+before anything is allocated: each table alone, then all of them together, with the options
+that allocate less named in the error."""
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,20 +28,65 @@ def check_allocation(layout: TableLayout, options: DynamicEmbTableOptions, *, na
         Traceback (most recent call last):
         ValueError: table 't': the 151284754176 rows allocated up front (init_capacity, ...
     """
-    slot = layout.row_bytes + SLOT_BYTES
-    host_rows = layout.host_tier_rows
-    device_rows = layout.init_capacity
-    if layout.mode is StorageMode.HOST_ONLY:
-        device_rows, host_rows = 0, layout.max_capacity
-    needs = {device: device_rows * slot}
-    host = torch.device("cpu")
-    needs[host] = needs.get(host, 0) + host_rows * slot
-    for where, nbytes in needs.items():
+    host_rows = _host_rows(layout)
+    for where, nbytes in _upfront_bytes(layout, device).items():
         total = _memory_of(where)
         if total is not None and nbytes > total:
             raise ValueError(
                 f"table {name!r}: {_upfront_rows(layout, options, host_rows)} need "
                 f"{_gib(nbytes)} on {where}, which has {_gib(total)}; {_allocate_less(layout)}")
+
+
+def check_allocations(tables: Sequence[Tuple[str, TableLayout, DynamicEmbTableOptions]], *,
+                      device: torch.device) -> None:
+    """:func:`check_allocation` of each ``(name, layout, options)``, then of what they
+    allocate up front together (a module builds all its tables, or none): raise, before
+    anything is allocated, if the sum exceeds the memory of a device, naming the largest
+    tables and the options that allocate less.
+
+    Example::
+
+        >>> from dynemb.options import choose_storage_mode
+        >>> layout = choose_storage_mode(DynamicEmbTableOptions(), name="t", width=64,
+        ...                              num_embeddings=2**21, config_dtype=torch.float32)
+        >>> check_allocations([(f"t{i}", layout, DynamicEmbTableOptions()) for i in range(999)],
+        ...                   device=torch.device("cpu"))  # 0.7 GiB each
+        Traceback (most recent call last):
+        ValueError: the 999 tables of the module allocate ... GiB up front on cpu together, ...
+    """
+    totals: Dict[torch.device, int] = {}
+    by_table: Dict[torch.device, list] = {}
+    for name, layout, options in tables:
+        check_allocation(layout, options, name=name, device=device)
+        for where, nbytes in _upfront_bytes(layout, device).items():
+            totals[where] = totals.get(where, 0) + nbytes
+            by_table.setdefault(where, []).append((nbytes, name, layout))
+    for where, nbytes in totals.items():
+        total = _memory_of(where)
+        if total is None or nbytes <= total:
+            continue
+        largest = sorted(by_table[where], key=lambda entry: -entry[0])
+        named = ", ".join(f"{name!r} {_gib(n)}" for n, name, _ in largest[:5])
+        more = f" and {len(largest) - 5} more" if len(largest) > 5 else ""
+        hints = list(dict.fromkeys(_allocate_less(layout) for n, _, layout in largest if n))
+        raise ValueError(
+            f"the {len(tables)} tables of the module allocate {_gib(nbytes)} up front on "
+            f"{where} together, which has {_gib(total)} (largest: {named}{more}); each fits "
+            f"alone, not all of them: " + "; or ".join(hints))
+
+
+def _host_rows(layout: TableLayout) -> int:
+    return layout.max_capacity if layout.mode is StorageMode.HOST_ONLY else layout.host_tier_rows
+
+
+def _upfront_bytes(layout: TableLayout, device: torch.device) -> Dict[torch.device, int]:
+    """Bytes of hash slots and rows a table of ``layout`` allocates up front, by device."""
+    slot = layout.row_bytes + SLOT_BYTES
+    device_rows = 0 if layout.mode is StorageMode.HOST_ONLY else layout.init_capacity
+    needs = {device: device_rows * slot}
+    host = torch.device("cpu")
+    needs[host] = needs.get(host, 0) + _host_rows(layout) * slot
+    return needs
 
 
 def _upfront_rows(layout: TableLayout, options: DynamicEmbTableOptions, host_rows: int) -> str:

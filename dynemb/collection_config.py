@@ -8,12 +8,13 @@ from torchrec.modules.embedding_configs import (BaseEmbeddingConfig, EmbeddingCo
                                                 data_type_to_dtype)
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
-from dynemb.allocation_checks import check_allocation
+from dynemb.allocation_checks import check_allocations
 from dynemb.initializers import table_identity
 from dynemb.optimizers import OptimizerConfig
-from dynemb.options import DynamicEmbTableOptions, choose_storage_mode, resolve_initializer
+from dynemb.options import (DynamicEmbTableOptions, TableLayout, choose_storage_mode,
+                            resolve_initializer)
 from dynemb.stashing.collection_stash import resolve_stash_options
-from dynemb.tables import build_table
+from dynemb.tables import DynamicTable, build_table
 
 
 def check_configs(tables, config_type: type = EmbeddingConfig) -> List[EmbeddingConfig]:
@@ -119,18 +120,28 @@ def options_by_table(table_options, names) -> Dict[str, DynamicEmbTableOptions]:
     return out
 
 
-def build_configured_table(config: BaseEmbeddingConfig, options: DynamicEmbTableOptions,
-                           optimizer: OptimizerConfig, device: torch.device,
-                           backend: Optional[str]):
-    """``config``'s table, empty, in the storage mode its options choose; None on the meta
-    device (after checking the options), where nothing is allocated."""
+def table_layout(config: BaseEmbeddingConfig, options: DynamicEmbTableOptions,
+                 optimizer: OptimizerConfig) -> TableLayout:
+    """The storage mode and sizes ``options`` choose for ``config``'s table (checked)."""
     state_dim = optimizer.state_dim(config.embedding_dim)
-    layout = choose_storage_mode(
+    return choose_storage_mode(
         options, name=config.name, num_embeddings=config.num_embeddings,
         width=config.embedding_dim + state_dim, state_dim=state_dim,
         config_dtype=data_type_to_dtype(config.data_type))
+
+
+def build_configured_tables(configs: List[BaseEmbeddingConfig],
+                            options: Mapping[str, DynamicEmbTableOptions],
+                            optimizer: OptimizerConfig, device: torch.device,
+                            backend: Optional[str]) -> Dict[str, DynamicTable]:
+    """Every config's table, empty, in the storage mode its options choose; nothing on the
+    meta device (after checking the options). What all the tables allocate up front is
+    checked against the memory, together, before any is allocated."""
+    layouts = [(c, table_layout(c, options[c.name], optimizer)) for c in configs]
     if device.type == "meta":
-        return None
-    check_allocation(layout, options, name=config.name, device=device)
-    return build_table(config.name, table_identity(config.name), config.embedding_dim, layout,
-                       options, optimizer, device, backend)
+        return {}
+    check_allocations([(c.name, layout, options[c.name]) for c, layout in layouts],
+                      device=device)
+    return {c.name: build_table(c.name, table_identity(c.name), c.embedding_dim, layout,
+                                options[c.name], optimizer, device, backend)
+            for c, layout in layouts}

@@ -23,7 +23,7 @@ from dynemb.checkpoint.module_state import (NAMESPACE, check_saved_tables, colle
                                            save_tables)
 from dynemb.checkpoint.table_state import SavedTable, restore
 from dynemb.batch_claims import check_failures, prefetch_all
-from dynemb.collection_config import build_configured_table, settle_table_options
+from dynemb.collection_config import build_configured_tables, settle_table_options
 from dynemb.fused_optimizer import DynamicEmbFusedOptimizer, checked_lr
 from dynemb.optimizer_config import DefaultOptimizerNotice
 from dynemb.optimizers import OptimizerConfig
@@ -71,11 +71,8 @@ class DynamicCore:
         self.validate_inputs = validate_inputs
         self._weights_are_counts = weights_are_counts
         self._variable_batch = variable_batch
-        self.tables: Dict[str, DynamicTable] = {}
-        for config in configs:
-            table = self._build_table(config)
-            if table is not None:  # None on the meta device
-                self.tables[config.name] = table
+        self.tables: Dict[str, DynamicTable] = build_configured_tables(
+            configs, self.table_options, self.optimizer_config, device, backend)  # {} on meta
         # the CUDA kernels report keys without a slot at a later prefetch
         self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
         self.groups_on = group_tables
@@ -137,8 +134,8 @@ class DynamicCore:
         return self.groups
 
     def _build_table(self, config: BaseEmbeddingConfig) -> Optional[DynamicTable]:
-        return build_configured_table(config, self.table_options[config.name],
-                                      self.optimizer_config, self.device, self.backend)
+        return build_configured_tables([config], self.table_options, self.optimizer_config,
+                                       self.device, self.backend).get(config.name)
 
     # -- views -------------------------------------------------------------------------------
     @property

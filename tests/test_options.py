@@ -97,6 +97,35 @@ def test_rows_allocated_up_front_beyond_memory_name_init_capacity_and_a_budget()
         make(2**36, local_hbm_for_values=1 << 20)
 
 
+def test_what_a_module_allocates_up_front_is_checked_together_before_any_table(monkeypatch):
+    """Host memory faked to 64 MiB: one table of 200k rows is refused alone, and eight of 60k
+    rows (each fits) are refused together, before any is built."""
+    import dynemb.allocation_checks as checks
+    import dynemb.tables as tables_package
+    monkeypatch.setattr(checks, "_memory_of",
+                        lambda device: 64 << 20 if device.type == "cpu" else None)
+    built = []
+    real_build = tables_package.build_table
+    monkeypatch.setattr("dynemb.collection_config.build_table",
+                        lambda *a, **k: built.append(a[0]) or real_build(*a, **k))
+
+    def module(rows, count):
+        configs = [EmbeddingConfig(name=f"t{i}", embedding_dim=64, num_embeddings=rows,
+                                   feature_names=[f"f{i}"]) for i in range(count)]
+        return DynamicEmbCollection(configs, table_options=DynamicEmbTableOptions())
+
+    with pytest.raises(ValueError, match=r"table 't0': .* need .* on cpu, which has 0\.1 GiB"):
+        module(200_000, 1)
+    with pytest.raises(ValueError, match=(
+            r"the 8 tables of the module allocate 0\.2 GiB up front on cpu together, which "
+            r"has 0\.1 GiB \(largest: 't0' .*, 't4' .* and 3 more\); each fits alone, not all "
+            r"of them: set init_capacity to start smaller")):
+        module(60_000, 8)
+    assert built == []
+    module(60_000, 2)  # 2 of them fit
+    assert built == ["t0", "t1"]
+
+
 def test_the_suggested_options_work():
     ec = make(2**36, init_capacity=1024)  # grows up to 2**36 rows as they arrive
     train_step(ec, list(range(2000)))
