@@ -22,7 +22,7 @@ from dynemb.options import DynamicEmbTableOptions
 from dynemb.pooling import Bags, PooledLookup, TableBags, pool_all
 from dynemb.prefetch import PrefetchState
 from dynemb.tracing import call_as_leaf, is_traced
-from dynemb.validation import check_kjt
+from dynemb.validation import check_features_present, check_kjt
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -178,14 +178,10 @@ class DynamicEmbBagCollection(EmbeddingBagCollectionInterface, DynamicModule):
 
 
 def check_bag_kjt(kjt: KeyedJaggedTensor, features: List[str], is_weighted: bool) -> None:
-    """Raise ``ValueError`` unless ``kjt`` has every one of ``features``, and per-id weights
-    when ``is_weighted`` (an unweighted collection ignores them, as TorchRec's does)."""
-    keys = set(kjt.keys())
-    missing = [f for f in features if f not in keys]
-    if missing:
-        raise ValueError(f"features {missing} of this collection are not in the KJT (its "
-                         f"features: {list(kjt.keys())}); every feature must be given, with "
-                         f"zero-length bags where it has no ids")
+    """Raise unless ``kjt`` has every one of ``features`` (a
+    :class:`~dynemb.validation.MissingFeatureError`), and per-id weights when ``is_weighted``
+    (a ``ValueError``; an unweighted collection ignores them, as TorchRec's does)."""
+    check_features_present(kjt.keys(), features)
     has_weights = kjt.weights_or_none() is not None
     if is_weighted and not has_weights:
         raise ValueError("this collection is weighted (is_weighted=True) but the KJT has no "

@@ -8,6 +8,8 @@ import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from dynemb.validation import check_features_present
+
 
 def cut_by_feature(rows: torch.Tensor, segments: Sequence[Tuple[str, int]],
                    lengths: Mapping[str, torch.Tensor],
@@ -57,12 +59,11 @@ def meta_outputs(kjt: KeyedJaggedTensor, configs: Sequence[BaseEmbeddingConfig],
         >>> meta_outputs(kjt, [config], {("t", "f"): "f"})["f"].values()
         tensor(..., device='meta', size=(2, 4))
     """
+    check_features_present(kjt.keys(), [f for c in configs for f in c.feature_names])
     jts = kjt.to_dict()
     out: Dict[str, JaggedTensor] = {}
     for config in configs:
         for feature in config.feature_names:
-            if feature not in jts:
-                continue
             jt = jts[feature]
             rows = torch.empty(jt.values().numel(), config.embedding_dim, device="meta")
             out[output_name[(config.name, feature)]] = JaggedTensor(

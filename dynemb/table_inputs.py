@@ -8,7 +8,7 @@ import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynemb.validation import check_keys, check_kjt
+from dynemb.validation import check_features_present, check_keys, check_kjt
 
 #: per table: (table name, [(feature, its position in the KJT's keys), ...])
 Plan = List[Tuple[str, List[Tuple[str, int]]]]
@@ -32,16 +32,19 @@ class TableInputs:
     def __init__(self, configs: Sequence[BaseEmbeddingConfig]):
         self.configs = list(configs)
         self._tables = [(c.name, tuple(c.feature_names)) for c in self.configs]
+        self._features = list(dict.fromkeys(f for _, names in self._tables for f in names))
         self._plans: Dict[Tuple[str, ...], Plan] = {}
 
     def plan(self, features: Tuple[str, ...]) -> Plan:
-        """Each table's features present in ``features`` (the KJT's keys, in order), with
-        their positions there, in the table's feature order."""
+        """Each table's features with their positions in ``features`` (the KJT's keys, in
+        order), in the table's feature order. A feature a table reads that ``features``
+        lacks raises :class:`~dynemb.validation.MissingFeatureError` (a ``KeyError``, as
+        TorchRec's collections raise)."""
         plan = self._plans.get(features)
         if plan is None:
             position = {f: i for i, f in enumerate(features)}
-            plan = [(name, [(f, position[f]) for f in names if f in position])
-                    for name, names in self._tables]
+            check_features_present(features, self._features)
+            plan = [(name, [(f, position[f]) for f in names]) for name, names in self._tables]
             if len(self._plans) >= self.MAX_PLANS:
                 self._plans.clear()
             self._plans[features] = plan
@@ -61,7 +64,7 @@ def split_by_table(kjt: KeyedJaggedTensor,
     ``weights_are_counts`` (how many times each id occurred), else None. Under
     ``"__lengths__"``: the KJT's lengths by feature (views). A feature read by several
     tables is in each of them; features no table reads are ignored, as TorchRec's modules do
-    (one KJT often feeds several modules). ``variable_batch``: accept a KJT with a batch size per
+    (one KJT often feeds several modules); a feature a table reads must be there. ``variable_batch``: accept a KJT with a batch size per
     feature. Nothing changes anywhere: every check runs here, before any table is touched.
 
     Example::
@@ -102,14 +105,12 @@ def split_by_table(kjt: KeyedJaggedTensor,
             feature, i = present[0]
             keys, segments = id_parts[i], [(feature, sizes[i])]
         else:
-            keys = (torch.cat([id_parts[i] for _, i in present]) if present else
-                    ids.new_empty(0))
+            keys = torch.cat([id_parts[i] for _, i in present])
             segments = [(feature, sizes[i]) for feature, i in present]
         occurrences = None
         if counted:
-            occurrences = (torch.cat([weight_parts[i] for _, i in present]) if present else
-                           torch.empty(0, device=values.device))
-            occurrences = occurrences.to(device=device, dtype=torch.int64)
+            occurrences = torch.cat([weight_parts[i] for _, i in present]).to(
+                device=device, dtype=torch.int64)
         out[name] = (keys, segments, occurrences)
     return out
 

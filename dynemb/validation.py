@@ -1,6 +1,8 @@
 """Argument checks shared by the public API. Each error names the argument at fault."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
@@ -143,6 +145,33 @@ def check_kjt(kjt, device: torch.device, *, check_lengths: bool = True,
     if check_lengths:
         check_kjt_lengths(kjt)
         validate_keyed_jagged_tensor(kjt)  # TorchRec's: offsets and weights agree with them
+
+
+class MissingFeatureError(KeyError, ValueError):
+    """A KJT lacks a feature that the collection reads: a ``KeyError``, as TorchRec's
+    collections raise for it, and a ``ValueError`` (a bad input), with the message in full."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def check_features_present(keys: Sequence[str], features: Sequence[str]) -> None:
+    """Raise :class:`MissingFeatureError` unless the KJT's ``keys`` hold every one of
+    ``features``.
+
+    Example::
+
+        >>> check_features_present(["a"], ["a", "b"])
+        Traceback (most recent call last):
+        dynemb.validation.MissingFeatureError: features ['b'] of this collection are not in the KJT ...
+    """
+    present = set(keys)
+    missing = [f for f in features if f not in present]
+    if missing:
+        raise MissingFeatureError(
+            f"features {missing} of this collection are not in the KJT (its features: "
+            f"{list(keys)}); every feature must be given, with zero lengths where it has no "
+            f"ids")
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

@@ -312,7 +312,7 @@ def test_malformed_input_is_rejected_without_validate_inputs(bad, error, match):
 
 
 def _check_rejected_before_any_change(ec, bad, error, match):
-    train_step(ec, [1, 2, 3])
+    train_step(ec, [1, 2, 3], features=("f", "g"))
     before = _snapshot(ec)
     with pytest.raises(error, match=match):
         ec(bad())

@@ -40,11 +40,19 @@ def expected(ids_by_feature):
     return out
 
 
+def test_a_kjt_lacking_a_feature_a_table_reads_raises_key_error():
+    """As TorchRec's collections do; a feature no table reads may be absent or extra."""
+    with pytest.raises(KeyError, match=r"features \['c', 'd'\] of this collection are not in "
+                                       r"the KJT \(its features: \['b', 'a', 'e'\]\)"):
+        split_by_table(kjt_of({"b": [3], "a": [1, 2], "e": [9, 9]}), TableInputs(configs()),
+                       CPU, validate=True)
+
+
 @pytest.mark.parametrize("order", [
     {"a": [1, 2], "b": [3], "c": [4, 5, 6], "d": [7]},
     {"d": [7], "c": [4, 5, 6], "b": [3], "a": [1, 2]},  # reversed
-    {"b": [3], "a": [1, 2], "e": [9, 9]},  # c and d missing, e read by no table
-    {"c": [], "a": [], "b": [8]},  # empty features
+    {"b": [3], "a": [1, 2], "e": [9, 9], "c": [], "d": [4]},  # e read by no table
+    {"c": [], "a": [], "b": [8], "d": []},  # empty features
 ])
 def test_each_table_gets_its_features_ids_in_its_feature_order(order):
     inputs = TableInputs(configs())
@@ -67,7 +75,7 @@ def test_plans_follow_the_key_order_and_are_bounded():
         assert got["t1"][0].tolist() == [3, 2] and got["t2"][0].tolist() == [1, 4]
     assert len(inputs._plans) == 2
     for n in range(TableInputs.MAX_PLANS + 3):  # many orders: the cache starts over
-        inputs.plan(tuple(f"x{n}" for _ in range(1)))
+        inputs.plan(("a", "b", "c", "d", f"x{n}"))
     assert len(inputs._plans) <= TableInputs.MAX_PLANS
     got = split_by_table(kjt_of(second), inputs, CPU, validate=False)
     assert got["t1"][0].tolist() == [3, 2] and got["t1"][1] == [("c", 1), ("b", 1)]
@@ -75,7 +83,7 @@ def test_plans_follow_the_key_order_and_are_bounded():
 
 def test_weights_as_counts_follow_the_same_plan():
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        ["d", "a"], torch.tensor([7, 1, 2]), torch.tensor([1, 0, 2, 0]),
+        ["d", "a", "b", "c"], torch.tensor([7, 1, 2]), torch.tensor([1, 0, 2, 0, 0, 0, 0, 0]),
         weights=torch.tensor([3.0, 1.0, 2.0]))
     got = split_by_table(kjt, TableInputs(configs()), CPU, validate=True,
                          weights_are_counts=True)

@@ -41,6 +41,15 @@ def slots_of(table):
     return table.tier.hash.capacity
 
 
+def test_the_target_rows_are_rounded_down():
+    """0.1 of 13,952 slots (109 buckets of 128) is 1,395.2 rows: the fill stops at 1,395."""
+    table = table_of(("cpu", "cpu"), max_capacity=13952)
+    assert table.tier.hash.capacity == 13952
+    report = fill_to_load_factor(table, 0.1, seed=1)
+    assert report.rows == table.stats()["rows_device"] == 1395
+    assert report.load_factor < 0.1
+
+
 @pytest.mark.parametrize("mode", list(MODES), ids=[m.value for m in MODES])
 @pytest.mark.parametrize("load_factor", [0.3, 0.8])
 def test_a_table_reaches_its_load_factor_and_stats_agree(backend, mode, load_factor):
@@ -49,8 +58,9 @@ def test_a_table_reaches_its_load_factor_and_stats_agree(backend, mode, load_fac
     report = fill_to_load_factor(table, load_factor, seed=3, batch_size=100)
     slots = slots_of(table)
     assert isinstance(report, FillReport) and report.capacity == slots
-    # rows missing are never overshot: the fill ends at the target row exactly
-    assert report.rows == math.ceil(load_factor * slots)
+    # rows missing are never overshot: the fill ends at the target row exactly, rounded down
+    assert report.rows == math.floor(load_factor * slots + 1e-9)
+    assert report.load_factor <= load_factor
     assert abs(report.load_factor - load_factor) <= 100 / slots
     stats = table.stats()
     if mode is StorageMode.DEFAULT:

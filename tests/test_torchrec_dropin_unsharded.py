@@ -130,6 +130,31 @@ def test_features_of_no_table_are_ignored_and_not_counted():
     torch.testing.assert_close(bags(MIXED).values(), bag_reference(MIXED).values())
 
 
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_kjt_lacking_a_feature_raises_key_error_like_torchrec_and_changes_nothing(pooled):
+    """TorchRec's collections raise ``KeyError`` for a feature they read that the KJT lacks;
+    so do the dynamic ones, before any table changes, in forward and in prefetch."""
+    dyn, reference = bag_pair() if pooled else seq_pair()
+    lacking = kjt(["f2", "f3"], [1, 2, 3], [1, 1, 0, 0, 1, 0])  # f1 (read by t1) is absent
+    with pytest.raises(KeyError):
+        reference(lacking)
+    for call in (dyn, dyn.prefetch):
+        with pytest.raises(KeyError, match=r"features \['f1'\] of this collection are not in "
+                                           r"the KJT \(its features: \['f2', 'f3'\]\)"):
+            call(lacking)
+    with torch.no_grad():
+        with pytest.raises(KeyError):
+            dyn(lacking)
+    assert all(s["lookups"] == 0 and s["inserts"] == 0 for s in dyn.stats().values())
+    assert dyn.pending_prefetches == 0
+    if not pooled:  # on the meta device too, as TorchRec's
+        meta_configs = seq_tables()
+        with pytest.raises(KeyError):
+            EmbeddingCollection(meta_configs, device=torch.device("meta"))(lacking)
+        with pytest.raises(KeyError, match=r"features \['f1'\]"):
+            DynamicEmbCollection(meta_configs, device=torch.device("meta"))(lacking)
+
+
 def test_an_unweighted_bag_collection_ignores_the_kjts_weights():
     dyn, reference = bag_pair(is_weighted=False)
     torch.testing.assert_close(dyn(MIXED).values(), reference(MIXED).values())

@@ -15,6 +15,9 @@ from typing import Dict, List, Mapping
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dynemb.validation import check_features_present
+
+
 _INT64_MAX = torch.iinfo(torch.int64).max
 
 
@@ -140,8 +143,4 @@ class RemappedServing(torch.nn.Module):
 
     def check_features(self, kjt: KeyedJaggedTensor) -> None:
         """Every feature the collection reads must be in ``kjt`` (empty where it has no ids)."""
-        missing = [f for f in self._table_of_feature if f not in kjt.keys()]
-        if missing:
-            raise ValueError(f"features {missing} of this collection are not in the KJT (its "
-                             f"features: {list(kjt.keys())}); every feature must be given, "
-                             f"with no ids where it has none")
+        check_features_present(kjt.keys(), list(self._table_of_feature))

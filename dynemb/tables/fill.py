@@ -120,6 +120,18 @@ def occupancy(table: DynamicTable) -> Tuple[int, int]:
     return rows, slots
 
 
+def target_rows(load_factor: float, slots: int) -> int:
+    """The rows a fill to ``load_factor`` of ``slots`` stops at: rounded down, so the load
+    factor reached is never above the one asked for (as DynamicEmb's ``fill_tables``).
+
+    Example::
+
+        >>> target_rows(0.1, 13952), target_rows(0.5, 1024), target_rows(0.3, 3)
+        (1395, 512, 0)
+    """
+    return math.floor(load_factor * slots + 1e-9)  # 1e-9: 0.3 * 10 is 2.9999999999999996
+
+
 def _fill(table: DynamicTable, load_factor: float, seed: int, batch_size: int,
           score: Optional[int]) -> FillReport:
     generator = torch.Generator().manual_seed(seed)
@@ -128,7 +140,7 @@ def _fill(table: DynamicTable, load_factor: float, seed: int, batch_size: int,
     fed, stalled = [], 0
     while stalled < STALLED_BATCHES:
         rows, slots = occupancy(table)
-        missing = math.ceil(load_factor * slots - 1e-9) - rows
+        missing = target_rows(load_factor, slots) - rows
         if missing <= 0:
             break
         n = min(batch_size, missing, max(1, slots // 4))
