@@ -51,8 +51,8 @@ def good_batch(gen, tables, n=24):
 
 def train(ec, batch):
     out = ec(batch)
-    sum((jt.values() * (1 + torch.arange(jt.values().numel()).reshape(jt.values().shape)
-                        % 3)).sum() for jt in out.values()).backward()
+    sum((jt.values() * (1 + torch.arange(jt.values().numel(), device=jt.values().device)
+                        .reshape(jt.values().shape) % 3)).sum() for jt in out.values()).backward()
     return out
 
 

@@ -45,11 +45,11 @@ class _Wrap(torch.nn.Module):
         return self.dyn(kjt)
 
 
-def _dmp(model, plan):
+def _dmp(model, plan, device=torch.device("cpu")):
     from torchrec.distributed import DistributedModelParallel
     return DistributedModelParallel(
         model, env=ShardingEnv.from_process_group(ensure_single_process_group()),
-        device=torch.device("cpu"), plan=ShardingPlan({"dyn": plan}),
+        device=device, plan=ShardingPlan({"dyn": plan}),
         sharders=[DynamicEmbCollectionSharder()])
 
 
@@ -115,32 +115,36 @@ def test_bad_input_is_rejected_on_the_sending_rank():
 
 
 def test_one_rank_module_on_the_cuda_kernels_matches_cpu():
-    """The shard's tables on the CUDA backend (a GPU, or numba's simulator in CI)."""
+    """The shard's tables on the CUDA backend (a GPU, or numba's simulator on CPU tensors
+    without one)."""
     from tests.conftest import BACKENDS
     name, device = BACKENDS[1]
+    device = torch.device(device)
     model = _Wrap(backend=name)
     plan = construct_module_sharding_plan(
         model.dyn, {t.name: row_wise(compute_kernel="customized_kernel") for t in _tables()},
-        sharder=DynamicEmbCollectionSharder(), local_size=1, world_size=1, device_type="cpu")
-    dmp = _dmp(model, plan)
+        sharder=DynamicEmbCollectionSharder(), local_size=1, world_size=1,
+        device_type=device.type)
+    dmp = _dmp(model, plan, device)
     ref = DynamicEmbCollection(_tables(), optimizer=OptimizerConfig(OptimizerType.SGD))
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         lengths = torch.randint(0, 4, (4,), generator=g)
         kjt = KeyedJaggedTensor.from_lengths_sync(
             ["a", "b"], torch.randint(0, 30, (int(lengths.sum()),), generator=g), lengths)
-        out, expected = dmp(kjt), ref(kjt)
+        out, expected = dmp(kjt.to(device)), ref(kjt)
         loss = sum(out[f].values().pow(2).sum() for f in ("a", "b"))
         ref_loss = sum(expected[f].values().pow(2).sum() for f in ("a", "b"))
-        torch.testing.assert_close(loss, ref_loss)
+        torch.testing.assert_close(loss.cpu(), ref_loss)
         loss.backward()
         ref_loss.backward()
     ids = torch.arange(30)
     for t in ("t0", "t1"):
-        rows, found = dmp.module.dyn.read_rows(t, ids)
+        assert dmp.module.dyn.local.tables[t].device == device
+        rows, found = dmp.module.dyn.read_rows(t, ids.to(device))
         ref_rows, ref_found = ref.read_rows(t, ids)
-        assert torch.equal(found, ref_found)
-        torch.testing.assert_close(rows[found], ref_rows[ref_found])
+        assert torch.equal(found.cpu(), ref_found)
+        torch.testing.assert_close(rows[found].cpu(), ref_rows[ref_found])
 
 
 class _WithDense(torch.nn.Module):

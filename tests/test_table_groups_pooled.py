@@ -29,8 +29,8 @@ def configs(poolings, data_type=DataType.FP32):
 
 
 def twins(poolings, optimizer, weighted=False, clip=None, backend=None, device=None,
-          data_type=DataType.FP32):
-    options = DynamicEmbTableOptions(max_capacity=128, bucket_size=32,
+          data_type=DataType.FP32, capacity=128):
+    options = DynamicEmbTableOptions(max_capacity=capacity, bucket_size=32,
                                      score_strategy=ScorePolicy.LFU, stochastic_rounding=False)
     config = OptimizerConfig(optimizer, learning_rate=0.05, max_gradient=clip)
     return [DynamicEmbBagCollection(configs(poolings, data_type), is_weighted=weighted,
@@ -82,9 +82,11 @@ def test_a_grouped_half_precision_bag_module_trains_bit_for_bit_as_its_tables_on
     train_alike(grouped, alone, False, steps=6, seed=4)
 
 
-def train_alike(grouped, alone, weighted, steps, seed, device="cpu"):
+def train_alike(grouped, alone, weighted, steps, seed, device="cpu", by_key=False):
     """Both modules train on the same batches; outputs, then state and counters, are equal
-    bit for bit."""
+    bit for bit. ``by_key``: the state is compared key by key (rows, optimizer state), not
+    slot by slot: on a GPU, concurrent inserts into one bucket may take its slots in
+    another order."""
     assert grouped.table_groups() == [("t0", "t1", "t2")]
     gen = torch.Generator().manual_seed(seed)
     probe = torch.randn(BATCH, 8 * 4 + 4, generator=gen).to(device)
@@ -95,10 +97,18 @@ def train_alike(grouped, alone, weighted, steps, seed, device="cpu"):
         assert out_g.keys() == out_a.keys()
         (out_g.values() * probe).sum().backward()
         (out_a.values() * probe).sum().backward()
+    assert grouped.stats() == alone.stats()
+    if by_key:
+        keys = torch.arange(700, device=device)
+        for name in grouped.tables:
+            rows_g, found_g = grouped.read_rows(name, keys, with_state=True)
+            rows_a, found_a = alone.read_rows(name, keys, with_state=True)
+            assert torch.equal(found_g, found_a) and found_g.any(), name
+            assert same_bits(rows_g[found_g], rows_a[found_a]), name
+        return
     state_g, state_a = grouped.state_dict(), alone.state_dict()
     for key in state_g:
         assert same_bits(state_g[key], state_a[key]), key
-    assert grouped.stats() == alone.stats()
 
 
 def same_bits(a, b):
@@ -136,13 +146,16 @@ def test_a_grouped_bag_module_on_the_cuda_kernels_trains_as_its_tables_one_by_on
         poolings, weighted, clip):
     """The CUDA kernels' group gathers every table's bag gradients in one op (their update
     kernel takes contiguous rows); the same bits as the tables alone. (Adam: row-wise
-    AdaGrad's barriers make the simulator a hundred times slower.)"""
+    AdaGrad's barriers make the simulator a hundred times slower.) Room for every id, so
+    nothing is evicted: concurrent claims on a GPU may place keys in other slots of a bucket,
+    or pick other victims among equal scores; rows are compared key by key."""
     from conftest import BACKENDS
     name, device = BACKENDS[1]
     assert name == "cuda"
     grouped, alone = twins(poolings, OptimizerType.ADAM, weighted, clip, backend="cuda",
-                           device=torch.device(device))
-    train_alike(grouped, alone, weighted, steps=3, seed=3, device=device)
+                           device=torch.device(device), capacity=1024)
+    train_alike(grouped, alone, weighted, steps=3, seed=3, device=device, by_key=True)
+    assert sum(s["evictions"] for s in grouped.stats().values()) == 0
 
 
 def test_eval_and_prefetched_bag_lookups_match_their_twin():

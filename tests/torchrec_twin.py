@@ -9,9 +9,11 @@ import torch.distributed as dist
 
 
 def ensure_single_process_group() -> dist.ProcessGroup:
-    """A gloo world of one rank (created once per test process)."""
+    """A world of one rank (created once per test process): gloo, and NCCL for CUDA tensors
+    where there is a GPU."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.GroupMember.WORLD
 
 

@@ -125,8 +125,9 @@ def _driver_args(types, args) -> list:
             for i in range(len(shape) - 1, -1, -1):  # C-contiguous strides from the shape
                 strides[i] = step
                 step *= shape[i]
-            # numba hands a null pointer (an empty tensor's) over as None
-            out += [0, 0, a.numel(), item, a.data_ptr() or None, *shape, *strides]
+            # an empty tensor's null pointer goes as 0: numba's own launcher takes it as
+            # None, but cuda.core's launch refuses None ("unsupported type NoneType")
+            out += [0, 0, a.numel(), item, a.data_ptr(), *shape, *strides]
         elif ty == nt.boolean:
             out.append(a)
         elif ty == nt.float32:
@@ -163,8 +164,8 @@ def _checked_direct_path(kernel, args, converted):
 
 
 def _comparable(value):
-    if value is None:
-        return "None", 0
+    if value is None:  # numba's null pointer; the direct path passes it as 0
+        return "int", 0
     if isinstance(value, ctypes._SimpleCData):
         return type(value).__name__, value.value
     return type(value).__name__ if isinstance(value, bool) else "int", int(value)
