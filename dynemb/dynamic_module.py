@@ -50,11 +50,16 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     def _build_core(self, configs: List[BaseEmbeddingConfig], device, *, table_options,
                     optimizer, validate_inputs: bool, backend: Optional[str],
                     group_tables: bool = False) -> None:
-        self._core = DynamicCore(
-            type(self).__name__, configs, canonical_device(device if device is not None else "cpu"),
-            table_options=table_options, optimizer=optimizer, backend=backend,
-            validate_inputs=validate_inputs, weights_are_counts=self._weights_are_counts,
-            variable_batch=self._variable_batch, group_tables=group_tables)
+        if device is None:  # as TorchRec's modules: the default device (meta inside
+            device = torch.get_default_device()  # ``with torch.device("meta"):``)
+        # host-side tensors made without a device stay on the host even inside a
+        # ``with torch.device(...)`` block
+        with torch.device("cpu"):
+            self._core = DynamicCore(
+                type(self).__name__, configs, canonical_device(device),
+                table_options=table_options, optimizer=optimizer, backend=backend,
+                validate_inputs=validate_inputs, weights_are_counts=self._weights_are_counts,
+                variable_batch=self._variable_batch, group_tables=group_tables)
 
     # -- configuration views -----------------------------------------------------------------
     @property
@@ -109,7 +114,16 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
 
     @property
     def device(self) -> torch.device:
+        """Where the tables live: the ``device`` argument, else the default device (meta
+        when built inside ``with torch.device("meta"):``, as TorchRec's modules)."""
         return self._core.device
+
+    @property
+    def collection(self) -> "DynamicModule":
+        """This module itself: the name under which a ``GraphModule`` traced from it (the
+        module as the root of ``torchrec.fx.symbolic_trace``) holds and calls it (see
+        :mod:`dynemb.tracing`)."""
+        return self
 
     @property
     def fused_optimizer(self) -> DynamicEmbFusedOptimizer:
@@ -146,6 +160,7 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
         """``(rows, found)``: the current rows of ``keys`` in ``table`` (see
         :meth:`dynemb.tables.DynamicTable.read_rows`); nothing is inserted or rescored."""
+        self._refuse_on_meta("has no rows to read")
         return self._core.read_rows(table, keys, with_state=with_state)
 
     def set_scores(self, scores: Dict[str, int]) -> None:
@@ -233,10 +248,14 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         waits for it. Rows of queued batches stay pinned: a cache too small for all of them
         raises ``TableFullError``.
         """
-        if self._core.is_meta:
-            raise RuntimeError(f"this {type(self).__name__} {_META_HINT}")
+        self._refuse_on_meta("cannot prefetch")
         self._check_input(kjt)
         return self._core.prefetch(kjt, self.training, forward_stream)
+
+    def _refuse_on_meta(self, what: str) -> None:
+        """Raise ``RuntimeError`` saying the module ``what`` on meta, and how to get rows."""
+        if self._core.is_meta:
+            raise RuntimeError(f"this {type(self).__name__} {what}: it {_META_HINT}")
 
     def _check_input(self, kjt: KeyedJaggedTensor) -> None:
         """Checks of a sibling's own, before any table changes (the shared ones run in the
