@@ -20,7 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dynemb.checkpoint.table_state import SavedTable
 from dynemb.dynamic_core import DynamicCore
 from dynemb.fused_optimizer import DynamicEmbFusedOptimizer
-from dynemb.module_conversion import check_conversion, prepare_pickle
+from dynemb.module_conversion import check_conversion, materialized_device, prepare_pickle
 from dynemb.module_interface import DynamicModuleInterface
 from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode
@@ -276,9 +276,29 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     # -- nn.Module conversions ---------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         """Where ``.to()``, ``.cuda()``, ``.half()``... reach this module: a call that would
-        move or convert the tables raises (:func:`dynemb.module_conversion.check_conversion`)."""
-        check_conversion(fn, self._core.device)
+        move or convert the tables raises (:func:`dynemb.module_conversion.check_conversion`).
+        ``to_empty(device=...)`` of a module on meta builds its tables there (TorchRec's way
+        to materialize a meta module; :meth:`_materialize`)."""
+        target = materialized_device(fn, self._core.device)
+        if target is not None:
+            self._materialize(target)
+        else:
+            check_conversion(fn, self._core.device)
         return super()._apply(fn, recurse)
+
+    def _materialize(self, device: torch.device) -> None:
+        """The module, described on meta, built on ``device`` with the same configuration
+        (options, optimizer, the fused optimizer object with its learning rate, scores): the
+        tables start empty, as they would have been built there. If building fails, the
+        module stays on meta."""
+        meta = self._core
+        self._build_core(meta.configs, device, table_options=meta.table_options,
+                         optimizer=meta.optimizer_config if meta.optimizer_notice.given
+                         else None, validate_inputs=meta.validate_inputs,
+                         backend=meta.backend, group_tables=meta.groups_on)
+        self._core.fused_optimizer = meta.fused_optimizer  # its lr, and schedulers on it
+        if meta.scores:
+            self._core.set_scores(meta.scores)
 
     def __getstate__(self):
         """``torch.save(module)`` pickles the whole module (see

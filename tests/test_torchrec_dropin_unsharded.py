@@ -258,12 +258,56 @@ def test_a_module_built_inside_a_meta_device_block_is_on_meta_as_torchrecs():
                    lambda: list(iter_rows(bags, "t1")), lambda: to_static(dyn)):
         with pytest.raises(RuntimeError, match="meta device.*DistributedModelParallel"):
             lookup()
-    with pytest.raises(RuntimeError, match="cannot be moved.*shard it with Distributed"):
-        dyn.to_empty(device="cpu")
+    with pytest.raises(RuntimeError, match="cannot be moved.*shard it with Distributed.*"
+                                           r"to_empty\(device=...\)"):
+        dyn.to("cpu")  # as TorchRec's: a meta module cannot be copied out of meta
     # a module given a real device inside the block is built there, as one built outside
     outside = DynamicEmbCollection(seq_tables(), table_options=OPTIONS, device="cpu")
     assert on_cpu.device == torch.device("cpu")
     assert_same_sequence_outputs(on_cpu(MIXED), outside(MIXED))
+
+
+class Holder(torch.nn.Module):
+    def __init__(self, embeddings):
+        super().__init__()
+        self.embeddings = embeddings
+        self.dense = torch.nn.Linear(4, 1)
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
+def test_a_meta_model_materialized_by_to_empty_trains_as_one_built_on_the_device(pooled):
+    """TorchRec's way to materialize a meta model: ``to_empty(device=...)``, then
+    ``reset_parameters()``; the dynamic module's tables are built there."""
+    make = ((lambda: DynamicEmbBagCollection(bag_tables(), table_options=OPTIONS,
+                                             optimizer=SGD)) if pooled else
+            (lambda: DynamicEmbCollection(seq_tables(), table_options=OPTIONS, optimizer=SGD)))
+    with torch.device("meta"):
+        model = Holder(make())
+    model.embeddings.fused_optimizer.param_groups[0]["lr"] = LR / 2
+    optimizer = model.embeddings.fused_optimizer
+    assert model.to_empty(device="cpu") is model
+    model.embeddings.reset_parameters()
+    reference = make()
+    reference.fused_optimizer.param_groups[0]["lr"] = LR / 2
+    dyn = model.embeddings
+    assert dyn.device == model.dense.weight.device == torch.device("cpu")
+    assert dyn.fused_optimizer is optimizer  # schedulers set on it keep working
+    for _ in range(2):
+        out, expected = dyn(MIXED), reference(MIXED)
+        if pooled:
+            torch.testing.assert_close(out.values(), expected.values(), rtol=0, atol=0)
+            out, expected = out.values(), expected.values()
+        else:
+            assert_same_sequence_outputs(out, expected)
+            out, expected = out["f2@t2"].values(), expected["f2@t2"].values()
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+    for name in dyn.tables:
+        rows, found = dyn.read_rows(name, torch.arange(NUM_IDS))
+        expected_rows, expected_found = reference.read_rows(name, torch.arange(NUM_IDS))
+        assert torch.equal(found, expected_found) and found.any()
+        torch.testing.assert_close(rows, expected_rows, rtol=0, atol=0)
+    assert dyn.stats() == reference.stats()
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
