@@ -5,7 +5,6 @@ It is the sibling of :class:`~dynemb.collection.DynamicEmbCollection`: the same 
 stashing, :mod:`dynemb.dynamic_module`), pooling each feature's rows per sample
 (:mod:`dynemb.pooling`) instead of returning them one by one.
 """
-from __future__ import annotations
 
 from typing import List, Mapping, Optional, Union
 

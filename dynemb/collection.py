@@ -1,5 +1,4 @@
 """``DynamicEmbCollection``: a drop-in ``EmbeddingCollection`` backed by dynamic tables."""
-from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Union
 

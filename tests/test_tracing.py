@@ -4,6 +4,8 @@ Traced models are checked against the same model run eagerly and against TorchRe
 ``EmbeddingCollection`` / ``EmbeddingBagCollection`` (started from the same rows, trained by
 plain SGD) traced the same way: the forward outputs and the rows after training must agree.
 """
+import io
+
 import pytest
 import torch
 import torch.fx
@@ -173,6 +175,16 @@ def test_the_collection_traced_alone_calls_itself_and_trains_like_eager(tracer, 
             sum(jt.values().pow(2).sum() for jt in expected.values()).backward()
     torch.testing.assert_close(_rows(traced_model), _rows(eager), rtol=0, atol=0)
     assert not torch.equal(_rows(eager), _initial(_collection(eager)))  # it did train
+    saved = io.BytesIO()  # the GraphModule saves whole, as TorchRec's does
+    torch.save(gm, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False).eval()
+    with torch.no_grad():
+        out, expected = loaded(kjt), gm.eval()(kjt)
+    for name in FEATURES:
+        torch.testing.assert_close(out[name] if pooled else out[name].values(),
+                                   expected[name] if pooled else expected[name].values(),
+                                   rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
