@@ -5,6 +5,8 @@ It is the sibling of :class:`~dynemb.collection.DynamicEmbCollection`: the same 
 stashing, :mod:`dynemb.dynamic_module`), pooling each feature's rows per sample
 (:mod:`dynemb.pooling`) instead of returning them one by one.
 """
+# No ``from __future__ import annotations``: fx copies forward's annotations into a traced
+# graph, and string ones make such a GraphModule fail to torch.save.
 
 from typing import List, Mapping, Optional, Union
 

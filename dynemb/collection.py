@@ -1,4 +1,6 @@
 """``DynamicEmbCollection``: a drop-in ``EmbeddingCollection`` backed by dynamic tables."""
+# No ``from __future__ import annotations``: fx copies forward's annotations into a traced
+# graph, and string ones make such a GraphModule fail to torch.save.
 
 from typing import Any, Dict, List, Mapping, Optional, Union
 
