@@ -12,7 +12,7 @@ rows instead (``read_rows``, ``dynemb.serving.iter_rows``, ``load_tables``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, data_type_to_dtype
@@ -48,7 +48,7 @@ class TableWeightView:
         self.dtype = dtype
         self.device = device
 
-    def size(self, dim: int = None):
+    def size(self, dim: Optional[int] = None):
         return self.shape if dim is None else self.shape[dim]
 
     def dim(self) -> int:
