@@ -31,7 +31,8 @@ from dynemb.tracing import ScriptingRefused
 from dynemb.validation import canonical_device
 
 _META_HINT = ("is on the meta device and holds no rows: shard it (DistributedModelParallel "
-              "with its dynemb sharder) or build it on a real device")
+              "with its dynemb sharder), materialize it with .to_empty(device=...), or build "
+              "it on a real device")
 
 
 class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefused):

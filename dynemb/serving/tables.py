@@ -88,7 +88,8 @@ def local_collection(module) -> DynamicModuleInterface:
     if local.device.type == "meta":
         raise RuntimeError(f"this {type(module).__name__} is on the meta device and holds no "
                            f"rows to read: shard it (DistributedModelParallel with its dynemb "
-                           f"sharder) or build it on a real device")
+                           f"sharder), materialize it with .to_empty(device=...), or build it "
+                           f"on a real device")
     return local
 
 
