@@ -5,7 +5,8 @@ It is the sibling of :class:`~dynemb.collection.DynamicEmbCollection`: the same 
 stashing, :mod:`dynemb.dynamic_module`), pooling each feature's rows per sample
 (:mod:`dynemb.pooling`) instead of returning them one by one.
 """
-from __future__ import annotations
+# No ``from __future__ import annotations``: fx copies forward's annotations into a traced
+# graph, and string ones make such a GraphModule fail to torch.save.
 
 from typing import List, Mapping, Optional, Union
 
@@ -21,6 +22,7 @@ from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions
 from dynemb.pooling import Bags, PooledLookup, TableBags, pool_all
 from dynemb.prefetch import PrefetchState
+from dynemb.table_views import TableViews, table_views
 from dynemb.tracing import call_as_leaf, is_traced
 from dynemb.validation import check_features_present, check_kjt
 
@@ -111,14 +113,23 @@ class DynamicEmbBagCollection(EmbeddingBagCollectionInterface, DynamicModule):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
+    @property
+    def embedding_bags(self) -> TableViews:
+        """Each table's device, dtype and size where TorchRec's module has its
+        ``nn.EmbeddingBag``: ``embedding_bags[name].weight.device`` and so on; no values
+        (:mod:`dynemb.table_views`)."""
+        return table_views(self._core.configs, self._core.table_options, self._core.device)
+
     # -- forward -----------------------------------------------------------------------------
     @torch.compiler.disable
-    def forward(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
-        """Pooled embeddings of ``kjt``: a ``KeyedTensor`` [B, sum of dims] keyed by feature.
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled embeddings of ``features`` (a KJT; TorchRec's argument name): a
+        ``KeyedTensor`` [B, sum of dims] keyed by feature.
 
         Lookups, pins, prefetch and eval behave as in
         :meth:`DynamicEmbCollection.forward <dynemb.collection.DynamicEmbCollection.forward>`.
         """
+        kjt = features
         if is_traced(kjt):  # symbolic tracing: one call_module node (dynemb.tracing)
             return call_as_leaf(self, kjt)
         if self._core.is_meta:

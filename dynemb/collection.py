@@ -1,5 +1,6 @@
 """``DynamicEmbCollection``: a drop-in ``EmbeddingCollection`` backed by dynamic tables."""
-from __future__ import annotations
+# No ``from __future__ import annotations``: fx copies forward's annotations into a traced
+# graph, and string ones make such a GraphModule fail to torch.save.
 
 from typing import Any, Dict, List, Mapping, Optional, Union
 
@@ -16,8 +17,9 @@ from dynemb.occurrence_lookup import GroupOccurrenceLookup, OccurrenceLookup
 from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions
 from dynemb.prefetch import PrefetchState
+from dynemb.table_views import TableViews, table_views
 from dynemb.tables.groups import GroupBatch
-from dynemb.tracing import call_as_leaf, is_traced
+from dynemb.tracing import call_as_leaf, is_traced, traced_outputs
 from dynemb.validation import check_kjt
 
 
@@ -98,11 +100,18 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, DynamicModule):
     def embedding_names_by_table(self) -> List[List[str]]:  # TorchRec's (feature@table)
         return output_names_by_table(self._core.configs)
 
+    @property
+    def embeddings(self) -> TableViews:
+        """Each table's device, dtype and size where TorchRec's module has its
+        ``nn.Embedding``: ``embeddings[name].weight.device`` and so on; no values
+        (:mod:`dynemb.table_views`)."""
+        return table_views(self._core.configs, self._core.table_options, self._core.device)
+
     # -- forward -----------------------------------------------------------------------------
     # numba kernels and host-side bookkeeping: torch.compile runs this eagerly (graph break)
     @torch.compiler.disable
-    def forward(self, kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        """Embeddings of ``kjt`` per feature.
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        """Embeddings of ``features`` (a KJT; TorchRec's argument name) per feature.
 
         A training forward with autograd on consumes the oldest prefetched state (or
         prefetches inline when none is queued) and its rows stay pinned until its backward or
@@ -110,8 +119,9 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, DynamicModule):
         ``torch.no_grad()`` the lookup is read-only: nothing is inserted, rescored or
         updated, unseen ids get the eval initializer, and queued training batches are left
         for the training forward they were prefetched for."""
+        kjt = features
         if is_traced(kjt):  # symbolic tracing: one call_module node (dynemb.tracing)
-            return call_as_leaf(self, kjt)
+            return traced_outputs(call_as_leaf(self, kjt), self._output_names)
         if self._core.is_meta:
             check_kjt(kjt, kjt.values().device, check_lengths=False, variable_batch=True)
             return meta_outputs(kjt, self._core.configs, self._output_name, self._need_indices)

@@ -20,7 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dynemb.checkpoint.table_state import SavedTable
 from dynemb.dynamic_core import DynamicCore
 from dynemb.fused_optimizer import DynamicEmbFusedOptimizer
-from dynemb.module_conversion import check_conversion, prepare_pickle
+from dynemb.module_conversion import check_conversion, materialized_device, prepare_pickle
 from dynemb.module_interface import DynamicModuleInterface
 from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode
@@ -31,7 +31,8 @@ from dynemb.tracing import ScriptingRefused
 from dynemb.validation import canonical_device
 
 _META_HINT = ("is on the meta device and holds no rows: shard it (DistributedModelParallel "
-              "with its dynemb sharder) or build it on a real device")
+              "with its dynemb sharder), materialize it with .to_empty(device=...), or build "
+              "it on a real device")
 
 
 class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefused):
@@ -50,11 +51,16 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     def _build_core(self, configs: List[BaseEmbeddingConfig], device, *, table_options,
                     optimizer, validate_inputs: bool, backend: Optional[str],
                     group_tables: bool = False) -> None:
-        self._core = DynamicCore(
-            type(self).__name__, configs, canonical_device(device if device is not None else "cpu"),
-            table_options=table_options, optimizer=optimizer, backend=backend,
-            validate_inputs=validate_inputs, weights_are_counts=self._weights_are_counts,
-            variable_batch=self._variable_batch, group_tables=group_tables)
+        if device is None:  # as TorchRec's modules: the default device (meta inside
+            device = torch.get_default_device()  # ``with torch.device("meta"):``)
+        # host-side tensors made without a device stay on the host even inside a
+        # ``with torch.device(...)`` block
+        with torch.device("cpu"):
+            self._core = DynamicCore(
+                type(self).__name__, configs, canonical_device(device),
+                table_options=table_options, optimizer=optimizer, backend=backend,
+                validate_inputs=validate_inputs, weights_are_counts=self._weights_are_counts,
+                variable_batch=self._variable_batch, group_tables=group_tables)
 
     # -- configuration views -----------------------------------------------------------------
     @property
@@ -109,7 +115,16 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
 
     @property
     def device(self) -> torch.device:
+        """Where the tables live: the ``device`` argument, else the default device (meta
+        when built inside ``with torch.device("meta"):``, as TorchRec's modules)."""
         return self._core.device
+
+    @property
+    def collection(self) -> "DynamicModule":
+        """This module itself: the name under which a ``GraphModule`` traced from it (the
+        module as the root of ``torchrec.fx.symbolic_trace``) holds and calls it (see
+        :mod:`dynemb.tracing`)."""
+        return self
 
     @property
     def fused_optimizer(self) -> DynamicEmbFusedOptimizer:
@@ -146,6 +161,7 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
         """``(rows, found)``: the current rows of ``keys`` in ``table`` (see
         :meth:`dynemb.tables.DynamicTable.read_rows`); nothing is inserted or rescored."""
+        self._refuse_on_meta("has no rows to read")
         return self._core.read_rows(table, keys, with_state=with_state)
 
     def set_scores(self, scores: Dict[str, int]) -> None:
@@ -233,10 +249,14 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         waits for it. Rows of queued batches stay pinned: a cache too small for all of them
         raises ``TableFullError``.
         """
-        if self._core.is_meta:
-            raise RuntimeError(f"this {type(self).__name__} {_META_HINT}")
+        self._refuse_on_meta("cannot prefetch")
         self._check_input(kjt)
         return self._core.prefetch(kjt, self.training, forward_stream)
+
+    def _refuse_on_meta(self, what: str) -> None:
+        """Raise ``RuntimeError`` saying the module ``what`` on meta, and how to get rows."""
+        if self._core.is_meta:
+            raise RuntimeError(f"this {type(self).__name__} {what}: it {_META_HINT}")
 
     def _check_input(self, kjt: KeyedJaggedTensor) -> None:
         """Checks of a sibling's own, before any table changes (the shared ones run in the
@@ -257,9 +277,29 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     # -- nn.Module conversions ---------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         """Where ``.to()``, ``.cuda()``, ``.half()``... reach this module: a call that would
-        move or convert the tables raises (:func:`dynemb.module_conversion.check_conversion`)."""
-        check_conversion(fn, self._core.device)
+        move or convert the tables raises (:func:`dynemb.module_conversion.check_conversion`).
+        ``to_empty(device=...)`` of a module on meta builds its tables there (TorchRec's way
+        to materialize a meta module; :meth:`_materialize`)."""
+        target = materialized_device(fn, self._core.device)
+        if target is not None:
+            self._materialize(target)
+        else:
+            check_conversion(fn, self._core.device)
         return super()._apply(fn, recurse)
+
+    def _materialize(self, device: torch.device) -> None:
+        """The module, described on meta, built on ``device`` with the same configuration
+        (options, optimizer, the fused optimizer object with its learning rate, scores): the
+        tables start empty, as they would have been built there. If building fails, the
+        module stays on meta."""
+        meta = self._core
+        self._build_core(meta.configs, device, table_options=meta.table_options,
+                         optimizer=meta.optimizer_config if meta.optimizer_notice.given
+                         else None, validate_inputs=meta.validate_inputs,
+                         backend=meta.backend, group_tables=meta.groups_on)
+        self._core.fused_optimizer = meta.fused_optimizer  # its lr, and schedulers on it
+        if meta.scores:
+            self._core.set_scores(meta.scores)
 
     def __getstate__(self):
         """``torch.save(module)`` pickles the whole module (see

@@ -2,6 +2,8 @@
 whose tables are not parameters: nothing, or raise; and what pickling it takes."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -32,10 +34,12 @@ def check_conversion(fn, device: torch.device) -> None:
     if not isinstance(out, torch.Tensor):
         return
     if out.device != probe.device or device.type == "meta" and probe.device.type != "meta":
+        materialize = (", or materialize it there with .to_empty(device=...)"
+                       if device.type == "meta" else "")
         raise RuntimeError(
             f"DynamicEmbCollection is on {device} and cannot be moved to {out.device} by "
             f".to()/.cuda()/.cpu()/.to_empty(): its tables are hash tables, not parameters, "
-            f"and would stay where they are. Instead, {_DEVICE_HOW}")
+            f"and would stay where they are. Instead, {_DEVICE_HOW}{materialize}")
     if out.dtype != probe.dtype:
         raise RuntimeError(
             f"DynamicEmbCollection cannot be converted to {out.dtype} by .to(dtype)/.half()/"
@@ -43,6 +47,33 @@ def check_conversion(fn, device: torch.device) -> None:
             f"(forward always returns float32 embeddings). Choose the storage dtype at "
             f"construction: DynamicEmbTableOptions(embedding_dtype=...), one of torch.float32, "
             f"torch.float16, torch.bfloat16")
+
+
+def materialized_device(fn, device: torch.device) -> Optional[torch.device]:
+    """The real device to which ``fn`` (an ``nn.Module._apply`` function) materializes a
+    module on ``device`` meta, as ``to_empty(device=...)`` does: ``fn`` takes a meta tensor
+    to another device without reading it (``.to()`` cannot copy out of meta and raises).
+    None for any other call, or a module not on meta.
+
+    Example::
+
+        >>> materialized_device(lambda t: torch.empty_like(t, device="cpu"),
+        ...                     torch.device("meta"))
+        device(type='cpu')
+        >>> materialized_device(lambda t: t.to("cpu"), torch.device("meta")) is None
+        True
+    """
+    if device.type != "meta":
+        return None
+    probe = torch.zeros(1, device=device)
+    try:
+        out = fn(probe)
+    except Exception:  # .to()/.cuda() of a meta tensor: not a materialization
+        return None
+    if (isinstance(out, torch.Tensor) and out.device.type != "meta"
+            and out.dtype == probe.dtype):
+        return out.device
+    return None
 
 
 def _probe(fn, device: torch.device):

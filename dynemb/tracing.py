@@ -7,7 +7,11 @@ pins, a prefetch queue) that no graph can express. So:
   TorchRec's pipelines do): the module is a leaf. Its forward, given a ``Proxy``, records
   one ``call_module`` node instead of running (:func:`call_as_leaf`); the traced
   ``GraphModule`` calls the very same module object, so it looks up and trains the same
-  tables as the eager model. Code after it sees a ``Proxy`` for the output and traces on.
+  tables as the eager model. Code after it sees what it sees after TorchRec's module:
+  for a sequence collection a dict of one ``Proxy`` per output name, which it may iterate
+  (:func:`traced_outputs`), for a pooled one a ``Proxy`` of the ``KeyedTensor``. Traced as
+  the root, the module becomes the ``GraphModule``'s child ``collection``
+  (:data:`ROOT_CALL_NAME`), which the graph calls.
 - **TorchScript**: refused at once, naming the supported way (:class:`ScriptingRefused`):
   export the tables with :func:`dynemb.serving.to_static`, which gives TorchRec's own
   ``EmbeddingCollection`` / ``EmbeddingBagCollection`` holding the trained rows and an
@@ -29,7 +33,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, List
 
 import torch
 import torch.fx
@@ -56,23 +60,41 @@ def is_traced(value: Any) -> bool:
     return isinstance(value, torch.fx.Proxy)
 
 
+#: The name under which a ``GraphModule`` traced from a dynamic module itself (the module
+#: as the root of the trace) holds and calls that module: ``gm.collection``.
+ROOT_CALL_NAME = "collection"
+
+
 def call_as_leaf(module: torch.nn.Module, *args: torch.fx.Proxy) -> torch.fx.Proxy:
     """Record ``module(*args)`` as one ``call_module`` node of the graph being traced and
     return its output ``Proxy``: what the tracer does for the modules it treats as leaves.
 
     Called from a forward that received a ``Proxy`` (:func:`is_traced`), so it works under
     any tracer (TorchRec's, ``torch.fx``'s, a pipeline's) without being listed among its
-    leaf modules. The module must be a submodule of the traced root: traced alone, it would
-    leave a graph holding nothing but a call of itself, so that raises ``TypeError``.
+    leaf modules. Where the module is the root of the trace (``symbolic_trace(ec)``, as
+    TorchRec's own tests do), the node calls it by :data:`ROOT_CALL_NAME`, the attribute
+    under which the module answers itself (:attr:`DynamicModule.collection
+    <dynemb.dynamic_module.DynamicModule.collection>`): the ``GraphModule`` then holds the
+    very same module as its child of that name.
     """
     tracer = args[0].tracer
-    path = tracer.path_of_module(module)
-    if not path:
-        raise TypeError(
-            f"a {type(module).__name__} cannot be the root of a symbolic trace: its lookups "
-            f"run outside any graph. Trace the model that holds it (there it is one "
-            f"call_module node), or call it directly")
+    path = tracer.path_of_module(module) or ROOT_CALL_NAME
     return tracer.create_proxy("call_module", path, tuple(args), {})
+
+
+def traced_outputs(out: torch.fx.Proxy, names: List[str]) -> Dict[str, torch.fx.Proxy]:
+    """A sequence collection's traced output as TorchRec's ``EmbeddingCollection`` traces:
+    a dict with one ``Proxy`` (of a ``JaggedTensor``) per output name, in output order, so
+    that traced code may iterate it (``for name, jt in out.items()``) as eager code does.
+
+    Example::
+
+        >>> graph = torch.fx.Graph()
+        >>> out = torch.fx.Proxy(graph.placeholder("out"))
+        >>> list(traced_outputs(out, ["f", "g@t"]))
+        ['f', 'g@t']
+    """
+    return {name: out[name] for name in names}
 
 
 class ScriptingRefused:

@@ -6,11 +6,12 @@ import pytest
 import torch
 from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection,
                       EmbeddingConfig)
-from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
                     Initializer, InitializerKind, OptimizerConfig, OptimizerType)
+from dynemb.serving import iter_rows, to_static
 
 NUM_IDS = 50
 LR = 0.5
@@ -224,6 +225,114 @@ def test_on_the_meta_device_outputs_have_torchrecs_names_shapes_and_device():
     out, expected = bags(MIXED), bag_reference(MIXED)
     assert out.keys() == expected.keys() and out.length_per_key() == expected.length_per_key()
     assert out.values().device == meta and out.values().shape == expected.values().shape
+
+
+def test_forward_takes_torchrecs_keyword_features():
+    dyn, reference = seq_pair(need_indices=True)
+    assert_same_sequence_outputs(dyn(features=MIXED), reference(features=MIXED))
+    bags, bag_reference = bag_pair()
+    torch.testing.assert_close(bags(features=MIXED).values(),
+                               bag_reference(features=MIXED).values())
+
+
+def weights_of(module):
+    tables = (module.embeddings if isinstance(module, (EmbeddingCollection,
+                                                       DynamicEmbCollection))
+              else module.embedding_bags)
+    return {name: table.weight for name, table in tables.items()}
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_each_tables_view_tells_its_device_dtype_and_shape_as_torchrecs_weight(device):
+    seq = seq_tables()
+    seq[1].data_type = DataType.FP16
+    bags = bag_tables()
+    pairs = [(DynamicEmbCollection(seq, device=device), EmbeddingCollection(seq, device=device)),
+             (DynamicEmbBagCollection(bags, device=device),
+              EmbeddingBagCollection(bags, device=device))]
+    for dyn, reference in pairs:
+        got, expected = weights_of(dyn), weights_of(reference)
+        assert list(got) == list(expected) == ["t1", "t2"]
+        for name, weight in expected.items():
+            assert got[name].device == weight.device == torch.device(device)
+            assert got[name].dtype == weight.dtype
+            assert got[name].shape == weight.shape and got[name].size(1) == weight.size(1)
+    weight = weights_of(pairs[0][0])["t1"]
+    with pytest.raises(AttributeError, match="no 'data'.*read_rows"):
+        weight.data
+    with pytest.raises(TypeError, match="cannot be indexed.*read_rows"):
+        weight[0]
+    with pytest.raises(TypeError, match="cannot take the weight.*read_rows"):
+        torch.nn.init.uniform_(weight)
+    with pytest.raises(KeyError, match="no table 'x'"):
+        pairs[0][0].embeddings["x"]
+
+
+def test_a_module_built_inside_a_meta_device_block_is_on_meta_as_torchrecs():
+    with torch.device("meta"):
+        dyn, bags = DynamicEmbCollection(seq_tables()), DynamicEmbBagCollection(bag_tables())
+        reference = EmbeddingBagCollection(bag_tables())
+        on_cpu = DynamicEmbCollection(seq_tables(), table_options=OPTIONS, device="cpu")
+    meta = torch.device("meta")
+    assert dyn.device == bags.device == reference.device == meta
+    assert weights_of(dyn)["t1"].device == weights_of(bags)["t1"].device == meta
+    assert all(jt.values().device == meta for jt in dyn(MIXED).values())
+    assert bags(MIXED).values().device == meta
+    # what needs rows says why there are none
+    for lookup in (lambda: dyn.read_rows("t1", torch.tensor([1])), lambda: dyn.prefetch(MIXED),
+                   lambda: list(iter_rows(bags, "t1")), lambda: to_static(dyn)):
+        with pytest.raises(RuntimeError, match="meta device.*DistributedModelParallel.*to_empty"):
+            lookup()
+    with pytest.raises(RuntimeError, match="cannot be moved.*shard it with Distributed.*"
+                                           r"to_empty\(device=...\)"):
+        dyn.to("cpu")  # as TorchRec's: a meta module cannot be copied out of meta
+    # a module given a real device inside the block is built there, as one built outside
+    outside = DynamicEmbCollection(seq_tables(), table_options=OPTIONS, device="cpu")
+    assert on_cpu.device == torch.device("cpu")
+    assert_same_sequence_outputs(on_cpu(MIXED), outside(MIXED))
+
+
+class Holder(torch.nn.Module):
+    def __init__(self, embeddings):
+        super().__init__()
+        self.embeddings = embeddings
+        self.dense = torch.nn.Linear(4, 1)
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
+def test_a_meta_model_materialized_by_to_empty_trains_as_one_built_on_the_device(pooled):
+    """TorchRec's way to materialize a meta model: ``to_empty(device=...)``, then
+    ``reset_parameters()``; the dynamic module's tables are built there."""
+    make = ((lambda: DynamicEmbBagCollection(bag_tables(), table_options=OPTIONS,
+                                             optimizer=SGD)) if pooled else
+            (lambda: DynamicEmbCollection(seq_tables(), table_options=OPTIONS, optimizer=SGD)))
+    with torch.device("meta"):
+        model = Holder(make())
+    model.embeddings.fused_optimizer.param_groups[0]["lr"] = LR / 2
+    optimizer = model.embeddings.fused_optimizer
+    assert model.to_empty(device="cpu") is model
+    model.embeddings.reset_parameters()
+    reference = make()
+    reference.fused_optimizer.param_groups[0]["lr"] = LR / 2
+    dyn = model.embeddings
+    assert dyn.device == model.dense.weight.device == torch.device("cpu")
+    assert dyn.fused_optimizer is optimizer  # schedulers set on it keep working
+    for _ in range(2):
+        out, expected = dyn(MIXED), reference(MIXED)
+        if pooled:
+            torch.testing.assert_close(out.values(), expected.values(), rtol=0, atol=0)
+            out, expected = out.values(), expected.values()
+        else:
+            assert_same_sequence_outputs(out, expected)
+            out, expected = out["f2@t2"].values(), expected["f2@t2"].values()
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+    for name in dyn.tables:
+        rows, found = dyn.read_rows(name, torch.arange(NUM_IDS))
+        expected_rows, expected_found = reference.read_rows(name, torch.arange(NUM_IDS))
+        assert torch.equal(found, expected_found) and found.any()
+        torch.testing.assert_close(rows, expected_rows, rtol=0, atol=0)
+    assert dyn.stats() == reference.stats()
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])

@@ -4,6 +4,8 @@ Traced models are checked against the same model run eagerly and against TorchRe
 ``EmbeddingCollection`` / ``EmbeddingBagCollection`` (started from the same rows, trained by
 plain SGD) traced the same way: the forward outputs and the rows after training must agree.
 """
+import io
+
 import pytest
 import torch
 import torch.fx
@@ -146,13 +148,43 @@ def test_trace_records_the_collection_as_one_call_module_node(tracer, pooled):
     assert _collection(model).stats()["t"]["lookups"] == 0  # tracing looked nothing up
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
 @pytest.mark.parametrize("tracer", sorted(TRACERS))
-def test_tracing_the_collection_alone_names_the_model_instead(tracer):
-    collection = _collection(_dynamic(pooled=False))
-    with pytest.raises(TypeError, match="cannot be the root of a symbolic trace.*Trace the "
-                                        "model that holds it"):
-        TRACERS[tracer](collection)
-    assert collection.pending_prefetches == 0
+def test_the_collection_traced_alone_calls_itself_and_trains_like_eager(tracer, pooled):
+    """Traced as the root (as TorchRec's own tests trace its modules), the collection is the
+    GraphModule's child ``collection``: the graph answers and trains as the eager module."""
+    traced_model, eager = _dynamic(pooled), _dynamic(pooled)
+    collection = _collection(traced_model)
+    gm = TRACERS[tracer](collection)
+    assert gm.collection is collection
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["collection"]
+    assert collection.stats()["t"]["lookups"] == 0  # tracing looked nothing up
+    for kjt in _batches(3):
+        out, expected = gm(kjt), _collection(eager)(features=kjt)
+        if pooled:
+            assert out.keys() == expected.keys() == FEATURES
+            torch.testing.assert_close(out.values(), expected.values(), rtol=0, atol=0)
+            out.values().pow(2).sum().backward()
+            expected.values().pow(2).sum().backward()
+        else:
+            assert list(out) == list(expected) == FEATURES
+            for name in FEATURES:
+                torch.testing.assert_close(out[name].values(), expected[name].values(),
+                                           rtol=0, atol=0)
+            sum(jt.values().pow(2).sum() for jt in out.values()).backward()
+            sum(jt.values().pow(2).sum() for jt in expected.values()).backward()
+    torch.testing.assert_close(_rows(traced_model), _rows(eager), rtol=0, atol=0)
+    assert not torch.equal(_rows(eager), _initial(_collection(eager)))  # it did train
+    saved = io.BytesIO()  # the GraphModule saves whole, as TorchRec's does
+    torch.save(gm, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False).eval()
+    with torch.no_grad():
+        out, expected = loaded(kjt), gm.eval()(kjt)
+    for name in FEATURES:
+        torch.testing.assert_close(out[name] if pooled else out[name].values(),
+                                   expected[name] if pooled else expected[name].values(),
+                                   rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
@@ -169,6 +201,36 @@ def test_traced_model_trains_like_eager_and_like_torchrec(pooled):
     torch.testing.assert_close(_rows(twin), _rows(eager), rtol=1e-5, atol=1e-5)
     assert not torch.equal(_rows(eager), _initial(_collection(eager)))  # it did train
     torch.testing.assert_close(traced.dense.weight, eager.dense.weight, rtol=0, atol=0)
+
+
+class IteratingModel(SequenceModel):
+    """Iterates the collection's output dict, as models over TorchRec's module may."""
+
+    def forward(self, kjt: KeyedJaggedTensor):
+        return {name: self.dense(jt.values()) for name, jt in self.ec(kjt).items()}
+
+
+@pytest.mark.parametrize("tracer", sorted(TRACERS))
+def test_a_model_iterating_the_output_dict_traces_and_trains_like_eager_and_torchrec(tracer):
+    eager = IteratingModel(_dynamic(pooled=False).ec)
+    traced = TRACERS[tracer](IteratingModel(_dynamic(pooled=False).ec))
+    twin = IteratingModel(_torchrec_twin(eager).ec)
+    reference = TRACERS[tracer](twin)  # trains twin's own weights
+    models = [traced, eager, reference]
+    sgds = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
+    for kjt in _batches(3):
+        outs = [model(kjt) for model in models]
+        assert list(outs[0]) == list(outs[1]) == list(outs[2]) == FEATURES
+        for name in FEATURES:
+            torch.testing.assert_close(outs[0][name], outs[1][name], rtol=0, atol=0)
+            torch.testing.assert_close(outs[2][name], outs[1][name])
+        for out, sgd in zip(outs, sgds):
+            sgd.zero_grad()
+            sum((i + 1) * v.pow(2).sum() for i, v in enumerate(out.values())).backward()
+            sgd.step()
+    torch.testing.assert_close(_rows(traced), _rows(eager), rtol=0, atol=0)
+    torch.testing.assert_close(_rows(twin), _rows(eager), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(_rows(eager), _initial(eager.ec))  # it did train
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])

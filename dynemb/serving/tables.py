@@ -85,6 +85,11 @@ def local_collection(module) -> DynamicModuleInterface:
     if local is None:
         raise TypeError(f"expected a DynamicEmbCollection, a DynamicEmbBagCollection or their "
                         f"sharded form, got {type(module).__name__}")
+    if local.device.type == "meta":
+        raise RuntimeError(f"this {type(module).__name__} is on the meta device and holds no "
+                           f"rows to read: shard it (DistributedModelParallel with its dynemb "
+                           f"sharder), materialize it with .to_empty(device=...), or build it "
+                           f"on a real device")
     return local
 
 
