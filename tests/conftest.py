@@ -4,7 +4,6 @@ otherwise under numba's CUDA simulator (set before anything imports numba.cuda).
 ``DYNEMB_REAL_CUDA=1`` demands the GPU: the simulator stays off even if the environment asks
 for it, and a machine where torch sees no GPU stops the run instead of falling back to it.
 """
-import importlib.metadata
 import os
 
 import pytest
@@ -18,22 +17,6 @@ if os.environ.get("DYNEMB_REAL_CUDA") == "1":
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 elif not ON_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-
-def _major_minor(version: str) -> tuple:
-    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-
-
-#: The TorchRec this process imports, as (major, minor). The project pins 1.8; a GPU machine
-#: may carry an older one (docs/gpu.md).
-TORCHREC_VERSION = _major_minor(importlib.metadata.version("torchrec"))
-
-
-def needs_torchrec_18(what: str) -> str:
-    """The reason a test that needs TorchRec 1.8 skips with on an older TorchRec; ``what``:
-    the 1.8 feature it needs."""
-    return (f"needs TorchRec 1.8 ({what}); this is TorchRec "
-            f"{'.'.join(map(str, TORCHREC_VERSION))}")
-
 
 #: (backend name, device its tensors live on)
 BACKENDS = [("cpu", "cpu"), ("cuda", "cuda" if ON_GPU else "cpu")]

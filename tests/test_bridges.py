@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TORCHREC_VERSION, needs_torchrec_18
+from torchrec_versions import TORCHREC_VERSION, needs_torchrec_18
 
 if TORCHREC_VERSION < (1, 8):  # the internals below are 1.8's (before: ImportError)
     pytest.skip(needs_torchrec_18("memory stashing and backward injection, the internals "

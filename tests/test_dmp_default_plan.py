@@ -20,7 +20,7 @@ from examples.spawn import run_on_ranks
 from tests.dmp_default_plan_worker import SeqAndBagModel, run, sharders
 from tests.torchrec_probes import SearchSpaceRecorder
 from tests.torchrec_twin import ensure_single_process_group
-from tests.conftest import TORCHREC_VERSION, needs_torchrec_18
+from tests.torchrec_versions import TORCHREC_VERSION, needs_torchrec_18
 
 pytestmark = pytest.mark.skipif(
     TORCHREC_VERSION < (1, 8),
