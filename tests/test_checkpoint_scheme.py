@@ -14,7 +14,6 @@ from torchrec import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, ShardingScheme
-from dynemb.checkpoint.table_state import saved_scheme
 
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the worker
 
@@ -83,6 +82,7 @@ def _trained_unsharded():
 
 
 def test_the_signature_records_the_scheme_and_an_unknown_code_is_refused():
+    from dynemb.checkpoint.table_state import saved_scheme
     ec = _trained_unsharded()
     state = ec.state_dict()
     assert saved_scheme(state["dynamic_tables.t.signature"]) is ShardingScheme.HASH
