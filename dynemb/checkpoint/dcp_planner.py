@@ -41,6 +41,7 @@ from dynemb.fused_optimizer import GROUP_STATE_KEY, PARAM_KEY
 
 _SHARE = re.compile(rf"^(?P<base>(?:.*\.)?{NAMESPACE}\.[^.]+)\.rank(?P<rank>\d+)_of_"
                     rf"(?P<world>\d+)\.(?P<rest>.+)$")
+_SIGNATURE = re.compile(rf"^(?:.*\.)?{NAMESPACE}\.[^.]+\.signature$")
 _PER_SLOT = ("keys", "scores", "rows")
 
 
@@ -54,6 +55,7 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
         self._parts: Dict[str, Tuple[torch.Tensor, List[int]]] = {}
         self._insert: List[Tuple[Tuple, torch.Tensor]] = []
         self._keep_unsaved_learning_rates()
+        self._read_signatures_as_saved()
         shares = self._own_shares()
         saved = self._saved_shares(set(shares))
         for base, (rank, world, entries) in shares.items():
@@ -72,7 +74,7 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
             anchor = self.mappings.get(next(iter(entries.values())))
             for (k, w), saved_entries in wanted.items():
                 for rest, fqn in saved_entries.items():
-                    self._read_part(fqn, rest, split, anchor, base, k, w)
+                    self._read_part(fqn, rest, split, anchor)
 
     # -- which entries ------------------------------------------------------------------------
     def _keep_unsaved_learning_rates(self) -> None:
@@ -85,6 +87,21 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
         saved = self.metadata.state_dict_metadata
         for fqn in [f for f in self.state_dict if marker in f and f not in saved]:
             del self.state_dict[fqn]
+
+    def _read_signatures_as_saved(self) -> None:
+        """A table signature written before signatures recorded the sharding scheme is
+        shorter than this module's: it is read as saved, into a new tensor
+        (``load_state_dict`` reads both kinds)."""
+        if self.metadata is None:
+            return
+        saved = self.metadata.state_dict_metadata
+        for fqn in [f for f in self.state_dict if _SIGNATURE.match(f)]:
+            md = saved.get(fqn)
+            if (isinstance(md, TensorStorageMetadata)
+                    and md.size != self.state_dict[fqn].shape):
+                anchor = self.mappings.get(fqn)
+                self._drop(fqn)
+                self._read_part(fqn, "signature", (0, 1), anchor)
 
     def _own_shares(self) -> Dict[str, Tuple[int, int, Dict[str, str]]]:
         shares: Dict[str, Tuple[int, int, Dict[str, str]]] = {}
@@ -130,7 +147,7 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
             parent = parent[key]
         parent.pop(path[-1], None)
 
-    def _read_part(self, fqn, rest, split, anchor, base, rank, world) -> None:
+    def _read_part(self, fqn, rest, split, anchor) -> None:
         """A new host tensor for this rank's part of saved entry ``fqn``."""
         md = self.metadata.state_dict_metadata[fqn]
         size = list(md.size)

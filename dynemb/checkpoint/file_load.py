@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -16,7 +16,7 @@ from dynemb.checkpoint.files import (CheckpointFileError, check_paths, check_siz
 from dynemb.checkpoint.manifest import read_manifest
 from dynemb.checkpoint.module_tables import ModuleTables, module_tables
 from dynemb.checkpoint.replay import holds_nothing, replay
-from dynemb.checkpoint.table_state import describe_mismatch
+from dynemb.checkpoint.table_state import describe_mismatch, saved_scheme
 
 Paths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
@@ -38,8 +38,8 @@ def load(module: torch.nn.Module, paths: Paths) -> DumpInfo:
     and every slot image checked (each key in its bucket, once), and only then are the
     tables replaced. An edited manifest, a missing, truncated or corrupted file or a data
     path leaving the directory raises :class:`~dynemb.checkpoint.files.CheckpointFileError`
-    naming it. Files written by another world size are refused (reshard through
-    ``torch.distributed.checkpoint``).
+    naming it. Files written by another world size, or by a sharded module of another
+    ``ShardingScheme``, are refused (reshard through ``torch.distributed.checkpoint``).
 
     Returns the :class:`DumpInfo` of the last directory, with what was read (``rows``,
     ``deleted``, ``bytes``, ``files``) and the ``seconds`` the load took. A delta may follow
@@ -183,5 +183,22 @@ def _check_tables(chain: List[Dict], dirs: List[Path], scan: ModuleTables) -> No
                 problem = (f"tiers {sorted(saved[key]['tiers'])} in the checkpoint, "
                            f"{sorted(expected)} here (admission on in one and off in the "
                            f"other?)")
+            if problem is None and scan.world_size > 1:
+                problem = _describe_scheme_change(table, saved[key]["signature"])
             if problem is not None:
                 raise CheckpointFileError(f"table {key!r}: cannot load {d}: {problem}")
+
+
+def _describe_scheme_change(table, saved_signature: List[int]) -> Optional[str]:
+    """What to do if the files' keys were placed by another sharding scheme than the table's
+    (a rank's files load on that rank, slot for slot); None if not, or if the files predate
+    the scheme's record (they are taken to be of the table's scheme)."""
+    saved = saved_scheme(torch.tensor(saved_signature))
+    mine = table.options.sharding
+    if saved is None or saved is mine:
+        return None
+    return (f"its keys were placed by ShardingScheme.{saved.name}, this module shards by "
+            f"ShardingScheme.{mine.name} (the files of a rank load on that rank as they are). "
+            f"Load them into a module sharded with ShardingScheme.{saved.name}, then move the "
+            f"keys through its state_dict: load_state_dict or torch.distributed.checkpoint "
+            f"into the ShardingScheme.{mine.name} module sends every key to its owner")

@@ -11,7 +11,8 @@ A checkpoint is a directory holding one **rank directory** per rank that wrote i
      "tables": {"<fqn>/<table>": {           # the table's name alone at the module's root
          "collection": "<fqn>", "name": "<table>", "dim", "row_width", "dtype",
          "optimizer", "storage_mode", "score_policy",
-         "signature": [int, ...],            # table_state.signature: what must match
+         "signature": [int, ...],            # table_state.signature: what must match,
+                                             # then the sharding scheme
          "step": int, "counters": {name: int, ...},
          "tiers": {"device" | "host" | "admission": {
              "capacity", "bucket_size", "clock",  # capacity -1: a user backing store

@@ -1,4 +1,5 @@
-"""Loading a checkpoint into another world size: send every saved row to its new owner.
+"""Loading a checkpoint into another world size or another sharding scheme: send every
+saved row to its new owner.
 
 Each rank holds some parts of the saved images (with
 :class:`~dynemb.checkpoint.DynamicEmbLoadPlanner`, ``1 / world_size`` of each); it sends each
@@ -14,10 +15,30 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from dynemb.checkpoint.table_state import SavedTable, SavedTier
+from dynemb.checkpoint.table_state import SavedTable, SavedTier, saved_scheme
+from dynemb.options import ShardingScheme
 
 #: Entries a rank sends per round (bounds the buffers of each exchange).
 CHUNK_ROWS = 1 << 18
+
+
+def on_their_owners(parts: List[SavedTable], rank: int, world_size: int,
+                    scheme: ShardingScheme,
+                    owner_of: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``parts`` is this rank's own saved share with every key on this rank under
+    ``scheme`` (so it may load slot for slot): saved by rank ``rank`` of ``world_size``
+    under ``scheme``; or, saved before checkpoints recorded the scheme, every live key of
+    every tier owned here (``owner_of``)."""
+    if len(parts) != 1 or (parts[0].rank, parts[0].world_size) != (rank, world_size):
+        return False
+    saved = saved_scheme(parts[0].signature)
+    if saved is not None:
+        return saved is scheme or world_size == 1
+    for tier in parts[0].tiers.values():
+        keys = tier.live()[0]
+        if keys.numel() and not bool((owner_of(keys) == rank).all()):
+            return False
+    return True
 
 
 def redistribute(parts: List[SavedTable], tiers: List[str],

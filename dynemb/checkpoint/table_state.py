@@ -3,7 +3,8 @@
 A table's state is a set of named tensors (see :func:`capture`):
 
 - ``signature``: int64 codes of what must match to load (dim, row width, dtype, optimizer,
-  storage mode, score policy);
+  storage mode, score policy), then the table's sharding scheme (where its keys sit on a
+  sharded module; it need not match: see :func:`saved_scheme`);
 - ``state``: the optimizer's step, then the table's counters (:data:`COUNTER_NAMES`);
 - per tier (``device``; ``host``: the DEFAULT host tier or the CACHE backing store;
   ``admission``: the admission counter), ``layout`` = (capacity, bucket size, clock) and the
@@ -37,7 +38,7 @@ import torch
 from dynemb.checkpoint.image_checks import check_distinct, check_slot_image, is_bucketed_layout
 from dynemb.counters import COUNTER_NAMES
 from dynemb.optimizers import OptimizerType
-from dynemb.options import StorageMode
+from dynemb.options import ShardingScheme, StorageMode
 from dynemb.tables import DynamicTable
 from dynemb.tables.checkpoint_tiers import TIER_NAMES
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy
@@ -49,8 +50,13 @@ ROW_FIELDS = ("keys", "scores", "rows")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OPTIMIZERS = tuple(OptimizerType)
 _MODES = tuple(StorageMode)
+_SCHEMES = tuple(ShardingScheme)
+#: The fields that must match, then the sharding scheme (see :func:`saved_scheme`).
 _SIGNATURE_FIELDS = ("format version", "dim", "row width", "optimizer state width", "dtype",
                      "optimizer", "storage mode", "score policy")
+#: Where the sharding scheme's code sits in a signature; signatures written before it was
+#: recorded end just before it.
+SCHEME_FIELD = len(_SIGNATURE_FIELDS)
 #: Entries inserted per step when loading by key (bounds the temporaries).
 LOAD_CHUNK_ROWS = 1 << 20
 
@@ -62,16 +68,40 @@ def signature(table: DynamicTable) -> torch.Tensor:
     return torch.tensor([FORMAT_VERSION, table.dim, table.width, table.state_dim,
                          _DTYPES.index(table.layout.dtype),
                          _OPTIMIZERS.index(table.optimizer.type), _MODES.index(table.mode),
-                         table.options.score_strategy.code], dtype=torch.int64)
+                         table.options.score_strategy.code,
+                         _SCHEMES.index(table.options.sharding)], dtype=torch.int64)
+
+
+def saved_scheme(saved: torch.Tensor) -> Optional[ShardingScheme]:
+    """The sharding scheme that placed the keys of a checkpoint of signature ``saved``, None
+    for a checkpoint written before signatures recorded it.
+
+    The scheme is not part of what must match: a sharded module whose own scheme differs
+    sends every saved key to its owner (as it does for another world size), and an
+    unsharded one holds every key whatever the scheme."""
+    if saved.numel() <= SCHEME_FIELD:
+        return None
+    code = int(saved[SCHEME_FIELD])
+    if not 0 <= code < len(_SCHEMES):
+        raise ValueError(f"sharding scheme code {code} in the checkpoint is none of "
+                         f"{[s.name for s in _SCHEMES]}")
+    return _SCHEMES[code]
 
 
 def describe_mismatch(table: DynamicTable, saved: torch.Tensor) -> Optional[str]:
     """None if a checkpoint of signature ``saved`` loads into ``table``, else what differs,
-    in words."""
-    mine = signature(table).tolist()
+    in words (the sharding scheme may differ, see :func:`saved_scheme`)."""
+    mine = signature(table).tolist()[:SCHEME_FIELD]
     saved = [int(v) for v in saved.tolist()]
-    if len(saved) != len(mine) or saved[0] != FORMAT_VERSION:
+    if not saved or saved[0] != FORMAT_VERSION:
         return f"checkpoint format {saved[:1]} is not {FORMAT_VERSION}"
+    if len(saved) not in (SCHEME_FIELD, SCHEME_FIELD + 1):
+        return (f"a signature of {len(saved)} fields ({SCHEME_FIELD + 1} expected, "
+                f"{SCHEME_FIELD} before it recorded the sharding scheme)")
+    if len(saved) > SCHEME_FIELD and not 0 <= saved[SCHEME_FIELD] < len(_SCHEMES):
+        return (f"sharding scheme code {saved[SCHEME_FIELD]} is none of "
+                f"{[s.name for s in _SCHEMES]}")
+    saved = saved[:SCHEME_FIELD]
     diffs = []
     for i, (s, m) in enumerate(zip(saved, mine)):
         if s != m:

@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardingType
 
 from dynemb.checkpoint.module_state import NAMESPACE, collect_saved, save_tables
-from dynemb.checkpoint.redistribute import redistribute
+from dynemb.checkpoint.redistribute import on_their_owners, redistribute
+from dynemb.checkpoint.table_state import SavedTable
 from dynemb.collection import DynamicEmbCollection
 from dynemb.module_interface import ShardedDynamicModuleInterface
 from dynemb.sharding.routing import owner_ranks
@@ -100,21 +102,33 @@ class ShardedTables(ShardedDynamicModuleInterface):
         missing_keys.extend(f"{prefix}{NAMESPACE}.{n}.signature" for n in absent)
         if absent and strict:
             return
-        own = (self._rank, self._world_size)
-        if not all(len(parts) == 1 and (parts[0].rank, parts[0].world_size) == own
-                   for parts in saved.values()):
-            options = self.local.table_options
-            saved = {
-                name: [redistribute(
-                    parts, list(self.local.tables[name].checkpoint_tiers()),
-                    lambda keys, scheme=options[name].sharding: owner_ranks(
-                        keys, self._world_size, scheme),
-                    self._rank, self._world_size, self._pg)]
-                for name, parts in sorted(saved.items())}
         try:
+            saved = self._on_owners(saved)
             self.local.load_tables(saved)
         except ValueError as err:
             raise RuntimeError(str(err)) from None
+
+    def _on_owners(self, saved: Dict[str, List[SavedTable]]) -> Dict[str, List[SavedTable]]:
+        """``saved`` with every table's keys on their owners: a table given as this rank's own
+        share, saved under its sharding scheme, as is (it loads slot for slot); any other
+        table (another world size or scheme, an unsharded checkpoint, parts of several
+        shares) sent key by key to its owners. Collective: the ranks agree on which tables
+        move, then move them in name order."""
+        options = self.local.table_options
+        names = sorted(saved)
+        if not names:
+            return saved
+        owner_of = {name: (lambda keys, scheme=options[name].sharding: owner_ranks(
+            keys, self._world_size, scheme)) for name in names}
+        in_place = torch.tensor(
+            [on_their_owners(saved[n], self._rank, self._world_size, options[n].sharding,
+                             owner_of[n]) for n in names],
+            dtype=torch.int64, device=self.local.device)
+        dist.all_reduce(in_place, op=dist.ReduceOp.MIN, group=self._pg)
+        return {name: saved[name] if keep else [redistribute(
+                    saved[name], list(self.local.tables[name].checkpoint_tiers()),
+                    owner_of[name], self._rank, self._world_size, self._pg)]
+                for name, keep in zip(names, in_place.tolist())}
 
     # -- dynemb views ------------------------------------------------------------------------
     def embedding_configs(self):

@@ -1,0 +1,109 @@
+"""A checkpoint saved under one ``ShardingScheme`` loaded into a model sharded under the other,
+on 2 spawned gloo ranks, with ``load_state_dict`` and with ``torch.distributed.checkpoint``
+(see tests/checkpoint_scheme_worker.py): every key is sent to its owner under the loading
+model's scheme, with its trained row and optimizer state, and eval outputs are those of the
+trained model. A checkpoint written before the scheme was recorded loads the same way;
+checkpoint files of another scheme are refused, naming both."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchrec import EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, ShardingScheme
+
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the worker
+
+from examples.spawn import run_on_ranks  # noqa: E402
+from checkpoint_scheme_worker import run  # noqa: E402
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return run_on_ranks(WORLD, run, str(tmp_path_factory.mktemp("scheme")), timeout=600)
+
+
+def _check_load(world, case, trained_scheme):
+    for rank, ranks_out in enumerate(world):
+        got = ranks_out[case]
+        assert "error" not in got, got["error"]
+        trained = ranks_out[("trained", trained_scheme)]
+        assert got["strays"] == 0, f"{got['strays']} keys on ranks that do not own them"
+        for name, (rows, count) in trained["rows"].items():
+            got_rows, got_count = got["rows"][name]
+            np.testing.assert_array_equal(got_count, count, err_msg=name)
+            np.testing.assert_array_equal(got_rows, rows, err_msg=name)
+        for feature, values in trained["eval"].items():
+            np.testing.assert_array_equal(got["eval"][feature], values, err_msg=feature)
+    assert world[0][("trained", trained_scheme)]["rows"]["t1"][1].sum() > 20  # trained keys
+    # some of t1's rows sit in its backing store, the rest in its cache
+    assert any(r[("trained", trained_scheme)]["stats"]["t1"]["rows_backing"] for r in world)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "dcp", "dcp_default"])
+@pytest.mark.parametrize("saved,loaded", [("hash", "mod"), ("mod", "hash")])
+def test_every_key_is_sent_to_its_owner_under_the_loading_scheme(world, saved, loaded, how):
+    _check_load(world, (saved, loaded, how), saved)
+
+
+@pytest.mark.parametrize("target,how", [("mod", "load_state_dict"), ("hash", "load_state_dict"),
+                                        ("mod", "dcp")])
+def test_a_checkpoint_without_the_scheme_loads_by_where_its_keys_are(world, target, how):
+    _check_load(world, ("legacy", target, how), "hash")
+    if target == "hash":  # every key already on its owner: slot for slot, counters too
+        for ranks_out in world:
+            assert ranks_out[("legacy", "hash", how)]["stats"] == \
+                ranks_out[("trained", "hash")]["stats"]
+
+
+@pytest.mark.parametrize("saved,loaded", [("hash", "mod"), ("mod", "hash")])
+def test_checkpoint_files_of_another_scheme_are_refused_naming_both(world, saved, loaded):
+    for ranks_out in world:
+        got = ranks_out[(saved, loaded, "files")]
+        assert got["error"] is not None and got["error"].startswith("CheckpointFileError"), got
+        assert f"placed by ShardingScheme.{saved.upper()}" in got["error"], got["error"]
+        assert f"shards by ShardingScheme.{loaded.upper()}" in got["error"], got["error"]
+        assert "torch.distributed.checkpoint" in got["error"], got["error"]
+        assert got["held"] == 0  # the fresh model is unchanged
+
+
+def _trained_unsharded():
+    ec = DynamicEmbCollection([EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=64,
+                                               feature_names=["f"])])
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([5, 6, 9]),
+                                              torch.tensor([3]))
+    ec(kjt)["f"].values().sum().backward()
+    return ec
+
+
+def test_the_signature_records_the_scheme_and_an_unknown_code_is_refused():
+    from dynemb.checkpoint.table_state import saved_scheme
+    ec = _trained_unsharded()
+    state = ec.state_dict()
+    assert saved_scheme(state["dynamic_tables.t.signature"]) is ShardingScheme.HASH
+    assert DynamicEmbTableOptions().sharding is ShardingScheme.HASH
+    before = {k: v.clone() for k, v in ec.state_dict().items()}
+    bad = dict(state)
+    bad["dynamic_tables.t.signature"] = state["dynamic_tables.t.signature"].clone()
+    bad["dynamic_tables.t.signature"][-1] = 7
+    with pytest.raises(RuntimeError, match=r"table 't': cannot load the checkpoint: sharding "
+                                           r"scheme code 7 is none of \['MOD', 'HASH'\]"):
+        ec.load_state_dict(bad)
+    for key, value in ec.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_an_unsharded_module_loads_a_signature_without_the_scheme_slot_for_slot():
+    ec = _trained_unsharded()
+    state = {k: v[:8].clone() if k.endswith(".signature") else v.clone()
+             for k, v in ec.state_dict().items()}
+    fresh = type(ec)(ec.embedding_configs())
+    fresh.load_state_dict(state)
+    for key, value in ec.state_dict().items():
+        if not key.endswith(".signature"):
+            assert torch.equal(fresh.state_dict()[key], value), key
