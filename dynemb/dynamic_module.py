@@ -27,6 +27,7 @@ from dynemb.options import DynamicEmbTableOptions, StorageMode
 from dynemb.prefetch import PrefetchState
 from dynemb.stashing.collection_stash import CollectionStash
 from dynemb.tables import DynamicTable
+from dynemb.table_weights import TableWeights
 from dynemb.tracing import ScriptingRefused
 from dynemb.validation import canonical_device
 
@@ -46,15 +47,24 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     _variable_batch = True
     #: ``(rank, world size)`` the tables are saved as
     _checkpoint_group = (0, 1)
+    #: give each table a parameter handle (:mod:`dynemb.table_weights`); a sharded module's
+    #: share of the tables has none (its optimizer is settled when it is sharded)
+    _has_table_weights = True
 
     def _build_core(self, configs: List[BaseEmbeddingConfig], device, *, table_options,
                     optimizer, validate_inputs: bool, backend: Optional[str],
                     group_tables: bool = False) -> None:
+        # the tables' handles for apply_optimizer_in_backward: the child "table_weights"
+        weights = (TableWeights(configs, type(self).__name__) if self._has_table_weights
+                   else None)
+        if weights is not None:
+            self.table_weights = weights
         self._core = DynamicCore(
             type(self).__name__, configs, canonical_device(device if device is not None else "cpu"),
             table_options=table_options, optimizer=optimizer, backend=backend,
             validate_inputs=validate_inputs, weights_are_counts=self._weights_are_counts,
-            variable_batch=self._variable_batch, group_tables=group_tables)
+            variable_batch=self._variable_batch, group_tables=group_tables,
+            table_weights=weights)
 
     # -- configuration views -----------------------------------------------------------------
     @property
@@ -75,9 +85,18 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
 
     @property
     def optimizer_given(self) -> bool:
-        """Whether ``optimizer=`` was passed (if not, a sharder's ``fused_params`` may
-        configure it; else the default applies and warns at first training use)."""
+        """Whether ``optimizer=`` was passed, or ``apply_optimizer_in_backward`` marked the
+        tables' parameters and the module took that optimizer (if not, a sharder's
+        ``fused_params`` may configure it; else the default applies and warns at first
+        training use)."""
         return self._core.optimizer_notice.given
+
+    def marked_fused_params(self) -> Optional[Dict[str, Any]]:
+        """The fused params that ``apply_optimizer_in_backward`` marks on the tables'
+        parameters configure (:meth:`~dynemb.table_weights.TableWeights.marked_fused_params`;
+        None when unmarked): what a sharder reads."""
+        weights = getattr(self, "table_weights", None)
+        return None if weights is None else weights.marked_fused_params()
 
     @property
     def validate_inputs(self) -> bool:

@@ -21,7 +21,8 @@ OPTIMIZER_KEYS = frozenset({
     "optimizer", "learning_rate", "eps", "beta1", "beta2", "weight_decay",
     "weight_decay_mode", "gradient_clipping", "max_gradient", "max_norm",
     "counter_based_regularization", "cowclip_regularization", "global_weight_decay",
-    "ensemble_mode", "emainplace_mode", "extra_optimizer_config"})
+    "ensemble_mode", "emainplace_mode", "extra_optimizer_config",
+    "initial_accumulator_value"})
 
 
 class _FbgemmDefault:
