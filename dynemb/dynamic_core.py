@@ -53,16 +53,17 @@ class DynamicCore:
         variable_batch: accept KJTs with a batch size per feature.
         group_tables: train tables of one shape as one group (:mod:`dynemb.tables.groups`);
             False runs every table alone.
-        table_weights: the module's table handles (:mod:`dynemb.table_weights`), whose
-            ``apply_optimizer_in_backward`` marks configure the optimizer when ``optimizer``
-            is None (see :meth:`settle_marked_optimizer`); None for a module without them.
+        with_table_weights: give each table a parameter handle
+            (:attr:`table_weights`, :mod:`dynemb.table_weights`), whose
+            ``apply_optimizer_in_backward`` marks configure the optimizer (see
+            :meth:`settle_marked_optimizer`).
     """
 
     def __init__(self, owner: str, configs: List[BaseEmbeddingConfig], device: torch.device,
                  *, table_options, optimizer: Optional[OptimizerConfig],
                  backend: Optional[str], validate_inputs: bool, weights_are_counts: bool,
                  variable_batch: bool, group_tables: bool = True,
-                 table_weights: Optional[TableWeights] = None):
+                 with_table_weights: bool = False):
         self.configs = configs
         self._inputs = TableInputs(configs)  # which KJT features each table reads
         self.device = device
@@ -74,10 +75,6 @@ class DynamicCore:
         self._table_options_given = table_options  # settled again for a marked optimizer
         self.table_options: Dict[str, DynamicEmbTableOptions] = settle_table_options(
             table_options, configs, self.optimizer_config)
-        self.table_weights = table_weights
-        self._marks_seen: Optional[Tuple[int, ...]] = None
-        if table_weights is not None and optimizer is not None:
-            table_weights.mark_trained_in_backward()
         self.backend = backend
         self.validate_inputs = validate_inputs
         self._weights_are_counts = weights_are_counts
@@ -106,6 +103,10 @@ class DynamicCore:
                                  if device.type == "cuda" else None)
         # memory stashing (dynemb.stashing): None unless a table's options ask for it
         self.memory_stash = CollectionStash.build(self.tables, device, self._prefetch_stream)
+        self.table_weights = TableWeights(configs, owner) if with_table_weights else None
+        self._marks_seen: Optional[Tuple[int, ...]] = None
+        if self.table_weights is not None and optimizer is not None:
+            self.table_weights.mark_trained_in_backward()
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """Unpickling: what is derived from the configuration is derived again (a module

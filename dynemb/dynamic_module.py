@@ -54,17 +54,14 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     def _build_core(self, configs: List[BaseEmbeddingConfig], device, *, table_options,
                     optimizer, validate_inputs: bool, backend: Optional[str],
                     group_tables: bool = False) -> None:
-        # the tables' handles for apply_optimizer_in_backward: the child "table_weights"
-        weights = (TableWeights(configs, type(self).__name__) if self._has_table_weights
-                   else None)
-        if weights is not None:
-            self.table_weights = weights
         self._core = DynamicCore(
             type(self).__name__, configs, canonical_device(device if device is not None else "cpu"),
             table_options=table_options, optimizer=optimizer, backend=backend,
             validate_inputs=validate_inputs, weights_are_counts=self._weights_are_counts,
             variable_batch=self._variable_batch, group_tables=group_tables,
-            table_weights=weights)
+            with_table_weights=self._has_table_weights)
+        if self._core.table_weights is not None:  # the child "table_weights"
+            self.table_weights: TableWeights = self._core.table_weights
 
     # -- configuration views -----------------------------------------------------------------
     @property

@@ -15,7 +15,7 @@ from dynemb.collection import DynamicEmbCollection
 from dynemb.planning.defaults import install_default_estimators
 from dynemb.optimizer_config import OptimizerConfig
 from dynemb.fused_params import (checked_fused_params, fused_params_optimizer,
-                                          sharder_override)
+                                 sharded_optimizer)
 from dynemb.sharding.sharded_bag_collection import ShardedDynamicEmbBagCollection
 from dynemb.sharding.sharded_collection import ShardedDynamicEmbCollection
 from dynemb.sharding.sharded_tables import SUPPORTED_COMPUTE_KERNELS, SUPPORTED_SHARDING_TYPES
@@ -83,11 +83,7 @@ class DynamicEmbCollectionSharder(ModuleSharder[DynamicEmbCollection]):
         the module's own applies). A mark wins over ``fused_params`` key by key, as in
         TorchRec (``merge_fused_params``); the result must agree with the module's own
         ``optimizer=`` if it has one."""
-        fused = self._fused_optimizer
-        marked = module.marked_fused_params()
-        if marked is not None:
-            fused = fused_params_optimizer({**(self._fused_params or {}), **marked})
-        optimizer = sharder_override(module, fused, module_fqn)
+        optimizer = sharded_optimizer(module, self._fused_params, module_fqn)
         return {} if optimizer is None else {"optimizer": optimizer}
 
     @property
