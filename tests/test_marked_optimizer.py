@@ -375,3 +375,24 @@ def test_a_sharded_mark_that_conflicts_with_the_modules_optimizer_is_refused():
     apply_optimizer_in_backward(RowWiseAdagrad, model.ec.parameters(), {"lr": 0.1})
     with pytest.raises(ValueError, match="conflicts with its sharder's fused_params"):
         _shard(model)
+
+
+def test_the_planner_sizes_optimizer_state_for_the_marked_optimizer():
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    from dynemb.planning import table_footprint
+    from tests.torchrec_probes import SearchSpaceRecorder
+    model = _Model(device="meta")
+    apply_optimizer_in_backward(torch.optim.Adam, model.ec.parameters(), {"lr": 0.01})
+    sharder = DynamicEmbCollectionSharder()  # (installs dynemb's planner estimators)
+    recorder = SearchSpaceRecorder()
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cuda"),
+                                       stats=recorder.planner_stats())
+    planner.plan(model, [sharder])
+    adam = OptimizerConfig(OptimizerType.ADAM, learning_rate=0.01)
+    for option in recorder.search_space:
+        config = {c.name: c for c in seq_tables()}[option.name]
+        expected = table_footprint(config, OPTIONS, adam, batch_size=option.batch_size,
+                                   input_lengths=option.input_lengths)
+        assert expected.state_dim == 8
+        assert option.shards[0].storage == expected.storage()
