@@ -118,5 +118,13 @@ def sharded_optimizer(module, fused_params: Optional[Mapping[str, Any]],
         2.0
     """
     params = dict(checked_fused_params(fused_params) or {})
-    params.update(module.marked_fused_params() or {})
+    marked = module.marked_fused_params()
+    if marked is not None and module.optimizer_given:
+        config = fused_params_optimizer(marked)
+        if config != module.optimizer_config:
+            name = type(module).__name__ + (f" at {where!r}" if where else "")
+            raise ValueError(f"{name}: apply_optimizer_in_backward marks {config} on the "
+                             f"tables but the module trains with optimizer="
+                             f"{module.optimizer_config}; configure the optimizer in one place")
+    params.update(marked or {})
     return sharder_override(module, fused_params_optimizer(params), where)

@@ -373,7 +373,9 @@ def test_a_mark_wins_over_the_sharders_fused_params_key_by_key():
 def test_a_sharded_mark_that_conflicts_with_the_modules_optimizer_is_refused():
     model = _Model(OptimizerConfig(OptimizerType.SGD, learning_rate=0.1), device="meta")
     apply_optimizer_in_backward(RowWiseAdagrad, model.ec.parameters(), {"lr": 0.1})
-    with pytest.raises(ValueError, match="conflicts with its sharder's fused_params"):
+    with pytest.raises(ValueError, match=r"at 'ec': apply_optimizer_in_backward marks .*"
+                                         r"ROWWISE_ADAGRAD.* but the module trains with "
+                                         r"optimizer=.*SGD"):
         _shard(model)
 
 
