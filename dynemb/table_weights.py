@@ -79,6 +79,7 @@ class TableWeights(torch.nn.Module):
             self._parameters[name].table = name
         if self.trained_in_backward:
             self.mark_trained_in_backward()
+        install_dense_optimizer_guard()  # e.g. unpickled in a new process
 
     # -- what nn.Module would do to parameters -----------------------------------------------
     def _apply(self, fn, recurse=True):
