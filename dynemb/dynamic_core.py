@@ -25,6 +25,7 @@ from dynemb.checkpoint.table_state import SavedTable, restore
 from dynemb.batch_claims import check_failures, prefetch_all
 from dynemb.collection_config import build_configured_tables, settle_table_options
 from dynemb.fused_optimizer import DynamicEmbFusedOptimizer, checked_lr
+from dynemb.fused_params import fused_params_optimizer
 from dynemb.optimizer_config import DefaultOptimizerNotice
 from dynemb.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode
@@ -34,6 +35,7 @@ from dynemb.table_inputs import TableInputs, split_by_table
 from dynemb.tables import DynamicTable, TableBatch
 from dynemb.tables.batch import check_batch_score, check_score
 from dynemb.tables.groups import GroupBatch, TableGroup, group_tables
+from dynemb.table_weights import TableWeights
 from dynemb.types import ScorePolicy
 
 
@@ -51,12 +53,17 @@ class DynamicCore:
         variable_batch: accept KJTs with a batch size per feature.
         group_tables: train tables of one shape as one group (:mod:`dynemb.tables.groups`);
             False runs every table alone.
+        with_table_weights: give each table a parameter handle
+            (:attr:`table_weights`, :mod:`dynemb.table_weights`), whose
+            ``apply_optimizer_in_backward`` marks configure the optimizer (see
+            :meth:`settle_marked_optimizer`).
     """
 
     def __init__(self, owner: str, configs: List[BaseEmbeddingConfig], device: torch.device,
                  *, table_options, optimizer: Optional[OptimizerConfig],
                  backend: Optional[str], validate_inputs: bool, weights_are_counts: bool,
-                 variable_batch: bool, group_tables: bool = True):
+                 variable_batch: bool, group_tables: bool = True,
+                 with_table_weights: bool = False):
         self.configs = configs
         self._inputs = TableInputs(configs)  # which KJT features each table reads
         self.device = device
@@ -65,6 +72,7 @@ class DynamicCore:
             raise TypeError(f"optimizer must be an OptimizerConfig, got {optimizer!r}")
         # a sharder's fused_params may still configure it: say so at first training use
         self.optimizer_notice = DefaultOptimizerNotice(owner, given=optimizer is not None)
+        self._table_options_given = table_options  # settled again for a marked optimizer
         self.table_options: Dict[str, DynamicEmbTableOptions] = settle_table_options(
             table_options, configs, self.optimizer_config)
         self.backend = backend
@@ -92,6 +100,10 @@ class DynamicCore:
                                  if device.type == "cuda" else None)
         # memory stashing (dynemb.stashing): None unless a table's options ask for it
         self.memory_stash = CollectionStash.build(self.tables, device, self._prefetch_stream)
+        self.table_weights = TableWeights(configs, owner) if with_table_weights else None
+        self._marks_seen: Optional[Tuple[int, ...]] = None
+        if self.table_weights is not None and optimizer is not None:
+            self.table_weights.mark_trained_in_backward()
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """Unpickling: what is derived from the configuration is derived again (a module
@@ -103,6 +115,61 @@ class DynamicCore:
         self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
         for group in self.groups:
             group.view_parts_again()
+
+    # -- the optimizer marked by apply_optimizer_in_backward ---------------------------------
+    def settle_marked_optimizer(self) -> None:
+        """Adopt the optimizer that ``apply_optimizer_in_backward`` marked on the table
+        handles (:mod:`dynemb.table_weights`) when a mark is new; runs before a training
+        step or a checkpoint load. A mark equal to the module's ``optimizer=`` changes
+        nothing; one that differs raises ``ValueError``, as does one that comes after the
+        tables hold rows (trained, loaded or filled with the default optimizer's layout).
+        Otherwise the tables, still empty, are built again with the marked optimizer (its
+        learning rate becomes the fused optimizer's) and no default-optimizer warning
+        comes. Nothing changes when it raises."""
+        weights = self.table_weights
+        if weights is None:
+            return
+        signature = weights.marks_signature()
+        if signature == self._marks_seen:
+            return
+        fused = weights.marked_fused_params()
+        if fused is not None:
+            self._adopt(fused_params_optimizer(fused))
+        self._marks_seen = signature
+
+    def _adopt(self, marked: OptimizerConfig) -> None:
+        owner = self.optimizer_notice.owner
+        if self.optimizer_notice.given:
+            if marked != self.optimizer_config:
+                raise ValueError(
+                    f"{owner}: apply_optimizer_in_backward marks {marked} on the tables but "
+                    f"the module trains with optimizer={self.optimizer_config}; configure "
+                    f"the optimizer in one place (nothing was changed)")
+            self.table_weights.mark_trained_in_backward()
+            return
+        holding = [name for name, table in self.tables.items()
+                   if self._steps[name] or _holds_rows(table)]
+        if holding:
+            raise ValueError(
+                f"{owner}: apply_optimizer_in_backward marks {marked} on the tables, but "
+                f"tables {holding} already hold rows kept for the default optimizer "
+                f"{self.optimizer_config} (trained, loaded or filled before the mark); mark "
+                f"the tables' parameters before the first training step or checkpoint load, "
+                f"or pass optimizer= to the module (nothing was changed)")
+        options = settle_table_options(self._table_options_given, self.configs, marked)
+        self.clear_prefetched()
+        self.optimizer_config, self.table_options = marked, options
+        for config in self.configs:  # one table's memory goes before its new one comes
+            if config.name in self.tables:
+                del self.tables[config.name]
+                self.tables[config.name] = self._build_table(config)
+        self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
+        self._regroup()
+        self.memory_stash = CollectionStash.build(self.tables, self.device,
+                                                  self._prefetch_stream)
+        self.fused_optimizer.param_groups[0]["lr"] = marked.learning_rate
+        self.optimizer_notice.configured()
+        self.table_weights.mark_trained_in_backward()
 
     def _regroup(self) -> None:
         """Group the current tables (each group copies its tables into its own arrays)."""
@@ -223,6 +290,8 @@ class DynamicCore:
                  forward_stream: Optional[torch.cuda.Stream] = None) -> PrefetchState:
         """Resolve ``kjt``'s ids to slots and queue the result (on CUDA on the side stream,
         after the current stream and ``forward_stream``)."""
+        if training:
+            self.settle_marked_optimizer()
         if self._prefetch_stream is None:
             state = self._prefetch_now(kjt, training)
         else:
@@ -258,6 +327,7 @@ class DynamicCore:
         backward or the next training lookup; else the lookup is read-only and its pins end
         with the block."""
         if trains:
+            self.settle_marked_optimizer()
             self._check_lr()
             self.optimizer_notice.at_training(self.optimizer_config)
         state = self._take(kjt, trains)
@@ -395,6 +465,7 @@ class DynamicCore:
     def load_tables(self, saved: Dict[str, List[SavedTable]]) -> None:
         """Replace the named tables' contents with their saved images, all or nothing (see
         :meth:`dynemb.dynamic_module.DynamicModule.load_tables`)."""
+        self.settle_marked_optimizer()
         exact = check_saved_tables(self.tables, saved)
         # fallible loads (by key, into new tables) first; in-place ones cannot fail
         restored = {n: restore(self.tables[n], parts) for n, parts in saved.items()
@@ -412,6 +483,11 @@ class DynamicCore:
             self._steps[name] = steps[name]
         self._regroup()
         self._generation += 1
+
+
+def _holds_rows(table: DynamicTable) -> bool:
+    stats = table.stats()
+    return bool(stats["rows_device"] or stats["rows_backing"] or stats["admission_pending"])
 
 
 def trains_now(module: torch.nn.Module) -> bool:

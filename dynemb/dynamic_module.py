@@ -27,6 +27,7 @@ from dynemb.options import DynamicEmbTableOptions, StorageMode
 from dynemb.prefetch import PrefetchState
 from dynemb.stashing.collection_stash import CollectionStash
 from dynemb.tables import DynamicTable
+from dynemb.table_weights import TableWeights
 from dynemb.tracing import ScriptingRefused
 from dynemb.validation import canonical_device
 
@@ -47,6 +48,9 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     _variable_batch = True
     #: ``(rank, world size)`` the tables are saved as
     _checkpoint_group = (0, 1)
+    #: give each table a parameter handle (:mod:`dynemb.table_weights`); a sharded module's
+    #: share of the tables has none (its optimizer is settled when it is sharded)
+    _has_table_weights = True
 
     def _build_core(self, configs: List[BaseEmbeddingConfig], device, *, table_options,
                     optimizer, validate_inputs: bool, backend: Optional[str],
@@ -60,7 +64,10 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
                 type(self).__name__, configs, canonical_device(device),
                 table_options=table_options, optimizer=optimizer, backend=backend,
                 validate_inputs=validate_inputs, weights_are_counts=self._weights_are_counts,
-                variable_batch=self._variable_batch, group_tables=group_tables)
+                variable_batch=self._variable_batch, group_tables=group_tables,
+                with_table_weights=self._has_table_weights)
+        if self._core.table_weights is not None:  # the child "table_weights"
+            self.table_weights: TableWeights = self._core.table_weights
 
     # -- configuration views -----------------------------------------------------------------
     @property
@@ -81,9 +88,18 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
 
     @property
     def optimizer_given(self) -> bool:
-        """Whether ``optimizer=`` was passed (if not, a sharder's ``fused_params`` may
-        configure it; else the default applies and warns at first training use)."""
+        """Whether ``optimizer=`` was passed, or ``apply_optimizer_in_backward`` marked the
+        tables' parameters and the module took that optimizer (if not, a sharder's
+        ``fused_params`` may configure it; else the default applies and warns at first
+        training use)."""
         return self._core.optimizer_notice.given
+
+    def marked_fused_params(self) -> Optional[Dict[str, Any]]:
+        """The fused params that ``apply_optimizer_in_backward`` marks on the tables'
+        parameters configure (:meth:`~dynemb.table_weights.TableWeights.marked_fused_params`;
+        None when unmarked): what a sharder reads."""
+        weights = getattr(self, "table_weights", None)
+        return None if weights is None else weights.marked_fused_params()
 
     @property
     def validate_inputs(self) -> bool:
@@ -298,6 +314,8 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
                          else None, validate_inputs=meta.validate_inputs,
                          backend=meta.backend, group_tables=meta.groups_on)
         self._core.fused_optimizer = meta.fused_optimizer  # its lr, and schedulers on it
+        if meta.table_weights is not None:  # the same handles: their marks, optimizers on them
+            self._core.table_weights = self.table_weights = meta.table_weights
         if meta.scores:
             self._core.set_scores(meta.scores)
 

@@ -112,7 +112,8 @@ class OptimizerConfig:
 
         Reads ``learning_rate``, ``eps``, ``beta1``, ``beta2``, ``weight_decay``,
         ``weight_decay_mode``, ``gradient_clipping`` and ``max_gradient`` (fbgemm's default 1.0
-        when clipping is on); other keys (placement, caching, precision) are ignored, except
+        when clipping is on), and dynemb's ``initial_accumulator_value`` (AdaGrad's, which
+        fbgemm lacks: a mark of ``torch.optim.Adagrad`` may carry it); other keys (placement, caching, precision) are ignored, except
         optimizer features this module lacks (``max_norm``, counter-based or CowClip
         regularization, global weight decay, ensemble / EMA modes), which raise. Weight
         decay that fbgemm ignores is dropped: any for EXACT_SGD / EXACT_ADAGRAD, and for
@@ -139,7 +140,8 @@ class OptimizerConfig:
         if given is not None and getattr(given, "name", given) != name:
             raise ValueError(f"fused_params['optimizer'] is {given!r} but optimizer is {name}")
         kwargs = {key: check_number(params.pop(key), f"fused_params[{key!r}]")
-                  for key in ("learning_rate", "eps", "beta1", "beta2", "weight_decay")
+                  for key in ("learning_rate", "eps", "beta1", "beta2", "weight_decay",
+                              "initial_accumulator_value")
                   if key in params}
         mode = int(params.pop("weight_decay_mode", _WD_NONE))
         if kind in (OptimizerType.SGD, OptimizerType.ADAGRAD):
@@ -172,8 +174,8 @@ class DefaultOptimizerNotice:
     ``fused_params`` when DistributedModelParallel shards it, so construction says nothing;
     the module calls :meth:`at_training` on each training forward, and the first one warns
     (``UserWarning``) naming the default it trains with. ``torchrec.optim.
-    apply_optimizer_in_backward`` does not reach dynamic tables (they are not parameters),
-    so the warning names the two places that do.
+    apply_optimizer_in_backward`` on the module's table parameters configures it too (see
+    :mod:`dynemb.table_weights`); the warning names the three places.
 
     Example::
 
@@ -192,6 +194,11 @@ class DefaultOptimizerNotice:
         self.given = bool(given)
         self._said = self.given
 
+    def configured(self) -> None:
+        """The optimizer was configured after construction (by a mark of
+        ``apply_optimizer_in_backward``): no warning will come."""
+        self.given = self._said = True
+
     def at_training(self, config: OptimizerConfig) -> None:
         """Warn if no optimizer was configured and this is the first call."""
         if self._said:
@@ -204,10 +211,10 @@ def default_optimizer_message(owner: str, config: OptimizerConfig) -> str:
     """The text of :class:`DefaultOptimizerNotice`'s warning."""
     return (f"{owner} trains with the default optimizer {config} (fbgemm's EXACT_SGD "
             f"defaults): no optimizer was configured. Pass optimizer=OptimizerConfig(...) "
-            f"to the module, or fused_params={{'optimizer': EmbOptimType..., "
-            f"'learning_rate': ...}} to its sharder; torchrec.optim."
-            f"apply_optimizer_in_backward does not reach dynamic tables, which hold no "
-            f"parameters")
+            f"to the module, fused_params={{'optimizer': EmbOptimType..., "
+            f"'learning_rate': ...}} to its sharder, or mark the tables' parameters with "
+            f"torchrec.optim.apply_optimizer_in_backward(RowWiseAdagrad, "
+            f"module.parameters(), {{'lr': ...}}) before the first training step")
 
 
 def check_number(value, name: str) -> float:

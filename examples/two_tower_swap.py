@@ -21,13 +21,9 @@ catalog for its user (chance is 10 / items).
 (``weight_init_min/max``), same seed (the MLPs start identical), same batches, same loss and
 dense optimizer (Adam). It trains both twice:
 
-1. **Single process, unsharded**, in a plain loop. This is the one place the two libraries
-   need different code (:func:`single_process_model`): TorchRec's tables are
-   ``nn.Parameter``s and get row-wise AdaGrad inside backward from
-   ``torchrec.optim.apply_optimizer_in_backward``; dynemb's tables are hash tables, not
-   parameters, which that call cannot reach, so the same optimizer is given to the module as
-   ``optimizer=OptimizerConfig.from_fbgemm(...)`` (docs/migrating.md, "Keep the
-   optimizer configuration").
+1. **Single process, unsharded**, in a plain loop, the tables getting row-wise AdaGrad
+   inside backward from ``torchrec.optim.apply_optimizer_in_backward`` on their parameters
+   (:func:`single_process_model`; the code is the same for both).
 2. **Sharded** by ``DistributedModelParallel`` **without a plan** over ``--nproc`` spawned CPU
    ranks (gloo), under TorchRec's ``TrainPipelineSparseDist``. The code is the same for both:
    the sharders list holds both libraries' sharders with the same ``fused_params``
@@ -292,19 +288,11 @@ def curve_summary(losses: List[float], recall: float, seconds: float) -> Dict[st
 
 # -- single process ----------------------------------------------------------------------------
 def single_process_model(ebc_class: type, cfg: Config, seed: int) -> TwoTower:
-    """The unsharded model with its tables' optimizer: the one place the libraries differ.
-
-    TorchRec's tables are ``nn.Parameter``s: ``apply_optimizer_in_backward`` gives them
-    row-wise AdaGrad inside backward. dynemb's tables are hash tables, which that call
-    cannot reach (it sees no parameters), so the module takes the same optimizer at
-    construction (docs/migrating.md, "Keep the optimizer configuration"). Sharded, both read
-    it from the sharder's ``fused_params`` and this difference disappears.
+    """The unsharded model with its tables' optimizer: row-wise AdaGrad inside backward,
+    given the TorchRec way, ``apply_optimizer_in_backward`` on the tables' parameters
+    (dynemb's modules have one parameter handle per table for it to mark). Sharded, both
+    read it from the sharder's ``fused_params`` instead.
     """
-    if issubclass(ebc_class, DynamicEmbBagCollection):
-        from dynemb import OptimizerConfig
-        return build_model(ebc_class, cfg, torch.device("cpu"), seed,
-                           optimizer=OptimizerConfig.from_fbgemm(
-                               FUSED_PARAMS["optimizer"], **FUSED_PARAMS))
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     model = build_model(ebc_class, cfg, torch.device("cpu"), seed)

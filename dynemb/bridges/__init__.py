@@ -15,6 +15,9 @@ on the pinned versions before anything else does:
   its splits exchange (the sharded modules' step check);
 - :mod:`~dynemb.bridges.storage_refs`: torch's use count of a tensor's storage;
 - :mod:`~dynemb.bridges.device_assert`: torch's assert that runs on the device;
+- :mod:`~dynemb.bridges.optimizer_marks`: the attributes torch's
+  ``_apply_optimizer_in_backward`` leaves on a parameter (``_optimizer_classes``,
+  ``_optimizer_kwargs``, ``_in_backward_optimizers``);
 - :mod:`~dynemb.bridges.numba_launch`: numba-cuda's kernel launch (a compiled kernel's
   argument marshalling and driver function), to launch without its per-tensor conversion.
 """

@@ -28,7 +28,10 @@ SUPPORTED_COMPUTE_KERNELS = (EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,)
 
 class SavedBySharded:
     """For the per-rank module of a sharded one: its tables are saved and loaded by the
-    sharded module, under the sharded module's names."""
+    sharded module, under the sharded module's names. It has no table parameters: its
+    optimizer was settled when the module was sharded."""
+
+    _has_table_weights = False
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass

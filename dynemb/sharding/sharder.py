@@ -15,7 +15,7 @@ from dynemb.collection import DynamicEmbCollection
 from dynemb.planning.defaults import install_default_estimators
 from dynemb.optimizer_config import OptimizerConfig
 from dynemb.fused_params import (checked_fused_params, fused_params_optimizer,
-                                          sharder_override)
+                                 sharded_optimizer)
 from dynemb.sharding.sharded_bag_collection import ShardedDynamicEmbBagCollection
 from dynemb.sharding.sharded_collection import ShardedDynamicEmbCollection
 from dynemb.sharding.sharded_tables import SUPPORTED_COMPUTE_KERNELS, SUPPORTED_SHARDING_TYPES
@@ -34,7 +34,9 @@ class DynamicEmbCollectionSharder(ModuleSharder[DynamicEmbCollection]):
             (``optimizer``, ``learning_rate``, ``eps``, ...) configure the tables' fused
             optimizer (:func:`~dynemb.fused_params.fused_params_optimizer`), which
             must then agree with any ``optimizer=`` given to the module; other keys are
-            ignored. Checked here: an unsupported optimizer raises at construction.
+            ignored. Checked here: an unsupported optimizer raises at construction. An
+            optimizer marked on the module's table parameters by
+            ``apply_optimizer_in_backward`` overrides these keys, as in TorchRec.
         qcomm_codecs_registry: accepted as TorchRec's sharders do; unused (ids and rows
             travel unquantized).
 
@@ -76,9 +78,12 @@ class DynamicEmbCollectionSharder(ModuleSharder[DynamicEmbCollection]):
                                            **self._override(module, module_fqn))
 
     def _override(self, module: DynamicEmbCollection, module_fqn: Optional[str]) -> dict:
-        """The sharded module's ``optimizer=`` when ``fused_params`` configure one (else the
-        module's own applies)."""
-        optimizer = sharder_override(module, self._fused_optimizer, module_fqn)
+        """The sharded module's ``optimizer=`` when ``fused_params`` or the marks of
+        ``apply_optimizer_in_backward`` on the module's table parameters configure one (else
+        the module's own applies). A mark wins over ``fused_params`` key by key, as in
+        TorchRec (``merge_fused_params``); the result must agree with the module's own
+        ``optimizer=`` if it has one."""
+        optimizer = sharded_optimizer(module, self._fused_params, module_fqn)
         return {} if optimizer is None else {"optimizer": optimizer}
 
     @property
