@@ -227,27 +227,35 @@ class DiskBackingStore:
         return self._size
 
     # -- beyond the protocol -----------------------------------------------------------------
+    def contains(self, keys: torch.Tensor) -> torch.Tensor:
+        """[N] bool on the CPU: which of ``keys`` are stored (one multi-get, no row decoded)."""
+        check_index_tensor(keys, "keys", keys.device)
+        values = self._get(keys)
+        return torch.from_numpy(np.fromiter((v is not None for v in values), dtype=np.bool_,
+                                            count=len(values)))
+
     def write(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
               erase: Optional[torch.Tensor] = None,
-              absent: Optional[torch.Tensor] = None) -> None:
+              stored: Optional[torch.Tensor] = None) -> None:
         """Put ``keys`` (rows, scores) and delete ``erase`` in one atomic write batch; a
-        failed write (a full disk, say) raises ``OSError`` and changes nothing. ``absent``
-        [N] bool: keys the caller knows are not stored (not looked up to keep the count)."""
+        failed write (a full disk, say) raises ``OSError`` and changes nothing. ``stored``
+        [N] bool: which of ``keys`` the caller knows are stored already (:meth:`contains`),
+        so that they are not looked up again to keep the count."""
         check_store_rows(keys, rows, scores, self.width)
         erase = keys[:0] if erase is None else erase
         check_index_tensor(erase, "erase", erase.device)
-        known = torch.zeros(keys.numel(), dtype=torch.bool) if absent is None else absent.cpu()
-        if known.shape != keys.shape or known.dtype != torch.bool:
-            raise ValueError(f"absent must be [{keys.numel()}] bool, got {known.dtype} "
-                             f"{tuple(known.shape)}")
-        looked_up = torch.cat([keys.cpu()[~known], erase.cpu()])
-        present = [v is not None for v in self._get(looked_up)]
-        stored = sum(present[:looked_up.numel() - erase.numel()])
-        gone = sum(present[looked_up.numel() - erase.numel():])
-        self._write(keys, rows, scores, erase, size=self._size + keys.numel() - stored - gone)
+        if stored is None:
+            stored = self.contains(keys.cpu())
+        if stored.shape != keys.shape or stored.dtype != torch.bool:
+            raise ValueError(f"stored must be [{keys.numel()}] bool, got {stored.dtype} "
+                             f"{tuple(stored.shape)}")
+        gone = int(self.contains(erase.cpu()).sum())
+        new = keys.numel() - int(stored.sum())
+        self._write(keys, rows, scores, erase, size=self._size + new - gone)
 
     def flush(self) -> None:
-        """Write what RocksDB holds in memory (its memtable) to the store's files."""
+        """Write what RocksDB holds in memory (its memtable) to the store's files: what was
+        written survives a crash of the process even with the write-ahead log off."""
         self._db.flush()
 
     def close(self) -> None:

@@ -70,10 +70,14 @@ def test_a_store_holds_what_a_python_model_of_it_holds(batches, seed, levels):
         assert store.insert(torch.tensor(keys), rows, scores) == 0
         model.update({k: (rows[i], int(scores[i])) for i, k in enumerate(keys)})
     check_against(store, model)
+    if levels:  # a flush writes the host level through: the disk alone holds every row
+        store.flush()
+        check_against(store.disk, model)
+        check_against(store, model)
     store.close()
 
 
-def test_the_host_level_spills_its_lowest_scores_to_disk_and_keeps_each_key_once():
+def test_the_host_level_spills_its_lowest_scores_to_disk_and_counts_each_key_once():
     store = new_levels(host_rows=128)
     keys = torch.arange(1000) * 7919 - 3000
     scores = torch.arange(1000)  # later keys score higher: the host keeps the last ones
@@ -82,14 +86,20 @@ def test_the_host_level_spills_its_lowest_scores_to_disk_and_keeps_each_key_once
         store.insert(keys[lo:lo + 100], rows[lo:lo + 100], scores[lo:lo + 100])
     assert store.host.size() == 128 and store.disk.size() == 1000 - 128
     on_host = store.host.find(keys)[1]
-    assert not bool((store.disk.find(keys)[1] & on_host).any())  # never in both
+    assert not bool((store.disk.find(keys)[1] & on_host).any())  # none came back up yet
     assert scores[on_host].min() >= 800  # the last call's and the best of the one before
     assert torch.equal(store.find(keys)[0], rows)
-    # a key coming back to the host leaves the disk
+    # a key coming back to the host keeps its disk copy (a crash then loses no key); the
+    # host level's newer row is the one found, and the key is counted once
     back = keys[:5]
     store.insert(back, torch.zeros(5, WIDTH), torch.full((5,), 10**6))
-    assert bool(store.host.find(back)[1].all()) and not bool(store.disk.find(back)[1].any())
-    assert store.size() == 1000
+    assert bool(store.host.find(back)[1].all()) and bool(store.disk.find(back)[1].all())
+    assert torch.equal(store.disk.find(back)[0], rows[:5])
+    assert torch.equal(store.find(back)[0], torch.zeros(5, WIDTH))
+    assert store.size() == 1000 and export_all(store, batch=64)[0].numel() == 1000
+    store.flush()  # written through: the disk's copies are the latest
+    assert torch.equal(store.disk.find(back)[0], torch.zeros(5, WIDTH))
+    assert store.disk.size() == store.size() == 1000 and store.host.size() == 128
 
 
 def test_export_is_a_range_scan_in_key_order_whatever_the_insert_order():

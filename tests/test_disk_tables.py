@@ -210,6 +210,63 @@ def test_a_store_left_by_a_killed_process_opens_again():
     assert int(torch.cat(keys).max()) < VOCAB[1]
 
 
+FLUSHED_THEN_KILLED = textwrap.dedent("""
+    import os, signal, sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_disk_tables import VOCAB, batch, host_bytes, module, step
+    from dynemb.disk_levels import disk_store
+    from dynemb.disk_store import DiskOptions
+    from dynemb.optimizers import OptimizerType
+    report, alive = {{}}, []  # a module freed removes its stores' directories
+    for wal, host_level in ((True, True), (False, True), (False, False)):
+        m = module(disk_store(os.path.join({directory!r}, f"{{wal}}-{{host_level}}"),
+                              host_cache_bytes=host_bytes(OptimizerType.ADAM) * host_level,
+                              options=DiskOptions(wal=wal)))
+        alive.append(m)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(10):
+            step(m, batch(gen))
+        m.flush()
+        for name, vocab in zip(m.tables, VOCAB):
+            store = m.tables[name].store
+            keys = torch.arange(vocab)
+            rows, found = m.read_rows(name, keys, with_state=True)
+            scores = store.find(keys[found])[2]
+            host_rows = store.host.size() if host_level else 0
+            disk = store.disk if host_level else store
+            report[f"{{wal}}-{{host_level}}-{{name}}"] = (str(disk.path), keys[found],
+                                                       rows[found], scores, host_rows)
+    torch.save(report, os.path.join({directory!r}, "report.pt"))
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_after_a_flush_a_killed_process_leaves_the_latest_row_of_every_id_on_disk():
+    # with the write-ahead log and a host level, with neither: every id a table trained
+    # is on disk after a flush and a SIGKILL, its row and score those the module reported
+    directory = tempfile.mkdtemp()
+    script = FLUSHED_THEN_KILLED.format(tests=os.path.dirname(__file__), directory=directory)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    report = torch.load(os.path.join(directory, "report.pt"))
+    assert len(report) == 9
+    width = DIM + OptimizerConfig(OptimizerType.ADAM).state_dim(DIM)
+    lost = {}
+    for case, (path, keys, rows, scores, host_rows) in report.items():
+        name = case.split("-")[-1]
+        assert keys.numel() > CACHED[0] and (host_rows > 0) == ("True-t" in case), case
+        facts = {"name": name, "dim": DIM, "optimizer": "ADAM", "width": width}
+        store = DiskBackingStore(path, width, torch.float32, torch.device("cpu"), table=facts)
+        got_rows, found, got_scores = store.find(keys)
+        lost[case] = int((~found).sum())
+        if not lost[case]:
+            assert torch.equal(got_rows, rows) and torch.equal(got_scores, scores), case
+            assert store.size() == keys.numel(), case
+        store.close()
+    assert lost == {case: 0 for case in report}
+
+
 def test_the_planner_counts_device_host_and_disk_bytes_of_a_table_on_disk():
     from dynemb.planning.footprint import table_footprint
     config = EmbeddingConfig(name="big", embedding_dim=64, num_embeddings=1_000_000,

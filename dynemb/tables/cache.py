@@ -112,7 +112,9 @@ class CacheTable(HbmDirectTable):
 
     def flush(self, chunk_rows: int = FLUSH_CHUNK_ROWS) -> int:
         """Write every cached row (embedding, optimizer state, score) to the store, so that
-        the store holds the latest copy of every row; returns how many rows were written.
+        the store holds the latest copy of every row, then call the store's own ``flush``
+        if it has one (a disk store: every row durable on disk); returns how many rows were
+        written.
 
         The rows stay cached (nothing is evicted, no pin or score changes). Rows go in slot
         order, ``chunk_rows`` at a time (the live slots of each chunk found by the table's
@@ -158,6 +160,9 @@ class CacheTable(HbmDirectTable):
                 self.changes.written_back(chunk.keys)
             written += chunk.keys.numel()
         self.counters.add("store_evictions", dropped)
+        flush_store = getattr(self.store, "flush", None)
+        if callable(flush_store):  # a store with levels of its own writes them through
+            flush_store()
         return written
 
     def _load(self, keys: torch.Tensor, result) -> None:
