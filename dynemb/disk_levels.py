@@ -16,13 +16,12 @@ docs/storage.md says when each level pays, and what it costs.
 from __future__ import annotations
 
 import tempfile
-from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from dynemb.backing_store import HostBackingStore
-from dynemb.disk_store import DiskBackingStore, DiskOptions, check_writable
+from dynemb.disk_store import DiskBackingStore, DiskOptions, absolute_path, check_writable
 from dynemb.hash_table_checks import SLOT_BYTES
 from dynemb.types import MAX_BUCKET_SIZE
 
@@ -168,7 +167,9 @@ def _all_keys(host: HostBackingStore) -> torch.Tensor:
 
 class disk_store:  # noqa: N801 - used like a function: backing_store=disk_store(...)
     """The ``backing_store`` factory that keeps a CACHE table's rows on disk under
-    ``directory``, behind a host level of ``host_cache_bytes`` (0: none).
+    ``directory``, behind a host level of ``host_cache_bytes`` (0: none). ``~`` in
+    ``directory`` is expanded, and a relative directory is taken against the working
+    directory when the factory is made (a later ``os.chdir`` changes nothing).
 
     Each table gets a directory of its own, ``<directory>/<table>-<random>``, made when it is
     built and removed when it is freed: the store is the cache's backing copy, and
@@ -189,7 +190,7 @@ class disk_store:  # noqa: N801 - used like a function: backing_store=disk_store
         if isinstance(host_cache_bytes, bool) or not isinstance(host_cache_bytes, int) or (
                 host_cache_bytes < 0):
             raise ValueError(f"host_cache_bytes must be an int >= 0, got {host_cache_bytes!r}")
-        self.directory = Path(directory)
+        self.directory = absolute_path(directory)
         self.host_cache_bytes = host_cache_bytes
         self.options = options or DiskOptions()
         self.table = table or {}

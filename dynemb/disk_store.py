@@ -112,7 +112,8 @@ class StoreMismatchError(ValueError):
 
 class DiskBackingStore:
     """Rows of ``width`` values of ``dtype``, keyed by int64, in a RocksDB database at ``path``
-    (created if missing; an existing store opens again if it was written with the same width,
+    (``~`` expanded, a relative path taken against the working directory when the store is
+    built; created if missing; an existing store opens again if it was written with the same width,
     dtype and ``table`` facts, else :class:`StoreMismatchError`). Rows come back on
     ``device``. Never forgets a key: ``insert`` returns 0.
 
@@ -144,7 +145,7 @@ class DiskBackingStore:
         self.width = int(width)
         self.dtype = dtype
         self.device = canonical_device(device)
-        self.path = Path(path)
+        self.path = absolute_path(path)
         self.options = options or DiskOptions()
         self._row_bytes = self.width * torch.empty(0, dtype=dtype).element_size()
         self._facts = {"format": FORMAT, "width": self.width, "dtype": str(dtype).split(".")[-1],
@@ -348,6 +349,12 @@ def _encode_keys(keys: torch.Tensor) -> List[bytes]:
 def _decode_keys(encoded: List[bytes]) -> torch.Tensor:
     flipped = np.frombuffer(b"".join(encoded), dtype=">u8").astype(np.uint64) ^ _SIGN
     return torch.from_numpy(flipped.view(np.int64).copy())
+
+
+def absolute_path(path) -> Path:
+    """``path`` with ``~`` expanded, made absolute against the working directory now: a store
+    keeps working, and is removed from the right place, after an ``os.chdir``."""
+    return Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
 
 
 def check_writable(path: Path) -> None:

@@ -142,6 +142,21 @@ def test_a_path_under_a_file_is_refused_before_anything_is_made():
     assert os.listdir(base) == ["a_file"]
 
 
+def test_a_home_relative_directory_is_expanded(tmp_path, monkeypatch):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    factory = disk_store("~/stores")
+    store = factory(WIDTH, torch.float32, CPU)
+    alone = new_disk("~/alone")
+    assert factory.directory == home / "stores" and alone.path == home / "alone"
+    assert len(os.listdir(home / "stores")) == 1 and os.listdir(cwd) == []
+    alone.insert(torch.tensor([1]), torch.ones(1, WIDTH), torch.tensor([1]))
+    alone.close()
+    assert new_disk(str(home / "alone")).size() == 1
+
+
 def test_a_host_budget_below_one_bucket_is_refused_with_the_bytes_it_needs():
     with pytest.raises(ValueError, match="at least 8704 bytes"):
         disk_store(tempfile.mkdtemp(), host_cache_bytes=1000)(WIDTH * 4, torch.float32, CPU)

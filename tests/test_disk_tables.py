@@ -267,6 +267,28 @@ def test_after_a_flush_a_killed_process_leaves_the_latest_row_of_every_id_on_dis
     assert lost == {case: 0 for case in report}
 
 
+def test_a_relative_store_directory_keeps_working_after_a_chdir(tmp_path, monkeypatch):
+    made, elsewhere = tmp_path / "made", tmp_path / "elsewhere"
+    made.mkdir(), elsewhere.mkdir()
+    monkeypatch.chdir(made)
+    on_disk = module(disk_store("rel", host_cache_bytes=host_bytes(OptimizerType.ADAM)))
+    in_memory = module(None)
+    assert len(os.listdir(made / "rel")) == 3
+    monkeypatch.chdir(elsewhere)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(6):
+        kjt = batch(gen)
+        step(on_disk, kjt), step(in_memory, kjt)
+        on_disk.flush()  # RocksDB writes new files: where the store was made
+        in_memory.flush()
+    assert_same_tables(on_disk, in_memory)
+    assert os.listdir(elsewhere) == []
+    del on_disk, kjt
+    import gc
+    gc.collect()
+    assert os.listdir(made / "rel") == []  # removed from where it was made
+
+
 def test_the_planner_counts_device_host_and_disk_bytes_of_a_table_on_disk():
     from dynemb.planning.footprint import table_footprint
     config = EmbeddingConfig(name="big", embedding_dim=64, num_embeddings=1_000_000,
