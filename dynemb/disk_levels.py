@@ -15,6 +15,7 @@ docs/storage.md says when each level pays, and what it costs.
 """
 from __future__ import annotations
 
+import hashlib
 import tempfile
 from typing import Dict, Optional, Tuple
 
@@ -161,6 +162,34 @@ class HostCachedStore:
         return f"HostCachedStore(host={self.host!r}, disk={self.disk!r})"
 
 
+#: Bytes of a table's name its store directory's name keeps; a longer name is cut there
+#: and followed by a hash of the whole name (a file name holds at most 255 bytes).
+NAME_BYTES_IN_DIRECTORY = 100
+
+
+def directory_prefix(name: str) -> str:
+    """The start of the name of a store directory of table ``name``: the name (``/`` made
+    ``_``), or for a name longer than :data:`NAME_BYTES_IN_DIRECTORY` bytes its first bytes
+    and 16 hex digits of a hash of the whole name, so that names that differ only further
+    on get directories of their own names.
+
+    Example::
+
+        >>> directory_prefix("user/clicks")
+        'user_clicks'
+        >>> prefix = directory_prefix("t" * 300)
+        >>> len(prefix), prefix[-17:]
+        (117, '~0afa5eb0871c38e7')
+    """
+    safe = name.replace("/", "_").replace("\0", "_")
+    encoded = safe.encode("utf-8", "surrogatepass")
+    if len(encoded) <= NAME_BYTES_IN_DIRECTORY:
+        return safe
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    kept = encoded[:NAME_BYTES_IN_DIRECTORY].decode("utf-8", "ignore")  # whole characters
+    return f"{kept}~{digest}"
+
+
 def _all_keys(host: HostBackingStore) -> torch.Tensor:
     return host.hash_table.export(0).keys
 
@@ -225,7 +254,7 @@ class disk_store:  # noqa: N801 - used like a function: backing_store=disk_store
             host_slots = host_level_slots(self.host_cache_bytes, width, dtype)
         check_writable(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        name = str(self.table.get("name", "table")).replace("/", "_")
+        name = directory_prefix(str(self.table.get("name", "table")))
         path = tempfile.mkdtemp(prefix=f"{name}-", dir=self.directory)
         disk = DiskBackingStore(path, width, dtype, device, table=self.table,
                                 options=self.options, remove_on_close=True)

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dynemb.backing_store import HostBackingStore
-from dynemb.disk_levels import HostCachedStore, disk_store, host_level_slots
+from dynemb.disk_levels import (HostCachedStore, directory_prefix, disk_store,
+                                 host_level_slots)
 from dynemb.disk_store import DiskBackingStore, DiskOptions, StoreMismatchError
 
 CPU = torch.device("cpu")
@@ -221,6 +222,18 @@ def test_a_store_built_by_the_factory_goes_with_its_table():
     with pytest.raises(TypeError, match="dump"):
         import pickle
         pickle.dumps(factory(WIDTH, torch.float32, CPU))
+
+
+def test_a_store_directory_of_any_table_name_fits_a_file_name():
+    assert directory_prefix("user/clicks") == "user_clicks"  # short names as they are
+    assert directory_prefix("é" * 50) == "é" * 50  # 100 bytes
+    cut = [directory_prefix(n) for n in ("t" * 299 + "x", "t" * 299 + "y", "é" * 300)]
+    assert len(set(cut)) == 3 and all(len(p.encode()) <= 120 for p in cut)
+    assert cut[0].startswith("t" * 100) and cut[2].startswith("é" * 50)
+    directory = tempfile.mkdtemp()
+    stores = [disk_store(directory).for_table(name=name)(WIDTH, torch.float32, CPU)
+              for name in ("t" * 299 + "x", "t" * 299 + "y")]
+    assert len(os.listdir(directory)) == len(stores) == 2
 
 
 def test_rows_keep_their_bits_in_every_dtype():

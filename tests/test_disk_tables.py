@@ -289,6 +289,43 @@ def test_a_relative_store_directory_keeps_working_after_a_chdir(tmp_path, monkey
     assert os.listdir(made / "rel") == []  # removed from where it was made
 
 
+def test_tables_of_300_character_names_get_stores_and_checkpoint_files_of_their_own():
+    # TorchRec takes any name; two that differ only at the end (past any cut of a file name)
+    names = ["t" * 299 + "x", "t" * 299 + "y"]
+    directory = tempfile.mkdtemp()
+    configs = [EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=400,
+                               feature_names=[f"f{i}"]) for i, n in enumerate(names)]
+
+    def long_named(factory):
+        options = DynamicEmbTableOptions(caching=True, bucket_size=32, backing_store=factory,
+                                         local_hbm_for_values=64 * DIM * 4)
+        return DynamicEmbCollection(configs, table_options={n: options for n in names},
+                                    optimizer=OptimizerConfig(OptimizerType.SGD, 0.1))
+    on_disk, in_memory = long_named(disk_store(directory)), long_named(None)
+    made = sorted(os.listdir(directory))
+    assert len(made) == 2 and all(d.startswith("t" * 100) and len(d) < 128 for d in made)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.randint(0, 400, (96,),
+                                                  generator=gen), torch.full((24,), 4))
+        for m in (on_disk, in_memory):
+            out = m(kjt)
+            sum((out[f].values() ** 2).sum() for f in ("f0", "f1")).backward()
+    for name in names:
+        assert on_disk.tables[name].store._facts["table"]["name"] == name
+        assert on_disk.tables[name].store.size() > 0
+    path = tempfile.mkdtemp()
+    dump(on_disk, path)
+    resumed = long_named(None)
+    load(resumed, path)
+    keys = torch.arange(400)
+    for name in names:
+        want = in_memory.read_rows(name, keys, with_state=True)
+        for m in (on_disk, resumed):
+            got = m.read_rows(name, keys, with_state=True)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+
+
 def test_the_planner_counts_device_host_and_disk_bytes_of_a_table_on_disk():
     from dynemb.planning.footprint import table_footprint
     config = EmbeddingConfig(name="big", embedding_dim=64, num_embeddings=1_000_000,
