@@ -212,11 +212,14 @@ class DiskBackingStore:
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < 1 << 64:
             raise ValueError(f"start must be a cursor in [0, 2**64), got {start!r}")
         encoded, values = [], []
-        for key, value in self._db.items(from_key=_ROW + start.to_bytes(8, "big")):
-            if len(encoded) == batch:
-                break
-            encoded.append(key[1:])
-            values.append(value)
+        try:
+            for key, value in self._db.items(from_key=_ROW + start.to_bytes(8, "big")):
+                if len(encoded) == batch:
+                    break
+                encoded.append(key[1:])
+                values.append(value)
+        except Exception as error:  # rocksdict raises plain Exceptions
+            raise self._error("reading", error) from error
         keys = _decode_keys(encoded)
         rows, scores = self._decode(values)
         done = len(encoded) < batch or int(keys[-1]) == torch.iinfo(torch.int64).max
@@ -257,7 +260,10 @@ class DiskBackingStore:
     def flush(self) -> None:
         """Write what RocksDB holds in memory (its memtable) to the store's files: what was
         written survives a crash of the process even with the write-ahead log off."""
-        self._db.flush()
+        try:
+            self._db.flush()
+        except Exception as error:  # rocksdict raises plain Exceptions
+            raise self._error("flushing", error) from error
 
     def close(self) -> None:
         """Close the database (and remove its directory if the store was built with
@@ -284,7 +290,19 @@ class DiskBackingStore:
 
     # -- encoding ----------------------------------------------------------------------------
     def _get(self, keys: torch.Tensor) -> List[Optional[bytes]]:
-        return self._db.get(_encode_keys(keys)) if keys.numel() else []
+        if not keys.numel():
+            return []
+        try:
+            return self._db.get(_encode_keys(keys))
+        except Exception as error:  # rocksdict raises plain Exceptions
+            raise self._error("reading", error) from error
+
+    def _error(self, doing: str, error: Exception) -> OSError:
+        """What a failed RocksDB call raises: an ``OSError`` naming the store and what it did
+        (a write changed nothing: each is one atomic batch)."""
+        written = ", nothing was written" if doing == "writing" else ""
+        return OSError(f"{doing} the disk store at {str(self.path)!r} failed{written}: "
+                       f"{error}")
 
     def _decode(self, values: List[bytes]) -> Tuple[torch.Tensor, torch.Tensor]:
         n = len(values)
@@ -319,8 +337,7 @@ class DiskBackingStore:
         try:
             self._db.write(batch, self._write_options)
         except Exception as error:  # rocksdict raises plain Exceptions
-            raise OSError(f"writing the disk store at {str(self.path)!r} failed, nothing was "
-                          f"written: {error}") from error
+            raise self._error("writing", error) from error
         if size is not None:
             self._size = int(size)
 

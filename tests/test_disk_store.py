@@ -198,6 +198,32 @@ def test_a_failed_disk_write_raises_and_changes_neither_level(monkeypatch):
     assert torch.equal(store.find(keys)[0], rows)
 
 
+def test_failed_reads_and_flushes_raise_oserror_naming_the_store(monkeypatch):
+    # rocksdict raises plain Exceptions: reads, scans and flushes say OSError, as writes do
+    store = new_disk()
+    store.insert(torch.arange(4), torch.ones(4, WIDTH), torch.arange(4))
+
+    class Corrupt:
+        def __init__(self, db):
+            self._db = db
+
+        def _fail(self, *args, **kwargs):
+            raise Exception("Corruption: block checksum mismatch")
+        get = items = flush = _fail
+
+        def __getattr__(self, name):
+            return getattr(self._db, name)
+    monkeypatch.setattr(store, "_db", Corrupt(store._db))
+    path = repr(str(store.path))
+    for doing, call in (("reading", lambda: store.find(torch.arange(4))),
+                        ("reading", lambda: store.export(0, 10)),
+                        ("reading", lambda: store.contains(torch.arange(4))),
+                        ("flushing", store.flush)):
+        with pytest.raises(OSError, match=f"{doing} the disk store at {path} failed: "
+                                          f"Corruption"):
+            call()
+
+
 def test_disk_options_are_checked():
     with pytest.raises(ValueError, match="compression"):
         DiskOptions(compression="gzip")

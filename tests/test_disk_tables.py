@@ -149,6 +149,37 @@ def test_a_full_disk_mid_step_raises_and_leaves_every_table_as_it_was(group_tabl
     step(on_disk, batch(gen))
 
 
+@pytest.mark.parametrize("group_tables", [False, True])
+def test_a_failed_store_read_mid_step_counts_nothing_and_the_retry_trains_as_a_twin(
+        group_tables):
+    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=host_bytes(OptimizerType.ADAM))
+    on_disk = module(factory, group_tables=group_tables)
+    in_memory = module(None, group_tables=group_tables)  # never sees the failed step
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(6):  # the caches and host levels fill: the next step reads the disk
+        kjt = batch(gen)
+        step(on_disk, kjt), step(in_memory, kjt)
+    disk = on_disk.tables["t0"].store.disk  # the first table filled: none keeps the step
+
+    def corrupt(keys):  # as the store raises when RocksDB finds a corrupt block
+        raise OSError(f"reading the disk store at {str(disk.path)!r} failed: Corruption: "
+                      f"block checksum mismatch")
+    disk.find = corrupt
+    kjt = batch(gen)
+    with pytest.raises(OSError, match="reading the disk store at .* failed: Corruption"):
+        on_disk(kjt)
+    assert not any(t.has_batches_in_flight() for t in on_disk.tables.values())
+    del disk.find  # the disk reads again
+    assert_same_tables(on_disk, in_memory)  # counters, rows, stores: as before the step
+    # the same step again, then training goes on alike
+    for _ in range(3):
+        a, b = step(on_disk, kjt), step(in_memory, kjt)
+        for f in FEATURES:
+            assert torch.equal(a[f].values(), b[f].values()), f
+        kjt = batch(gen)
+    assert_same_tables(on_disk, in_memory)
+
+
 def test_dump_and_load_stream_a_disk_backed_module_and_training_goes_on_the_same():
     factory, trained = trained_on_disk(seed=3, steps=12)
     gen = torch.Generator().manual_seed(30)
