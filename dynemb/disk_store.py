@@ -151,20 +151,59 @@ class DiskBackingStore:
         self._facts = {"format": FORMAT, "width": self.width, "dtype": str(dtype).split(".")[-1],
                        "table": table or {}}
         check_writable(self.path)
-        rd_options, self._write_options = self.options.rocksdb()
+        self._rd_options, self._write_options = self.options.rocksdb()
+        self._remove_on_close = remove_on_close
+        self._failure: Optional[str] = None  # a failed write or flush, until reopened
+        self._open()
+
+    def _open(self) -> None:
+        """Open the database and check or write its facts; on any error nothing is open."""
         rd = _rocksdict()
         try:
-            self._db = rd.Rdict(str(self.path), rd_options)
+            self._db = rd.Rdict(str(self.path), self._rd_options)
         except Exception as error:  # rocksdict raises plain Exceptions
+            self._db = _Unopened()
             raise OSError(f"cannot open the disk store at {str(self.path)!r}: {error}") from error
         try:
             self._size = self._open_facts()
-        except BaseException:
+        except BaseException as error:
             self._db.close()
+            self._db = _Unopened()
+            if isinstance(error, Exception) and not isinstance(error, (OSError, ValueError)):
+                raise self._error("opening", error) from error  # rocksdict's plain ones
             raise
         # closed (and, for a store of its own directory, removed) when the store is freed
-        self._closer = weakref.finalize(self, _close, self._db, self.path if remove_on_close
-                                        else None)
+        self._closer = weakref.finalize(self, _close, self._db, self.path if
+                                        self._remove_on_close else None)
+
+    def _recover(self) -> None:
+        """RocksDB refuses every write after one failed (its error is sticky). With the
+        write-ahead log on, closing and opening the database again clears it and replays the
+        log: nothing a write returned from is lost. With it off, the rows written since
+        RocksDB's last flush are only in its memory, so the store stays open (it still
+        reads) and refuses writes with an error that says how to keep its rows."""
+        if self._failure is None:
+            return
+        if not self.options.wal:
+            raise OSError(
+                f"the disk store at {str(self.path)!r} refuses writes since one failed "
+                f"({self._failure}): with the write-ahead log off its rows since RocksDB's "
+                f"last flush are only in memory, and reopening it would lose them. It still "
+                f"reads: save the module with dynemb.checkpoint.dump and load it into a new "
+                f"one (DiskOptions(wal=True) stores recover by themselves)")
+        self._closer.detach()
+        try:
+            self._db.close()
+        except Exception:  # a database in error may fail to close cleanly: it reopens
+            pass
+        try:
+            self._open()
+        except BaseException:
+            # still closed: the next call tries again; the directory goes when freed
+            self._closer = weakref.finalize(self, _close, self._db, self.path if
+                                            self._remove_on_close else None)
+            raise
+        self._failure = None
 
     def _open_facts(self) -> int:
         saved = self._db.get(_FACTS_KEY)
@@ -212,6 +251,8 @@ class DiskBackingStore:
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < 1 << 64:
             raise ValueError(f"start must be a cursor in [0, 2**64), got {start!r}")
         encoded, values = [], []
+        if isinstance(self._db, _Unopened):  # a reopening failed: it is tried again
+            self._recover()
         try:
             for key, value in self._db.items(from_key=_ROW + start.to_bytes(8, "big")):
                 if len(encoded) == batch:
@@ -242,10 +283,15 @@ class DiskBackingStore:
               erase: Optional[torch.Tensor] = None,
               stored: Optional[torch.Tensor] = None) -> None:
         """Put ``keys`` (rows, scores) and delete ``erase`` in one atomic write batch; a
-        failed write (a full disk, say) raises ``OSError`` and changes nothing. ``stored``
+        failed write (a full disk, say) raises ``OSError`` and changes nothing. RocksDB
+        refuses every write after a failed one: with the write-ahead log on, the next write
+        opens the database again first, which clears that (and raises ``OSError`` while it
+        cannot open); with it off, every later write raises (the store still reads: see
+        docs/storage.md). ``stored``
         [N] bool: which of ``keys`` the caller knows are stored already (:meth:`contains`),
         so that they are not looked up again to keep the count."""
         check_store_rows(keys, rows, scores, self.width)
+        self._recover()
         erase = keys[:0] if erase is None else erase
         check_index_tensor(erase, "erase", erase.device)
         if stored is None:
@@ -260,9 +306,11 @@ class DiskBackingStore:
     def flush(self) -> None:
         """Write what RocksDB holds in memory (its memtable) to the store's files: what was
         written survives a crash of the process even with the write-ahead log off."""
+        self._recover()
         try:
             self._db.flush()
         except Exception as error:  # rocksdict raises plain Exceptions
+            self._failure = f"flushing: {error}"
             raise self._error("flushing", error) from error
 
     def close(self) -> None:
@@ -272,7 +320,10 @@ class DiskBackingStore:
 
     def memory_bytes(self) -> int:
         """Host memory RocksDB holds for the store now: its memtables, the block cache's
-        use and the table readers (indexes and filters)."""
+        use and the table readers (indexes and filters); 0 while it is not open (after a
+        failure, see :meth:`write`)."""
+        if isinstance(self._db, _Unopened):
+            return 0
         return sum(self._db.property_int_value(f"rocksdb.{name}") or 0 for name in (
             "cur-size-all-mem-tables", "block-cache-usage", "estimate-table-readers-mem"))
 
@@ -292,6 +343,8 @@ class DiskBackingStore:
     def _get(self, keys: torch.Tensor) -> List[Optional[bytes]]:
         if not keys.numel():
             return []
+        if isinstance(self._db, _Unopened):  # a reopening failed: it is tried again
+            self._recover()
         try:
             return self._db.get(_encode_keys(keys))
         except Exception as error:  # rocksdict raises plain Exceptions
@@ -316,6 +369,7 @@ class DiskBackingStore:
 
     def _write(self, keys=None, rows=None, scores=None, erase=None, *, size=None,
                facts=False) -> None:
+        self._recover()
         rd = _rocksdict()
         batch = rd.WriteBatch(raw_mode=True)
         if facts:
@@ -337,9 +391,21 @@ class DiskBackingStore:
         try:
             self._db.write(batch, self._write_options)
         except Exception as error:  # rocksdict raises plain Exceptions
+            self._failure = f"writing: {error}"
             raise self._error("writing", error) from error
         if size is not None:
             self._size = int(size)
+
+
+class _Unopened:
+    """The database of a store whose opening failed: every use raises (as rocksdict's
+    errors do, a plain ``Exception``)."""
+
+    def __getattr__(self, name):
+        raise Exception("the database is not open: opening it again failed")
+
+    def close(self) -> None:
+        pass
 
 
 def _close(db, remove: Optional[Path]) -> None:

@@ -224,6 +224,26 @@ def test_failed_reads_and_flushes_raise_oserror_naming_the_store(monkeypatch):
             call()
 
 
+@pytest.mark.parametrize("wal", [True, False])
+def test_after_a_failed_write_a_store_reopens_with_the_log_or_says_how_to_keep_its_rows(
+        wal, monkeypatch):
+    store = new_disk(options=DiskOptions(wal=wal))
+    rows = torch.randn(8, WIDTH)
+    store.insert(torch.arange(8), rows, torch.arange(8))
+    _fail_writes(store, monkeypatch)
+    with pytest.raises(OSError, match="writing the disk store .* nothing was written"):
+        store.insert(torch.arange(8, 12), torch.ones(4, WIDTH), torch.arange(4))
+    monkeypatch.undo()  # the disk has room again; RocksDB still refuses (its error sticks)
+    more = (torch.arange(8, 12), torch.ones(4, WIDTH), torch.arange(4))
+    if wal:  # opened again: the log kept every row
+        store.insert(*more)
+        assert store.size() == 12 and torch.equal(store.find(torch.arange(8))[0], rows)
+    else:
+        with pytest.raises(OSError, match="refuses writes .* dynemb.checkpoint.dump"):
+            store.insert(*more)
+        assert store.size() == 8 and torch.equal(store.find(torch.arange(8))[0], rows)
+
+
 def test_disk_options_are_checked():
     with pytest.raises(ValueError, match="compression"):
         DiskOptions(compression="gzip")

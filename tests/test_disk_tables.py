@@ -392,38 +392,58 @@ FULL_DISK = textwrap.dedent("""
     config = EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=50_000,
                              feature_names=["f0", "f1", "f2"])
     store = disk_store({directory!r}, options=DiskOptions(wal=True, write_buffer_bytes=1 << 20))
-    m = DynamicEmbCollection([config], table_options=DynamicEmbTableOptions(
-        caching=True, bucket_size=32, backing_store=store, local_hbm_for_values=512 * 24 * 4),
-        optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05))
+
+    def build(store):
+        return DynamicEmbCollection([config], table_options=DynamicEmbTableOptions(
+            caching=True, bucket_size=32, backing_store=store,
+            local_hbm_for_values=512 * 24 * 4),
+            optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05))
+    m, twin = build(store), build(None)  # the twin never sees the failed step
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIMIT_FSIZE))
     gen = torch.Generator().manual_seed(0)
     keys = torch.arange(50_000)
+
+    def same(a, b):
+        return (torch.equal(a[0][0], b[0][0]) and torch.equal(a[0][1], b[0][1]) and
+                a[1] == b[1])
+
+    def state(m):
+        return m.read_rows("t", keys, with_state=True), m.stats()["t"]
     for i in range(300):
         kjt = batch(gen)
-        before = m.read_rows("t", keys, with_state=True), m.stats()["t"]
+        before = state(m)
         try:
             step(m, kjt)
         except OSError as error:
-            after = m.read_rows("t", keys, with_state=True), m.stats()["t"]
-            same = (torch.equal(before[0][0], after[0][0]) and
-                    torch.equal(before[0][1], after[0][1]) and before[1] == after[1])
             pins = m.tables["t"].tier.hash.pinned_count()
-            print("FAILED AT", i, "UNCHANGED", same, "PINS", pins, "|", error, flush=True)
+            print("FAILED AT", i, "UNCHANGED", same(before, state(m)), "PINS", pins, "|",
+                  error, flush=True)
             break
+        step(twin, kjt)
     else:
         print("NEVER FAILED")
+    # room again: the store opens its database again, and trains on as its twin
+    unlimited = resource.RLIM_INFINITY
+    resource.setrlimit(resource.RLIMIT_FSIZE, (unlimited, unlimited))
+    for _ in range(4):
+        step(m, kjt), step(twin, kjt)
+        kjt = batch(gen)
+    print("RECOVERED", same(state(m), state(twin)), flush=True)
 """).replace("resource.RLIMIT_FSIZE))", "resource.RLIM_INFINITY))")
 
 
-def test_a_really_full_disk_raises_and_leaves_the_table_as_it_was():
-    # a file-size limit makes RocksDB's writes fail as on a full disk (EFBIG, not ENOSPC)
+def test_a_really_full_disk_raises_leaves_the_table_as_it_was_and_recovers_with_room():
+    # a file-size limit makes RocksDB's writes fail as on a full disk (EFBIG, not ENOSPC);
+    # with the limit lifted the store (write-ahead log on) trains on as a twin that never
+    # saw the failed step
     script = FULL_DISK.format(tests=os.path.dirname(__file__), directory=tempfile.mkdtemp())
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    line = run.stdout.strip().splitlines()[-1]
+    line, recovered = run.stdout.strip().splitlines()[-2:]
     assert line.startswith("FAILED AT") and "UNCHANGED True PINS 0" in line, line
     assert "writing the disk store" in line and "nothing was written" in line
+    assert recovered == "RECOVERED True", run.stdout[-3000:] + run.stderr[-3000:]
 
 
 def test_dump_and_load_move_a_disk_backed_table_a_chunk_at_a_time(monkeypatch):
