@@ -53,8 +53,9 @@ class DiskOptions:
       ``"zstd"``.
     - ``wal``: write-ahead log. Off by default: the store is a cache's backing copy, and a
       checkpoint, not the store, is what survives a crash; with it off a crash loses the
-      writes since RocksDB's last flush, and the store still opens (consistent: the row
-      count is written in the same batches as the rows).
+      writes since RocksDB's last flush (a table's ``flush`` makes one), and the store still
+      opens (consistent: the row count is written in the same batches as the rows). With it
+      on, a store also recovers from a failed write by itself (see :meth:`DiskBackingStore.write`).
     - ``write_buffer_bytes``: memtable size before a flush to disk.
 
     Example::
