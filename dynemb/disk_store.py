@@ -55,7 +55,8 @@ class DiskOptions:
       checkpoint, not the store, is what survives a crash; with it off a crash loses the
       writes since RocksDB's last flush (a table's ``flush`` makes one), and the store still
       opens (consistent: the row count is written in the same batches as the rows). With it
-      on, a store also recovers from a failed write by itself (see :meth:`DiskBackingStore.write`).
+      on, a store also recovers from a failed write by itself
+      (:meth:`DiskBackingStore.write`).
     - ``write_buffer_bytes``: memtable size before a flush to disk.
 
     Example::
@@ -114,8 +115,8 @@ class StoreMismatchError(ValueError):
 class DiskBackingStore:
     """Rows of ``width`` values of ``dtype``, keyed by int64, in a RocksDB database at ``path``
     (``~`` expanded, a relative path taken against the working directory when the store is
-    built; created if missing; an existing store opens again if it was written with the same width,
-    dtype and ``table`` facts, else :class:`StoreMismatchError`). Rows come back on
+    built; created if missing; an existing store opens again if it was written with the same
+    width, dtype and ``table`` facts, else :class:`StoreMismatchError`). Rows come back on
     ``device``. Never forgets a key: ``insert`` returns 0.
 
     ``table``: what identifies the table the rows belong to (e.g. its name, dim and
@@ -284,13 +285,14 @@ class DiskBackingStore:
               erase: Optional[torch.Tensor] = None,
               stored: Optional[torch.Tensor] = None) -> None:
         """Put ``keys`` (rows, scores) and delete ``erase`` in one atomic write batch; a
-        failed write (a full disk, say) raises ``OSError`` and changes nothing. RocksDB
-        refuses every write after a failed one: with the write-ahead log on, the next write
-        opens the database again first, which clears that (and raises ``OSError`` while it
-        cannot open); with it off, every later write raises (the store still reads: see
-        docs/storage.md). ``stored``
+        failed write (a full disk, say) raises ``OSError`` and changes nothing. ``stored``
         [N] bool: which of ``keys`` the caller knows are stored already (:meth:`contains`),
-        so that they are not looked up again to keep the count."""
+        so that they are not looked up again to keep the count.
+
+        RocksDB refuses every write after a failed one: with the write-ahead log on, the
+        next write opens the database again first, which clears that (and raises ``OSError``
+        while it cannot open); with it off, every later write raises (the store still reads:
+        see docs/storage.md)."""
         check_store_rows(keys, rows, scores, self.width)
         self._recover()
         erase = keys[:0] if erase is None else erase
