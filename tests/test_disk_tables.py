@@ -180,6 +180,37 @@ def test_a_failed_store_read_mid_step_counts_nothing_and_the_retry_trains_as_a_t
     assert_same_tables(on_disk, in_memory)
 
 
+@pytest.mark.parametrize("group_tables", [False, True])
+def test_a_failed_store_read_in_eval_counts_nothing_and_ends_its_pins(group_tables):
+    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=host_bytes(OptimizerType.ADAM))
+    on_disk = module(factory, group_tables=group_tables)
+    in_memory = module(None, group_tables=group_tables)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(6):
+        kjt = batch(gen)
+        step(on_disk, kjt), step(in_memory, kjt)
+    on_disk.eval(), in_memory.eval()
+    disk = on_disk.tables["t0"].store.disk
+
+    def corrupt(keys):
+        raise OSError(f"reading the disk store at {str(disk.path)!r} failed: Corruption")
+    disk.find = corrupt
+    kjt = batch(gen)
+    with torch.no_grad(), pytest.raises(OSError, match="Corruption"):
+        on_disk(kjt)
+    del disk.find
+    assert not any(t.has_batches_in_flight() for t in on_disk.tables.values())
+    assert all(t.tier.hash.pinned_count() == 0 for t in on_disk.tables.values())
+    assert_same_tables(on_disk, in_memory)
+    with torch.no_grad():
+        a, b = on_disk(kjt), in_memory(kjt)
+    for f in FEATURES:
+        assert torch.equal(a[f].values(), b[f].values()), f
+    on_disk.train(), in_memory.train()
+    step(on_disk, kjt), step(in_memory, kjt)
+    assert_same_tables(on_disk, in_memory)
+
+
 def test_dump_and_load_stream_a_disk_backed_module_and_training_goes_on_the_same():
     factory, trained = trained_on_disk(seed=3, steps=12)
     gen = torch.Generator().manual_seed(30)
