@@ -37,6 +37,10 @@ class BackingStore(Protocol):
       three values they save 0 for each).
     - ``size() -> int``: keys stored.
 
+    Optional: ``flush()``, called at the end of a table's ``flush`` (after every cached row
+    was inserted): a store with levels of its own writes them through, or makes its copy
+    durable (the disk stores do both).
+
     Keys and rows come on the table's device; ``find`` may answer on another (a store that
     keeps its rows on the host answers there) and the table moves the answer to its device.
     """
@@ -108,12 +112,12 @@ class HostBackingStore:
 
     def insert_spilling(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
                         spill) -> None:
-        """``insert`` over a lower level of storage: ``spill(keys, rows, scores, erase,
+        """``insert`` over a lower level of storage: ``spill(keys, rows, scores, new_keys,
         evicted)`` gets the rows this store evicts to make room (the first ``evicted``
         entries, taken before they are overwritten) and then those of ``keys`` it found no
-        slot for, and ``erase``, the keys new to this store (the lower level's copies are
-        stale). If ``spill`` raises, the store holds what it held before the call (it may
-        keep a larger capacity)."""
+        slot for, and ``new_keys``, the keys new to this store (whose copies in the lower
+        level, if any, are now older than this store's). If ``spill`` raises, the store holds
+        what it held before the call (it may keep a larger capacity)."""
         check_store_rows(keys, rows, scores, self.width)
         keys, rows, scores = (self._to_host(t) for t in (keys, rows, scores))
         result = self._table.find_or_insert(keys, scores, assume_unique=True, pin=True,

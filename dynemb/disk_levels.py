@@ -4,8 +4,10 @@ optional host-memory level in front of it (device -> host -> disk).
 - :class:`HostCachedStore`: a :class:`~dynemb.backing_store.HostBackingStore` of a fixed
   byte budget over a :class:`~dynemb.disk_store.DiskBackingStore`. Rows the device cache
   evicts go to host memory; rows the host level evicts to make room (its lowest scores) go to
-  disk, in the same call. A key lives in one level at a time, so nothing is stored twice and
-  ``size`` is exact.
+  disk, in the same call. A row moving up to the host level keeps its disk copy (the host
+  level's row wins while it holds the key), so a key that reached disk stays there, and
+  ``flush`` writes the host level through: after it the disk alone holds the latest row of
+  every key, which survives a crash. ``size`` counts each key once.
 - :func:`disk_store`: the one option that puts a table's rows on disk,
   ``DynamicEmbTableOptions(caching=True, backing_store=disk_store("/nvme/emb"))``.
 
@@ -13,14 +15,14 @@ docs/storage.md says when each level pays, and what it costs.
 """
 from __future__ import annotations
 
+import hashlib
 import tempfile
-from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from dynemb.backing_store import HostBackingStore
-from dynemb.disk_store import DiskBackingStore, DiskOptions, check_writable
+from dynemb.disk_store import DiskBackingStore, DiskOptions, absolute_path, check_writable
 from dynemb.hash_table_checks import SLOT_BYTES
 from dynemb.types import MAX_BUCKET_SIZE
 
@@ -81,6 +83,8 @@ class HostCachedStore:
         self.host, self.disk = host, disk
         self.width = host.width
         self.device = host.device
+        # keys the host level holds that the disk does not (size() counts each key once)
+        self._host_only = host.size() - int(disk.contains(_all_keys(host)).sum())
 
     def find(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows, found, scores = self.host.find(keys)
@@ -94,18 +98,41 @@ class HostCachedStore:
         return rows, found, scores
 
     def insert(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor) -> int:
-        """Rows go to the host level; what it evicts for them goes to disk and the disk's
-        copies of the keys new to the host are deleted, in one atomic disk write. If that
-        write fails (a full disk), both levels are as they were. Returns 0."""
+        """Rows go to the host level; what it evicts for them goes to disk, in one atomic
+        disk write (the disk keeps its copies of the keys new to the host level: stale until
+        they come down again, or until :meth:`flush`). If that write fails (a full disk), both
+        levels are as they were. Returns 0."""
+        host_only = []
+
         def spill(out_keys, out_rows, out_scores, new_keys, evicted):
-            # a key the host level held is not on disk: no need to look it up there
-            absent = torch.arange(out_keys.numel()) < evicted
-            self.disk.write(out_keys, out_rows, out_scores, erase=new_keys, absent=absent)
+            on_disk = self.disk.contains(torch.cat([out_keys, new_keys]).cpu())
+            out_on_disk, new_on_disk = on_disk[:out_keys.numel()], on_disk[out_keys.numel():]
+            self.disk.write(out_keys, out_rows, out_scores, stored=out_on_disk)
+            host_only.append(int((~new_on_disk).sum()) - int((~out_on_disk[:evicted]).sum()))
         self.host.insert_spilling(keys, rows, scores, spill)
+        self._host_only += host_only[0]
         return 0
 
+    def flush(self, chunk_rows: int = 1 << 16) -> None:
+        """Write every row of the host level through to disk (it keeps them too), then flush
+        RocksDB's memtable to its files: the disk alone then holds the latest row and score
+        of every key, and they survive a crash of the process, write-ahead log or not. If a
+        write fails (``OSError``), the chunks before it are on disk and the rest is as it
+        was."""
+        start = 0
+        while start < self.host.capacity:
+            chunk = self.host.hash_table.export(start, chunk_rows)
+            start = chunk.next_start
+            if chunk.keys.numel():
+                stored = self.disk.contains(chunk.keys)
+                rows = self.host.row_table.weights.index_select(0, chunk.slots)
+                self.disk.write(chunk.keys, rows, chunk.scores, stored=stored)
+                self._host_only -= int((~stored).sum())
+        self.disk.flush()
+
     def export(self, start: int, batch: int):
-        """The host level's rows (cursors below 2**64: its slots), then the disk's."""
+        """The host level's rows (cursors below 2**64: its slots), then the disk's rows of the
+        keys the host level does not hold (a chunk may then hold fewer than ``batch``)."""
         if start < _DISK_CURSORS:
             chunk = self.host.hash_table.export(start, batch)
             rows = self.host.row_table.weights.index_select(0, chunk.slots)
@@ -113,10 +140,12 @@ class HostCachedStore:
             return (chunk.keys.to(self.device), rows.to(self.device),
                     chunk.scores.to(self.device), nxt)
         keys, rows, scores, nxt = self.disk.export(start - _DISK_CURSORS, batch)
-        return keys, rows, scores, None if nxt is None else _DISK_CURSORS + nxt
+        fresh = self.host.hash_table.find(keys.cpu()).to(keys.device) < 0
+        return (keys[fresh], rows[fresh], scores[fresh],
+                None if nxt is None else _DISK_CURSORS + nxt)
 
     def size(self) -> int:
-        return self.host.size() + self.disk.size()
+        return self.disk.size() + self._host_only
 
     def nbytes(self) -> Tuple[int, int]:
         """The host level's ``(row bytes, hash-table bytes)`` (its memory)."""
@@ -133,9 +162,43 @@ class HostCachedStore:
         return f"HostCachedStore(host={self.host!r}, disk={self.disk!r})"
 
 
+#: Bytes of a table's name its store directory's name keeps; a longer name is cut there
+#: and followed by a hash of the whole name (a file name holds at most 255 bytes).
+NAME_BYTES_IN_DIRECTORY = 100
+
+
+def directory_prefix(name: str) -> str:
+    """The start of the name of a store directory of table ``name``: the name (``/`` made
+    ``_``), or for a name longer than :data:`NAME_BYTES_IN_DIRECTORY` bytes its first bytes
+    and 16 hex digits of a hash of the whole name, so that names that differ only further
+    on get directories of their own names.
+
+    Example::
+
+        >>> directory_prefix("user/clicks")
+        'user_clicks'
+        >>> prefix = directory_prefix("t" * 300)
+        >>> len(prefix), prefix[-17:]
+        (117, '~0afa5eb0871c38e7')
+    """
+    safe = name.replace("/", "_").replace("\0", "_")
+    encoded = safe.encode("utf-8", "surrogatepass")
+    if len(encoded) <= NAME_BYTES_IN_DIRECTORY:
+        return safe
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    kept = encoded[:NAME_BYTES_IN_DIRECTORY].decode("utf-8", "ignore")  # whole characters
+    return f"{kept}~{digest}"
+
+
+def _all_keys(host: HostBackingStore) -> torch.Tensor:
+    return host.hash_table.export(0).keys
+
+
 class disk_store:  # noqa: N801 - used like a function: backing_store=disk_store(...)
     """The ``backing_store`` factory that keeps a CACHE table's rows on disk under
-    ``directory``, behind a host level of ``host_cache_bytes`` (0: none).
+    ``directory``, behind a host level of ``host_cache_bytes`` (0: none). ``~`` in
+    ``directory`` is expanded, and a relative directory is taken against the working
+    directory when the factory is made (a later ``os.chdir`` changes nothing).
 
     Each table gets a directory of its own, ``<directory>/<table>-<random>``, made when it is
     built and removed when it is freed: the store is the cache's backing copy, and
@@ -156,7 +219,7 @@ class disk_store:  # noqa: N801 - used like a function: backing_store=disk_store
         if isinstance(host_cache_bytes, bool) or not isinstance(host_cache_bytes, int) or (
                 host_cache_bytes < 0):
             raise ValueError(f"host_cache_bytes must be an int >= 0, got {host_cache_bytes!r}")
-        self.directory = Path(directory)
+        self.directory = absolute_path(directory)
         self.host_cache_bytes = host_cache_bytes
         self.options = options or DiskOptions()
         self.table = table or {}
@@ -191,7 +254,7 @@ class disk_store:  # noqa: N801 - used like a function: backing_store=disk_store
             host_slots = host_level_slots(self.host_cache_bytes, width, dtype)
         check_writable(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        name = str(self.table.get("name", "table")).replace("/", "_")
+        name = directory_prefix(str(self.table.get("name", "table")))
         path = tempfile.mkdtemp(prefix=f"{name}-", dir=self.directory)
         disk = DiskBackingStore(path, width, dtype, device, table=self.table,
                                 options=self.options, remove_on_close=True)

@@ -53,8 +53,10 @@ class DiskOptions:
       ``"zstd"``.
     - ``wal``: write-ahead log. Off by default: the store is a cache's backing copy, and a
       checkpoint, not the store, is what survives a crash; with it off a crash loses the
-      writes since RocksDB's last flush, and the store still opens (consistent: the row
-      count is written in the same batches as the rows).
+      writes since RocksDB's last flush (a table's ``flush`` makes one), and the store still
+      opens (consistent: the row count is written in the same batches as the rows). With it
+      on, a store also recovers from a failed write by itself
+      (:meth:`DiskBackingStore.write`).
     - ``write_buffer_bytes``: memtable size before a flush to disk.
 
     Example::
@@ -112,8 +114,9 @@ class StoreMismatchError(ValueError):
 
 class DiskBackingStore:
     """Rows of ``width`` values of ``dtype``, keyed by int64, in a RocksDB database at ``path``
-    (created if missing; an existing store opens again if it was written with the same width,
-    dtype and ``table`` facts, else :class:`StoreMismatchError`). Rows come back on
+    (``~`` expanded, a relative path taken against the working directory when the store is
+    built; created if missing; an existing store opens again if it was written with the same
+    width, dtype and ``table`` facts, else :class:`StoreMismatchError`). Rows come back on
     ``device``. Never forgets a key: ``insert`` returns 0.
 
     ``table``: what identifies the table the rows belong to (e.g. its name, dim and
@@ -144,26 +147,65 @@ class DiskBackingStore:
         self.width = int(width)
         self.dtype = dtype
         self.device = canonical_device(device)
-        self.path = Path(path)
+        self.path = absolute_path(path)
         self.options = options or DiskOptions()
         self._row_bytes = self.width * torch.empty(0, dtype=dtype).element_size()
         self._facts = {"format": FORMAT, "width": self.width, "dtype": str(dtype).split(".")[-1],
                        "table": table or {}}
         check_writable(self.path)
-        rd_options, self._write_options = self.options.rocksdb()
+        self._rd_options, self._write_options = self.options.rocksdb()
+        self._remove_on_close = remove_on_close
+        self._failure: Optional[str] = None  # a failed write or flush, until reopened
+        self._open()
+
+    def _open(self) -> None:
+        """Open the database and check or write its facts; on any error nothing is open."""
         rd = _rocksdict()
         try:
-            self._db = rd.Rdict(str(self.path), rd_options)
+            self._db = rd.Rdict(str(self.path), self._rd_options)
         except Exception as error:  # rocksdict raises plain Exceptions
+            self._db = _Unopened()
             raise OSError(f"cannot open the disk store at {str(self.path)!r}: {error}") from error
         try:
             self._size = self._open_facts()
-        except BaseException:
+        except BaseException as error:
             self._db.close()
+            self._db = _Unopened()
+            if isinstance(error, Exception) and not isinstance(error, (OSError, ValueError)):
+                raise self._error("opening", error) from error  # rocksdict's plain ones
             raise
         # closed (and, for a store of its own directory, removed) when the store is freed
-        self._closer = weakref.finalize(self, _close, self._db, self.path if remove_on_close
-                                        else None)
+        self._closer = weakref.finalize(self, _close, self._db, self.path if
+                                        self._remove_on_close else None)
+
+    def _recover(self) -> None:
+        """RocksDB refuses every write after one failed (its error is sticky). With the
+        write-ahead log on, closing and opening the database again clears it and replays the
+        log: nothing a write returned from is lost. With it off, the rows written since
+        RocksDB's last flush are only in its memory, so the store stays open (it still
+        reads) and refuses writes with an error that says how to keep its rows."""
+        if self._failure is None:
+            return
+        if not self.options.wal:
+            raise OSError(
+                f"the disk store at {str(self.path)!r} refuses writes since one failed "
+                f"({self._failure}): with the write-ahead log off its rows since RocksDB's "
+                f"last flush are only in memory, and reopening it would lose them. It still "
+                f"reads: save the module with dynemb.checkpoint.dump and load it into a new "
+                f"one (DiskOptions(wal=True) stores recover by themselves)")
+        self._closer.detach()
+        try:
+            self._db.close()
+        except Exception:  # a database in error may fail to close cleanly: it reopens
+            pass
+        try:
+            self._open()
+        except BaseException:
+            # still closed: the next call tries again; the directory goes when freed
+            self._closer = weakref.finalize(self, _close, self._db, self.path if
+                                            self._remove_on_close else None)
+            raise
+        self._failure = None
 
     def _open_facts(self) -> int:
         saved = self._db.get(_FACTS_KEY)
@@ -211,11 +253,16 @@ class DiskBackingStore:
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < 1 << 64:
             raise ValueError(f"start must be a cursor in [0, 2**64), got {start!r}")
         encoded, values = [], []
-        for key, value in self._db.items(from_key=_ROW + start.to_bytes(8, "big")):
-            if len(encoded) == batch:
-                break
-            encoded.append(key[1:])
-            values.append(value)
+        if isinstance(self._db, _Unopened):  # a reopening failed: it is tried again
+            self._recover()
+        try:
+            for key, value in self._db.items(from_key=_ROW + start.to_bytes(8, "big")):
+                if len(encoded) == batch:
+                    break
+                encoded.append(key[1:])
+                values.append(value)
+        except Exception as error:  # rocksdict raises plain Exceptions
+            raise self._error("reading", error) from error
         keys = _decode_keys(encoded)
         rows, scores = self._decode(values)
         done = len(encoded) < batch or int(keys[-1]) == torch.iinfo(torch.int64).max
@@ -227,28 +274,47 @@ class DiskBackingStore:
         return self._size
 
     # -- beyond the protocol -----------------------------------------------------------------
+    def contains(self, keys: torch.Tensor) -> torch.Tensor:
+        """[N] bool on the CPU: which of ``keys`` are stored (one multi-get, no row decoded)."""
+        check_index_tensor(keys, "keys", keys.device)
+        values = self._get(keys)
+        return torch.from_numpy(np.fromiter((v is not None for v in values), dtype=np.bool_,
+                                            count=len(values)))
+
     def write(self, keys: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor,
               erase: Optional[torch.Tensor] = None,
-              absent: Optional[torch.Tensor] = None) -> None:
+              stored: Optional[torch.Tensor] = None) -> None:
         """Put ``keys`` (rows, scores) and delete ``erase`` in one atomic write batch; a
-        failed write (a full disk, say) raises ``OSError`` and changes nothing. ``absent``
-        [N] bool: keys the caller knows are not stored (not looked up to keep the count)."""
+        failed write (a full disk, say) raises ``OSError`` and changes nothing. ``stored``
+        [N] bool: which of ``keys`` the caller knows are stored already (:meth:`contains`),
+        so that they are not looked up again to keep the count.
+
+        RocksDB refuses every write after a failed one: with the write-ahead log on, the
+        next write opens the database again first, which clears that (and raises ``OSError``
+        while it cannot open); with it off, every later write raises (the store still reads:
+        see docs/storage.md)."""
         check_store_rows(keys, rows, scores, self.width)
+        self._recover()
         erase = keys[:0] if erase is None else erase
         check_index_tensor(erase, "erase", erase.device)
-        known = torch.zeros(keys.numel(), dtype=torch.bool) if absent is None else absent.cpu()
-        if known.shape != keys.shape or known.dtype != torch.bool:
-            raise ValueError(f"absent must be [{keys.numel()}] bool, got {known.dtype} "
-                             f"{tuple(known.shape)}")
-        looked_up = torch.cat([keys.cpu()[~known], erase.cpu()])
-        present = [v is not None for v in self._get(looked_up)]
-        stored = sum(present[:looked_up.numel() - erase.numel()])
-        gone = sum(present[looked_up.numel() - erase.numel():])
-        self._write(keys, rows, scores, erase, size=self._size + keys.numel() - stored - gone)
+        if stored is None:
+            stored = self.contains(keys.cpu())
+        if stored.shape != keys.shape or stored.dtype != torch.bool:
+            raise ValueError(f"stored must be [{keys.numel()}] bool, got {stored.dtype} "
+                             f"{tuple(stored.shape)}")
+        gone = int(self.contains(erase.cpu()).sum())
+        new = keys.numel() - int(stored.sum())
+        self._write(keys, rows, scores, erase, size=self._size + new - gone)
 
     def flush(self) -> None:
-        """Write what RocksDB holds in memory (its memtable) to the store's files."""
-        self._db.flush()
+        """Write what RocksDB holds in memory (its memtable) to the store's files: what was
+        written survives a crash of the process even with the write-ahead log off."""
+        self._recover()
+        try:
+            self._db.flush()
+        except Exception as error:  # rocksdict raises plain Exceptions
+            self._failure = f"flushing: {error}"
+            raise self._error("flushing", error) from error
 
     def close(self) -> None:
         """Close the database (and remove its directory if the store was built with
@@ -257,7 +323,10 @@ class DiskBackingStore:
 
     def memory_bytes(self) -> int:
         """Host memory RocksDB holds for the store now: its memtables, the block cache's
-        use and the table readers (indexes and filters)."""
+        use and the table readers (indexes and filters); 0 while it is not open (after a
+        failure, see :meth:`write`)."""
+        if isinstance(self._db, _Unopened):
+            return 0
         return sum(self._db.property_int_value(f"rocksdb.{name}") or 0 for name in (
             "cur-size-all-mem-tables", "block-cache-usage", "estimate-table-readers-mem"))
 
@@ -275,7 +344,21 @@ class DiskBackingStore:
 
     # -- encoding ----------------------------------------------------------------------------
     def _get(self, keys: torch.Tensor) -> List[Optional[bytes]]:
-        return self._db.get(_encode_keys(keys)) if keys.numel() else []
+        if not keys.numel():
+            return []
+        if isinstance(self._db, _Unopened):  # a reopening failed: it is tried again
+            self._recover()
+        try:
+            return self._db.get(_encode_keys(keys))
+        except Exception as error:  # rocksdict raises plain Exceptions
+            raise self._error("reading", error) from error
+
+    def _error(self, doing: str, error: Exception) -> OSError:
+        """What a failed RocksDB call raises: an ``OSError`` naming the store and what it did
+        (a write changed nothing: each is one atomic batch)."""
+        written = ", nothing was written" if doing == "writing" else ""
+        return OSError(f"{doing} the disk store at {str(self.path)!r} failed{written}: "
+                       f"{error}")
 
     def _decode(self, values: List[bytes]) -> Tuple[torch.Tensor, torch.Tensor]:
         n = len(values)
@@ -289,6 +372,7 @@ class DiskBackingStore:
 
     def _write(self, keys=None, rows=None, scores=None, erase=None, *, size=None,
                facts=False) -> None:
+        self._recover()
         rd = _rocksdict()
         batch = rd.WriteBatch(raw_mode=True)
         if facts:
@@ -310,10 +394,21 @@ class DiskBackingStore:
         try:
             self._db.write(batch, self._write_options)
         except Exception as error:  # rocksdict raises plain Exceptions
-            raise OSError(f"writing the disk store at {str(self.path)!r} failed, nothing was "
-                          f"written: {error}") from error
+            self._failure = f"writing: {error}"
+            raise self._error("writing", error) from error
         if size is not None:
             self._size = int(size)
+
+
+class _Unopened:
+    """The database of a store whose opening failed: every use raises (as rocksdict's
+    errors do, a plain ``Exception``)."""
+
+    def __getattr__(self, name):
+        raise Exception("the database is not open: opening it again failed")
+
+    def close(self) -> None:
+        pass
 
 
 def _close(db, remove: Optional[Path]) -> None:
@@ -340,6 +435,12 @@ def _encode_keys(keys: torch.Tensor) -> List[bytes]:
 def _decode_keys(encoded: List[bytes]) -> torch.Tensor:
     flipped = np.frombuffer(b"".join(encoded), dtype=">u8").astype(np.uint64) ^ _SIGN
     return torch.from_numpy(flipped.view(np.int64).copy())
+
+
+def absolute_path(path) -> Path:
+    """``path`` with ``~`` expanded, made absolute against the working directory now: a store
+    keeps working, and is removed from the right place, after an ``os.chdir``."""
+    return Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
 
 
 def check_writable(path: Path) -> None:

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dynemb.backing_store import HostBackingStore
-from dynemb.disk_levels import HostCachedStore, disk_store, host_level_slots
+from dynemb.disk_levels import (HostCachedStore, directory_prefix, disk_store,
+                                 host_level_slots)
 from dynemb.disk_store import DiskBackingStore, DiskOptions, StoreMismatchError
 
 CPU = torch.device("cpu")
@@ -70,10 +71,14 @@ def test_a_store_holds_what_a_python_model_of_it_holds(batches, seed, levels):
         assert store.insert(torch.tensor(keys), rows, scores) == 0
         model.update({k: (rows[i], int(scores[i])) for i, k in enumerate(keys)})
     check_against(store, model)
+    if levels:  # a flush writes the host level through: the disk alone holds every row
+        store.flush()
+        check_against(store.disk, model)
+        check_against(store, model)
     store.close()
 
 
-def test_the_host_level_spills_its_lowest_scores_to_disk_and_keeps_each_key_once():
+def test_the_host_level_spills_its_lowest_scores_to_disk_and_counts_each_key_once():
     store = new_levels(host_rows=128)
     keys = torch.arange(1000) * 7919 - 3000
     scores = torch.arange(1000)  # later keys score higher: the host keeps the last ones
@@ -82,14 +87,20 @@ def test_the_host_level_spills_its_lowest_scores_to_disk_and_keeps_each_key_once
         store.insert(keys[lo:lo + 100], rows[lo:lo + 100], scores[lo:lo + 100])
     assert store.host.size() == 128 and store.disk.size() == 1000 - 128
     on_host = store.host.find(keys)[1]
-    assert not bool((store.disk.find(keys)[1] & on_host).any())  # never in both
+    assert not bool((store.disk.find(keys)[1] & on_host).any())  # none came back up yet
     assert scores[on_host].min() >= 800  # the last call's and the best of the one before
     assert torch.equal(store.find(keys)[0], rows)
-    # a key coming back to the host leaves the disk
+    # a key coming back to the host keeps its disk copy (a crash then loses no key); the
+    # host level's newer row is the one found, and the key is counted once
     back = keys[:5]
     store.insert(back, torch.zeros(5, WIDTH), torch.full((5,), 10**6))
-    assert bool(store.host.find(back)[1].all()) and not bool(store.disk.find(back)[1].any())
-    assert store.size() == 1000
+    assert bool(store.host.find(back)[1].all()) and bool(store.disk.find(back)[1].all())
+    assert torch.equal(store.disk.find(back)[0], rows[:5])
+    assert torch.equal(store.find(back)[0], torch.zeros(5, WIDTH))
+    assert store.size() == 1000 and export_all(store, batch=64)[0].numel() == 1000
+    store.flush()  # written through: the disk's copies are the latest
+    assert torch.equal(store.disk.find(back)[0], torch.zeros(5, WIDTH))
+    assert store.disk.size() == store.size() == 1000 and store.host.size() == 128
 
 
 def test_export_is_a_range_scan_in_key_order_whatever_the_insert_order():
@@ -132,6 +143,21 @@ def test_a_path_under_a_file_is_refused_before_anything_is_made():
     assert os.listdir(base) == ["a_file"]
 
 
+def test_a_home_relative_directory_is_expanded(tmp_path, monkeypatch):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    factory = disk_store("~/stores")
+    store = factory(WIDTH, torch.float32, CPU)
+    alone = new_disk("~/alone")
+    assert factory.directory == home / "stores" and alone.path == home / "alone"
+    assert len(os.listdir(home / "stores")) == 1 and os.listdir(cwd) == []
+    alone.insert(torch.tensor([1]), torch.ones(1, WIDTH), torch.tensor([1]))
+    alone.close()
+    assert new_disk(str(home / "alone")).size() == 1
+
+
 def test_a_host_budget_below_one_bucket_is_refused_with_the_bytes_it_needs():
     with pytest.raises(ValueError, match="at least 8704 bytes"):
         disk_store(tempfile.mkdtemp(), host_cache_bytes=1000)(WIDTH * 4, torch.float32, CPU)
@@ -172,6 +198,52 @@ def test_a_failed_disk_write_raises_and_changes_neither_level(monkeypatch):
     assert torch.equal(store.find(keys)[0], rows)
 
 
+def test_failed_reads_and_flushes_raise_oserror_naming_the_store(monkeypatch):
+    # rocksdict raises plain Exceptions: reads, scans and flushes say OSError, as writes do
+    store = new_disk()
+    store.insert(torch.arange(4), torch.ones(4, WIDTH), torch.arange(4))
+
+    class Corrupt:
+        def __init__(self, db):
+            self._db = db
+
+        def _fail(self, *args, **kwargs):
+            raise Exception("Corruption: block checksum mismatch")
+        get = items = flush = _fail
+
+        def __getattr__(self, name):
+            return getattr(self._db, name)
+    monkeypatch.setattr(store, "_db", Corrupt(store._db))
+    path = repr(str(store.path))
+    for doing, call in (("reading", lambda: store.find(torch.arange(4))),
+                        ("reading", lambda: store.export(0, 10)),
+                        ("reading", lambda: store.contains(torch.arange(4))),
+                        ("flushing", store.flush)):
+        with pytest.raises(OSError, match=f"{doing} the disk store at {path} failed: "
+                                          f"Corruption"):
+            call()
+
+
+@pytest.mark.parametrize("wal", [True, False])
+def test_after_a_failed_write_a_store_reopens_with_the_log_or_says_how_to_keep_its_rows(
+        wal, monkeypatch):
+    store = new_disk(options=DiskOptions(wal=wal))
+    rows = torch.randn(8, WIDTH)
+    store.insert(torch.arange(8), rows, torch.arange(8))
+    _fail_writes(store, monkeypatch)
+    with pytest.raises(OSError, match="writing the disk store .* nothing was written"):
+        store.insert(torch.arange(8, 12), torch.ones(4, WIDTH), torch.arange(4))
+    monkeypatch.undo()  # the disk has room again; RocksDB still refuses (its error sticks)
+    more = (torch.arange(8, 12), torch.ones(4, WIDTH), torch.arange(4))
+    if wal:  # opened again: the log kept every row
+        store.insert(*more)
+        assert store.size() == 12 and torch.equal(store.find(torch.arange(8))[0], rows)
+    else:
+        with pytest.raises(OSError, match="refuses writes .* dynemb.checkpoint.dump"):
+            store.insert(*more)
+        assert store.size() == 8 and torch.equal(store.find(torch.arange(8))[0], rows)
+
+
 def test_disk_options_are_checked():
     with pytest.raises(ValueError, match="compression"):
         DiskOptions(compression="gzip")
@@ -196,6 +268,18 @@ def test_a_store_built_by_the_factory_goes_with_its_table():
     with pytest.raises(TypeError, match="dump"):
         import pickle
         pickle.dumps(factory(WIDTH, torch.float32, CPU))
+
+
+def test_a_store_directory_of_any_table_name_fits_a_file_name():
+    assert directory_prefix("user/clicks") == "user_clicks"  # short names as they are
+    assert directory_prefix("é" * 50) == "é" * 50  # 100 bytes
+    cut = [directory_prefix(n) for n in ("t" * 299 + "x", "t" * 299 + "y", "é" * 300)]
+    assert len(set(cut)) == 3 and all(len(p.encode()) <= 120 for p in cut)
+    assert cut[0].startswith("t" * 100) and cut[2].startswith("é" * 50)
+    directory = tempfile.mkdtemp()
+    stores = [disk_store(directory).for_table(name=name)(WIDTH, torch.float32, CPU)
+              for name in ("t" * 299 + "x", "t" * 299 + "y")]
+    assert len(os.listdir(directory)) == len(stores) == 2
 
 
 def test_rows_keep_their_bits_in_every_dtype():

@@ -149,6 +149,68 @@ def test_a_full_disk_mid_step_raises_and_leaves_every_table_as_it_was(group_tabl
     step(on_disk, batch(gen))
 
 
+@pytest.mark.parametrize("group_tables", [False, True])
+def test_a_failed_store_read_mid_step_counts_nothing_and_the_retry_trains_as_a_twin(
+        group_tables):
+    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=host_bytes(OptimizerType.ADAM))
+    on_disk = module(factory, group_tables=group_tables)
+    in_memory = module(None, group_tables=group_tables)  # never sees the failed step
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(6):  # the caches and host levels fill: the next step reads the disk
+        kjt = batch(gen)
+        step(on_disk, kjt), step(in_memory, kjt)
+    disk = on_disk.tables["t0"].store.disk  # the first table filled: none keeps the step
+
+    def corrupt(keys):  # as the store raises when RocksDB finds a corrupt block
+        raise OSError(f"reading the disk store at {str(disk.path)!r} failed: Corruption: "
+                      f"block checksum mismatch")
+    disk.find = corrupt
+    kjt = batch(gen)
+    with pytest.raises(OSError, match="reading the disk store at .* failed: Corruption"):
+        on_disk(kjt)
+    assert not any(t.has_batches_in_flight() for t in on_disk.tables.values())
+    del disk.find  # the disk reads again
+    assert_same_tables(on_disk, in_memory)  # counters, rows, stores: as before the step
+    # the same step again, then training goes on alike
+    for _ in range(3):
+        a, b = step(on_disk, kjt), step(in_memory, kjt)
+        for f in FEATURES:
+            assert torch.equal(a[f].values(), b[f].values()), f
+        kjt = batch(gen)
+    assert_same_tables(on_disk, in_memory)
+
+
+@pytest.mark.parametrize("group_tables", [False, True])
+def test_a_failed_store_read_in_eval_counts_nothing_and_ends_its_pins(group_tables):
+    factory = disk_store(tempfile.mkdtemp(), host_cache_bytes=host_bytes(OptimizerType.ADAM))
+    on_disk = module(factory, group_tables=group_tables)
+    in_memory = module(None, group_tables=group_tables)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(6):
+        kjt = batch(gen)
+        step(on_disk, kjt), step(in_memory, kjt)
+    on_disk.eval(), in_memory.eval()
+    disk = on_disk.tables["t0"].store.disk
+
+    def corrupt(keys):
+        raise OSError(f"reading the disk store at {str(disk.path)!r} failed: Corruption")
+    disk.find = corrupt
+    kjt = batch(gen)
+    with torch.no_grad(), pytest.raises(OSError, match="Corruption"):
+        on_disk(kjt)
+    del disk.find
+    assert not any(t.has_batches_in_flight() for t in on_disk.tables.values())
+    assert all(t.tier.hash.pinned_count() == 0 for t in on_disk.tables.values())
+    assert_same_tables(on_disk, in_memory)
+    with torch.no_grad():
+        a, b = on_disk(kjt), in_memory(kjt)
+    for f in FEATURES:
+        assert torch.equal(a[f].values(), b[f].values()), f
+    on_disk.train(), in_memory.train()
+    step(on_disk, kjt), step(in_memory, kjt)
+    assert_same_tables(on_disk, in_memory)
+
+
 def test_dump_and_load_stream_a_disk_backed_module_and_training_goes_on_the_same():
     factory, trained = trained_on_disk(seed=3, steps=12)
     gen = torch.Generator().manual_seed(30)
@@ -210,6 +272,122 @@ def test_a_store_left_by_a_killed_process_opens_again():
     assert int(torch.cat(keys).max()) < VOCAB[1]
 
 
+FLUSHED_THEN_KILLED = textwrap.dedent("""
+    import os, signal, sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_disk_tables import VOCAB, batch, host_bytes, module, step
+    from dynemb.disk_levels import disk_store
+    from dynemb.disk_store import DiskOptions
+    from dynemb.optimizers import OptimizerType
+    report, alive = {{}}, []  # a module freed removes its stores' directories
+    for wal, host_level in ((True, True), (False, True), (False, False)):
+        m = module(disk_store(os.path.join({directory!r}, f"{{wal}}-{{host_level}}"),
+                              host_cache_bytes=host_bytes(OptimizerType.ADAM) * host_level,
+                              options=DiskOptions(wal=wal)))
+        alive.append(m)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(10):
+            step(m, batch(gen))
+        m.flush()
+        for name, vocab in zip(m.tables, VOCAB):
+            store = m.tables[name].store
+            keys = torch.arange(vocab)
+            rows, found = m.read_rows(name, keys, with_state=True)
+            scores = store.find(keys[found])[2]
+            host_rows = store.host.size() if host_level else 0
+            disk = store.disk if host_level else store
+            report[f"{{wal}}-{{host_level}}-{{name}}"] = (str(disk.path), keys[found],
+                                                       rows[found], scores, host_rows)
+    torch.save(report, os.path.join({directory!r}, "report.pt"))
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_after_a_flush_a_killed_process_leaves_the_latest_row_of_every_id_on_disk():
+    # with the write-ahead log and a host level, with neither: every id a table trained
+    # is on disk after a flush and a SIGKILL, its row and score those the module reported
+    directory = tempfile.mkdtemp()
+    script = FLUSHED_THEN_KILLED.format(tests=os.path.dirname(__file__), directory=directory)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    report = torch.load(os.path.join(directory, "report.pt"))
+    assert len(report) == 9
+    width = DIM + OptimizerConfig(OptimizerType.ADAM).state_dim(DIM)
+    lost = {}
+    for case, (path, keys, rows, scores, host_rows) in report.items():
+        name = case.split("-")[-1]
+        assert keys.numel() > CACHED[0] and (host_rows > 0) == ("True-t" in case), case
+        facts = {"name": name, "dim": DIM, "optimizer": "ADAM", "width": width}
+        store = DiskBackingStore(path, width, torch.float32, torch.device("cpu"), table=facts)
+        got_rows, found, got_scores = store.find(keys)
+        lost[case] = int((~found).sum())
+        if not lost[case]:
+            assert torch.equal(got_rows, rows) and torch.equal(got_scores, scores), case
+            assert store.size() == keys.numel(), case
+        store.close()
+    assert lost == {case: 0 for case in report}
+
+
+def test_a_relative_store_directory_keeps_working_after_a_chdir(tmp_path, monkeypatch):
+    made, elsewhere = tmp_path / "made", tmp_path / "elsewhere"
+    made.mkdir(), elsewhere.mkdir()
+    monkeypatch.chdir(made)
+    on_disk = module(disk_store("rel", host_cache_bytes=host_bytes(OptimizerType.ADAM)))
+    in_memory = module(None)
+    assert len(os.listdir(made / "rel")) == 3
+    monkeypatch.chdir(elsewhere)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(6):
+        kjt = batch(gen)
+        step(on_disk, kjt), step(in_memory, kjt)
+        on_disk.flush()  # RocksDB writes new files: where the store was made
+        in_memory.flush()
+    assert_same_tables(on_disk, in_memory)
+    assert os.listdir(elsewhere) == []
+    del on_disk, kjt
+    import gc
+    gc.collect()
+    assert os.listdir(made / "rel") == []  # removed from where it was made
+
+
+def test_tables_of_300_character_names_get_stores_and_checkpoint_files_of_their_own():
+    # TorchRec takes any name; two that differ only at the end (past any cut of a file name)
+    names = ["t" * 299 + "x", "t" * 299 + "y"]
+    directory = tempfile.mkdtemp()
+    configs = [EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=400,
+                               feature_names=[f"f{i}"]) for i, n in enumerate(names)]
+
+    def long_named(factory):
+        options = DynamicEmbTableOptions(caching=True, bucket_size=32, backing_store=factory,
+                                         local_hbm_for_values=64 * DIM * 4)
+        return DynamicEmbCollection(configs, table_options={n: options for n in names},
+                                    optimizer=OptimizerConfig(OptimizerType.SGD, 0.1))
+    on_disk, in_memory = long_named(disk_store(directory)), long_named(None)
+    made = sorted(os.listdir(directory))
+    assert len(made) == 2 and all(d.startswith("t" * 100) and len(d) < 128 for d in made)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.randint(0, 400, (96,),
+                                                  generator=gen), torch.full((24,), 4))
+        for m in (on_disk, in_memory):
+            out = m(kjt)
+            sum((out[f].values() ** 2).sum() for f in ("f0", "f1")).backward()
+    for name in names:
+        assert on_disk.tables[name].store._facts["table"]["name"] == name
+        assert on_disk.tables[name].store.size() > 0
+    path = tempfile.mkdtemp()
+    dump(on_disk, path)
+    resumed = long_named(None)
+    load(resumed, path)
+    keys = torch.arange(400)
+    for name in names:
+        want = in_memory.read_rows(name, keys, with_state=True)
+        for m in (on_disk, resumed):
+            got = m.read_rows(name, keys, with_state=True)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+
+
 def test_the_planner_counts_device_host_and_disk_bytes_of_a_table_on_disk():
     from dynemb.planning.footprint import table_footprint
     config = EmbeddingConfig(name="big", embedding_dim=64, num_embeddings=1_000_000,
@@ -245,38 +423,58 @@ FULL_DISK = textwrap.dedent("""
     config = EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=50_000,
                              feature_names=["f0", "f1", "f2"])
     store = disk_store({directory!r}, options=DiskOptions(wal=True, write_buffer_bytes=1 << 20))
-    m = DynamicEmbCollection([config], table_options=DynamicEmbTableOptions(
-        caching=True, bucket_size=32, backing_store=store, local_hbm_for_values=512 * 24 * 4),
-        optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05))
+
+    def build(store):
+        return DynamicEmbCollection([config], table_options=DynamicEmbTableOptions(
+            caching=True, bucket_size=32, backing_store=store,
+            local_hbm_for_values=512 * 24 * 4),
+            optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05))
+    m, twin = build(store), build(None)  # the twin never sees the failed step
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIMIT_FSIZE))
     gen = torch.Generator().manual_seed(0)
     keys = torch.arange(50_000)
+
+    def same(a, b):
+        return (torch.equal(a[0][0], b[0][0]) and torch.equal(a[0][1], b[0][1]) and
+                a[1] == b[1])
+
+    def state(m):
+        return m.read_rows("t", keys, with_state=True), m.stats()["t"]
     for i in range(300):
         kjt = batch(gen)
-        before = m.read_rows("t", keys, with_state=True), m.stats()["t"]
+        before = state(m)
         try:
             step(m, kjt)
         except OSError as error:
-            after = m.read_rows("t", keys, with_state=True), m.stats()["t"]
-            same = (torch.equal(before[0][0], after[0][0]) and
-                    torch.equal(before[0][1], after[0][1]) and before[1] == after[1])
             pins = m.tables["t"].tier.hash.pinned_count()
-            print("FAILED AT", i, "UNCHANGED", same, "PINS", pins, "|", error, flush=True)
+            print("FAILED AT", i, "UNCHANGED", same(before, state(m)), "PINS", pins, "|",
+                  error, flush=True)
             break
+        step(twin, kjt)
     else:
         print("NEVER FAILED")
+    # room again: the store opens its database again, and trains on as its twin
+    unlimited = resource.RLIM_INFINITY
+    resource.setrlimit(resource.RLIMIT_FSIZE, (unlimited, unlimited))
+    for _ in range(4):
+        step(m, kjt), step(twin, kjt)
+        kjt = batch(gen)
+    print("RECOVERED", same(state(m), state(twin)), flush=True)
 """).replace("resource.RLIMIT_FSIZE))", "resource.RLIM_INFINITY))")
 
 
-def test_a_really_full_disk_raises_and_leaves_the_table_as_it_was():
-    # a file-size limit makes RocksDB's writes fail as on a full disk (EFBIG, not ENOSPC)
+def test_a_really_full_disk_raises_leaves_the_table_as_it_was_and_recovers_with_room():
+    # a file-size limit makes RocksDB's writes fail as on a full disk (EFBIG, not ENOSPC);
+    # with the limit lifted the store (write-ahead log on) trains on as a twin that never
+    # saw the failed step
     script = FULL_DISK.format(tests=os.path.dirname(__file__), directory=tempfile.mkdtemp())
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    line = run.stdout.strip().splitlines()[-1]
+    line, recovered = run.stdout.strip().splitlines()[-2:]
     assert line.startswith("FAILED AT") and "UNCHANGED True PINS 0" in line, line
     assert "writing the disk store" in line and "nothing was written" in line
+    assert recovered == "RECOVERED True", run.stdout[-3000:] + run.stderr[-3000:]
 
 
 def test_dump_and_load_move_a_disk_backed_table_a_chunk_at_a_time(monkeypatch):

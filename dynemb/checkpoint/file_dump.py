@@ -26,6 +26,8 @@ from dynemb.validation import check_int
 
 #: Entries per data file by default.
 CHUNK_ROWS = 1 << 20
+#: Characters of a table's key its data files' names keep (after the table's index).
+STEM_NAME_CHARS = 120
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +105,9 @@ def dump(module: torch.nn.Module, path: Union[str, os.PathLike], *,
         for index, (key, fqn, collection, name) in enumerate(scan.tables()):
             table = collection.tables[name]
             tables[key] = describe(table, fqn, name, collection.steps[name])
-            stem = f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', key)}"
+            # the index keeps stems apart: the name is cut so that any table name fits a
+            # file name (255 bytes, with the tier, content and chunk after it)
+            stem = f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', key)[:STEM_NAME_CHARS]}"
             tracker = table.changes if previous is not None else None
             tables[key]["tiers"] = _TableWriter(writer, stem, table, chunk_rows).write(tracker)
         writer.write_manifest({

@@ -80,8 +80,16 @@ class CacheTable(HbmDirectTable):
         return rows.to(self.device), found.to(self.device), scores.to(self.device)
 
     def _fill_new_rows(self, keys: torch.Tensor, result) -> None:
+        """Write the evicted rows back, then load the new keys' rows. A store other than the
+        host store (a disk, a user's) is read first: if that read fails, nothing was written
+        to the store or counted, and the claim is undone as for a failed write."""
+        if isinstance(self.store, HostBackingStore):
+            self._write_back(result)
+            self._load(keys, result)
+            return
+        stored = self._read_new_rows(keys, result)
         self._write_back(result)
-        self._load(keys, result)
+        self._load(keys, result, stored)
 
     @property
     def _store_moves_rows(self) -> bool:
@@ -112,7 +120,9 @@ class CacheTable(HbmDirectTable):
 
     def flush(self, chunk_rows: int = FLUSH_CHUNK_ROWS) -> int:
         """Write every cached row (embedding, optimizer state, score) to the store, so that
-        the store holds the latest copy of every row; returns how many rows were written.
+        the store holds the latest copy of every row, then call the store's own ``flush``
+        if it has one (a disk store: every row durable on disk); returns how many rows were
+        written.
 
         The rows stay cached (nothing is evicted, no pin or score changes). Rows go in slot
         order, ``chunk_rows`` at a time (the live slots of each chunk found by the table's
@@ -158,10 +168,20 @@ class CacheTable(HbmDirectTable):
                 self.changes.written_back(chunk.keys)
             written += chunk.keys.numel()
         self.counters.add("store_evictions", dropped)
+        flush_store = getattr(self.store, "flush", None)
+        if callable(flush_store):  # a store with levels of its own writes them through
+            flush_store()
         return written
 
-    def _load(self, keys: torch.Tensor, result) -> None:
-        """New slots take the store's row and score, or the initializer's row."""
+    def _read_new_rows(self, keys: torch.Tensor, result):
+        """The store's ``find`` of the keys ``result`` inserted (None when it inserted
+        none)."""
+        inserted = result.inserted
+        return self._store_find(keys[inserted]) if bool(inserted.any()) else None
+
+    def _load(self, keys: torch.Tensor, result, stored=None) -> None:
+        """New slots take the store's row and score, or the initializer's row. ``stored``:
+        the store's answer for the new keys, when it was read already."""
         inserted = result.inserted
         if not bool(inserted.any()):
             return
@@ -169,7 +189,7 @@ class CacheTable(HbmDirectTable):
         if self._store_moves_rows:
             found, scores = self.store.load_into(new_keys, self.tier.flat.weights, new_slots)
         else:
-            rows, found, scores = self._store_find(new_keys)
+            rows, found, scores = stored if stored is not None else self._store_find(new_keys)
             if bool(found.any()):
                 self.tier.flat.weights.index_copy_(0, new_slots[found], rows[found])
         if bool(found.any()):

@@ -58,7 +58,11 @@ class GroupEvalLookup:
             batch.fallback, torch.arange(unique.numel()), unique, ~found, unique_bounds,
             group.dim, group.seeds, group.table_ids, self.kinds, *self.params)
         if group.mode is StorageMode.CACHE:
-            self._read_stores(batch, found)
+            try:
+                self._read_stores(batch, found)
+            except BaseException:  # a store failed (a disk): the pins end, nothing counted
+                group.release(batch)
+                raise
         self._count(batch, found, given)
         return batch
 

@@ -117,10 +117,10 @@ class HbmDirectTable(DynamicTable):
         self.tier.hash.retain(slots)
         batch.slots = slots
         self._hold(batch)
+        batch.fallback = self._eval_fallback(batch.keys)  # a store may fail: count after
         found = (slots >= 0).to(self.device)
         self.counters.add("hits", found.sum())
         self.counters.add("misses", batch.num_unique.sum() - found.sum())
-        batch.fallback = self._eval_fallback(batch.keys)
 
     def _eval_fallback(self, keys: torch.Tensor) -> torch.Tensor:
         return self._eval_rows(keys)
