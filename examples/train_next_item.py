@@ -170,18 +170,22 @@ def _random_ids(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def to_kjt(batch: Dict[str, np.ndarray], device: torch.device,
-           features=FEATURES) -> KeyedJaggedTensor:
-    """One KJT with ``features`` (a subset of user, history, target), one row per example."""
+           with_ids=FEATURES) -> KeyedJaggedTensor:
+    """One KJT of every feature (user, history, target), one row per example; the features
+    left out of ``with_ids`` have no ids (a collection reads every feature of its tables, as
+    TorchRec's does: a query without a target still gives the target feature, empty)."""
     n = len(batch["user"])
     ones = np.ones(n, dtype=np.int64)
     hist_mask = np.arange(batch["history"].shape[1])[None, :] < batch["lengths"][:, None]
     parts = {"user": (batch["user"], ones),
              "history": (batch["history"][hist_mask], batch["lengths"]),
              "target": (batch["target"], ones)}
-    values = np.concatenate([parts[f][0] for f in features])
-    lengths = np.concatenate([parts[f][1] for f in features])
+    none = (np.zeros(0, dtype=np.int64), np.zeros(n, dtype=np.int64))
+    parts = {f: parts[f] if f in with_ids else none for f in FEATURES}
+    values = np.concatenate([parts[f][0] for f in FEATURES])
+    lengths = np.concatenate([parts[f][1] for f in FEATURES])
     return KeyedJaggedTensor.from_lengths_sync(
-        list(features), torch.from_numpy(values).to(device), torch.from_numpy(lengths).to(device))
+        list(FEATURES), torch.from_numpy(values).to(device), torch.from_numpy(lengths).to(device))
 
 
 class CountSketch:
@@ -238,7 +242,8 @@ class NextItemModel(torch.nn.Module):
             torch.nn.Linear(3 * dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim))
 
     def forward(self, kjt: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
-        """``query`` [B, dim] and, when the KJT has the feature, ``target`` [B, dim]."""
+        """``query`` [B, dim] and ``target`` [B, dim] (empty when the KJT's target feature
+        has no ids)."""
         emb = self.ec(kjt)
         hist = emb["history"]
         lengths = hist.lengths()
@@ -248,8 +253,7 @@ class NextItemModel(torch.nn.Module):
         mean = mean.index_add(0, segment, hist.values()) / lengths.clamp(min=1)[:, None]
         last = hist.values()[torch.cumsum(lengths, 0) - 1]
         out = {"query": self.tower(torch.cat([mean, last, emb["user"].values()], dim=1))}
-        if "target" in emb:
-            out["target"] = emb["target"].values()
+        out["target"] = emb["target"].values()
         return out
 
 
@@ -283,7 +287,7 @@ def hit_rate(model: NextItemModel, examples: Dict[str, np.ndarray], catalog: tor
     hits = 0
     for start in range(0, len(examples["user"]), chunk):
         part = {k: v[start:start + chunk] for k, v in examples.items()}
-        query = model(to_kjt(part, device, features=["user", "history"]))["query"]
+        query = model(to_kjt(part, device, with_ids=["user", "history"]))["query"]
         scores = query @ rows.T + unstored                                   # [n, N]
         truth = torch.from_numpy(part["target_index"]).to(device)
         rank = (scores > scores.gather(1, truth[:, None])).sum(1)

@@ -124,7 +124,7 @@ def batches(world: SessionWorld, cfg: Config, rng: np.random.Generator, sketch: 
 class LookedUp(torch.nn.Module):
     """Stands where ``NextItemModel`` keeps its collection: the embeddings reach the tower
     already looked up (by the sharded collection, outside). A sharded collection returns a
-    lazy awaitable of its dict, which is resolved here (``"target" in emb`` needs the dict)."""
+    lazy awaitable of its dict, which is resolved here (the tower indexes the dict)."""
 
     def forward(self, emb):
         return emb.wait() if isinstance(emb, LazyAwaitable) else emb
@@ -160,7 +160,7 @@ class ShardedNextItem(torch.nn.Module):
         return loss, loss.detach()
 
     def query(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
-        """[B, dim] queries of a KJT with ``user`` and ``history`` (eval)."""
+        """[B, dim] queries of a KJT whose ``user`` and ``history`` have ids (eval)."""
         return self.head.model(self.ec(kjt))["query"]
 
 
@@ -244,7 +244,7 @@ def sharded_hit_rate(dmp, examples: Dict[str, np.ndarray], catalog: torch.Tensor
     hits = torch.zeros((), dtype=torch.int64, device=device)
     for index in np.array_split(mine, chunks):
         part = {k: v[index] for k, v in examples.items()}
-        query = model.query(to_kjt(part, device, features=["user", "history"]))
+        query = model.query(to_kjt(part, device, with_ids=["user", "history"]))
         scores = query @ rows.T + unstored                                   # [n, N]
         truth = torch.from_numpy(part["target_index"]).to(device)
         rank_of_truth = (scores > scores.gather(1, truth[:, None])).sum(1)
