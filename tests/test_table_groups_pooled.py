@@ -153,7 +153,7 @@ def test_a_grouped_bag_module_on_the_cuda_kernels_trains_as_its_tables_one_by_on
     name, device = BACKENDS[1]
     assert name == "cuda"
     grouped, alone = twins(poolings, OptimizerType.ADAM, weighted, clip, backend="cuda",
-                           device=torch.device(device), capacity=1024)
+                           device=torch.device(device), capacity=256)
     train_alike(grouped, alone, weighted, steps=3, seed=3, device=device, by_key=True)
     assert sum(s["evictions"] for s in grouped.stats().values()) == 0
 
