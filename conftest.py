@@ -21,7 +21,7 @@ if os.environ.get("DYNEMB_REAL_CUDA") == "1":
 elif not torch.cuda.is_available():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 # the suite runs the parallel CPU kernels on every thread numba has; the library's default
-# (one core less than the process has, dynemb.threads) is tested in fresh processes by
+# (one core less than the process has, dynemb.foundations.threads) is tested in fresh processes by
 # tests/test_threads.py
 os.environ.setdefault("DYNEMB_THREADS", "off")
 

@@ -4,7 +4,7 @@ over disk against one over host memory, and a table several times larger than it
 Three parts, in one run on the same disk (``--work-dir``, default the system temp dir):
 
 1. **Store throughput.** ``--store-rows`` rows of dim 64 (float32 with a score: 264 bytes)
-   inserted into a :class:`~dynemb.disk_store.DiskBackingStore` in batches of 8192 and flushed
+   inserted into a :class:`~dynemb.stores.disk_store.DiskBackingStore` in batches of 8192 and flushed
    to its files, then found again in random batches of 8192 after the files' pages were
    dropped from the page cache (``posix_fadvise(DONTNEED)``, no root needed): rows/s and MB/s,
    next to the same bytes written (plus fsync) and read back with plain file calls.
@@ -43,9 +43,9 @@ from benchmarks.common import (add_run_options, check, config_of, fill_defaults,
                                machine_info, new_parser, pyplot, report_stem, run_command,
                                save_figure, write_report, zipf_ranks)
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions
-from dynemb.disk_levels import HostCachedStore, disk_store
-from dynemb.disk_store import DiskBackingStore
-from dynemb.optimizers import OptimizerConfig, OptimizerType
+from dynemb.stores.disk_levels import HostCachedStore, disk_store
+from dynemb.stores.disk_store import DiskBackingStore
+from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 
 DIM = 64
 ROW_BYTES = DIM * 4 + 8  # float32 row and its int64 score

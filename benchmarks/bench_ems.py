@@ -40,7 +40,7 @@ from benchmarks.common import (add_run_options, check, config_of, fill_defaults,
                                peak_rss_gib, pyplot, report_stem, run_command, save_figure,
                                spread, write_report)
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig, OptimizerType)
-from dynemb.flat_table import RowLayout
+from dynemb.rows.flat_table import RowLayout
 from dynemb.options import StashMode, choose_storage_mode
 from dynemb.stashing.table_stash import TableStash
 from dynemb.stashing.transfers import transfers_for

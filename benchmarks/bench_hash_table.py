@@ -36,7 +36,7 @@ from benchmarks.common import (ALL_THREADS, add_run_options, check, config_of, f
                                peak_rss_gib, pyplot, report_stem, run_command, save_figure,
                                verdict, write_report)
 from dynemb import ScorePolicy
-from dynemb.hash_table import ScoredHashTable
+from dynemb.rows.hash_table import ScoredHashTable
 from dynemb.types import pack_lfu_lru
 
 FILE_STEM = "hash_table_cpu"

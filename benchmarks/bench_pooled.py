@@ -211,7 +211,7 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
     sharded = dmp.module.ebc
     send = "input dist: start (next batch)"
     if method == "dynemb":
-        from dynemb import dynamic_core
+        from dynemb.modules import dynamic_core
         from dynemb.sharding import bag_input_dist
         from dynemb.sharding.sharded_bag_collection import _PooledOutputAwaitable
         local = sharded.local

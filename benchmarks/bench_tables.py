@@ -36,9 +36,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import dynemb.collection
-import dynemb.dynamic_core
-import dynemb.occurrence_grads
+import dynemb.modules.collection
+import dynemb.modules.dynamic_core
+import dynemb.rows.occurrence_grads
 import dynemb.tables.base
 import dynemb.tables.group_update
 import dynemb.tables.groups
@@ -51,7 +51,7 @@ from benchmarks.bench_collection import set_numba_threads
 from benchmarks.side_by_side import PhaseTimers
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig,
                     OptimizerType, StorageMode)
-from dynemb.counters import COUNTER_NAMES
+from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.tables import DynamicTable, HbmDirectTable
 from dynemb.tables.groups import TableGroup
 
@@ -655,9 +655,9 @@ def profile_phases():
     inclusive time is the phase, and the cProfile (file, function) it maps to. The phases do
     not call each other; :func:`with_rest` adds what they leave out."""
     return [
-        ("input split by table (KJT -> per-table ids)", dynemb.dynamic_core, "split_by_table",
-         ("dynemb/table_inputs.py", "split_by_table")),
-        ("dedup", dynemb.tables.base, "unique_keys", ("dynemb/dedup.py", "unique_keys")),
+        ("input split by table (KJT -> per-table ids)", dynemb.modules.dynamic_core, "split_by_table",
+         ("dynemb/modules/table_inputs.py", "split_by_table")),
+        ("dedup", dynemb.tables.base, "unique_keys", ("dynemb/rows/dedup.py", "unique_keys")),
         ("find_or_insert (claim, pin)", DynamicTable, "_claim",
          ("dynemb/tables/base.py", "_claim")),
         ("counters of the claim", DynamicTable, "_count_claim",
@@ -666,12 +666,12 @@ def profile_phases():
          ("dynemb/tables/hbm_direct.py", "_fill_new_rows")),
         ("gather (rows per occurrence)", HbmDirectTable, "lookup_occurrences",
          ("dynemb/tables/hbm_direct.py", "lookup_occurrences")),
-        ("output cut (JaggedTensor per feature)", dynemb.collection, "cut_by_feature",
-         ("dynemb/jagged.py", "cut_by_feature")),
-        ("backward grads (occurrence CSR per row)", dynemb.occurrence_grads, "occurrence_csr",
-         ("dynemb/occurrence_grads.py", "occurrence_csr")),
+        ("output cut (JaggedTensor per feature)", dynemb.modules.collection, "cut_by_feature",
+         ("dynemb/modules/jagged.py", "cut_by_feature")),
+        ("backward grads (occurrence CSR per row)", dynemb.rows.occurrence_grads, "occurrence_csr",
+         ("dynemb/rows/occurrence_grads.py", "occurrence_csr")),
         ("fused update (kernel)", dynemb.tables.base, "fused_update",
-         ("dynemb/optimizers.py", "fused_update")),
+         ("dynemb/rows/optimizers.py", "fused_update")),
         ("release pins", DynamicTable, "release", ("dynemb/tables/base.py", "release")),
         # a group's phases (dynemb.tables.groups), under the same labels
         ("dedup", TableGroup, "dedup", ("dynemb/tables/groups.py", "dedup")),
@@ -684,7 +684,7 @@ def profile_phases():
         ("gather (rows per occurrence)", TableGroup, "lookup_occurrences",
          ("dynemb/tables/groups.py", "lookup_occurrences")),
         ("fused update (kernel)", dynemb.tables.group_update, "fused_update",
-         ("dynemb/optimizers.py", "fused_update")),
+         ("dynemb/rows/optimizers.py", "fused_update")),
         ("release pins", TableGroup, "release", ("dynemb/tables/groups.py", "release")),
     ]
 

@@ -20,9 +20,9 @@ Each service has its package: :mod:`dynemb.sharding` (the sharders for
 tables), :mod:`dynemb.pipelines` (TorchRec's train pipelines, also on CPU),
 :mod:`dynemb.checkpoint` (dumps, loads, resharding), :mod:`dynemb.serving` (export without a
 hash table), :mod:`dynemb.stashing` (embedding memory stashing). The table-level API lives in
-its own modules: :class:`~dynemb.hash_table.ScoredHashTable`,
-:class:`~dynemb.flat_table.FlatTable`, :class:`~dynemb.backing_store.BackingStore`,
-:func:`~dynemb.optimizers.fused_update`, and the key sentinels and results in
+its own modules: :class:`~dynemb.rows.hash_table.ScoredHashTable`,
+:class:`~dynemb.rows.flat_table.FlatTable`, :class:`~dynemb.stores.backing_store.BackingStore`,
+:func:`~dynemb.rows.optimizers.fused_update`, and the key sentinels and results in
 :mod:`dynemb.types` (``EMPTY_KEY``, ``ExportBatch``...).
 
 Example::
@@ -38,14 +38,14 @@ Example::
     >>> ec.embedding_configs()[0].name
     't'
 """
-from dynemb.bag_collection import DynamicEmbBagCollection
-from dynemb.collection import DynamicEmbCollection
-from dynemb.fused_optimizer import DynamicEmbFusedOptimizer
-from dynemb.initializers import Initializer, InitializerKind
+from dynemb.modules.bag_collection import DynamicEmbBagCollection
+from dynemb.modules.collection import DynamicEmbCollection
+from dynemb.rows.fused_optimizer import DynamicEmbFusedOptimizer
+from dynemb.rows.initializers import Initializer, InitializerKind
 from dynemb.optimizer_config import OptimizerConfig, OptimizerType
 from dynemb.options import (DynamicEmbTableOptions, FrequencyAdmission, ShardingScheme,
                             StashMode, StorageMode)
-from dynemb.prefetch import PrefetchState
+from dynemb.modules.prefetch import PrefetchState
 from dynemb.types import ScorePolicy, TableFullError
 
 __all__ = [

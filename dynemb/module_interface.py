@@ -4,7 +4,7 @@ know of a dynamic module, and the one way they find those modules in a model.
 The services sit below the modules: they see a module through
 :class:`DynamicModuleInterface` (as TorchRec's code sees its modules through
 ``EmbeddingCollectionInterface``), never through the concrete classes, so
-``dynemb.collection`` may import them and nothing imports back up.
+``dynemb.modules.collection`` may import them and nothing imports back up.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``OptimizerConfig``: which fused optimizer a dynamic table trains with, and its
-hyper-parameters, checked when built (see :mod:`dynemb.optimizers` for the update rules)."""
+hyper-parameters, checked when built (see :mod:`dynemb.rows.optimizers` for the update rules)."""
 from __future__ import annotations
 
 import enum
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from dynemb.validation import check_int
+from dynemb.foundations.validation import check_int
 
 if TYPE_CHECKING:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -175,7 +175,7 @@ class DefaultOptimizerNotice:
     the module calls :meth:`at_training` on each training forward, and the first one warns
     (``UserWarning``) naming the default it trains with. ``torchrec.optim.
     apply_optimizer_in_backward`` on the module's table parameters configures it too (see
-    :mod:`dynemb.table_weights`); the warning names the three places.
+    :mod:`dynemb.modules.table_weights`); the warning names the three places.
 
     Example::
 

@@ -9,12 +9,12 @@ from typing import Callable, Optional
 
 import torch
 
-from dynemb.flat_table import RowLayout
-from dynemb.hash_table import max_table_capacity
-from dynemb.hash_table_checks import slots_for_keys
-from dynemb.initializers import Initializer, InitializerKind, initializer_from_config
+from dynemb.rows.flat_table import RowLayout
+from dynemb.rows.hash_table import max_table_capacity
+from dynemb.rows.hash_table_checks import slots_for_keys
+from dynemb.rows.initializers import Initializer, InitializerKind, initializer_from_config
 from dynemb.types import MAX_BUCKET_SIZE, SUPPORTED_DTYPES, ScorePolicy
-from dynemb.validation import check_bucket_size, check_int
+from dynemb.foundations.validation import check_bucket_size, check_int
 
 
 class StorageMode(enum.Enum):
@@ -80,7 +80,7 @@ class FrequencyAdmission:
     Occurrences of keys not yet admitted are counted in a separate LFU-scored hash table of
     ``counter_capacity`` slots (the least-seen counts are forgotten when it fills up). Until a
     key is admitted, nothing is stored, its gradients are dropped and training lookups return
-    the row ``initializer`` draws for it: an :class:`~dynemb.initializers.Initializer` (e.g.
+    the row ``initializer`` draws for it: an :class:`~dynemb.rows.initializers.Initializer` (e.g.
     ``Initializer(InitializerKind.CONSTANT, value=0.0)`` for zeros), or None (the default)
     for the table's own initializer row, the row the key starts from once admitted. The
     initializer is configuration, not state: checkpoints do not hold it.
@@ -107,8 +107,8 @@ class FrequencyAdmission:
 
 
 #: Builds a table's backing store: ``factory(width, dtype, device)`` where ``width`` is the
-#: physical row width, :attr:`dynemb.flat_table.RowLayout.width` (the embedding dim plus the
-#: optimizer state dim for float32 tables; see :mod:`dynemb.backing_store`).
+#: physical row width, :attr:`dynemb.rows.flat_table.RowLayout.width` (the embedding dim plus the
+#: optimizer state dim for float32 tables; see :mod:`dynemb.stores.backing_store`).
 BackingStoreFactory = Callable[[int, torch.dtype, torch.device], "object"]
 
 
@@ -117,7 +117,7 @@ class DynamicEmbTableOptions:
     """How one dynamic table stores, grows, evicts and initializes its rows.
 
     Capacities count rows. Memory budgets count bytes of values plus optimizer state
-    (``capacity * row_bytes``, :attr:`dynemb.flat_table.RowLayout.row_bytes`: for float32
+    (``capacity * row_bytes``, :attr:`dynemb.rows.flat_table.RowLayout.row_bytes`: for float32
     ``(dim + optimizer_state_dim) * 4``; for float16 / bfloat16, whose optimizer state is
     float32, ``dim * 2 + optimizer_state_dim * 4``, dim rounded up to even when there is state).
 
@@ -132,7 +132,7 @@ class DynamicEmbTableOptions:
         max_capacity: most rows (hash slots) the table allocates; when a key's bucket is
             full the score policy evicts. Default: room for the config's ``num_embeddings``
             distinct ids without evicting, ``slots_for_keys(num_embeddings, bucket_size)``
-            (:func:`dynemb.hash_table_checks.slots_for_keys`: about 1.7-2.1x
+            (:func:`dynemb.rows.hash_table_checks.slots_for_keys`: about 1.7-2.1x
             ``num_embeddings`` with buckets of 128), since keys fill buckets unevenly.
         max_load_factor: grow (doubling, up to ``max_capacity``) once the table would be
             fuller than this.
@@ -148,7 +148,7 @@ class DynamicEmbTableOptions:
         admission: a :class:`FrequencyAdmission`, or None to admit every key.
         embedding_dtype: dtype of the stored rows (default: the config's ``data_type``).
         backing_store: factory of the CACHE mode's store (default: host memory,
-            :class:`dynemb.backing_store.HostBackingStore`).
+            :class:`dynemb.stores.backing_store.HostBackingStore`).
         seed: seed of the initializers (with the table's name, it fixes every initial row).
         sharding: how a sharded table picks each key's rank (:class:`ShardingScheme`).
         stochastic_rounding: float16 / bfloat16 tables round each updated embedding value up
@@ -262,7 +262,7 @@ def choose_storage_mode(options: DynamicEmbTableOptions, *, name: str, num_embed
     ``width`` is the embedding dim plus the optimizer state dim, ``state_dim`` the latter
     (float32 whatever the dtype: ``row_bytes`` is :attr:`RowLayout.row_bytes`).
     ``max_capacity`` defaults to the slots that hold ``num_embeddings`` distinct ids without
-    evicting (:func:`~dynemb.hash_table_checks.slots_for_keys`). The table goes to HBM_DIRECT
+    evicting (:func:`~dynemb.rows.hash_table_checks.slots_for_keys`). The table goes to HBM_DIRECT
     when ``max_capacity`` rows fit the per-rank budget; otherwise to CACHE (``caching``) or
     DEFAULT with as many device rows as the budget holds, rounded down to whole buckets; a
     budget of 0 bytes gives HOST_ONLY (all ``max_capacity`` rows in host memory, allocated up
@@ -335,7 +335,7 @@ def _host_only_layout(options: DynamicEmbTableOptions, name: str, dtype: torch.d
 def resolve_initializer(options: DynamicEmbTableOptions, config) -> DynamicEmbTableOptions:
     """``options`` with its ``initializer`` settled for ``config``'s table: an explicit one
     stays; None takes the config's, as TorchRec would start the table
-    (:func:`dynemb.initializers.initializer_from_config`; an ``init_fn`` that cannot be drawn
+    (:func:`dynemb.rows.initializers.initializer_from_config`; an ``init_fn`` that cannot be drawn
     per id raises ``ValueError``). Call it with the global (unsharded) config: TorchRec's
     default range depends on ``num_embeddings``.
 

@@ -7,8 +7,8 @@ import argparse
 import torch
 
 from dynemb import Initializer, ScorePolicy, TableFullError
-from dynemb.flat_table import FlatTable
-from dynemb.hash_table import ScoredHashTable
+from dynemb.rows.flat_table import FlatTable
+from dynemb.rows.hash_table import ScoredHashTable
 
 
 def main(backend: str = "cpu") -> None:

@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, FrequencyAdmission,
                     OptimizerConfig, OptimizerType)
-from dynemb.disk_levels import disk_store
+from dynemb.stores.disk_levels import disk_store
 
 OUT_DIR = Path(__file__).resolve().parent / "output"
 FEATURES = ["user", "history", "target"]

@@ -73,7 +73,7 @@ def fill(args, device):
     """A table at ``--load`` with random unique keys; returns (table, keys, their slots)."""
     import torch
     from dynemb import ScorePolicy
-    from dynemb.hash_table import ScoredHashTable
+    from dynemb.rows.hash_table import ScoredHashTable
     capacity = 1 << args.capacity_log2
     table = ScoredHashTable(capacity, policy=ScorePolicy.LRU, device=device, backend=args.backend)
     gen = torch.Generator(device=device).manual_seed(args.seed)

@@ -11,7 +11,7 @@ def label_numba_launches() -> None:
     ``numba:as_cuda_array`` (its conversion, which ``dynemb.bridges.numba_launch`` skips once a
     kernel's arguments are checked), so that their host time is their own."""
     import torch
-    from dynemb.backends import CudaBackend
+    from dynemb.backends.numba_backends import CudaBackend
     launch = CudaBackend._launch
     if getattr(launch, "labelled", False):
         return

@@ -103,7 +103,7 @@ def check_custom_scores_with_evictions(report: Report, twins: Twins, gen) -> Dic
     insert_missing, add_refcounts, export kernels)."""
     import torch
     from dynemb import ScorePolicy
-    from dynemb.hash_table import ScoredHashTable
+    from dynemb.rows.hash_table import ScoredHashTable
     tables = {label: ScoredHashTable(128, bucket_size=16, policy=ScorePolicy.CUSTOMIZED,
                                      device=dev, backend=be)
               for label, dev, be in twins.sides()}
@@ -182,7 +182,7 @@ def check_lru_pins_and_failures(report: Report, twins: Twins, gen) -> None:
     """
     import torch
     from dynemb import ScorePolicy
-    from dynemb.hash_table import ScoredHashTable
+    from dynemb.rows.hash_table import ScoredHashTable
     from dynemb.types import EMPTY_KEY
     ok, sizes, evictions = True, {}, {}
     batches = [torch.randint(1, 10**9, (24,), generator=gen) for _ in range(6)]
@@ -231,7 +231,7 @@ def check_initializers(report: Report, twins: Twins, gen) -> None:
     ``FlatTable.initialize_where`` (masked, -1 slots skipped)."""
     import torch
     from dynemb import Initializer, InitializerKind
-    from dynemb.flat_table import FlatTable
+    from dynemb.rows.flat_table import FlatTable
     keys = torch.cat([torch.randint(-2**62, 2**62, (50,), generator=gen), torch.tensor([0, 1])])
     inits = {"normal": Initializer(InitializerKind.NORMAL, mean=0.1, std=0.2),
              "truncated_normal": Initializer.truncated_normal(std=0.3),
@@ -261,8 +261,8 @@ def check_fused_updates(report: Report, twins: Twins, gen) -> None:
     place and float16 / bfloat16 through round_rows_kernel."""
     import torch
     from dynemb import OptimizerConfig, OptimizerType
-    from dynemb.optimizers import fused_update
-    from dynemb.flat_table import RowLayout
+    from dynemb.rows.optimizers import fused_update
+    from dynemb.rows.flat_table import RowLayout
     configs = [OptimizerConfig(OptimizerType.SGD, learning_rate=0.1),
                OptimizerConfig(OptimizerType.ADAM, learning_rate=0.01, weight_decay=0.01),
                OptimizerConfig(OptimizerType.ADAGRAD, learning_rate=0.1, eps=1e-4),
@@ -286,7 +286,7 @@ def check_fused_updates(report: Report, twins: Twins, gen) -> None:
             report.check(f"fused_update {config.type.value} float32 dim {dim} equals the CPU's",
                          torch.allclose(got[0], got[1], rtol=1e-5, atol=1e-6))
         # rows of more than optim_cuda.PIECE occurrences: summed in pieces (piece_sums_kernel)
-        from dynemb.optimizers import OccurrenceGrads
+        from dynemb.rows.optimizers import OccurrenceGrads
         dim = 40
         inverse = torch.repeat_interleave(torch.arange(4), torch.tensor([3, 65, 300, 64]))
         inverse = inverse[torch.randperm(inverse.numel(), generator=gen)]
@@ -320,7 +320,7 @@ def check_fused_updates(report: Report, twins: Twins, gen) -> None:
 def check_rounding(report: Report, twins: Twins, gen) -> None:
     """round_rows_kernel: stochastic and nearest rounding, bit-exact with the CPU."""
     import torch
-    from dynemb.optimizers import round_rows
+    from dynemb.rows.optimizers import round_rows
     x = torch.randn(20, 33, generator=gen) * torch.logspace(-9, 5, 33)
     x[0, :3] = torch.tensor([float("inf"), float("nan"), 1e30])
     keys = torch.randint(-2**62, 2**62, (20,), generator=gen)
@@ -471,7 +471,7 @@ def main(argv=None) -> int:
         missing = sorted(set(kernel_signatures()) - set(ran))
         report.check("every CUDA kernel launched", not missing,
                      f"missing: {missing}" if missing else f"{len(ran)} kernels")
-        from dynemb.backends import get_backend
+        from dynemb.backends.numba_backends import get_backend
         direct = get_backend("cuda").direct_launch_signatures()
         report.check("kernels launch directly once numba's marshalling of their arguments is "
                      "matched (dynemb.bridges.numba_launch)", direct >= len(ran),

@@ -10,9 +10,9 @@ from torchrec import EmbeddingConfig
 
 from checkpoint_models import DIM, OPTIMIZERS, options
 from dynemb import DynamicEmbCollection, ScorePolicy, StorageMode
-from dynemb.backing_store import HostBackingStore
+from dynemb.stores.backing_store import HostBackingStore
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
-from dynemb.flat_table import RowLayout
+from dynemb.rows.flat_table import RowLayout
 
 ALL_IDS = torch.arange(600) * 7919 - 1000
 

@@ -31,7 +31,7 @@ def backend(request):
 @pytest.fixture
 def make_table(backend):
     """Factory of ScoredHashTable on the backend under test."""
-    from dynemb.hash_table import ScoredHashTable
+    from dynemb.rows.hash_table import ScoredHashTable
 
     name, device = backend
 

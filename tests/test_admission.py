@@ -3,7 +3,7 @@ leaves the counter; only candidates are counted; the counter table is sized in w
 import torch
 
 from dynemb import FrequencyAdmission
-from dynemb.admission import AdmissionCounter, counter_slots
+from dynemb.rows.admission import AdmissionCounter, counter_slots
 from dynemb.types import EMPTY_KEY
 
 

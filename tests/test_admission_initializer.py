@@ -15,7 +15,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
                     FrequencyAdmission, Initializer, InitializerKind, OptimizerConfig,
                     OptimizerType, StorageMode)
-from dynemb.rank_share import local_table_options
+from dynemb.modules.rank_share import local_table_options
 from key_reference import initial_rows
 
 #: table_identity("t"), pinned in test_initializers.py: new rows of table "t" start from it

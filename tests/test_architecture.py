@@ -215,3 +215,22 @@ def test_the_documented_layers_are_the_eight_of_the_picture():
         "kernels", "foundations", "hash table and rows", "tables", "services", "modules",
         "distribution", "package"]
     assert (ROOT / "docs" / "architecture.png").exists()
+
+
+#: The top of the package holds its public face; each layer's code lives in its folder.
+MOST_MODULES_AT_THE_TOP = 15
+
+
+def test_the_top_of_the_package_holds_only_its_public_face():
+    top = sorted(path.stem for path in PACKAGE.glob("*.py"))
+    assert len(top) <= MOST_MODULES_AT_THE_TOP, \
+        f"{len(top)} modules directly in dynemb/ (at most {MOST_MODULES_AT_THE_TOP}): {top}"
+
+
+def test_every_folder_of_the_package_lies_in_one_layer():
+    """A folder is a layer's (or part of one): no module of it is listed in another layer."""
+    for folder in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()):
+        package = module_name(folder / "__init__.py")
+        layers = {LAYERS[layer_of(module)][0] for module, path, _ in sources()
+                  if module == package or module.startswith(package + ".")}
+        assert len(layers) == 1, f"{package} spans the layers {sorted(layers)}"

@@ -3,7 +3,7 @@ lowest scores first."""
 import pytest
 import torch
 
-from dynemb.backing_store import HostBackingStore
+from dynemb.stores.backing_store import HostBackingStore
 
 CPU = torch.device("cpu")
 

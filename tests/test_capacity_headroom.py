@@ -11,12 +11,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig, OptimizerType,
                     ScorePolicy, StorageMode)
-from dynemb.hash_table import ScoredHashTable
-from dynemb.hash_table_checks import (OVERFLOW_PROBABILITY, bucket_overflow_probability,
+from dynemb.rows.hash_table import ScoredHashTable
+from dynemb.rows.hash_table_checks import (OVERFLOW_PROBABILITY, bucket_overflow_probability,
                                       slots_for_keys)
 from dynemb.options import choose_storage_mode
 from dynemb.planning import measure_allocated, table_footprint
-from dynemb.rank_share import local_table_config, local_table_options
+from dynemb.modules.rank_share import local_table_config, local_table_options
 
 DIM = 4
 

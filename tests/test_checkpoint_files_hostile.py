@@ -19,7 +19,7 @@ from dynemb import ScorePolicy
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 from dynemb.checkpoint import dump, load
 from dynemb.checkpoint.files import CheckpointFileError
-from dynemb.key_mixing import mix_keys, reduce_to_range
+from dynemb.foundations.key_mixing import mix_keys, reduce_to_range
 
 
 def rank_dir(path):

@@ -3,7 +3,7 @@ import pytest
 from torchrec import EmbeddingConfig
 
 from dynemb import DynamicEmbTableOptions, ScorePolicy
-from dynemb.collection_config import check_configs, options_by_table
+from dynemb.modules.collection_config import check_configs, options_by_table
 
 
 def config(name, features=None, dim=4):
@@ -13,7 +13,7 @@ def config(name, features=None, dim=4):
 
 def test_a_feature_of_several_tables_is_named_feature_at_table_as_in_torchrec():
     from torchrec.modules.embedding_modules import get_embedding_names_by_table
-    from dynemb.collection_config import output_name_of, output_names_by_table
+    from dynemb.modules.collection_config import output_name_of, output_names_by_table
     tables = check_configs([config("a", ["f", "g"]), config("b", ["f"]), config("c", ["h"])])
     names = [["f@a", "g"], ["f@b"], ["h"]]
     assert output_names_by_table(tables) == get_embedding_names_by_table(tables) == names

@@ -11,7 +11,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
                     OptimizerConfig, OptimizerType, ScorePolicy, TableFullError)
-from dynemb.initializers import table_identity
+from dynemb.rows.initializers import table_identity
 
 DIM = 4
 LR = 0.5

@@ -10,7 +10,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
                     Initializer, InitializerKind)
-from dynemb.initializers import table_identity
+from dynemb.rows.initializers import table_identity
 from key_reference import initial_rows
 
 DIM = 8

@@ -11,7 +11,7 @@ from torchrec import EmbeddingCollection, EmbeddingConfig
 
 from dynemb import (DynamicEmbTableOptions, Initializer, InitializerKind, OptimizerConfig,
                     OptimizerType)
-from dynemb.initializers import initializer_from_config
+from dynemb.rows.initializers import initializer_from_config
 from dynemb.options import choose_storage_mode, resolve_initializer
 from dynemb.tables import build_table
 from key_reference import initial_rows

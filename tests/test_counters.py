@@ -1,7 +1,7 @@
 """Per-table counters: ints and device tensors add up, one snapshot reads them all."""
 import torch
 
-from dynemb.counters import COUNTER_NAMES, TableCounters
+from dynemb.foundations.counters import COUNTER_NAMES, TableCounters
 
 
 def test_counters_add_ints_and_tensors_and_reset():

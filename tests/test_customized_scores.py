@@ -11,7 +11,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from conftest import BACKENDS
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig,
                     ScorePolicy, StorageMode)
-from dynemb.flat_table import RowLayout
+from dynemb.rows.flat_table import RowLayout
 
 DIM = 4
 OPT = OptimizerConfig()

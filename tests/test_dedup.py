@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynemb.dedup import padded_unique, unique_keys
+from dynemb.rows.dedup import padded_unique, unique_keys
 from dynemb.types import EMPTY_KEY
 
 

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynemb.backends import backend_for_device
-from dynemb.dedup import unique_keys
-from dynemb.hash_table import ScoredHashTable
+from dynemb.backends.numba_backends import backend_for_device
+from dynemb.rows.dedup import unique_keys
+from dynemb.rows.hash_table import ScoredHashTable
 from dynemb.kernels.hashing import bucket_index
 
 CPU = backend_for_device(torch.device("cpu"))

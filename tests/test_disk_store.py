@@ -1,4 +1,4 @@
-"""The disk store (dynemb.disk_store) and its host level (dynemb.disk_levels): the
+"""The disk store (dynemb.stores.disk_store) and its host level (dynemb.stores.disk_levels): the
 BackingStore protocol against a Python model, reopening, bad directories, and failing writes
 that change nothing."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dynemb.backing_store import HostBackingStore
-from dynemb.disk_levels import (HostCachedStore, directory_prefix, disk_store,
+from dynemb.stores.backing_store import HostBackingStore
+from dynemb.stores.disk_levels import (HostCachedStore, directory_prefix, disk_store,
                                  host_level_slots)
-from dynemb.disk_store import DiskBackingStore, DiskOptions, StoreMismatchError
+from dynemb.stores.disk_store import DiskBackingStore, DiskOptions, StoreMismatchError
 
 CPU = torch.device("cpu")
 WIDTH = 3

@@ -1,4 +1,4 @@
-"""CACHE tables whose store is on disk (dynemb.disk_levels.disk_store), with and without a
+"""CACHE tables whose store is on disk (dynemb.stores.disk_levels.disk_store), with and without a
 host level, against the same tables over the default host-memory store: bit for bit, every
 optimizer; checkpoints through dump / load; a full disk mid-step; a killed process."""
 from __future__ import annotations
@@ -17,9 +17,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions
 from dynemb.checkpoint import dump, load
-from dynemb.disk_levels import HostCachedStore, disk_store
-from dynemb.disk_store import DiskBackingStore
-from dynemb.optimizers import OptimizerConfig, OptimizerType
+from dynemb.stores.disk_levels import HostCachedStore, disk_store
+from dynemb.stores.disk_store import DiskBackingStore
+from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 from dynemb.types import ScorePolicy
 
 FEATURES = ["f0", "f1", "f2"]
@@ -238,7 +238,7 @@ KILLED = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {tests!r})
     from test_disk_tables import batch, module, step
-    from dynemb.disk_levels import disk_store
+    from dynemb.stores.disk_levels import disk_store
     m = module(disk_store({directory!r}))
     gen = torch.Generator().manual_seed(1)
     for i in range(30):
@@ -276,9 +276,9 @@ FLUSHED_THEN_KILLED = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {tests!r})
     from test_disk_tables import VOCAB, batch, host_bytes, module, step
-    from dynemb.disk_levels import disk_store
-    from dynemb.disk_store import DiskOptions
-    from dynemb.optimizers import OptimizerType
+    from dynemb.stores.disk_levels import disk_store
+    from dynemb.stores.disk_store import DiskOptions
+    from dynemb.rows.optimizers import OptimizerType
     report, alive = {{}}, []  # a module freed removes its stores' directories
     for wal, host_level in ((True, True), (False, True), (False, False)):
         m = module(disk_store(os.path.join({directory!r}, f"{{wal}}-{{host_level}}"),
@@ -415,9 +415,9 @@ FULL_DISK = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_disk_tables import CACHED, DIM, VOCAB, batch, step
     from dynemb import DynamicEmbCollection, DynamicEmbTableOptions
-    from dynemb.disk_levels import disk_store
-    from dynemb.disk_store import DiskOptions
-    from dynemb.optimizers import OptimizerConfig, OptimizerType
+    from dynemb.stores.disk_levels import disk_store
+    from dynemb.stores.disk_store import DiskOptions
+    from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
     from torchrec import EmbeddingConfig
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, EFBIG
     config = EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=50_000,

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dynemb import Initializer, InitializerKind
-from dynemb.flat_table import FlatTable, RowLayout
-from dynemb.hash_table import ScoredHashTable
+from dynemb.rows.flat_table import FlatTable, RowLayout
+from dynemb.rows.hash_table import ScoredHashTable
 from key_reference import initial_rows
 
 NORMAL = Initializer(InitializerKind.NORMAL, std=1.0)

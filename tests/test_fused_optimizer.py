@@ -10,7 +10,7 @@ import torch
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from dynemb import DynamicEmbFusedOptimizer
-from dynemb.fused_optimizer import GROUP_STATE_KEY, PARAM_KEY, checked_lr
+from dynemb.rows.fused_optimizer import GROUP_STATE_KEY, PARAM_KEY, checked_lr
 
 BASE_LR, GAMMA, STEP_SIZE = 0.8, 0.5, 2
 

@@ -15,7 +15,7 @@ from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, I
 from dynemb.optimizer_config import DefaultOptimizerNotice
 from dynemb.planning import table_footprint
 from dynemb.sharding import DynamicEmbCollectionSharder
-from dynemb.fused_params import fused_params_optimizer
+from dynemb.modules.fused_params import fused_params_optimizer
 from tests.torchrec_probes import SearchSpaceRecorder
 from tests.torchrec_twin import TorchRecTwin, ensure_single_process_group, same_batches
 

@@ -9,7 +9,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
                     OptimizerConfig, OptimizerType)
-from dynemb.flat_table import RowLayout
+from dynemb.rows.flat_table import RowLayout
 from key_reference import initial_rows
 
 HALF = [torch.float16, torch.bfloat16]

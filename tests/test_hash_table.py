@@ -176,7 +176,7 @@ def test_clock_advances_once_per_scoring_call(make_table, to_dev):
 
 def test_large_random_batches_agree_with_a_dict():
     """CPU at scale: 200k inserts in batches with duplicates, then lookups, versus a dict."""
-    from dynemb.hash_table import ScoredHashTable
+    from dynemb.rows.hash_table import ScoredHashTable
     gen = torch.Generator().manual_seed(0)
     table = ScoredHashTable(1 << 18)
     truth = {}

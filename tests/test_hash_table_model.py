@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from conftest import BACKENDS, ON_GPU
 from dynemb import ScorePolicy, TableFullError
-from dynemb.hash_table import ScoredHashTable
+from dynemb.rows.hash_table import ScoredHashTable
 from reference_model import Entry, ModelTable, batch_stats, bucket_of
 
 KEY_POOL = st.one_of(st.integers(-40, 120), st.sampled_from([2**62, -(2**62), 2**63 - 1]))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dynemb import Initializer, InitializerKind
-from dynemb.initializers import table_identity
+from dynemb.rows.initializers import table_identity
 from key_reference import initial_rows
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dynemb.jagged import cut_by_feature
+from dynemb.modules.jagged import cut_by_feature
 
 
 def test_rows_are_cut_in_segment_order_with_each_features_lengths_and_ids():

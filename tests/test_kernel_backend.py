@@ -5,14 +5,14 @@ import inspect
 import pytest
 import torch
 
-from dynemb import backends
-from dynemb.backends import get_backend, resolve_kernels
-from dynemb.backing_store import HostBackingStore
-from dynemb.flat_table import FlatTable
-from dynemb.hash_table import ScoredHashTable
-from dynemb.initializers import Initializer
-from dynemb.kernel_backend import KernelBackend, TableArrays
-from dynemb.optimizers import OptimizerConfig, OptimizerType
+from dynemb.backends import numba_backends as backends
+from dynemb.backends.numba_backends import get_backend, resolve_kernels
+from dynemb.stores.backing_store import HostBackingStore
+from dynemb.rows.flat_table import FlatTable
+from dynemb.rows.hash_table import ScoredHashTable
+from dynemb.rows.initializers import Initializer
+from dynemb.backends.protocol import KernelBackend, TableArrays
+from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 from dynemb.options import (DynamicEmbTableOptions, FrequencyAdmission, ShardingScheme,
                             choose_storage_mode)
 from dynemb.sharding.routing import route_unique

@@ -23,9 +23,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import torchrec.optim as torchrec_optim
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
                     Initializer, InitializerKind, OptimizerConfig, OptimizerType)
-from dynemb.marked_optimizer import fused_params_of_mark
+from dynemb.foundations.marked_optimizer import fused_params_of_mark
 from dynemb.sharding import DynamicEmbCollectionSharder
-from dynemb.table_weights import TableWeight
+from dynemb.modules.table_weights import TableWeight
 from tests.torchrec_twin import TorchRecTwin, ensure_single_process_group
 
 NUM_IDS = 40

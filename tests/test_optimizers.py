@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynemb.flat_table import RowLayout
-from dynemb.optimizers import (OptimizerConfig, OptimizerType, clip_gradients, fused_update,
+from dynemb.rows.flat_table import RowLayout
+from dynemb.rows.optimizers import (OptimizerConfig, OptimizerType, clip_gradients, fused_update,
                                round_rows)
 from key_reference import random_bits32, update_stream
 
@@ -510,7 +510,7 @@ def _occurrences(seed, rows=7, n=40, dim=8):
 @pytest.mark.parametrize("clip,scaled", [(None, False), (1.0, False), (0.7, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_occurrence_grads_equal_their_hand_summed_rows(backend, opt, clip, scaled, dtype):
-    from dynemb.optimizers import OccurrenceGrads
+    from dynemb.rows.optimizers import OccurrenceGrads
     name, device = backend
     inverse, src, scale = _occurrences(3)
     rows, dim = 7, src.shape[1]
@@ -560,7 +560,7 @@ def test_hot_row_pieces_cut_each_long_row_in_order(counts, piece):
     """The CUDA update's layout of pieces against a Python model: rows of more than
     ``piece`` occurrences are cut into ``ceil(count / piece)`` pieces, numbered row by row;
     the padding past the last piece belongs to no row."""
-    from dynemb.hot_rows import hot_row_pieces
+    from dynemb.foundations.hot_rows import hot_row_pieces
     offsets = torch.tensor([0] + counts).cumsum(0)
     piece_row, piece_end, piece_count = hot_row_pieces(offsets, sum(counts), piece)
     want_rows = [r for r, c in enumerate(counts) if c > piece for _ in range(-(-c // piece))]
@@ -579,7 +579,7 @@ def test_hot_row_pieces_cut_each_long_row_in_order(counts, piece):
 def test_rows_with_hundreds_of_occurrences_sum_them_all(backend, opt):
     """The CUDA kernel sums a row of more than 64 occurrences in pieces, each by its own
     warp: every occurrence counts once, against a float64 sum by hand."""
-    from dynemb.optimizers import OccurrenceGrads
+    from dynemb.rows.optimizers import OccurrenceGrads
     name, device = backend
     inverse, src, scale = _hot_rows()
     rows, dim = len(HOT_COUNTS), src.shape[1]
@@ -601,7 +601,7 @@ def test_rows_with_hundreds_of_occurrences_sum_them_all(backend, opt):
 def test_a_hot_rows_update_does_not_depend_on_the_other_rows(backend):
     """A row's gradient is the same float32 sum in any batch (the CUDA pieces are cut per
     row): the grouped and the one-table paths update it bit for bit alike."""
-    from dynemb.optimizers import OccurrenceGrads
+    from dynemb.rows.optimizers import OccurrenceGrads
     name, device = backend
     inverse, src, _ = _hot_rows()
     hot = len(HOT_COUNTS) - 1
@@ -625,7 +625,7 @@ def test_a_hot_rows_update_does_not_depend_on_the_other_rows(backend):
 
 @pytest.mark.parametrize("rows,n", [(1, 0), (5, 1), (64, 1000), (1000, 64)])
 def test_occurrence_csr_lists_each_rows_positions_in_order(rows, n):
-    from dynemb.occurrence_grads import _occurrence_csr_torch, occurrence_csr
+    from dynemb.rows.occurrence_grads import _occurrence_csr_torch, occurrence_csr
     inverse = torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(n))
     expected_order = [i for u in range(rows) for i in range(n) if inverse[i] == u]
     expected_offsets = [0]
@@ -637,7 +637,7 @@ def test_occurrence_csr_lists_each_rows_positions_in_order(rows, n):
 
 
 def test_occurrence_grads_of_the_wrong_shape_are_refused():
-    from dynemb.optimizers import OccurrenceGrads
+    from dynemb.rows.optimizers import OccurrenceGrads
     occ = OccurrenceGrads.from_inverse(torch.ones(3, 4), torch.tensor([0, 1, 1]), 2)
     weights = torch.zeros(4, 4)
     with pytest.raises(ValueError, match="3 rows of width 4, got 2 rows"):

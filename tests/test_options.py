@@ -5,7 +5,7 @@ import torch
 from torchrec import EmbeddingConfig
 
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, ScorePolicy, StorageMode
-from dynemb.hash_table import max_table_capacity
+from dynemb.rows.hash_table import max_table_capacity
 from dynemb.options import choose_storage_mode
 from test_collection import kjt, train_step
 
@@ -100,13 +100,13 @@ def test_rows_allocated_up_front_beyond_memory_name_init_capacity_and_a_budget()
 def test_what_a_module_allocates_up_front_is_checked_together_before_any_table(monkeypatch):
     """Host memory faked to 64 MiB: one table of 200k rows is refused alone, and eight of 60k
     rows (each fits) are refused together, before any is built."""
-    import dynemb.allocation_checks as checks
+    import dynemb.rows.allocation_checks as checks
     import dynemb.tables as tables_package
     monkeypatch.setattr(checks, "_memory_of",
                         lambda device: 64 << 20 if device.type == "cpu" else None)
     built = []
     real_build = tables_package.build_table
-    monkeypatch.setattr("dynemb.collection_config.build_table",
+    monkeypatch.setattr("dynemb.modules.collection_config.build_table",
                         lambda *a, **k: built.append(a[0]) or real_build(*a, **k))
 
     def module(rows, count):

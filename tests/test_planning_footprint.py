@@ -9,9 +9,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, FrequencyAdmission,
                     OptimizerConfig, OptimizerType, StorageMode)
-from dynemb.backing_store import default_store
+from dynemb.stores.backing_store import default_store
 from dynemb.planning import measure_allocated, table_footprint
-from dynemb.rank_share import local_table_config, local_table_options
+from dynemb.modules.rank_share import local_table_config, local_table_options
 from dynemb.tables import DynamicTable, PlannedRows
 from tests.planning_models import table_config
 

@@ -3,7 +3,7 @@ backends: weights, MEAN, empty bags, features in their own columns of a wider ou
 import pytest
 import torch
 
-from dynemb.backends import get_backend
+from dynemb.backends.numba_backends import get_backend
 
 
 @pytest.mark.parametrize("mean,weighted", [(False, False), (False, True), (True, False)])

@@ -6,8 +6,8 @@ import torch
 from torchrec import EmbeddingConfig
 
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig, OptimizerType
-from dynemb.backing_store import HostBackingStore
-from dynemb.row_moves import copy_rows, remap_rows
+from dynemb.stores.backing_store import HostBackingStore
+from dynemb.rows.row_moves import copy_rows, remap_rows
 from table_builder import DIM, train_step
 
 

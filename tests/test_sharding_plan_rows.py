@@ -3,7 +3,7 @@ from torchrec import EmbeddingConfig
 from torchrec.modules.embedding_configs import DataType
 
 from dynemb import DynamicEmbTableOptions, FrequencyAdmission
-from dynemb.rank_share import local_table_config, local_table_options, rows_per_rank
+from dynemb.modules.rank_share import local_table_config, local_table_options, rows_per_rank
 
 
 def test_rows_per_rank_rounds_up_and_gives_every_rank_a_row():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dynemb import DynamicEmbTableOptions, Initializer, InitializerKind
-from dynemb.flat_table import RowLayout
+from dynemb.rows.flat_table import RowLayout
 from dynemb.options import StashMode, choose_storage_mode
 from dynemb.stashing import table_stash
 from dynemb.stashing.table_stash import TableStash, stashed_columns

@@ -16,12 +16,12 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind
-from dynemb.admission import FrequencyAdmission
-from dynemb.backing_store import HostBackingStore
-from dynemb.kernel_backend import TableArrays
+from dynemb.rows.admission import FrequencyAdmission
+from dynemb.stores.backing_store import HostBackingStore
+from dynemb.backends.protocol import TableArrays
 from dynemb.kernels import groups_cpu
 from dynemb.kernels.hashing import bucket_index
-from dynemb.optimizers import OptimizerConfig, OptimizerType
+from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.groups import GroupBatch
 from dynemb.types import ScorePolicy, TableFullError
 

@@ -14,7 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from conftest import BACKENDS
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
                     Initializer, InitializerKind, OptimizerConfig, OptimizerType)
-from dynemb.backends import CudaBackend
+from dynemb.backends.numba_backends import CudaBackend
 from dynemb.tables.group_device import segmented_padded_unique
 from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
 

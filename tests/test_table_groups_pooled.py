@@ -10,7 +10,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import DynamicEmbBagCollection, DynamicEmbTableOptions
-from dynemb.optimizers import OptimizerConfig, OptimizerType
+from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.groups import GroupBatch
 from dynemb.types import ScorePolicy
 

@@ -1,10 +1,10 @@
-"""split_by_table and its per-key-order plans (dynemb.table_inputs): each table's ids, from
+"""split_by_table and its per-key-order plans (dynemb.modules.table_inputs): each table's ids, from
 KJTs whose keys come in any order, against the ids picked feature by feature by hand."""
 import pytest
 import torch
 from torchrec import EmbeddingConfig, KeyedJaggedTensor
 
-from dynemb.table_inputs import TableInputs, split_by_table
+from dynemb.modules.table_inputs import TableInputs, split_by_table
 from dynemb.types import EMPTY_KEY
 
 CPU = torch.device("cpu")

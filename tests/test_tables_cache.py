@@ -3,7 +3,7 @@ default store holds every row the table may have; rows keep their scores through
 import torch
 
 from dynemb import ScorePolicy, StorageMode
-from dynemb.backing_store import HostBackingStore
+from dynemb.stores.backing_store import HostBackingStore
 from key_reference import initial_rows
 from table_builder import DIM, INIT, collection, train_step
 #: table_identity("t"), pinned in test_initializers.py

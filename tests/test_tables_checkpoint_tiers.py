@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dynemb import FrequencyAdmission, StorageMode, TableFullError
-from dynemb.backing_store import HostBackingStore
+from dynemb.stores.backing_store import HostBackingStore
 from key_reference import routes_to_first
 from table_builder import DIM, build
 

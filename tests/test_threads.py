@@ -1,4 +1,4 @@
-"""dynemb's default numba thread count (:mod:`dynemb.threads`) and the user's overrides."""
+"""dynemb's default numba thread count (:mod:`dynemb.foundations.threads`) and the user's overrides."""
 import os
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import numba
 import pytest
 
-from dynemb.threads import apply_defaults, available_cores, default_numba_threads
+from dynemb.foundations.threads import apply_defaults, available_cores, default_numba_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -75,7 +75,7 @@ def _references():
     """TorchRec's unsharded modules with the rows dynemb gives each id."""
     from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
-    from dynemb.initializers import table_identity
+    from dynemb.rows.initializers import table_identity
     seq, bags = EmbeddingCollection(_seq_tables()), EmbeddingBagCollection(_bag_tables())
     init, ids = _options(), torch.arange(NUM_IDS)
     with torch.no_grad():

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from dynemb import ScorePolicy
-from dynemb.hash_table import ScoredHashTable
+from dynemb.rows.hash_table import ScoredHashTable
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
-from dynemb.validation import canonical_device, same_device
+from dynemb.foundations.validation import canonical_device, same_device
 from test_hash_table import snapshot
 
 
@@ -121,7 +121,7 @@ def test_keys_on_the_wrong_device_are_rejected():
 
 def test_kjt_ids_on_another_device_than_the_tables_name_both_devices():
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-    from dynemb.validation import check_kjt
+    from dynemb.foundations.validation import check_kjt
     kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2]), torch.tensor([2]))
     check_kjt(kjt, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"the KJT's ids are on cpu but the tables are on "

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from dynemb.checkpoint.module_state import NAMESPACE
-from dynemb.fused_optimizer import GROUP_STATE_KEY, PARAM_KEY
+from dynemb.rows.fused_optimizer import GROUP_STATE_KEY, PARAM_KEY
 
 _SHARE = re.compile(rf"^(?P<base>(?:.*\.)?{NAMESPACE}\.[^.]+)\.rank(?P<rank>\d+)_of_"
                     rf"(?P<world>\d+)\.(?P<rest>.+)$")

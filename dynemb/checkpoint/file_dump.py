@@ -22,7 +22,7 @@ from dynemb.checkpoint.module_tables import ModuleTables, module_tables
 from dynemb.checkpoint.table_state import signature
 from dynemb.tables.checkpoint_tiers import TierParts
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
-from dynemb.validation import check_int
+from dynemb.foundations.validation import check_int
 
 #: Entries per data file by default.
 CHUNK_ROWS = 1 << 20

@@ -1,4 +1,4 @@
-"""One :class:`~dynemb.hash_table.ScoredHashTable` in a file: its live entries and its layout.
+"""One :class:`~dynemb.rows.hash_table.ScoredHashTable` in a file: its live entries and its layout.
 
 The file is a safetensors file written and read as checkpoint files are
 (:mod:`dynemb.checkpoint.safetensors_io`); a file stands alone, so it carries its own checks:
@@ -27,7 +27,7 @@ import torch
 
 from dynemb.checkpoint.image_checks import check_slot_image
 from dynemb.checkpoint.safetensors_io import SafetensorsError, read_whole_file, write_file
-from dynemb.hash_table import ScoredHashTable
+from dynemb.rows.hash_table import ScoredHashTable
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy
 
 FORMAT = "dynemb-hash-table"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.key_mixing import mix_keys, reduce_to_range
+from dynemb.foundations.key_mixing import mix_keys, reduce_to_range
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 
 

@@ -22,7 +22,7 @@ from typing import Dict, List
 
 from dynemb.checkpoint.files import (CHECKSUM_FIELD, FORMAT, FORMAT_VERSION, MANIFEST,
                                      CheckpointFileError, manifest_checksum)
-from dynemb.counters import COUNTER_NAMES
+from dynemb.foundations.counters import COUNTER_NAMES
 
 TIERS = ("device", "host", "admission")
 _CONTENTS = {"replace": ("entries", "tombstones"), "patch": ("entries", "deleted")}

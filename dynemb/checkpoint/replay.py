@@ -25,7 +25,7 @@ import torch
 from dynemb.checkpoint.files import CheckpointFileError
 from dynemb.checkpoint.image_checks import check_distinct, check_live_keys, check_slot_image
 from dynemb.checkpoint.table_state import SavedTable, SavedTier, restore
-from dynemb.counters import COUNTER_NAMES
+from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, TableFullError
 
 Reader = Callable[[int, Dict], Dict[str, torch.Tensor]]

@@ -11,7 +11,7 @@ A table's state is a set of named tensors (see :func:`capture`):
   tier's **slot image**: ``keys`` and ``scores`` per slot, and ``rows`` (embedding plus
   optimizer state, the table's physical row) except for ``admission``. Free slots hold
   ``EMPTY_KEY`` / ``TOMBSTONE_KEY``. These are views of the table's own arrays (saving
-  copies nothing); a backing store that is not a :class:`~dynemb.backing_store.HostBackingStore` is saved
+  copies nothing); a backing store that is not a :class:`~dynemb.stores.backing_store.HostBackingStore` is saved
   from its ``export`` (compact, capacity -1).
 
 Putting it back (:func:`restore`):
@@ -36,8 +36,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from dynemb.checkpoint.image_checks import check_distinct, check_slot_image, is_bucketed_layout
-from dynemb.counters import COUNTER_NAMES
-from dynemb.optimizers import OptimizerType
+from dynemb.foundations.counters import COUNTER_NAMES
+from dynemb.rows.optimizers import OptimizerType
 from dynemb.options import ShardingScheme, StorageMode
 from dynemb.tables import DynamicTable
 from dynemb.tables.checkpoint_tiers import TIER_NAMES

@@ -43,7 +43,7 @@ from dynemb.planning.footprint import (TableFootprint, UniqueRatios, dynamic_col
                                        rank_layout, table_footprint,
                                        unique_ratio_of)
 from dynemb.planning.report import format_footprints
-from dynemb.fused_params import sharded_optimizer
+from dynemb.modules.fused_params import sharded_optimizer
 
 # Named after the public module users import the planner from, so that is the logger they
 # configure.
@@ -83,7 +83,7 @@ def planned_optimizer(option: ShardingOption,
     """The optimizer a dynamic table's option will train with: its sharder's
     ``fused_params`` (in ``sharder_data_map``) and the marks of ``apply_optimizer_in_backward``
     on its module's table parameters, or its module's (conflicts raise, as when DMP shards
-    the module; see :func:`~dynemb.fused_params.sharded_optimizer`)."""
+    the module; see :func:`~dynemb.modules.fused_params.sharded_optimizer`)."""
     module = option.module[1]
     data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
     return (sharded_optimizer(module, data.fused_params if data is not None else None,

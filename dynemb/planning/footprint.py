@@ -5,13 +5,13 @@ state side by side), the per-slot arrays of its hash table, an admission counter
 counters, and in CACHE / DEFAULT mode a host tier with its own hash table (HOST_ONLY: that
 host tier alone, no device rows nor device hash table). The sizing rules
 belong to the table layer (``planned_rows`` and ``fixed_memory`` of
-:mod:`dynemb.tables`, :func:`dynemb.admission.counter_slots`,
-:data:`dynemb.hash_table.SLOT_BYTES`); this module adds the pipeline's I/O the way TorchRec's
+:mod:`dynemb.tables`, :func:`dynemb.rows.admission.counter_slots`,
+:data:`dynemb.rows.hash_table.SLOT_BYTES`); this module adds the pipeline's I/O the way TorchRec's
 planner counts it.
 
 Capacity headroom: unless ``max_capacity`` is set, a rank's table has room for its share of
 ``num_embeddings`` distinct ids without evicting, which takes more slots than ids because
-keys fill the hash buckets unevenly (:func:`dynemb.hash_table_checks.slots_for_keys`: with
+keys fill the hash buckets unevenly (:func:`dynemb.rows.hash_table_checks.slots_for_keys`: with
 buckets of 128, 1.66x the ids at 1,000 per rank, 1.86x at a million, 2.1x at a billion).
 Every slot holds a row (values and optimizer state) and 20 bytes of hash metadata, so the
 footprint, like the table, counts the slots, not the ids: 1024 ids on 2 ranks below are
@@ -40,13 +40,13 @@ from torchrec.distributed.planner.types import ParameterConstraints, Storage
 from torchrec.distributed.types import PipelineType
 from torchrec.modules.embedding_configs import EmbeddingConfig, data_type_to_dtype
 
-from dynemb.admission import counter_slots
-from dynemb.flat_table import RowLayout
-from dynemb.hash_table import SLOT_BYTES
+from dynemb.rows.admission import counter_slots
+from dynemb.rows.flat_table import RowLayout
+from dynemb.rows.hash_table import SLOT_BYTES
 from dynemb.module_interface import DynamicModuleInterface, find_dynamic_modules, is_pooled
-from dynemb.optimizers import OptimizerConfig
+from dynemb.rows.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout, choose_storage_mode
-from dynemb.rank_share import local_table_config, local_table_options
+from dynemb.modules.rank_share import local_table_config, local_table_options
 from dynemb.stashing.table_stash import stashed_bytes_per_row
 from dynemb.tables import TABLE_CLASSES, DynamicTable
 
@@ -64,7 +64,7 @@ class TableFootprint:
     """Bytes one rank spends on one row-wise sharded dynamic table.
 
     Device side: ``values_bytes`` + ``optimizer_bytes`` (the device rows, embedding columns
-    then optimizer state, float32 whatever the dtype: see :class:`~dynemb.flat_table.RowLayout`),
+    then optimizer state, float32 whatever the dtype: see :class:`~dynemb.rows.flat_table.RowLayout`),
     ``hash_bytes`` (key, score and reference count of every slot of the device hash table),
     ``admission_bytes`` (the admission counter's hash table), ``fixed_bytes`` (counters), and
     the I/O of the pipeline: ``input_bytes`` (deduplicated ids received for one batch, int64),

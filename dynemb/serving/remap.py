@@ -15,7 +15,7 @@ from typing import Dict, List, Mapping
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynemb.validation import check_features_present
+from dynemb.foundations.validation import check_features_present
 
 
 _INT64_MAX = torch.iinfo(torch.int64).max

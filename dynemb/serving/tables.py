@@ -21,10 +21,10 @@ from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 import torch
 
 from dynemb.checkpoint.table_state import live_chunks
-from dynemb.initializers import InitializerKind
+from dynemb.rows.initializers import InitializerKind
 from dynemb.module_interface import DynamicModuleInterface, local_module
 from dynemb.serving.remap import IdRemap
-from dynemb.validation import check_int
+from dynemb.foundations.validation import check_int
 
 #: Rows read per chunk by default (a chunk's copy is ``chunk_rows`` rows of the table).
 CHUNK_ROWS = 1 << 20

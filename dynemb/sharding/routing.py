@@ -14,16 +14,16 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from dynemb.backends import resolve_kernels
-from dynemb.kernel_backend import KernelBackend
-from dynemb.key_mixing import owner_rank_hash
+from dynemb.backends.numba_backends import resolve_kernels
+from dynemb.backends.protocol import KernelBackend
+from dynemb.foundations.key_mixing import owner_rank_hash
 from dynemb.options import ShardingScheme
 
 
 def owner_ranks(keys: torch.Tensor, world_size: int, scheme: ShardingScheme) -> torch.Tensor:
     """The rank (int64, in ``[0, world_size)``) that owns each key.
 
-    HASH mixes ``key + salt`` (:func:`dynemb.key_mixing.owner_rank_hash`), so the owner is
+    HASH mixes ``key + salt`` (:func:`dynemb.foundations.key_mixing.owner_rank_hash`), so the owner is
     independent of the bucket a table's own hash (of ``key``) picks: the keys of one rank
     still spread over all buckets.
 

@@ -36,14 +36,14 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dynemb.bag_collection import DynamicEmbBagCollection, check_bag_kjt
-from dynemb.collection_config import output_names_by_table
+from dynemb.modules.bag_collection import DynamicEmbBagCollection, check_bag_kjt
+from dynemb.modules.collection_config import output_names_by_table
 from dynemb.optimizer_config import OptimizerConfig
 from dynemb.sharding.bag_input_dist import RwBagSparseFeaturesDist
-from dynemb.rank_share import local_table_options, rows_per_rank
+from dynemb.modules.rank_share import local_table_options, rows_per_rank
 from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables
 from dynemb.sharding.step_check import BackwardStepCheck
-from dynemb.validation import canonical_device, check_keys, check_kjt
+from dynemb.foundations.validation import canonical_device, check_keys, check_kjt
 
 
 @dataclass

@@ -27,16 +27,16 @@ from torchrec.distributed.types import (Awaitable, LazyAwaitable, ParameterShard
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from dynemb.collection import DynamicEmbCollection
-from dynemb.collection_config import output_name_of, output_names_by_table
-from dynemb.jagged import cut_by_feature
+from dynemb.modules.collection import DynamicEmbCollection
+from dynemb.modules.collection_config import output_name_of, output_names_by_table
+from dynemb.modules.jagged import cut_by_feature
 from dynemb.optimizer_config import OptimizerConfig
 from dynemb.sharding.input_dist import DedupRwSparseFeaturesDist
-from dynemb.rank_share import local_table_config, local_table_options
+from dynemb.modules.rank_share import local_table_config, local_table_options
 from dynemb.sharding.routing import RoutedIds
 from dynemb.sharding.step_check import BackwardStepCheck
 from dynemb.sharding.sharded_tables import SavedBySharded, ShardedTables, check_plan  # noqa: F401
-from dynemb.validation import canonical_device, check_keys, check_kjt
+from dynemb.foundations.validation import canonical_device, check_keys, check_kjt
 
 @dataclass
 class DynamicEmbShardingContext(EmbeddingCollectionContext):

@@ -17,7 +17,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingType
 from dynemb.checkpoint.module_state import NAMESPACE, collect_saved, save_tables
 from dynemb.checkpoint.redistribute import on_their_owners, redistribute
 from dynemb.checkpoint.table_state import SavedTable
-from dynemb.collection import DynamicEmbCollection
+from dynemb.modules.collection import DynamicEmbCollection
 from dynemb.module_interface import ShardedDynamicModuleInterface
 from dynemb.sharding.routing import owner_ranks
 from dynemb.sharding.step_check import BackwardStepCheck
@@ -161,7 +161,7 @@ class ShardedTables(ShardedDynamicModuleInterface):
     def set_scores(self, scores: Dict[str, int]) -> None:
         """The score this rank's training batches write for the keys its share of each named
         CUSTOMIZED table receives (see :meth:`DynamicEmbCollection.set_scores
-        <dynemb.dynamic_module.DynamicModule.set_scores>`); call it on every rank with the
+        <dynemb.modules.dynamic_module.DynamicModule.set_scores>`); call it on every rank with the
         same scores for one global score per step."""
         self.local.set_scores(scores)
 

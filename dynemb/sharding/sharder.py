@@ -10,11 +10,11 @@ from torchrec.distributed.types import (EmbeddingModuleShardingPlan, ModuleShard
                                         QuantizedCommCodecs, ShardingEnv)
 from torchrec.modules.embedding_configs import data_type_to_dtype
 
-from dynemb.bag_collection import DynamicEmbBagCollection
-from dynemb.collection import DynamicEmbCollection
+from dynemb.modules.bag_collection import DynamicEmbBagCollection
+from dynemb.modules.collection import DynamicEmbCollection
 from dynemb.planning.defaults import install_default_estimators
 from dynemb.optimizer_config import OptimizerConfig
-from dynemb.fused_params import (checked_fused_params, fused_params_optimizer,
+from dynemb.modules.fused_params import (checked_fused_params, fused_params_optimizer,
                                  sharded_optimizer)
 from dynemb.sharding.sharded_bag_collection import ShardedDynamicEmbBagCollection
 from dynemb.sharding.sharded_collection import ShardedDynamicEmbCollection
@@ -32,7 +32,7 @@ class DynamicEmbCollectionSharder(ModuleSharder[DynamicEmbCollection]):
     Args:
         fused_params: TorchRec's sharder ``fused_params``; the optimizer keys
             (``optimizer``, ``learning_rate``, ``eps``, ...) configure the tables' fused
-            optimizer (:func:`~dynemb.fused_params.fused_params_optimizer`), which
+            optimizer (:func:`~dynemb.modules.fused_params.fused_params_optimizer`), which
             must then agree with any ``optimizer=`` given to the module; other keys are
             ignored. Checked here: an unsupported optimizer raises at construction. An
             optimizer marked on the module's table parameters by

@@ -16,7 +16,7 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
 from dynemb.bridges import memory_stashing
-from dynemb.optimizers import OptimizerConfig
+from dynemb.rows.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StashMode
 from dynemb.stashing.table_stash import TableStash
 from dynemb.stashing.transfers import HostTransfers, transfers_for

@@ -1,7 +1,7 @@
 """``TableStash``: one table's device rows moved to host memory and back.
 
 A table's device rows are one tensor, ``table.tier.flat.weights`` ``[capacity, width]``
-(embedding columns, then optimizer state; :class:`~dynemb.flat_table.RowLayout`).
+(embedding columns, then optimizer state; :class:`~dynemb.rows.flat_table.RowLayout`).
 :meth:`TableStash.stash` copies the columns its :class:`~dynemb.options.StashMode` names to a
 host buffer and releases the tensor's storage (the tensor object stays, with an empty
 storage: ``weights.untyped_storage().nbytes() == 0``); columns kept on the device are parked
@@ -42,7 +42,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from dynemb.bridges import storage_refs
-from dynemb.flat_table import RowLayout
+from dynemb.rows.flat_table import RowLayout
 from dynemb.options import StashMode
 
 #: FlatTable attributes that describe rows without reading them
@@ -338,7 +338,7 @@ class TableStash:
 
 
 class StashedRows:
-    """Stands in for a tier's :class:`~dynemb.flat_table.FlatTable` while its rows are
+    """Stands in for a tier's :class:`~dynemb.rows.flat_table.FlatTable` while its rows are
     stashed: see the module docstring for what it answers, records or restores."""
 
     def __init__(self, flat, stash: TableStash):

@@ -18,7 +18,7 @@ from typing import Dict, Optional, Type
 
 import torch
 
-from dynemb.optimizers import OptimizerConfig
+from dynemb.rows.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.batch import TableBatch

@@ -18,13 +18,13 @@ from typing import Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
-from dynemb.admission import AdmissionCounter
-from dynemb.backends import backend_for_device
-from dynemb.counters import COUNTER_NAMES, TableCounters
-from dynemb.dedup import unique_keys
-from dynemb.flat_table import RowLayout
-from dynemb.initializers import Initializer
-from dynemb.optimizers import OccurrenceGrads, OptimizerConfig, fused_update
+from dynemb.rows.admission import AdmissionCounter
+from dynemb.backends.numba_backends import backend_for_device
+from dynemb.foundations.counters import COUNTER_NAMES, TableCounters
+from dynemb.rows.dedup import unique_keys
+from dynemb.rows.flat_table import RowLayout
+from dynemb.rows.initializers import Initializer
+from dynemb.rows.optimizers import OccurrenceGrads, OptimizerConfig, fused_update
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.batch import TableBatch, check_batch_score
 from dynemb.tables.checkpoint_tiers import CheckpointTiers
@@ -32,7 +32,7 @@ from dynemb.tables.held_batches import HeldBatches
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows, storage_bytes
 from dynemb.tables.tier import DeferredFailures, Tier
 from dynemb.types import EMPTY_KEY, TableFullError
-from dynemb.validation import canonical_device, check_keys
+from dynemb.foundations.validation import canonical_device, check_keys
 
 
 class DynamicTable(CheckpointTiers):
@@ -138,7 +138,7 @@ class DynamicTable(CheckpointTiers):
     def fixed_memory() -> MemoryBreakdown:
         """Bytes every table holds whatever its size (``other_bytes`` and ``host_other_bytes``
         of :meth:`memory_breakdown`): one int64 per counter of
-        :data:`~dynemb.counters.COUNTER_NAMES` and the int64 count of deferred slot failures
+        :data:`~dynemb.foundations.counters.COUNTER_NAMES` and the int64 count of deferred slot failures
         on the device, that count's mirror on the host.
 
         Example::
@@ -317,7 +317,7 @@ class DynamicTable(CheckpointTiers):
     def apply_gradients(self, batch: TableBatch, grads: Union[torch.Tensor, OccurrenceGrads],
                         *, lr: float, step: int) -> None:
         """Fused optimizer update of the batch's rows with ``grads`` [U, dim] (or the
-        gradients of its occurrences, :class:`~dynemb.optimizers.OccurrenceGrads`, summed per
+        gradients of its occurrences, :class:`~dynemb.rows.optimizers.OccurrenceGrads`, summed per
         row by the kernel), then unpin.
 
         Once per batch: a second call raises (it would apply the update twice). A batch whose
@@ -392,7 +392,7 @@ class DynamicTable(CheckpointTiers):
         touching scores, pins or counters. Returns ``(rows, found [N])``: rows [N, dim] in the
         table dtype, or ``with_state`` the logical rows ``[N, dim + state_dim]`` (float32 for
         float16 / bfloat16 tables: the embedding upcast, then the float32 optimizer state;
-        see :meth:`~dynemb.flat_table.RowLayout.to_logical`)."""
+        see :meth:`~dynemb.rows.flat_table.RowLayout.to_logical`)."""
         check_keys(keys, self.device)
         width = self.width if with_state else self.dim
         rows = torch.zeros(keys.numel(), width, dtype=self.layout.dtype, device=self.device)

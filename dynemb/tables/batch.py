@@ -15,7 +15,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 @dataclass
 class TableBatch:
-    """One table's part of a :class:`~dynemb.prefetch.PrefetchState`.
+    """One table's part of a :class:`~dynemb.modules.prefetch.PrefetchState`.
 
     ``keys`` / ``counts`` [U] are the unique keys and their occurrences, ``inverse`` [N] maps
     each input key to its unique index. ``slots`` [U] are device-tier slots (-1: no device row:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.backing_store import (BackingStore, HostBackingStore, default_store,
+from dynemb.stores.backing_store import (BackingStore, HostBackingStore, default_store,
                                   default_store_slots)
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.checkpoint_tiers import TierParts
@@ -51,7 +51,7 @@ class CacheTable(HbmDirectTable):
     @classmethod
     def planned_rows(cls, layout: TableLayout, options: DynamicEmbTableOptions) -> PlannedRows:
         """The cache's rows, and the backing store at its largest: the default store's
-        :func:`~dynemb.backing_store.default_store_slots` (a row and a hash slot each), or the
+        :func:`~dynemb.stores.backing_store.default_store_slots` (a row and a hash slot each), or the
         rows a user's store must hold (its own structures unknown): the rows the table is
         sized for, ``layout.target_rows`` (``num_embeddings``, or ``max_capacity`` when set).
 
@@ -135,7 +135,7 @@ class CacheTable(HbmDirectTable):
         Example::
 
             >>> from dynemb.options import choose_storage_mode
-            >>> from dynemb.optimizers import OptimizerConfig
+            >>> from dynemb.rows.optimizers import OptimizerConfig
             >>> options = DynamicEmbTableOptions(caching=True, global_hbm_for_values=256 * 16)
             >>> layout = choose_storage_mode(options, name="t", num_embeddings=1024, width=4,
             ...                              config_dtype=torch.float32)

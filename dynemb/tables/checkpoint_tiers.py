@@ -19,10 +19,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from dynemb.admission import AdmissionCounter
-from dynemb.backing_store import BackingStore
-from dynemb.flat_table import FlatTable
-from dynemb.hash_table import ScoredHashTable
+from dynemb.rows.admission import AdmissionCounter
+from dynemb.stores.backing_store import BackingStore
+from dynemb.rows.flat_table import FlatTable
+from dynemb.rows.hash_table import ScoredHashTable
 from dynemb.tables.tier import Tier
 from dynemb.types import TableFullError
 
@@ -69,7 +69,7 @@ class CheckpointTiers:
 
         Example::
 
-            >>> from dynemb.optimizers import OptimizerConfig
+            >>> from dynemb.rows.optimizers import OptimizerConfig
             >>> from dynemb.options import DynamicEmbTableOptions, choose_storage_mode
             >>> from dynemb.tables import build_table
             >>> options = DynamicEmbTableOptions(global_hbm_for_values=256 * 32)  # 256 rows

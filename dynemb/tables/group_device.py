@@ -11,7 +11,7 @@ What the host cannot know without waiting, it does not need:
   copied to the host without waiting and raised at a later prefetch
   (:class:`GroupFailures`).
 - **Per-table values** (bounds, clocks) go to the device through pinned memory
-  (:func:`dynemb.device_values.values_on`).
+  (:func:`dynemb.foundations.device_values.values_on`).
 
 Within a table, the unique keys come sorted (as ``dedup.padded_unique`` sorts a table's own),
 each at its table's position in the key bounds.
@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from dynemb.counters import COUNTER_NAMES
-from dynemb.device_values import values_on
+from dynemb.foundations.counters import COUNTER_NAMES
+from dynemb.foundations.device_values import values_on
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy, TableFullError
 

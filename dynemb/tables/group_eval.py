@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from dynemb.counters import COUNTER_NAMES
+from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.options import StorageMode
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
 

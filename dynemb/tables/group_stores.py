@@ -3,7 +3,7 @@
 After a group's claim (:mod:`dynemb.tables.groups`), each CACHE table writes the rows it
 evicted back to its backing store and loads the keys it inserted from there
 (:class:`~dynemb.tables.cache.CacheTable`). Alone, that is a dozen small calls per table per
-step. Here the tables whose store is a plain :class:`~dynemb.backing_store.HostBackingStore`
+step. Here the tables whose store is a plain :class:`~dynemb.stores.backing_store.HostBackingStore`
 on the CPU run in one call (``kernels/group_stores_cpu.py``), each exactly as alone: same
 store slots, scores, clocks, evictions, counters and rows. The host runs a table alone when
 the kernel cannot: its store must grow first, or it is a user's store.
@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from numba.typed import List as TypedList
 
-from dynemb.backing_store import HostBackingStore
-from dynemb.counters import COUNTER_NAMES
-from dynemb.hash_table_images import restore_scores_at
-from dynemb.kernel_backend import TableArrays
+from dynemb.stores.backing_store import HostBackingStore
+from dynemb.foundations.counters import COUNTER_NAMES
+from dynemb.rows.hash_table_images import restore_scores_at
+from dynemb.backends.protocol import TableArrays
 from dynemb.kernels import group_stores_cpu
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 

@@ -7,8 +7,8 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from dynemb.counters import COUNTER_NAMES
-from dynemb.optimizers import OccurrenceGrads, fused_update
+from dynemb.foundations.counters import COUNTER_NAMES
+from dynemb.rows.optimizers import OccurrenceGrads, fused_update
 from dynemb.tables.group_batch import GroupBatch
 
 _DROPPED = COUNTER_NAMES.index("dropped_updates")

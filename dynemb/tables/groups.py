@@ -21,7 +21,7 @@ nothing back on the host (:mod:`dynemb.tables.group_device`). Which tables group
 Example::
 
     >>> from dynemb.options import DynamicEmbTableOptions, choose_storage_mode
-    >>> from dynemb.optimizers import OptimizerConfig
+    >>> from dynemb.rows.optimizers import OptimizerConfig
     >>> from dynemb.tables import build_table
     >>> def table(name):
     ...     layout = choose_storage_mode(DynamicEmbTableOptions(), name=name, num_embeddings=512,
@@ -39,8 +39,8 @@ from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from dynemb.counters import COUNTER_NAMES
-from dynemb.kernel_backend import TableArrays
+from dynemb.foundations.counters import COUNTER_NAMES
+from dynemb.backends.protocol import TableArrays
 from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of

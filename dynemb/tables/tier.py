@@ -6,13 +6,13 @@ from typing import Optional
 
 import torch
 
-from dynemb.backends import resolve_kernels
-from dynemb.flat_table import FlatTable
-from dynemb.hash_table import ScoredHashTable
-from dynemb.kernel_backend import KernelBackend
+from dynemb.backends.numba_backends import resolve_kernels
+from dynemb.rows.flat_table import FlatTable
+from dynemb.rows.hash_table import ScoredHashTable
+from dynemb.backends.protocol import KernelBackend
 from dynemb.options import DynamicEmbTableOptions, TableLayout
 from dynemb.types import TableFullError
-from dynemb.validation import canonical_device
+from dynemb.foundations.validation import canonical_device
 
 
 class Tier:

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from dynemb.key_mixing import routes_to_first
+from dynemb.foundations.key_mixing import routes_to_first
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.base import DynamicTable, tier_row_bytes
 from dynemb.tables.batch import TableBatch

@@ -1,0 +1,496 @@
+"""``DynamicCore``: what both drop-in modules share, composed by each (see
+:mod:`dynemb.modules.dynamic_module`): the tables, the prefetch queue, the pins of lookups awaiting
+backward, memory stashing, the fused optimizer's step and learning rate, and the checkpoint
+state.
+
+A training lookup (:meth:`DynamicCore.lookup`) takes the oldest prefetched batch (or prefetches
+inline), pins its rows until its backward or the next training lookup, and hands the batch
+to the module, which turns rows into its outputs (per occurrence or pooled) and, in backward,
+calls :meth:`DynamicCore.apply_gradients`.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import (Any, Deque, Dict, Iterable, Iterator, List, Mapping, Optional,
+                    Tuple)
+
+import torch
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dynemb.checkpoint.module_state import (NAMESPACE, check_saved_tables, collect_saved,
+                                           save_tables)
+from dynemb.checkpoint.table_state import SavedTable, restore
+from dynemb.modules.batch_claims import check_failures, prefetch_all
+from dynemb.modules.collection_config import build_configured_tables, settle_table_options
+from dynemb.rows.fused_optimizer import DynamicEmbFusedOptimizer, checked_lr
+from dynemb.modules.fused_params import fused_params_optimizer
+from dynemb.optimizer_config import DefaultOptimizerNotice
+from dynemb.rows.optimizers import OptimizerConfig
+from dynemb.options import DynamicEmbTableOptions, StorageMode
+from dynemb.modules.prefetch import PrefetchState, check_state_matches, prefetch_on_stream
+from dynemb.stashing.collection_stash import CollectionStash
+from dynemb.modules.table_inputs import TableInputs, split_by_table
+from dynemb.tables import DynamicTable, TableBatch
+from dynemb.tables.batch import check_batch_score, check_score
+from dynemb.tables.groups import GroupBatch, TableGroup, group_tables
+from dynemb.modules.table_weights import TableWeights
+from dynemb.types import ScorePolicy
+
+
+class DynamicCore:
+    """The dynamic tables of one module and everything that happens to them in a step.
+
+    Args:
+        owner: the owning module's class name (for messages).
+        configs: the tables' TorchRec configs, checked.
+        device, backend, validate_inputs: as the modules take them.
+        table_options: as the modules take them (one for all, a dict by name, or None).
+        optimizer: the fused optimizer's config, None for the default.
+        weights_are_counts: read each KJT's weights as occurrence counts (the sharded
+            modules' shares get deduplicated ids).
+        variable_batch: accept KJTs with a batch size per feature.
+        group_tables: train tables of one shape as one group (:mod:`dynemb.tables.groups`);
+            False runs every table alone.
+        with_table_weights: give each table a parameter handle
+            (:attr:`table_weights`, :mod:`dynemb.modules.table_weights`), whose
+            ``apply_optimizer_in_backward`` marks configure the optimizer (see
+            :meth:`settle_marked_optimizer`).
+    """
+
+    def __init__(self, owner: str, configs: List[BaseEmbeddingConfig], device: torch.device,
+                 *, table_options, optimizer: Optional[OptimizerConfig],
+                 backend: Optional[str], validate_inputs: bool, weights_are_counts: bool,
+                 variable_batch: bool, group_tables: bool = True,
+                 with_table_weights: bool = False):
+        self.configs = configs
+        self._inputs = TableInputs(configs)  # which KJT features each table reads
+        self.device = device
+        self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
+        if not isinstance(self.optimizer_config, OptimizerConfig):
+            raise TypeError(f"optimizer must be an OptimizerConfig, got {optimizer!r}")
+        # a sharder's fused_params may still configure it: say so at first training use
+        self.optimizer_notice = DefaultOptimizerNotice(owner, given=optimizer is not None)
+        self._table_options_given = table_options  # settled again for a marked optimizer
+        self.table_options: Dict[str, DynamicEmbTableOptions] = settle_table_options(
+            table_options, configs, self.optimizer_config)
+        self.backend = backend
+        self.validate_inputs = validate_inputs
+        self._weights_are_counts = weights_are_counts
+        self._variable_batch = variable_batch
+        self.tables: Dict[str, DynamicTable] = build_configured_tables(
+            configs, self.table_options, self.optimizer_config, device, backend)  # {} on meta
+        # the CUDA kernels report keys without a slot at a later prefetch
+        self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
+        self.groups_on = group_tables
+        self.groups: List[TableGroup] = []
+        self._regroup()
+        self._queue: Deque[PrefetchState] = collections.deque()
+        # batches looked up by training lookups whose backward has not run: pinned until
+        # their backward or the next training lookup (see lookup)
+        self._awaiting_backward: List[Tuple[str, TableBatch]] = []
+        self._steps = {name: 0 for name in self.tables}
+        self._scores: Dict[str, int] = {}  # CUSTOMIZED tables: what training batches write
+        self._scored = [name for name, options in self.table_options.items()
+                        if options.score_strategy is ScorePolicy.CUSTOMIZED]
+        self._generation = 0  # bumped by every checkpoint load: older lookups cannot backward
+        self.fused_optimizer = DynamicEmbFusedOptimizer(self.optimizer_config.learning_rate)
+        self._prefetch_stream = (torch.cuda.Stream(device=device)
+                                 if device.type == "cuda" else None)
+        # memory stashing (dynemb.stashing): None unless a table's options ask for it
+        self.memory_stash = CollectionStash.build(self.tables, device, self._prefetch_stream)
+        self.table_weights = TableWeights(configs, owner) if with_table_weights else None
+        self._marks_seen: Optional[Tuple[int, ...]] = None
+        if self.table_weights is not None and optimizer is not None:
+            self.table_weights.mark_trained_in_backward()
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Unpickling: what is derived from the configuration is derived again (a module
+        pickled by an earlier version may lack it)."""
+        self.__dict__.update(state)
+        self._inputs = TableInputs(self.configs)
+        self._scored = [name for name, options in self.table_options.items()
+                        if options.score_strategy is ScorePolicy.CUSTOMIZED]
+        self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
+        for group in self.groups:
+            group.view_parts_again()
+
+    # -- the optimizer marked by apply_optimizer_in_backward ---------------------------------
+    def settle_marked_optimizer(self) -> None:
+        """Adopt the optimizer that ``apply_optimizer_in_backward`` marked on the table
+        handles (:mod:`dynemb.modules.table_weights`) when a mark is new; runs before a training
+        step or a checkpoint load. A mark equal to the module's ``optimizer=`` changes
+        nothing; one that differs raises ``ValueError``, as does one that comes after the
+        tables hold rows (trained, loaded or filled with the default optimizer's layout).
+        Otherwise the tables, still empty, are built again with the marked optimizer (its
+        learning rate becomes the fused optimizer's) and no default-optimizer warning
+        comes. Nothing changes when it raises."""
+        weights = self.table_weights
+        if weights is None:
+            return
+        signature = weights.marks_signature()
+        if signature == self._marks_seen:
+            return
+        fused = weights.marked_fused_params()
+        if fused is not None:
+            self._adopt(fused_params_optimizer(fused))
+        self._marks_seen = signature
+
+    def _adopt(self, marked: OptimizerConfig) -> None:
+        owner = self.optimizer_notice.owner
+        if self.optimizer_notice.given:
+            if marked != self.optimizer_config:
+                raise ValueError(
+                    f"{owner}: apply_optimizer_in_backward marks {marked} on the tables but "
+                    f"the module trains with optimizer={self.optimizer_config}; configure "
+                    f"the optimizer in one place (nothing was changed)")
+            self.table_weights.mark_trained_in_backward()
+            return
+        holding = [name for name, table in self.tables.items()
+                   if self._steps[name] or _holds_rows(table)]
+        if holding:
+            raise ValueError(
+                f"{owner}: apply_optimizer_in_backward marks {marked} on the tables, but "
+                f"tables {holding} already hold rows kept for the default optimizer "
+                f"{self.optimizer_config} (trained, loaded or filled before the mark); mark "
+                f"the tables' parameters before the first training step or checkpoint load, "
+                f"or pass optimizer= to the module (nothing was changed)")
+        options = settle_table_options(self._table_options_given, self.configs, marked)
+        self.clear_prefetched()
+        self.optimizer_config, self.table_options = marked, options
+        for config in self.configs:  # one table's memory goes before its new one comes
+            if config.name in self.tables:
+                del self.tables[config.name]
+                self.tables[config.name] = self._build_table(config)
+        self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
+        self._regroup()
+        self.memory_stash = CollectionStash.build(self.tables, self.device,
+                                                  self._prefetch_stream)
+        self.fused_optimizer.param_groups[0]["lr"] = marked.learning_rate
+        self.optimizer_notice.configured()
+        self.table_weights.mark_trained_in_backward()
+
+    def _regroup(self) -> None:
+        """Group the current tables (each group copies its tables into its own arrays)."""
+        self.groups = []  # the old groups' arrays go with the last table that views them
+        if self.groups_on:  # in config order (a reset table comes last in self.tables)
+            self.groups = group_tables({c.name: self.tables[c.name] for c in self.configs
+                                        if c.name in self.tables})
+
+    def _groups_for_training(self) -> List[TableGroup]:
+        """The groups a training batch goes through; regrouped first if a table, or its
+        arrays, were replaced since (a group keeps its tables' storage, not the module's
+        names). Batches in flight move to the new groups; a batch whose group's tables
+        changed ends its pins, queued prefetches are dropped, and a backward of an earlier
+        lookup raises, as after a checkpoint load."""
+        if all(group.intact(self.tables) for group in self.groups):
+            return self.groups
+        in_flight = {id(b): b for state in self._queue for b in state.batches.values()}
+        in_flight.update((id(b), b) for _, b in self._awaiting_backward)
+        self._regroup()
+        lost = False
+        for batch in in_flight.values():
+            if isinstance(batch, GroupBatch) and batch.group not in self.groups:
+                if not any(batch.move_to(group) for group in self.groups):
+                    batch.end_pins_alone()
+                    lost = True
+        if lost:
+            self.clear_prefetched()
+            self._generation += 1
+        return self.groups
+
+    def _build_table(self, config: BaseEmbeddingConfig) -> Optional[DynamicTable]:
+        return build_configured_tables([config], self.table_options, self.optimizer_config,
+                                       self.device, self.backend).get(config.name)
+
+    # -- views -------------------------------------------------------------------------------
+    @property
+    def is_meta(self) -> bool:
+        return self.device.type == "meta"
+
+    @property
+    def steps(self) -> Dict[str, int]:
+        return dict(self._steps)
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def pending_prefetches(self) -> int:
+        return len(self._queue)
+
+    @property
+    def max_gradient(self) -> Optional[float]:
+        return self.optimizer_config.max_gradient
+
+    def storage_modes(self) -> Dict[str, StorageMode]:
+        return {name: t.mode for name, t in self.tables.items()}
+
+    def stats(self) -> Dict[str, Dict[str, Any]]:
+        return {name: t.stats() for name, t in self.tables.items()}
+
+    def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
+        if table not in self.tables:
+            raise KeyError(f"no table {table!r}; tables: {list(self.tables)}")
+        return self.tables[table].read_rows(keys, with_state=with_state)
+
+    def flush(self) -> Dict[str, int]:
+        """Rows written back per table that keeps a copy of every row (CACHE), see
+        :meth:`dynemb.tables.DynamicTable.flush`; other tables are left out."""
+        counts = {name: table.flush() for name, table in self.tables.items()}
+        return {name: count for name, count in counts.items() if count is not None}
+
+    def reset(self, tables: Optional[Iterable[str]] = None) -> None:
+        """The named tables (every table when None) empty as just built, their steps back to
+        0; prefetches and pins end. Unknown names raise ``KeyError`` before anything
+        changes."""
+        if tables is not None:
+            names = [tables] if isinstance(tables, str) else list(tables)
+            known = [config.name for config in self.configs]
+            unknown = [n for n in names if n not in known]
+            if unknown:
+                raise KeyError(f"no table {unknown[0]!r} to reset; tables: {known}")
+        if self.is_meta:
+            return
+        self.clear_prefetched()
+        for config in self.configs:  # one table's memory goes before its new one comes
+            if tables is not None and config.name not in names:
+                continue
+            del self.tables[config.name]
+            self.tables[config.name], self._steps[config.name] = self._build_table(config), 0
+        self._regroup()
+        self._generation += 1
+
+    # -- prefetch ----------------------------------------------------------------------------
+    def set_scores(self, scores: Mapping[str, int]) -> None:
+        """The score training batches write for the keys of each named CUSTOMIZED table,
+        from the next prefetch on (kept until set again), all or nothing."""
+        if not isinstance(scores, Mapping):
+            raise TypeError(f"scores must map table names to ints, got {scores!r}")
+        checked = {}
+        for name, score in scores.items():
+            options = self.table_options.get(name)
+            if options is None:
+                raise KeyError(f"no table {name!r}; tables: {list(self.table_options)}")
+            if options.score_strategy is not ScorePolicy.CUSTOMIZED:
+                raise ValueError(f"table {name!r} has score_strategy "
+                                 f"{options.score_strategy.name}: only CUSTOMIZED tables take "
+                                 f"scores (nothing was set)")
+            checked[name] = check_score(name, score)
+        self._scores.update(checked)
+
+    @property
+    def scores(self) -> Dict[str, int]:
+        """The scores :meth:`set_scores` set, by table (a copy)."""
+        return dict(self._scores)
+
+    def prefetch(self, kjt: KeyedJaggedTensor, training: bool,
+                 forward_stream: Optional[torch.cuda.Stream] = None) -> PrefetchState:
+        """Resolve ``kjt``'s ids to slots and queue the result (on CUDA on the side stream,
+        after the current stream and ``forward_stream``)."""
+        if training:
+            self.settle_marked_optimizer()
+        if self._prefetch_stream is None:
+            state = self._prefetch_now(kjt, training)
+        else:
+            state = prefetch_on_stream(lambda: self._prefetch_now(kjt, training), kjt,
+                                       self._prefetch_stream, self.device, forward_stream)
+        self._queue.append(state)
+        return state
+
+    def _prefetch_now(self, kjt: KeyedJaggedTensor, training: bool) -> PrefetchState:
+        per_table = split_by_table(kjt, self._inputs, self.device, validate=self.validate_inputs,
+                                   weights_are_counts=self._weights_are_counts,
+                                   variable_batch=self._variable_batch)
+        for name in self._scored:  # before any table changes (no other policy can fail)
+            check_batch_score(name, ScorePolicy.CUSTOMIZED, training, self._scores.get(name))
+        groups = (self._groups_for_training() if training else
+                  [g for g in self.groups if g.intact(self.tables)])
+        if training and self._defers_failures:  # earlier batches' keys without a slot (CUDA)
+            check_failures(groups, self.tables.values())
+        batches = prefetch_all(groups, self.tables, per_table, training, self._scores,
+                               self._release)
+        batches = {name: batches[name] for name in self.tables}
+        features = {name: per_table[name][1] for name in self.tables}
+        lengths = per_table["__lengths__"]
+        return PrefetchState(batches, features, tuple(kjt.keys()), training,
+                             lengths=lengths, values=kjt.values(), all_lengths=kjt.lengths())
+
+    # -- lookup ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lookup(self, kjt: KeyedJaggedTensor, trains: bool) -> Iterator[PrefetchState]:
+        """The batch of ``kjt`` looked up, for the module to read its rows in the ``with``
+        block. ``trains`` (a training forward with autograd on): the oldest batch queued for
+        training is taken (or ``kjt`` is prefetched inline) and its pins last until its
+        backward or the next training lookup; else the lookup is read-only and its pins end
+        with the block."""
+        if trains:
+            self.settle_marked_optimizer()
+            self._check_lr()
+            self.optimizer_notice.at_training(self.optimizer_config)
+        state = self._take(kjt, trains)
+        if trains:
+            # the previous step's lookups end their pins now, after this batch pinned its
+            # own rows: a lookup whose backward never comes (a table unused by the loss, an
+            # output dropped, an exception) cannot hold rows for ever
+            earlier, self._awaiting_backward = self._awaiting_backward, []
+        try:
+            for name in self.tables:
+                batch = state.batches[name]
+                batch.consumed = True
+                if trains:
+                    self._awaiting_backward.append((name, batch))
+            yield state
+        finally:
+            if trains:
+                self._release(earlier)
+            else:  # read-only lookups hold their pins until their rows are read
+                self._release(state.batches.items())
+        if trains and self.memory_stash is not None:  # every lookup is done: rows can go
+            self.memory_stash.after_lookup()
+
+    def _take(self, kjt: KeyedJaggedTensor, trains: bool) -> PrefetchState:
+        if self._queue and self._queue[0].training == trains:
+            # a mismatch raises with the queue as it was: the batch prefetched is still the
+            # next one, and its lookups were counted once, by prefetch
+            check_state_matches(self._queue[0], kjt, sync_free=not self.validate_inputs)
+            state = self._queue.popleft()
+        else:  # nothing queued, or queued for the other mode (e.g. an eval between steps)
+            state = self._prefetch_now(kjt, trains)
+        if state.ready is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(state.ready)
+            for batch in state.batches.values():  # made on the prefetch stream, used here
+                for tensor in batch.tensors():
+                    tensor.record_stream(stream)
+        return state
+
+    def clear_prefetched(self) -> None:
+        """Drop every queued prefetch, and end the pins of looked-up batches whose backward
+        has not run (such a backward still updates the rows that are still stored)."""
+        while self._queue:
+            self._release(self._queue.popleft().batches.items())
+        self.end_awaiting_backward()
+
+    def end_awaiting_backward(self) -> None:
+        """End the pins of the looked-up batches whose backward has not run."""
+        self._release(self._awaiting_backward)
+        self._awaiting_backward = []
+
+    def _release(self, looked_up: Iterable[Tuple[str, Any]]) -> None:
+        released = set()  # a group batch stands for each of its tables: release it once
+        for name, batch in looked_up:
+            if isinstance(batch, GroupBatch):
+                if id(batch) not in released:
+                    released.add(id(batch))
+                    batch.group.release(batch)  # for all its tables
+            else:
+                self.tables[name].release(batch)
+
+    # -- backward ----------------------------------------------------------------------------
+    def before_backward(self) -> None:
+        """Stashed rows come back now at the latest."""
+        if self.memory_stash is not None:
+            self.memory_stash.restore()
+
+    def apply_gradients(self, name: str, batch: TableBatch, grads, generation: int) -> None:
+        """The fused update of table ``name``'s rows of ``batch`` (looked up at load
+        ``generation``) from ``grads`` (:class:`~dynemb.rows.optimizers.OccurrenceGrads`)."""
+        if generation != self._generation:
+            raise RuntimeError(
+                f"table {name!r} was loaded from a checkpoint or reset after this forward; "
+                f"its backward would update rows that are no longer there. Run a new forward")
+        lr = self._check_lr()  # read here: a scheduler may change it after the forward
+        if not batch.applied:
+            self._steps[name] += 1
+        self.tables[name].apply_gradients(batch, grads, lr=lr, step=self._steps[name])
+
+    def apply_group_gradients(self, batch: GroupBatch, grads, taking: List[bool],
+                              generation: int) -> None:
+        """The fused update of a group batch's rows from ``grads`` (an
+        :class:`~dynemb.rows.optimizers.OccurrenceGrads` of its unique keys) for the tables
+        ``taking`` a gradient (per table of the group), as :meth:`apply_gradients` would do
+        table by table."""
+        names = batch.names
+        if generation != self._generation:
+            raise RuntimeError(
+                f"tables {list(names)} were loaded from a checkpoint or reset after this "
+                f"forward; their backward would update rows that are no longer there. Run a "
+                f"new forward")
+        again = [n for n, takes in zip(names, taking) if takes and n in batch.applied]
+        if again:
+            raise RuntimeError(
+                f"table {again[0]!r}: the backward of this lookup already ran and applied its "
+                f"update; a second backward through the same forward (retain_graph=True) would "
+                f"apply it twice. Sum the losses and call backward once, or run a new forward")
+        lr = self._check_lr()
+        for name, takes in zip(names, taking):
+            if takes:
+                self._steps[name] += 1
+        batch.group.apply_gradients(batch, grads, taking, lr=lr, steps=self._steps)
+
+    def _check_lr(self) -> float:
+        given = self.fused_optimizer.param_groups[0]["lr"]
+        try:
+            return checked_lr(given, "fused_optimizer.param_groups[0]['lr']")
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{err}; nothing was updated") from None
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_state(self, destination, prefix: str, rank: int, world_size: int) -> None:
+        """Every table's rows, scores, optimizer state, step and counters into a state dict
+        (see :mod:`dynemb.checkpoint.module_state`): views of the tables."""
+        save_tables(self.tables, self._steps, destination, prefix, rank, world_size)
+
+    def load_state(self, state_dict: Mapping[str, Any], prefix: str, strict: bool,
+                   missing_keys: List[str], unexpected_keys: List[str]) -> None:
+        """``nn.Module._load_from_state_dict``'s part for the tables; errors raise
+        (DistributedModelParallel's loader drops ``error_msgs``)."""
+        try:
+            saved, unexpected = collect_saved(state_dict, prefix, list(self.tables))
+        except ValueError as err:
+            raise RuntimeError(str(err)) from None
+        unexpected_keys.extend(unexpected)
+        absent = [n for n in self.tables if n not in saved]
+        missing_keys.extend(f"{prefix}{NAMESPACE}.{n}.signature" for n in absent)
+        if absent and strict:
+            return  # load_state_dict raises on the missing keys; nothing changed
+        try:
+            self.load_tables(saved)
+        except ValueError as err:
+            raise RuntimeError(str(err)) from None
+
+    def load_tables(self, saved: Dict[str, List[SavedTable]]) -> None:
+        """Replace the named tables' contents with their saved images, all or nothing (see
+        :meth:`dynemb.modules.dynamic_module.DynamicModule.load_tables`)."""
+        self.settle_marked_optimizer()
+        exact = check_saved_tables(self.tables, saved)
+        # fallible loads (by key, into new tables) first; in-place ones cannot fail
+        restored = {n: restore(self.tables[n], parts) for n, parts in saved.items()
+                    if n not in exact}
+        self.clear_prefetched()
+        restored.update({n: restore(self.tables[n], saved[n]) for n in exact})
+        self.install_tables(restored, {n: max(p.step for p in saved[n]) for n in restored})
+
+    def install_tables(self, tables: Dict[str, DynamicTable], steps: Dict[str, int]) -> None:
+        """Swap in ``tables`` with their optimizer ``steps``: queued prefetches drop, pins
+        end, and a backward of an earlier lookup raises instead of updating the new rows."""
+        self.clear_prefetched()
+        for name, table in tables.items():
+            self.tables[name] = table
+            self._steps[name] = steps[name]
+        self._regroup()
+        self._generation += 1
+
+
+def _holds_rows(table: DynamicTable) -> bool:
+    stats = table.stats()
+    return bool(stats["rows_device"] or stats["rows_backing"] or stats["admission_pending"])
+
+
+def trains_now(module: torch.nn.Module) -> bool:
+    """A training forward with autograd on (anything else reads rows only)."""
+    return module.training and torch.is_grad_enabled()
+
