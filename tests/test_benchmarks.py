@@ -169,3 +169,16 @@ def test_disk_benchmark_quick(tmp_path):
     saved = json.loads((tmp_path / "disk_cpu_quick.json").read_text())
     assert saved["result"]["big"]["rows"] == big["rows"]
     assert (tmp_path / "disk_cpu_quick.png").stat().st_size > 0
+
+
+def test_before_after_pairs_every_timing_both_sides_measured():
+    from benchmarks import before_after
+    before = [{"rows": [{"op": "a", "step_ms": 2.0}, {"op": "b", "step_ms": 4.0}], "n": 7},
+              {"rows": [{"op": "a", "step_ms": 4.0}, {"op": "b", "step_ms": 6.0}], "n": 7}]
+    after = [{"rows": [{"op": "a", "step_ms": 3.0}, {"op": "b", "step_ms": 5.0}],
+              "extra_ms": 1.0}]
+    assert before_after.compare(before, after) == {
+        "rows.0.step_ms": {"before": 3.0, "after": 3.0, "ratio": 1.0},
+        "rows.1.step_ms": {"before": 5.0, "after": 5.0, "ratio": 1.0}}
+    assert dict(before_after.timings({"flag_ms": True, "ms": 2, "deep": [[{"x_ms": 1}]]})) == \
+        {"ms": 2.0, "deep.0.0.x_ms": 1.0}
