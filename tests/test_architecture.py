@@ -1,7 +1,8 @@
 """The layering of docs/architecture.md, checked on the source: imports only run down the
 layers, none hides in a function to dodge a cycle, no module reads another one's private
-attributes (TorchRec's and torch's privates go through ``dynemb/bridges/`` only), and the
-services hold no storage-mode branch (each table class says how it saves itself)."""
+attributes (TorchRec's and torch's privates go through ``dynemb/bridges/`` only), and no
+storage mode is named outside the tables layer and the options (everything else asks the
+mode's policy, :mod:`dynemb.tables.policies`)."""
 from __future__ import annotations
 
 import ast
@@ -200,14 +201,61 @@ def test_no_module_reads_another_ones_private_attributes():
     assert not crossings, "\n".join(crossings)
 
 
-@pytest.mark.parametrize("package", ["checkpoint", "stashing", "serving"])
-def test_services_hold_no_storage_mode_branch(package):
-    branches = []
-    for path in sorted((PACKAGE / package).rglob("*.py")):
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
-            if "StorageMode." in line and not line.lstrip().startswith(("#", ">>>")):
-                branches.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
-    assert not branches, "\n".join(branches)
+#: Where a storage mode may be named: the options choose it, the tables layer implements it
+#: (and holds its policy, :mod:`dynemb.tables.policies`, which everything else asks).
+STORAGE_MODE_HOMES = ("dynemb/tables/", "dynemb/options.py")
+
+
+def storage_mode_members(tree: ast.Module) -> Iterator[ast.expr]:
+    """Expressions of ``tree`` that name one member of ``StorageMode``:
+    ``StorageMode.CACHE`` (also through ``dynemb.options.StorageMode`` or an ``import ... as``
+    alias), ``StorageMode["CACHE"]`` or ``StorageMode("cache")``. Docstrings are strings: a
+    doctest's output may show a member."""
+    names = {"StorageMode"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names.update(alias.asname for alias in node.names
+                         if alias.name == "StorageMode" and alias.asname)
+
+    def is_enum(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Name) and node.id in names) or (
+            isinstance(node, ast.Attribute) and node.attr == "StorageMode")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_enum(node.value) and \
+                not node.attr.startswith("_"):
+            yield node
+        elif isinstance(node, ast.Subscript) and is_enum(node.value) and \
+                isinstance(node.slice, ast.Constant):
+            yield node
+        elif isinstance(node, ast.Call) and is_enum(node.func) and \
+                any(isinstance(arg, ast.Constant) for arg in node.args):
+            yield node
+
+
+def test_no_storage_mode_is_named_outside_the_tables_and_the_options():
+    """A mode's meaning to the rest of dynemb is its storage policy: code outside the tables
+    layer and the options asks ``storage_policy(layout.mode)``, never tests for a mode."""
+    named = []
+    for _, path, tree in sources():
+        where = path.relative_to(ROOT).as_posix()
+        if where.startswith(STORAGE_MODE_HOMES):
+            continue
+        named.extend(f"{where}:{node.lineno}: {ast.unparse(node)}"
+                     for node in sorted(storage_mode_members(tree), key=lambda n: n.lineno))
+    assert not named, "\n".join(named)
+
+
+def test_the_storage_mode_check_sees_every_spelling():
+    tree = ast.parse("from dynemb.options import StorageMode as Mode\n"
+                     "import dynemb.options\n"
+                     "a = x.mode is StorageMode.CACHE\n"
+                     "b = Mode.HOST_ONLY\n"
+                     "c = dynemb.options.StorageMode.DEFAULT\n"
+                     "d = StorageMode['HBM_DIRECT']\n"
+                     "e = StorageMode('cache')\n"
+                     "f = tuple(StorageMode), StorageMode(value), StorageMode.__members__\n")
+    assert sorted(node.lineno for node in storage_mode_members(tree)) == [3, 4, 5, 6, 7]
 
 
 def test_the_documented_layers_are_the_eight_of_the_picture():

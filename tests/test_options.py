@@ -100,7 +100,7 @@ def test_rows_allocated_up_front_beyond_memory_name_init_capacity_and_a_budget()
 def test_what_a_module_allocates_up_front_is_checked_together_before_any_table(monkeypatch):
     """Host memory faked to 64 MiB: one table of 200k rows is refused alone, and eight of 60k
     rows (each fits) are refused together, before any is built."""
-    import dynemb.rows.allocation_checks as checks
+    import dynemb.tables.allocation_checks as checks
     import dynemb.tables as tables_package
     monkeypatch.setattr(checks, "_memory_of",
                         lambda device: 64 << 20 if device.type == "cpu" else None)

@@ -10,11 +10,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
                     FrequencyAdmission, Initializer, InitializerKind, OptimizerConfig,
                     OptimizerType, ScorePolicy, StorageMode)
-from dynemb.rows.allocation_checks import check_allocation
 from dynemb.options import StashMode, choose_storage_mode
 from dynemb.planning import measure_allocated, table_footprint
 from dynemb.modules.rank_share import local_table_options
 from dynemb.tables import HostOnlyTable
+from dynemb.tables.allocation_checks import check_allocation
 
 DIM = 8
 ADAM = OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05)

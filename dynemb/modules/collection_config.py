@@ -8,13 +8,13 @@ from torchrec.modules.embedding_configs import (BaseEmbeddingConfig, EmbeddingCo
                                                 data_type_to_dtype)
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
-from dynemb.rows.allocation_checks import check_allocations
 from dynemb.rows.initializers import table_identity
 from dynemb.rows.optimizers import OptimizerConfig
 from dynemb.options import (DynamicEmbTableOptions, TableLayout, choose_storage_mode,
                             resolve_initializer)
 from dynemb.stashing.collection_stash import resolve_stash_options
 from dynemb.tables import DynamicTable, build_table
+from dynemb.tables.allocation_checks import check_allocations
 
 
 def check_configs(tables, config_type: type = EmbeddingConfig) -> List[EmbeddingConfig]:

@@ -38,12 +38,12 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 
 from dynemb.module_interface import DynamicModuleInterface, is_pooled
 from dynemb.optimizer_config import OptimizerConfig
-from dynemb.options import StorageMode
 from dynemb.planning.footprint import (TableFootprint, UniqueRatios, dynamic_collections,
                                        rank_layout, table_footprint,
                                        unique_ratio_of)
 from dynemb.planning.report import format_footprints
 from dynemb.modules.fused_params import sharded_optimizer
+from dynemb.tables.policies import RowReads, storage_policy
 
 # Named after the public module users import the planner from, so that is the logger they
 # configure.
@@ -182,9 +182,12 @@ class DynamicEmbStorageEstimator(ShardEstimator):
 
 class DynamicEmbPerfEstimator(ShardEstimator):
     """Perf estimator: dynamic tables are estimated by TorchRec's ``EmbeddingPerfEstimator``
-    as the nearest TorchRec kernel (``fused`` for HBM_DIRECT; ``fused_uvm_caching`` with the
-    table's real device/total row ratio as cache load factor for CACHE and DEFAULT on a CUDA
-    topology, ``fused_uvm`` for HOST_ONLY there), then get their ``customized_kernel`` label (and cache params) back. Other
+    as the nearest TorchRec kernel, by where their storage policy reads rows
+    (:class:`~dynemb.tables.policies.RowReads`): ``fused`` for rows on the device
+    (HBM_DIRECT); on a CUDA topology ``fused_uvm_caching`` with the table's real device/total
+    row ratio as cache load factor for rows cached on the device (CACHE and DEFAULT), and
+    ``fused_uvm`` for rows in host memory (HOST_ONLY); then they get their
+    ``customized_kernel`` label (and cache params) back. Other
     options go to TorchRec's estimator (``torchrec_estimator``, default a new
     ``EmbeddingPerfEstimator``) as they are.
 
@@ -210,9 +213,10 @@ class DynamicEmbPerfEstimator(ShardEstimator):
         layout = rank_layout(config, module.table_options[config.name],
                              planned_optimizer(option, sharder_data_map),
                              self._topology.world_size)
-        if layout.mode is StorageMode.HBM_DIRECT or self._topology.compute_device != "cuda":
+        reads = storage_policy(layout.mode).row_reads
+        if reads is RowReads.DEVICE or self._topology.compute_device != "cuda":
             return EmbeddingComputeKernel.FUSED.value, None
-        if layout.mode is StorageMode.HOST_ONLY:  # every row read from host memory
+        if reads is RowReads.HOST:  # every row read from host memory
             return EmbeddingComputeKernel.FUSED_UVM.value, None
         return (EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
                 layout.device_capacity / layout.target_rows)

@@ -4,8 +4,9 @@ A dynamic table on one rank holds the device rows its options allow (values and 
 state side by side), the per-slot arrays of its hash table, an admission counter, a few
 counters, and in CACHE / DEFAULT mode a host tier with its own hash table (HOST_ONLY: that
 host tier alone, no device rows nor device hash table). The sizing rules
-belong to the table layer (``planned_rows`` and ``fixed_memory`` of
-:mod:`dynemb.tables`, :func:`dynemb.rows.admission.counter_slots`,
+belong to the table layer (the storage policy's ``planned_rows`` and ``backing_store``,
+:mod:`dynemb.tables.policies`; ``fixed_memory`` of :mod:`dynemb.tables`,
+:func:`dynemb.rows.admission.counter_slots`,
 :data:`dynemb.rows.hash_table.SLOT_BYTES`); this module adds the pipeline's I/O the way TorchRec's
 planner counts it.
 
@@ -48,7 +49,7 @@ from dynemb.rows.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout, choose_storage_mode
 from dynemb.modules.rank_share import local_table_config, local_table_options
 from dynemb.stashing.table_stash import stashed_bytes_per_row
-from dynemb.tables import TABLE_CLASSES, DynamicTable
+from dynemb.tables import DynamicTable, storage_policy
 
 #: A hash table's own int64 size counter, next to its slots.
 HASH_TABLE_FIXED_BYTES = torch.int64.itemsize
@@ -224,8 +225,9 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
     features get ``sum(input_lengths * num_poolings * batch_sizes)`` float32 rows.
     ``batch_size`` is per rank, as in TorchRec's planner; ``input_lengths`` default to
     TorchRec's pooling factor (1.0) and ``num_poolings`` to 1.0. The pipeline multipliers
-    are TorchRec's (``calculate_pipeline_io_cost``); CACHE tables count as cached for the
-    prefetch pipeline. A ``pooled`` table (of a ``DynamicEmbBagCollection``) receives every
+    are TorchRec's (``calculate_pipeline_io_cost``); tables backed by a store (CACHE: their
+    policy's ``backing_store``, rows loaded in prefetch) count as cached for the prefetch
+    pipeline. A ``pooled`` table (of a ``DynamicEmbBagCollection``) receives every
     occurrence (ids travel in their bags, ``unique_ratio`` does not apply) and outputs one
     float32 row per bag of every rank's batch (``world_size * sum(num_poolings *
     batch_sizes)``), as TorchRec's row-wise pooled sharding.
@@ -250,10 +252,11 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
     dim = config.embedding_dim
     state_dim = optimizer.state_dim(dim)
     row = RowLayout(dim, state_dim, layout.dtype)
-    rows = TABLE_CLASSES[layout.mode].planned_rows(layout, local_options)
+    policy = storage_policy(layout.mode)
+    rows = policy.planned_rows(layout, local_options)
     disk_bytes = store_memory = 0
     levels = getattr(local_options.backing_store, "planned_levels", None)
-    if layout.mode is StorageMode.CACHE and levels is not None:  # a store on disk
+    if policy.backing_store and levels is not None:  # a store on disk
         host_rows, _, disk_bytes, store_memory = levels(layout.target_rows, row.row_bytes)
         rows = dataclasses.replace(rows, host_rows=host_rows, host_hash_slots=host_rows,
                                    host_exact=True)
@@ -274,7 +277,7 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
     else:
         input_bytes = math.ceil(occurrences * unique_ratio * BIGINT_DTYPE)
         output_bytes = math.ceil(occurrences * dim * OUTPUT_BYTES_PER_VALUE)
-    prefetch_bytes = input_bytes if layout.mode is StorageMode.CACHE else 0
+    prefetch_bytes = input_bytes if policy.backing_store else 0  # rows loaded in prefetch
     io = calculate_pipeline_io_cost(
         input_size=input_bytes, output_size=output_bytes, prefetch_size=prefetch_bytes,
         pipeline_type=pipeline_type, multipass_prefetch_max_pass=multipass_prefetch_max_pass,

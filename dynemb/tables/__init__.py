@@ -11,6 +11,9 @@ DEFAULT        :class:`TieredTable`                ``tiered.py``: updated rows g
 HOST_ONLY      :class:`HostOnlyTable`              ``host_only.py``: rows updated on the
                                                    device go back to host memory in backward
 =============  ==================================  =========================================
+
+What each mode means to the code around its table (new rows, evicted rows, rows per memory,
+grouping) is its :mod:`~dynemb.tables.policies` entry: ``storage_policy(layout.mode)``.
 """
 from __future__ import annotations
 
@@ -26,20 +29,18 @@ from dynemb.tables.cache import CacheTable
 from dynemb.tables.hbm_direct import HbmDirectTable
 from dynemb.tables.host_only import HostOnlyTable
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows
+from dynemb.tables.policies import POLICIES, StoragePolicy, storage_policy
 from dynemb.tables.tiered import TieredTable
 
+#: The table class of each storage mode (its policy's, :mod:`dynemb.tables.policies`).
 TABLE_CLASSES: Dict[StorageMode, Type[DynamicTable]] = {
-    StorageMode.HBM_DIRECT: HbmDirectTable,
-    StorageMode.CACHE: CacheTable,
-    StorageMode.DEFAULT: TieredTable,
-    StorageMode.HOST_ONLY: HostOnlyTable,
-}
+    mode: policy.table_class for mode, policy in POLICIES.items()}
 
 
 def build_table(name: str, table_id: int, dim: int, layout: TableLayout,
                 options: DynamicEmbTableOptions, optimizer: OptimizerConfig,
                 device: torch.device, backend: Optional[str] = None) -> DynamicTable:
-    """The table of ``layout.mode`` (see :data:`TABLE_CLASSES`).
+    """The table of ``layout.mode`` (its policy's ``table_class``).
 
     Example::
 
@@ -50,9 +51,10 @@ def build_table(name: str, table_id: int, dim: int, layout: TableLayout,
         ...                  torch.device("cpu"))).__name__
         'HbmDirectTable'
     """
-    return TABLE_CLASSES[layout.mode](name, table_id, dim, layout, options, optimizer, device,
-                                      backend)
+    table_class = storage_policy(layout.mode).table_class
+    return table_class(name, table_id, dim, layout, options, optimizer, device, backend)
 
 
 __all__ = ["DynamicTable", "HbmDirectTable", "CacheTable", "TieredTable", "HostOnlyTable", "TableBatch",
-           "MemoryBreakdown", "PlannedRows", "TABLE_CLASSES", "build_table"]
+           "MemoryBreakdown", "PlannedRows", "StoragePolicy", "TABLE_CLASSES", "build_table",
+           "storage_policy"]

@@ -8,10 +8,12 @@ import torch
 
 from dynemb.options import StashMode, StorageMode
 from dynemb.tables.base import DynamicTable
+from dynemb.tables.policies import POLICIES
 
-#: The modes whose tables group: HBM_DIRECT, and CACHE (the device tier grouped; each
-#: table's evicted rows go to its own store, and its new rows come from it, table by table).
-GROUPED_MODES = (StorageMode.HBM_DIRECT, StorageMode.CACHE)
+#: The modes whose tables group (their policy's ``groups``): HBM_DIRECT, and CACHE (the
+#: device tier grouped; each table's evicted rows go to its own store, and its new rows come
+#: from it, table by table).
+GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups)
 
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:

@@ -1,6 +1,7 @@
 """Whether the up-front allocations of a module's tables fit the memory they go to, checked
 before anything is allocated: each table alone, then all of them together, with the options
-that allocate less named in the error."""
+that allocate less named in the error. What a table allocates up front, and how to make it
+allocate less, is its storage policy's (:mod:`dynemb.tables.policies`)."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from dynemb.rows.hash_table import SLOT_BYTES
-from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
+from dynemb.options import DynamicEmbTableOptions, TableLayout
+from dynemb.tables.policies import storage_policy
 
 
 def check_allocation(layout: TableLayout, options: DynamicEmbTableOptions, *, name: str,
@@ -28,13 +30,13 @@ def check_allocation(layout: TableLayout, options: DynamicEmbTableOptions, *, na
         Traceback (most recent call last):
         ValueError: table 't': the 151284754176 rows allocated up front (init_capacity, ...
     """
-    host_rows = _host_rows(layout)
     for where, nbytes in _upfront_bytes(layout, device).items():
         total = _memory_of(where)
         if total is not None and nbytes > total:
+            upfront_rows = storage_policy(layout.mode).upfront_rows_text(layout, options)
             raise ValueError(
-                f"table {name!r}: {_upfront_rows(layout, options, host_rows)} need "
-                f"{_gib(nbytes)} on {where}, which has {_gib(total)}; {_allocate_less(layout)}")
+                f"table {name!r}: {upfront_rows} need {_gib(nbytes)} on {where}, which has "
+                f"{_gib(total)}; {_allocate_less(layout)}")
 
 
 def check_allocations(tables: Sequence[Tuple[str, TableLayout, DynamicEmbTableOptions]], *,
@@ -75,51 +77,18 @@ def check_allocations(tables: Sequence[Tuple[str, TableLayout, DynamicEmbTableOp
             f"alone, not all of them: " + "; or ".join(hints))
 
 
-def _host_rows(layout: TableLayout) -> int:
-    return layout.max_capacity if layout.mode is StorageMode.HOST_ONLY else layout.host_tier_rows
-
-
 def _upfront_bytes(layout: TableLayout, device: torch.device) -> Dict[torch.device, int]:
     """Bytes of hash slots and rows a table of ``layout`` allocates up front, by device."""
+    policy = storage_policy(layout.mode)
     slot = layout.row_bytes + SLOT_BYTES
-    device_rows = 0 if layout.mode is StorageMode.HOST_ONLY else layout.init_capacity
-    needs = {device: device_rows * slot}
+    needs = {device: policy.upfront_device_rows(layout) * slot}
     host = torch.device("cpu")
-    needs[host] = needs.get(host, 0) + _host_rows(layout) * slot
+    needs[host] = needs.get(host, 0) + policy.upfront_host_rows(layout) * slot
     return needs
 
 
-def _upfront_rows(layout: TableLayout, options: DynamicEmbTableOptions, host_rows: int) -> str:
-    if layout.mode is StorageMode.CACHE:
-        return f"the {layout.init_capacity} device rows of the memory budget"
-    if layout.mode is StorageMode.HOST_ONLY:
-        return f"the {host_rows} host rows of max_capacity, allocated up front,"
-    if layout.mode is StorageMode.DEFAULT:
-        return (f"the {layout.init_capacity} device rows of the memory budget and the "
-                f"{host_rows} rows of the host tier, allocated up front,")
-    if options.init_capacity is not None:
-        source = "init_capacity"
-    elif options.max_capacity is not None:
-        source = "init_capacity, which defaults to max_capacity"
-    else:
-        source = ("init_capacity, which defaults to max_capacity, which defaults to room for "
-                  "num_embeddings ids")
-    return f"the {layout.init_capacity} rows allocated up front ({source})"
-
-
 def _allocate_less(layout: TableLayout) -> str:
-    if layout.mode is StorageMode.CACHE:
-        return "lower the memory budget (local_hbm_for_values / global_hbm_for_values)"
-    if layout.mode is StorageMode.HOST_ONLY:
-        return "lower max_capacity (a HOST_ONLY table holds all of it in host memory)"
-    if layout.mode is StorageMode.DEFAULT:
-        return ("with caching=False the host tier holds max_capacity minus the device rows from "
-                "the start: lower max_capacity, or set caching=True (its backing store grows "
-                "as rows arrive)")
-    return (f"set init_capacity to start smaller (the table grows up to max_capacity="
-            f"{layout.max_capacity} as rows arrive), or a memory budget (local_hbm_for_values "
-            f"/ global_hbm_for_values) with caching=True to keep only the hot rows on the device "
-            f"(a backing store that grows as rows arrive holds the rest)")
+    return storage_policy(layout.mode).allocate_less_text(layout)
 
 
 def _memory_of(device: torch.device) -> Optional[int]:
