@@ -73,10 +73,11 @@ class TableWeights(torch.nn.Module):
         """Unpickled or deep-copied, the handles come back as plain meta parameters without
         their marks: they become handles again, marked as trained in backward if they were."""
         super().__setstate__(state)
-        for name, param in list(self._parameters.items()):
+        for name, param in list(self.named_parameters(recurse=False)):
             if not isinstance(param, TableWeight):
-                self._parameters[name] = _handle(name, tuple(param.shape), param.dtype)
-            self._parameters[name].table = name
+                param = _handle(name, tuple(param.shape), param.dtype)
+                self.register_parameter(name, param)
+            param.table = name
         if self.trained_in_backward:
             self.mark_trained_in_backward()
         install_dense_optimizer_guard()  # e.g. unpickled in a new process
@@ -96,7 +97,7 @@ class TableWeights(torch.nn.Module):
     def marks_signature(self) -> Tuple[int, ...]:
         """How many marks each handle carries: changes when ``apply_optimizer_in_backward``
         marks one (read at every training step, so it is cheap)."""
-        return tuple(mark_count(p) for p in self._parameters.values())
+        return tuple(mark_count(p) for p in self.parameters(recurse=False))
 
     def marked_fused_params(self) -> Optional[Dict[str, Any]]:
         """The fused params (:func:`~dynemb.foundations.marked_optimizer.fused_params_of_mark`) the marks
@@ -104,7 +105,7 @@ class TableWeights(torch.nn.Module):
         optimizer, so every handle must carry the same one mark: two marks on a handle (as
         TorchRec's sharders refuse), marks that differ, or some tables marked and others
         not raise ``ValueError``."""
-        marks = {name: marks_of(p) for name, p in self._parameters.items()}
+        marks = {name: marks_of(p) for name, p in self.named_parameters(recurse=False)}
         marked = {name: m for name, m in marks.items() if m}
         if not marked:
             return None
@@ -134,7 +135,7 @@ class TableWeights(torch.nn.Module):
         """Say on every handle that the fused optimizer trains its table (once the module's
         optimizer is configured): ``in_backward_optimizer_filter`` then leaves them out."""
         self.trained_in_backward = True
-        for param in self._parameters.values():
+        for param in self.parameters(recurse=False):
             mark_trained_by_fused_optimizer(param)
 
 

@@ -8,7 +8,8 @@ import torch
 
 from dynemb.backends.numba_backends import resolve_kernels
 from dynemb.backends.protocol import KernelBackend, TableArrays
-from dynemb.rows.hash_table_images import HashTableImages, compose_remaps, restore_scores_at
+from dynemb.rows.hash_table_images import (arrays_image, compose_remaps, empty_arrays,
+                                           load_arrays_image, move_arrays, restore_scores_at)
 from dynemb.rows.hash_table_checks import (MAX_BUCKETS, SLOT_BYTES, check_claim_arguments,
                                       check_scores, check_table_arguments, max_table_capacity)
 from dynemb.types import (EMPTY_KEY, TOMBSTONE_KEY, EraseResult, ExportBatch, FindOrInsertResult,
@@ -19,7 +20,7 @@ from dynemb.foundations.validation import (canonical_device, check_index_tensor,
 __all__ = ["MAX_BUCKETS", "SLOT_BYTES", "ScoredHashTable", "max_table_capacity"]
 
 
-class ScoredHashTable(HashTableImages):
+class ScoredHashTable:
     """A bucketed open-addressing hash table from int64 keys to slots ``[0, capacity)``.
 
     Slot ``s`` is row ``s`` of the caller's flat value tables; the table stores per slot only
@@ -369,6 +370,119 @@ class ScoredHashTable(HashTableImages):
         empty = (stored == EMPTY_KEY) | (stored == TOMBSTONE_KEY)
         if bool(empty.any()):
             raise ValueError(f"{name} names slot {int(slots[empty][0])}, which holds no key")
+
+    # -- storage, images and loads ----------------------------------------------------------
+    @property
+    def arrays(self) -> TableArrays:
+        """The arrays the kernels take (replaced as a whole by :meth:`grow` and
+        :meth:`use_storage`)."""
+        return self._arrays
+
+    def use_storage(self, arrays: TableArrays) -> None:
+        """Copy the table into ``arrays`` (of the same capacity and bucket size, e.g. views
+        of a table group's arrays, :mod:`dynemb.tables.groups`) and keep it there."""
+        self._arrays = move_arrays(self._arrays, arrays)
+
+    def tick(self) -> int:
+        """Advance the clock for one scoring call made on :attr:`arrays` by its owner (a
+        table group's claim) and return it; that call cannot be undone."""
+        self._undoable = None
+        self._clock += 1
+        return self._clock
+
+    def untick(self) -> None:
+        """Take back the latest :meth:`tick` (its call was rolled back)."""
+        self._clock -= 1
+
+    def set_clock(self, clock: int) -> None:
+        """Advance the clock to at least ``clock`` (after loading scores of a later clock)."""
+        self._clock = max(self._clock, int(clock))
+
+    def image(self):
+        """``(keys, scores)``: the table's own slot arrays (views, not copies): slot ``s``
+        holds ``keys[s]`` (``EMPTY_KEY`` / ``TOMBSTONE_KEY`` when free) with ``scores[s]``.
+        What a checkpoint saves; :meth:`load_image` puts it back."""
+        return arrays_image(self._arrays)
+
+    def load_image(self, keys: torch.Tensor, scores: torch.Tensor, clock: int) -> None:
+        """Make the table exactly the one whose :meth:`image` is ``(keys, scores)`` and whose
+        :attr:`clock` was ``clock``: same capacity, every key in its saved slot, no pins.
+
+        Example::
+
+            >>> table = ScoredHashTable(256)
+            >>> _ = table.find_or_insert(torch.tensor([3, 4]))
+            >>> keys, scores = (t.clone() for t in table.image())
+            >>> copy = ScoredHashTable(256)
+            >>> copy.load_image(keys, scores, table.clock)
+            >>> bool((copy.find(torch.tensor([3, 4])) == table.find(torch.tensor([3, 4]))).all())
+            True
+        """
+        load_arrays_image(self._arrays, keys, scores)
+        self._clock = int(clock)
+        self._undoable = None
+
+    def load_entries(self, keys: torch.Tensor, scores: torch.Tensor) -> FindOrInsertResult:
+        """Insert distinct ``keys`` with exactly ``scores`` whatever the policy (a key stored
+        already takes the given score), **never evicting**: for loading a checkpoint, where a
+        lost key would be a lost row. Grows as allowed; if some key still finds no slot the
+        table is unchanged (apart from growth) and :class:`TableFullError` is raised. Nothing
+        is pinned. Returns the result (``slots``, ``inserted``, ``remap``).
+
+        Example::
+
+            >>> table = ScoredHashTable(256, policy=ScorePolicy.LFU)
+            >>> slots = table.load_entries(torch.tensor([9, 5]), torch.tensor([40, 2])).slots
+            >>> table.scores_at(slots).tolist()
+            [40, 2]
+        """
+        check_keys(keys, self.device)
+        check_index_tensor(scores, "scores", self.device)
+        if scores.shape != keys.shape:
+            raise ValueError(f"scores has shape {tuple(scores.shape)} but keys has "
+                             f"{tuple(keys.shape)}")
+        if torch.unique(keys).numel() != keys.numel():
+            raise ValueError("keys must be distinct (one entry per key)")
+        self._undoable = None
+        counts = keys.new_ones(1).expand(keys.shape)
+        remap = self._grow_for(keys) if self.grow_at_load_factor is not None else None
+        while True:
+            slots, inserted, prev_keys, prev_scores, failed, stats = self._find_or_insert_once(
+                keys, counts, scores, False, ScorePolicy.CUSTOMIZED, allow_evict=False)
+            self._clock -= 1  # loading is no scoring call
+            if not bool(stats[0]):
+                break
+            self._clock += 1  # _rollback steps the clock back
+            self._rollback(slots, inserted, prev_keys, prev_scores, pinned=False)
+            new_capacity = self._next_capacity(self.capacity + 1)
+            if new_capacity is None:
+                raise TableFullError(
+                    f"{int(stats[0])} of {keys.numel()} keys found no free slot (capacity "
+                    f"{self.capacity}, size {self.size()}, buckets of {self.bucket_size}); "
+                    f"nothing was inserted", keys[failed], remap)
+            remap = compose_remaps(remap, self.grow(new_capacity))
+        return FindOrInsertResult(keys, torch.arange(keys.numel(), device=self.device), slots,
+                                  inserted, prev_keys, prev_scores, failed, remap)
+
+    def reset(self) -> None:
+        """Empty the table in place: every slot free (no key, score 0, no pin), size 0, clock
+        back to 0. The capacity stays (a grown table keeps its slots); the arrays are the same
+        tensors (views from :meth:`image` see the empty table). Pins end with their keys: a
+        caller holding slots from before must drop them.
+
+        Example::
+
+            >>> table = ScoredHashTable(1024)
+            >>> slots = table.find_or_insert(torch.tensor([7, 9]), pin=True).slots
+            >>> table.reset()
+            >>> table.size(), table.clock, table.pinned_count()
+            (0, 0, 0)
+            >>> table.find(torch.tensor([7])).tolist()
+            [-1]
+        """
+        empty_arrays(self._arrays)
+        self._clock = 0
+        self._undoable = None
 
     # -- iteration and growth ----------------------------------------------------------------
     def export(self, start: int = 0, batch: Optional[int] = None) -> ExportBatch:

@@ -42,13 +42,12 @@ class SavedBySharded:
 
 class ShardedTables(ShardedDynamicModuleInterface):
     """Mixin for a sharded module whose share of the tables is the
-    :class:`DynamicEmbCollection` in ``self.local``; needs ``_rank``, ``_world_size``,
-    ``_pg``, ``_configs`` and ``_table_shardings``."""
+    :class:`DynamicEmbCollection` in ``self.local``; :meth:`_join` sets its process group
+    (``_pg``, ``_rank``, ``_world_size``) and plan (``_configs``, ``_table_shardings``)."""
 
-    @property
-    def local(self) -> DynamicEmbCollection:
-        """This rank's share of the tables (the submodule ``local``)."""
-        return self._modules["local"]
+    #: This rank's share of the tables: the submodule ``local`` the sharded module registers
+    #: (``nn.Module`` finds it by name).
+    local: DynamicEmbCollection
 
     def _join(self, env, configs, shardings: Dict[str, ParameterSharding],
               module_fqn: Optional[str]) -> None:

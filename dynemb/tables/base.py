@@ -169,6 +169,20 @@ class DynamicTable(CheckpointTiers):
         provides ``_claim_training``, ``_finish_training`` and ``_undo_claim``."""
         return False
 
+    def _claim_training(self, batch: TableBatch):
+        """Where :meth:`claims_apart`: claim and pin the training ``batch``'s rows, neither
+        filled nor counted; returns what :meth:`_finish_training` and :meth:`_undo_claim`
+        take."""
+        raise NotImplementedError
+
+    def _finish_training(self, batch: TableBatch, result) -> None:
+        """Fill and count the rows :meth:`_claim_training` claimed (``result``)."""
+        raise NotImplementedError
+
+    def _undo_claim(self, batch: TableBatch, result) -> None:
+        """Take back :meth:`_claim_training`'s ``result``, whose rows were not filled."""
+        raise NotImplementedError
+
     def claim_batch(self, keys: torch.Tensor, training: bool,
                     occurrences: Optional[torch.Tensor] = None,
                     score: Optional[int] = None) -> TableBatch:
