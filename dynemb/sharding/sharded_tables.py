@@ -45,9 +45,11 @@ class ShardedTables(ShardedDynamicModuleInterface):
     :class:`DynamicEmbCollection` in ``self.local``; :meth:`_join` sets its process group
     (``_pg``, ``_rank``, ``_world_size``) and plan (``_configs``, ``_table_shardings``)."""
 
-    #: This rank's share of the tables: the submodule ``local`` the sharded module registers
-    #: (``nn.Module`` finds it by name).
-    local: DynamicEmbCollection
+    @property
+    def local(self) -> DynamicEmbCollection:
+        """This rank's share of the tables: the submodule ``local`` the sharded module
+        registers (this property hides it from ``nn.Module``'s own lookup, asked here)."""
+        return torch.nn.Module.__getattr__(self, "local")
 
     def _join(self, env, configs, shardings: Dict[str, ParameterSharding],
               module_fqn: Optional[str]) -> None:
