@@ -138,7 +138,7 @@ class ScoredHashTable(HashTableImages):
         if allow_padding and not update_scores:
             check_index_tensor(keys, "keys", self.device)
         else:
-            check_keys(keys, self.device)
+            check_keys(keys, self.device, kernels=self._backend)
         check_scores(self.policy, self.device, keys, scores, required=update_scores)
         out = torch.empty_like(keys)
         if not update_scores:
@@ -175,7 +175,7 @@ class ScoredHashTable(HashTableImages):
         With ``pin``, :meth:`undo` can revert the call.
         """
         check_claim_arguments(self.policy, self.device, keys, scores, on_failure=on_failure,
-                              assume_unique=assume_unique, counts=counts)
+                              assume_unique=assume_unique, counts=counts, kernels=self._backend)
         ukeys, inverse, dedup_counts, given = self._dedup(keys, scores, assume_unique)
         counts = dedup_counts if counts is None else counts
         self._undoable = None
@@ -320,7 +320,7 @@ class ScoredHashTable(HashTableImages):
         if allow_padding:
             check_index_tensor(keys, "keys", self.device)
         else:
-            check_keys(keys, self.device)
+            check_keys(keys, self.device, kernels=self._backend)
         erased = torch.zeros(keys.shape, dtype=torch.bool, device=self.device)
         pinned = torch.zeros_like(erased)
         self._backend.erase(self._arrays, keys, erased, pinned)

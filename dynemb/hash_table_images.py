@@ -99,7 +99,7 @@ class HashTableImages:
             >>> table.scores_at(slots).tolist()
             [40, 2]
         """
-        check_keys(keys, self.device)
+        check_keys(keys, self.device, kernels=self.kernels)
         check_index_tensor(scores, "scores", self.device)
         if scores.shape != keys.shape:
             raise ValueError(f"scores has shape {tuple(scores.shape)} but keys has "
