@@ -11,8 +11,8 @@ import torch
 
 from dynemb.bridges.numba_launch import KernelLauncher
 from dynemb.hot_rows import hot_row_pieces
-from dynemb.kernel_backend import (EMPTY_KEY, TOMBSTONE_KEY, Segments, TableArrays,
-                                   bit_views, claim_args, f32, probe_args, rehash_args)
+from dynemb.kernel_backend import (EMPTY_KEY, TOMBSTONE_KEY, TableArrays, bit_views, claim_args,
+                                   f32, probe_args, rehash_args)
 from dynemb.kernels.constants import cuda_simulator_enabled
 
 _THREADS_PER_BLOCK = 256

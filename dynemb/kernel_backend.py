@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from dynemb.device_values import values_on
-from dynemb.kernels import constants, group_stores_cpu, hashing, init_common, optim_common
-from dynemb.kernels import round_common
+from dynemb.kernels import (constants, group_stores_cpu, hashing, init_common, optim_common,
+                            round_common)
 
 #: Reserved int64 keys: ``EMPTY_KEY`` marks a slot that never held a key since the last
 #: rehash, ``TOMBSTONE_KEY`` an erased one. Neither is ever stored.
