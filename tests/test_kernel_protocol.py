@@ -46,6 +46,16 @@ def test_the_group_operations_are_in_the_protocol():
             "copy_rows", "remap_rows", "has_reserved_keys"} <= operations(KernelBackend)
 
 
+def test_the_cuda_kernels_say_they_have_no_group_stores():
+    """CACHE tables on the CUDA kernels do not group (``group_signature``): the host-store
+    group operations refuse clearly instead of failing on a missing attribute."""
+    cuda = CudaBackend.__new__(CudaBackend)  # no kernels loaded: the refusal comes first
+    with pytest.raises(NotImplementedError, match="CACHE tables on them train alone"):
+        cuda.store_find_group(*[None] * 10)
+    with pytest.raises(NotImplementedError, match="CACHE tables on them train alone"):
+        cuda.store_moves_group(*[None] * 26)
+
+
 def test_segments_of_a_group_and_of_a_lone_table():
     segments = Segments([0, 3, 3, 5])
     assert segments.count == 3 and segments.table_of.tolist() == [0, 0, 0, 2, 2]
