@@ -2,11 +2,13 @@
 ``KernelBackend`` with the same signatures (the CUDA class is read without a GPU), and a
 group operation called with the same arguments on either backend treats a lone table as a
 group of one: it claims, finds and initializes exactly as the table's own operations do."""
+import functools
 import inspect
 
 import pytest
 import torch
 
+from conftest import BACKENDS
 from dynemb.backends import CpuBackend, get_backend
 from dynemb.cuda_backend import CudaBackend
 from dynemb.kernel_backend import INIT_UNIFORM, KernelBackend, Segments, TableArrays
@@ -62,97 +64,132 @@ def test_segments_of_a_group_and_of_a_lone_table():
     assert Segments.single(4).table_of.tolist() == [0, 0, 0, 0]
 
 
-def _claims(kernels, as_group, rounds):
-    """Two claims of 80 keys each into one table of 64 slots (4 buckets of 16), the pins of
-    the first dropped before the second (which then evicts): by the table's own
-    ``find_or_insert`` or as a group of one. Returns the arrays and every output."""
-    table = TableArrays.empty(64, 16, torch.device("cpu"))
+def _claims(kernels, device, as_group, rounds):
+    """Claims of ``rounds`` (unique keys each) into one table of 64 slots (4 buckets of 16),
+    each claim's pins dropped before the next: by the table's own ``find_or_insert`` or as a
+    group of one. Returns the arrays and every claim's outputs."""
+    table = TableArrays.empty(64, 16, device)
+    on = functools.partial(torch.tensor, device=device)
     outputs = []
     for clock, ukeys in enumerate(rounds, start=5):
         n = ukeys.numel()
-        counts, given = torch.arange(n) % 3 + 1, torch.zeros(n, dtype=torch.int64)
-        slots, prev_keys, prev_scores = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-        inserted, failed = (torch.empty(n, dtype=torch.bool) for _ in range(2))
+        counts = torch.arange(n, device=device) + 1  # distinct scores
+        given = torch.zeros(n, dtype=torch.int64, device=device)
+        slots, prev_keys, prev_scores = (torch.empty(n, dtype=torch.int64, device=device)
+                                         for _ in range(3))
+        inserted, failed = (torch.empty(n, dtype=torch.bool, device=device) for _ in range(2))
         if as_group:
-            stats = torch.full((1, 3), -1, dtype=torch.int64)
+            stats = torch.full((1, 3), -1, dtype=torch.int64, device=device)
             kernels.find_or_insert_group(
-                table, table.size, Segments.single(n), torch.tensor([0]),
-                torch.tensor([table.num_buckets]), ukeys, counts, given, ScorePolicy.LFU.code,
-                torch.tensor([clock]), True, slots, inserted, prev_keys, prev_scores, failed,
-                stats)
+                table, table.size, Segments.single(n, device), on([0]), on([table.num_buckets]),
+                ukeys, counts, given, ScorePolicy.LFU.code, on([clock]), True, slots, inserted,
+                prev_keys, prev_scores, failed, stats)
         else:
-            stats = torch.zeros(2, dtype=torch.int64)
+            stats = torch.zeros(2, dtype=torch.int64, device=device)
             kernels.find_or_insert(table, ukeys, counts, given, ScorePolicy.LFU.code, clock,
                                    True, True, slots, inserted, prev_keys, prev_scores, failed,
                                    stats)
-        outputs.append((slots, inserted, prev_keys, prev_scores, failed, stats))
+        outputs.append(tuple(t.cpu() for t in (ukeys, slots, inserted, prev_keys, prev_scores,
+                                               failed, stats)))
         kernels.add_refcounts(table, slots, -1)
-    return table, outputs
+    return TableArrays(*(t.cpu() for t in table[:4]), *table[4:]), outputs
 
 
-@pytest.mark.parametrize("name", ["cpu", "cuda"])
-def test_a_lone_table_is_a_group_of_one(name):
-    """The same calls on both backends (per-table values as tensors: the CPU backend reads
-    them as numpy, the CUDA simulator as device arrays)."""
-    kernels = get_backend(name)
+def _placement_free(table, outputs):
+    """What a claim must agree on whatever slot each key of a bucket took (CUDA threads
+    race for a bucket's slots): every live key's score and pins, the size, and per key of
+    each claim whether it was inserted, its previous score if it hit, the evicted keys and
+    their scores."""
+    live = table.keys >= 0
+    state = sorted(zip(table.keys[live].tolist(), table.scores[live].tolist(),
+                       table.refcnt[live].tolist()))
+    ukeys, slots = outputs[-1][:2]
+    assert torch.equal(table.keys[slots[slots >= 0]], ukeys[slots >= 0])  # the last claim's
+    claims = []
+    for ukeys, slots, inserted, prev_keys, prev_scores, failed, _ in outputs:
+        hits = (slots >= 0) & ~inserted
+        evicted = inserted & (prev_keys >= 0)
+        claims.append((sorted(zip(ukeys.tolist(), inserted.tolist(), failed.tolist())),
+                       sorted(zip(ukeys[hits].tolist(), prev_scores[hits].tolist())),
+                       sorted(zip(prev_keys[evicted].tolist(), prev_scores[evicted].tolist()))))
+    return state, int(table.size), claims
+
+
+@pytest.mark.parametrize("name,device", BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_a_lone_table_is_a_group_of_one(name, device):
+    """The same calls on both backends (per-table values as tensors on the backend's
+    device); the second claim hits, inserts and evicts."""
+    kernels, device = get_backend(name), torch.device(device)
     gen = torch.Generator().manual_seed(3)
-    rounds = [torch.randperm(200, generator=gen)[:80] + 1 for _ in range(2)]
-    alone, alone_out = _claims(kernels, False, rounds)
-    group, group_out = _claims(kernels, True, rounds)
-    for a, b in zip(alone[:4], group[:4]):  # keys, scores, pins, size
-        assert torch.equal(a, b)
-    for a, b in zip(alone_out, group_out):
-        for x, y in zip(a[:5], b[:5]):
-            assert torch.equal(x, y)
-        failed, evicted = a[5].tolist()
-        added = int(b[1].sum()) - evicted
-        assert b[5][0].tolist() == [added, evicted, failed] == [added, evicted,
-                                                                int(b[4].sum())]
-    assert group_out[1][5][0, 1] > 0  # the second claim evicted
-    slots, inserted, prev_keys = group_out[1][:3]
-    per_table = torch.zeros(1, 3, dtype=torch.int64)
-    kernels.claim_counts_group(Segments.single(80), slots, inserted, prev_keys, per_table)
-    assert per_table[0].tolist() == list(kernels.claim_summary(slots, inserted, prev_keys))
+    first = torch.randperm(200, generator=gen)[:40] + 1
+    rounds = [first, torch.cat([first[:10], torch.randperm(200, generator=gen)[:30] + 201])]
+    rounds = [r.to(device) for r in rounds]
+    alone, alone_out = _claims(kernels, device, False, rounds)
+    group, group_out = _claims(kernels, device, True, rounds)
+    assert _placement_free(alone, alone_out) == _placement_free(group, group_out)
+    for claim_alone, claim_group in zip(alone_out, group_out):
+        failed, evicted = claim_alone[6].tolist()
+        added = int(claim_group[2].sum()) - evicted
+        assert claim_group[6][0].tolist() == [added, evicted, failed]
+    assert group_out[1][6][0, 1] > 0 and not group_out[1][5].any()  # evicts, none failed
+    ukeys, slots, inserted, prev_keys = (t.to(device) for t in group_out[1][:4])
+    per_table = torch.zeros(1, 3, dtype=torch.int64, device=device)
+    kernels.claim_counts_group(Segments.single(40, device), slots, inserted, prev_keys,
+                               per_table)
+    assert per_table[0].tolist() == [int(v) for v in kernels.claim_summary(slots, inserted,
+                                                                            prev_keys)]
 
-    ukeys = rounds[1]
-    found_alone, found_group = (torch.empty(80, dtype=torch.int64) for _ in range(2))
-    kernels.find(alone, ukeys, found_alone)
-    kernels.find_group(group, Segments.single(80), torch.tensor([0]),
-                       torch.tensor([group.num_buckets]), ukeys, found_group)
-    assert torch.equal(found_alone, found_group) and torch.equal(found_group, slots)
+    on = functools.partial(torch.tensor, device=device)
+    found_alone, found_group = (torch.empty(40, dtype=torch.int64, device=device)
+                                for _ in range(2))
+    alone_arrays = TableArrays(*(t.to(device) for t in alone[:4]), *alone[4:])
+    group_arrays = TableArrays(*(t.to(device) for t in group[:4]), *group[4:])
+    kernels.find(alone_arrays, ukeys, found_alone)
+    kernels.find_group(group_arrays, Segments.single(40, device), on([0]),
+                       on([group.num_buckets]), ukeys, found_group)
+    assert torch.equal(found_group, slots)
+    assert torch.equal(alone_arrays.keys[found_alone], ukeys)
 
-    rows_alone, rows_group = torch.zeros(64, 6), torch.zeros(64, 6)
-    kernels.init_rows_at(rows_alone, slots, ukeys, inserted, 4, 11, 2, INIT_UNIFORM, -1.0, 1.0,
-                         0.0, 0.0)
-    kernels.init_rows_at_group(rows_group, slots, ukeys, inserted, Segments.single(80), 4,
-                               torch.tensor([11]), torch.tensor([2]),
-                               torch.tensor([INIT_UNIFORM]),
-                               *(torch.tensor([v], dtype=torch.float64)
-                                 for v in (-1.0, 1.0, 0.0, 0.0)))
-    assert torch.equal(rows_alone, rows_group) and bool(rows_group[:, :4].abs().sum() > 0)
+    rows_alone, rows_group = (torch.zeros(64, 6, device=device) for _ in range(2))
+    kernels.init_rows_at(rows_alone, found_alone, ukeys, inserted, 4, 11, 2, INIT_UNIFORM,
+                         -1.0, 1.0, 0.0, 0.0)
+    kernels.init_rows_at_group(rows_group, slots, ukeys, inserted, Segments.single(40, device),
+                               4, on([11]), on([2]), on([INIT_UNIFORM]),
+                               *(on([v], dtype=torch.float64) for v in (-1.0, 1.0, 0.0, 0.0)))
+    assert torch.equal(rows_alone[found_alone], rows_group[slots])
+    assert bool(rows_group[slots[inserted], :4].abs().sum() > 0)
 
 
 def test_both_backends_give_a_group_the_same_claim():
-    """Three tables of one group (one without keys), the same call on CPU and on the CUDA
-    kernels: the CUDA threads claim slots in another order, but each table ends with the
-    same keys, size, counts and failures."""
+    """Three tables of one group (one without keys, one with more keys than slots), the same
+    call on CPU and on the CUDA kernels: the CUDA threads race for a bucket's slots, but each
+    table keeps only its own keys, in the same numbers, with the same counts and failures."""
     gen = torch.Generator().manual_seed(7)
-    ukeys = torch.cat([torch.randperm(90, generator=gen)[:n] + 1 for n in (30, 0, 50)])
-    n = ukeys.numel()
+    parts = [torch.randperm(90, generator=gen)[:n] + 1 + 1000 * t
+             for t, n in enumerate((30, 0, 50))]
     results = []
-    for name in ("cpu", "cuda"):
-        table = TableArrays.empty(3 * 32, 16, torch.device("cpu"),
-                                  size=torch.zeros(3, dtype=torch.int64))
-        slots, prev_keys, prev_scores = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-        inserted, failed = (torch.empty(n, dtype=torch.bool) for _ in range(2))
-        stats = torch.zeros(3, 3, dtype=torch.int64)
+    for name, device in BACKENDS:
+        device = torch.device(device)
+        ukeys = torch.cat(parts).to(device)
+        n = ukeys.numel()
+        table = TableArrays.empty(3 * 32, 16, device,
+                                  size=torch.zeros(3, dtype=torch.int64, device=device))
+        slots, prev_keys, prev_scores = (torch.empty(n, dtype=torch.int64, device=device)
+                                         for _ in range(3))
+        inserted, failed = (torch.empty(n, dtype=torch.bool, device=device) for _ in range(2))
+        stats = torch.zeros(3, 3, dtype=torch.int64, device=device)
+        ones, zeros = torch.ones_like(ukeys), torch.zeros_like(ukeys)
+        on = functools.partial(torch.tensor, device=device)
         get_backend(name).find_or_insert_group(
-            table, table.size, Segments([0, 30, 30, 80]), torch.tensor([0, 32, 64]),
-            torch.tensor([2, 2, 2]), ukeys, torch.ones(n, dtype=torch.int64),
-            torch.zeros(n, dtype=torch.int64), ScorePolicy.LRU.code, torch.tensor([1, 4, 9]),
-            True, slots, inserted, prev_keys, prev_scores, failed, stats)
-        per_table = [sorted(table.keys[lo:lo + 32].tolist()) for lo in (0, 32, 64)]
-        results.append((per_table, table.size.tolist(), stats.tolist(), failed.tolist()))
-    assert results[0] == results[1]
-    sizes, stats = results[0][1], results[0][2]
+            table, table.size, Segments([0, 30, 30, 80], device), on([0, 32, 64]),
+            on([2, 2, 2]), ukeys, ones, zeros, ScorePolicy.LRU.code, on([1, 4, 9]), True, slots,
+            inserted, prev_keys, prev_scores, failed, stats)
+        keys = table.keys.cpu()
+        for t, part in enumerate(parts):
+            kept = keys[32 * t:32 * (t + 1)]
+            assert set(kept[kept >= 0].tolist()) <= set(part.tolist())
+        results.append((table.size.tolist(), stats.tolist(), int(failed.sum())))
+    assert results[0] == results[-1]
+    sizes, stats, failures = results[0]
     assert sizes[1] == 0 and sizes[2] == 32 and [row[0] for row in stats] == sizes
+    assert failures == sum(row[2] for row in stats) > 0
