@@ -56,7 +56,7 @@ class CpuBackend:
 
     @staticmethod
     def _host(values):
-        """Per-table values (numpy arrays or CPU tensors) as int64 / float64 numpy arrays."""
+        """Per-table values (numpy arrays or CPU tensors) as numpy arrays, without a copy."""
         return values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
 
     def __init__(self):
