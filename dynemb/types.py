@@ -6,16 +6,16 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from dynemb.kernels import constants
+from dynemb.backends import protocol as codes
+from dynemb.backends.protocol import EMPTY_KEY, TOMBSTONE_KEY
 
-#: Reserved int64 keys: the table rejects them (they mark empty and erased slots).
-EMPTY_KEY = int(constants.EMPTY_KEY)
-TOMBSTONE_KEY = int(constants.TOMBSTONE_KEY)
+#: Reserved int64 keys (``EMPTY_KEY``, ``TOMBSTONE_KEY``): the table rejects them (they mark
+#: empty and erased slots).
 RESERVED_KEYS = (EMPTY_KEY, TOMBSTONE_KEY)
 
 #: Largest bucket of a hash table (slots; buckets are powers of two up to it): the CUDA insert
 #: kernel tracks the slots of a bucket in two 64-bit masks.
-MAX_BUCKET_SIZE = constants.MAX_BUCKET_SIZE
+MAX_BUCKET_SIZE = codes.MAX_BUCKET_SIZE
 
 #: dtypes a table's rows can have (optimizer state is float32 whatever the row dtype).
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -54,19 +54,19 @@ class ScorePolicy(enum.Enum):
 
 
 _POLICY_CODES = {
-    ScorePolicy.LRU: constants.POLICY_LRU,
-    ScorePolicy.LFU: constants.POLICY_LFU,
-    ScorePolicy.STEP: constants.POLICY_STEP,
-    ScorePolicy.CUSTOMIZED: constants.POLICY_CUSTOMIZED,
-    ScorePolicy.NO_EVICTION: constants.POLICY_NO_EVICTION,
-    ScorePolicy.LFU_LRU: constants.POLICY_LFU_LRU,
+    ScorePolicy.LRU: codes.POLICY_LRU,
+    ScorePolicy.LFU: codes.POLICY_LFU,
+    ScorePolicy.STEP: codes.POLICY_STEP,
+    ScorePolicy.CUSTOMIZED: codes.POLICY_CUSTOMIZED,
+    ScorePolicy.NO_EVICTION: codes.POLICY_NO_EVICTION,
+    ScorePolicy.LFU_LRU: codes.POLICY_LFU_LRU,
 }
 
 #: Bits of an LFU_LRU score that hold the clock (the count is above them), and the largest
 #: count and clock it records (larger ones saturate).
-LFU_LRU_CLOCK_BITS = constants.LFU_LRU_CLOCK_BITS
-LFU_LRU_MAX_COUNT = constants.LFU_LRU_MAX_COUNT
-LFU_LRU_MAX_CLOCK = constants.LFU_LRU_MAX_CLOCK
+LFU_LRU_CLOCK_BITS = codes.LFU_LRU_CLOCK_BITS
+LFU_LRU_MAX_COUNT = codes.LFU_LRU_MAX_COUNT
+LFU_LRU_MAX_CLOCK = codes.LFU_LRU_MAX_CLOCK
 
 
 def pack_lfu_lru(counts: torch.Tensor, clocks: torch.Tensor) -> torch.Tensor:

@@ -7,14 +7,15 @@ row_offset[t] + num_buckets[t] * bucket_size)`` and scores with its own clock
 ``clocks[t]``. Slots in and out are group slots. Keys of one call are unique per table;
 ``EMPTY_KEY`` pads (slot -1, nothing written).
 """
-from numba import cuda, int64
+from numba import cuda
 
 from .constants import EMPTY_KEY, cuda_simulator_enabled
 from .hashing import bucket_base_and_start, is_live_key
 from .hashing import probe as _probe_cpu
 from .init_common import initial_value
 from .rng import row_stream
-from .scoring import INT64_MAX, score_on_hit, score_on_insert
+from .scoring import score_on_hit, score_on_insert
+from .table_cuda import claim_slot
 
 probe = _probe_cpu.py_func if cuda_simulator_enabled() else _probe_cpu
 
@@ -71,10 +72,7 @@ def insert_missing_group_kernel(tbl_keys, tbl_scores, refcnt, sizes, seg, row_of
                                 num_buckets, bucket_size, ukeys, counts, given, policy, clocks,
                                 allow_evict, slots, prev_keys, prev_scores, failed):
     """``table_cuda.insert_missing_kernel`` with key ``i`` in table ``seg[i]``'s slots and
-    its live key count ``sizes[seg[i]]``. Its claim loop repeats that kernel's: a
-    ``cuda.jit(device=True)`` helper would need a GPU to compile to PTX (numba-cuda 0.30
-    compiles device functions for the current device), and the loop's atomics rule out an
-    ``@njit`` one. Change both together."""
+    its live key count ``sizes[seg[i]]`` (the same claim: ``table_cuda.claim_slot``)."""
     i = cuda.grid(1)
     if i >= ukeys.size:
         return
@@ -86,37 +84,7 @@ def insert_missing_group_kernel(tbl_keys, tbl_scores, refcnt, sizes, seg, row_of
     t = seg[i]
     base, start = bucket_base_and_start(key, num_buckets[t], bucket_size)
     base += row_offset[t]
-    mask = bucket_size - 1
-    taken = cuda.local.array(2, int64)
-    taken[0] = 0
-    taken[1] = 0
-    claimed = -1
-    for j in range(bucket_size):
-        pos = (start + j) & mask
-        s = base + pos
-        if not is_live_key(tbl_keys[s]):
-            if cuda.atomic.cas(refcnt, s, 0, 1) == 0:
-                claimed = s
-                break
-            taken[pos >> 6] |= int64(1) << (pos & 63)
-    while claimed < 0 and allow_evict:
-        best = -1
-        lowest = INT64_MAX
-        for j in range(bucket_size):
-            pos = (start + j) & mask
-            if taken[pos >> 6] & (int64(1) << (pos & 63)):
-                continue
-            s = base + pos
-            if refcnt[s] == 0 and is_live_key(tbl_keys[s]) and (best < 0 or tbl_scores[s] < lowest):
-                best = s
-                lowest = tbl_scores[s]
-        if best < 0:
-            break
-        if cuda.atomic.cas(refcnt, best, 0, 1) == 0:
-            claimed = best
-        else:
-            pos = best - base
-            taken[pos >> 6] |= int64(1) << (pos & 63)
+    claimed = claim_slot(tbl_keys, tbl_scores, refcnt, base, start, bucket_size, allow_evict)
     if claimed < 0:
         failed[i] = True
         return

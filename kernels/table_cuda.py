@@ -43,19 +43,13 @@ def lookup_update_kernel(tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size,
             cuda.atomic.add(refcnt, s, 1)
 
 
-@cuda.jit
-def insert_missing_kernel(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, ukeys,
-                          counts, given, policy, clock, allow_evict, slots, prev_keys,
-                          prev_scores, failed):
-    i = cuda.grid(1)
-    if i >= ukeys.size:
-        return
-    key = ukeys[i]
-    prev_keys[i] = EMPTY_KEY
-    failed[i] = False
-    if slots[i] >= 0 or key == EMPTY_KEY:
-        return
-    base, start = bucket_base_and_start(key, num_buckets, bucket_size)
+@cuda.jit(device=True, inline=True)
+def claim_slot(tbl_keys, tbl_scores, refcnt, base, start, bucket_size, allow_evict):
+    """The slot one key claims in the bucket of slots ``base .. base + bucket_size``, probing
+    from position ``start``: the first free slot (no live key) whose pin it takes (CAS 0 ->
+    1); else, with ``allow_evict``, the unpinned live slot with the lowest score whose pin it
+    takes; -1 if none. A slot another thread pinned first is marked taken for good (no slot
+    is released during an insert), so every retry makes progress."""
     mask = bucket_size - 1
     taken = cuda.local.array(2, int64)
     taken[0] = 0
@@ -87,6 +81,23 @@ def insert_missing_kernel(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucke
         else:
             pos = best - base
             taken[pos >> 6] |= int64(1) << (pos & 63)
+    return claimed
+
+
+@cuda.jit
+def insert_missing_kernel(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, ukeys,
+                          counts, given, policy, clock, allow_evict, slots, prev_keys,
+                          prev_scores, failed):
+    i = cuda.grid(1)
+    if i >= ukeys.size:
+        return
+    key = ukeys[i]
+    prev_keys[i] = EMPTY_KEY
+    failed[i] = False
+    if slots[i] >= 0 or key == EMPTY_KEY:
+        return
+    base, start = bucket_base_and_start(key, num_buckets, bucket_size)
+    claimed = claim_slot(tbl_keys, tbl_scores, refcnt, base, start, bucket_size, allow_evict)
     if claimed < 0:
         failed[i] = True
         return

@@ -120,6 +120,16 @@ def test_no_import_of_dynemb_hides_in_a_function():
     assert not hidden, "\n".join(hidden)
 
 
+def test_at_most_three_modules_import_the_kernels():
+    """Every kernel launch goes through the ``KernelBackend`` protocol: the protocol module
+    (the kernels' codes), the CPU and the CUDA backend import ``dynemb.kernels``, nothing
+    else."""
+    importers = sorted({str(path.relative_to(ROOT)) for module, path, tree in sources()
+                        for _, imported in dynemb_imports(tree, module)
+                        if imported.startswith("dynemb.kernels")})
+    assert len(importers) <= 3, "modules importing dynemb.kernels:\n" + "\n".join(importers)
+
+
 def _under_type_checking(tree: ast.Module, node: ast.stmt) -> bool:
     for stmt in tree.body:
         if isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Name) and \
@@ -291,7 +301,6 @@ def test_every_folder_of_the_package_lies_in_one_layer():
 #: may join it.
 REACHING_BACK_FOR_NOW = frozenset({
     "dynemb.tables.group_update.GroupUpdates",        # host: tables/groups.py TableGroup
-    "dynemb.backends.group_kernels.CudaGroupKernels",  # host: backends/numba_backends.py
 })
 
 

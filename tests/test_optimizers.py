@@ -625,14 +625,14 @@ def test_a_hot_rows_update_does_not_depend_on_the_other_rows(backend):
 
 @pytest.mark.parametrize("rows,n", [(1, 0), (5, 1), (64, 1000), (1000, 64)])
 def test_occurrence_csr_lists_each_rows_positions_in_order(rows, n):
-    from dynemb.rows.occurrence_grads import _occurrence_csr_torch, occurrence_csr
+    from dynemb.backends.numba_backends import get_backend
     inverse = torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(n))
     expected_order = [i for u in range(rows) for i in range(n) if inverse[i] == u]
     expected_offsets = [0]
     for u in range(rows):
         expected_offsets.append(expected_offsets[-1] + int((inverse == u).sum()))
-    for build in (occurrence_csr, _occurrence_csr_torch):  # numba (CPU) and torch (CUDA)
-        offsets, order = build(inverse, rows)
+    for name in ("cpu", "cuda"):  # a numba counting sort, a torch sort (on CPU tensors here)
+        offsets, order = get_backend(name).occurrence_csr(inverse, rows)
         assert offsets.tolist() == expected_offsets and order.tolist() == expected_order
 
 

@@ -73,3 +73,21 @@ def test_route_unique_matches_model(ids_per_table, world, scheme):
     # every occurrence gathers its own id back
     assert routed.values[routed.gather].tolist() == [k for ids in ids_per_table for k in ids]
     assert routed.segments == segments
+
+
+def test_route_unique_on_the_cuda_kernels_sends_what_the_cpu_sends():
+    """The CUDA kernels pad a group's unique ids (fixed shapes), so their tables are deduped
+    one by one (sorted): the same ids, counts and lengths per (rank, table) as on CPU, and
+    every occurrence gathers its own id back."""
+    from dynemb.backends.numba_backends import get_backend
+    ids = [torch.tensor([5, 3, 5, 9, 12]), torch.tensor([7]), torch.tensor([3, 3, 1, 8])]
+    segments = [(f"f{t}", len(part)) for t, part in enumerate(ids)]
+    schemes = [ShardingScheme.MOD] * 3
+    cpu, cuda = (route_unique(ids, schemes, 2, segments, kernels=get_backend(name))
+                 for name in ("cpu", "cuda"))
+    assert cuda.lengths.tolist() == cpu.lengths.tolist()
+    bounds = torch.cumsum(cpu.lengths, 0).tolist()
+    for lo, hi in zip([0] + bounds[:-1], bounds):
+        assert (sorted(zip(cuda.values[lo:hi].tolist(), cuda.counts[lo:hi].tolist()))
+                == sorted(zip(cpu.values[lo:hi].tolist(), cpu.counts[lo:hi].tolist())))
+    assert torch.equal(cuda.values[cuda.gather], torch.cat(ids))

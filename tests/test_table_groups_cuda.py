@@ -15,7 +15,7 @@ from conftest import BACKENDS
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
                     Initializer, InitializerKind, OptimizerConfig, OptimizerType)
 from dynemb.backends.numba_backends import CudaBackend
-from dynemb.tables.group_device import segmented_padded_unique
+from dynemb.backends.cuda_backend import segmented_padded_unique
 from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
 
 KERNELS, DEVICE = BACKENDS[1][0], torch.device(BACKENDS[1][1])
@@ -215,7 +215,7 @@ def test_a_failure_after_the_claim_leaves_no_pins(monkeypatch):
         raise RuntimeError("injected")
 
     kernels = grouped.tables["t0"].kernels
-    monkeypatch.setattr(type(kernels), "init_rows_at_group_device", broken)
+    monkeypatch.setattr(type(kernels), "init_rows_at_group", broken)
     with pytest.raises(RuntimeError, match="injected"):
         grouped(batch(gen, 2, vocab=1000))  # new keys: their rows need the initializer
     monkeypatch.undo()

@@ -1,9 +1,11 @@
-"""Pick the CPU or CUDA kernels for a tensor's device and launch them on torch tensors.
+"""Pick the CPU or CUDA kernels for a tensor's device; the CPU backend.
 
-Both backends implement :class:`~dynemb.backends.protocol.KernelBackend` over torch tensors;
-``ScoredHashTable``, the initializers and the optimizers only talk to that interface. The
-CUDA backend also runs under numba's simulator (``NUMBA_ENABLE_CUDASIM=1``), where it takes
-CPU tensors: that is how CI exercises the CUDA kernels without a GPU.
+Both backends implement :class:`~dynemb.backends.protocol.KernelBackend` over torch tensors:
+:class:`CpuBackend` here (``@njit`` kernels on numpy views of CPU tensors) and
+:class:`~dynemb.backends.cuda_backend.CudaBackend`. Everything above them launches kernels through
+that protocol only. The CUDA backend also runs under numba's simulator
+(``NUMBA_ENABLE_CUDASIM=1``), where it takes CPU tensors: that is how CI exercises the CUDA
+kernels without a GPU.
 
 Example::
 
@@ -23,29 +25,39 @@ import numba
 import numpy as np
 import torch
 
-from dynemb.bridges.numba_launch import KernelLauncher
-from dynemb.backends.protocol import KernelBackend, TableArrays
-from dynemb.foundations.hot_rows import hot_row_pieces
-from dynemb.backends.group_kernels import CpuGroupKernels, CudaGroupKernels
-from dynemb.kernels import dedup_cpu, init_cpu, optim_cpu, pool_cpu, round_cpu, table_cpu
-from dynemb.kernels.constants import EMPTY_KEY, TOMBSTONE_KEY, cuda_simulator_enabled
+from dynemb.backends.cuda_backend import CudaBackend
+from dynemb.backends.protocol import (EMPTY_KEY, TOMBSTONE_KEY, KernelBackend, Segments,
+                                   TableArrays, bit_views, claim_args, f32, probe_args,
+                                   rehash_args)
+from dynemb.kernels import (dedup_cpu, group_stores_cpu, groups_cpu, init_cpu, optim_cpu,
+                            pool_cpu, round_cpu, rows_cpu, table_cpu)
 from dynemb.foundations.threads import apply_defaults as apply_thread_defaults
 
-_THREADS_PER_BLOCK = 256
-_SIMULATED_THREADS_PER_BLOCK = 32
+__all__ = ["CpuBackend", "CudaBackend", "backend_for_device", "get_backend", "resolve_kernels"]
+
 _MIN_PARALLEL_KEYS = 16384
 #: find_or_insert: smallest batch worth sorting by bucket.
 _MIN_PARTITIONED_KEYS = 4096
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-class CpuBackend(CpuGroupKernels):
-    """``@njit`` kernels on CPU tensors (viewed as numpy arrays without copying); the
-    table-group kernels come from :class:`~dynemb.backends.group_kernels.CpuGroupKernels`."""
+class CpuBackend:
+    """``@njit`` kernels on CPU tensors (viewed as numpy arrays without copying)."""
 
     name = "cpu"
     #: Slot failures raise at once (reading a count costs nothing on CPU); unique keys are
     #: exact, never padded.
     defers_failures = False
+
+    @staticmethod
+    def _np(t: torch.Tensor):
+        """A CPU tensor as the numpy array the kernels take (no copy)."""
+        return t.numpy()
+
+    @staticmethod
+    def _host(values):
+        """Per-table values (numpy arrays or CPU tensors) as numpy arrays, without a copy."""
+        return values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
 
     def __init__(self):
         # numba one core short of the process's (dynemb.foundations.threads): created once per process,
@@ -73,13 +85,13 @@ class CpuBackend(CpuGroupKernels):
     def lookup_update(self, table: TableArrays, ukeys, counts, given, policy, clock, pin,
                       out_slots, out_prev_scores):
         n = self._np
-        table_cpu.lookup_update_cpu(*_probe_args(table, n), n(ukeys), n(counts), n(given),
+        table_cpu.lookup_update_cpu(*probe_args(table, n), n(ukeys), n(counts), n(given),
                                     policy, clock, pin, n(out_slots), n(out_prev_scores))
 
     def insert_missing(self, table: TableArrays, ukeys, counts, given, policy, clock,
                        allow_evict, slots, out_prev_keys, out_prev_scores, out_failed):
         n = self._np
-        table_cpu.insert_missing_cpu(*_claim_args(table, n), n(ukeys), n(counts), n(given),
+        table_cpu.insert_missing_cpu(*claim_args(table, n), n(ukeys), n(counts), n(given),
                                      policy, clock, allow_evict, n(slots), n(out_prev_keys),
                                      n(out_prev_scores), n(out_failed), numba.get_num_threads())
 
@@ -95,14 +107,14 @@ class CpuBackend(CpuGroupKernels):
         if keys >= _MIN_PARTITIONED_KEYS:
             parts = min(table.num_buckets, keys)
         scratch = _SCRATCH.get(table_cpu.scratch_size(keys, parts, policy))
-        table_cpu.find_or_insert_cpu(*_claim_args(table, n), n(ukeys), n(counts), n(given),
+        table_cpu.find_or_insert_cpu(*claim_args(table, n), n(ukeys), n(counts), n(given),
                                      policy, clock, allow_evict, pin, parts, scratch,
                                      n(out_slots), n(out_inserted), n(out_prev_keys),
                                      n(out_prev_scores), n(out_failed), n(out_stats))
 
     def erase(self, table: TableArrays, keys, out_erased, out_pinned):
         n = self._np
-        table_cpu.erase_cpu(*_claim_args(table, n), n(keys), n(out_erased), n(out_pinned))
+        table_cpu.erase_cpu(*claim_args(table, n), n(keys), n(out_erased), n(out_pinned))
 
     def dedup(self, keys, num_buckets=None):
         """(unique keys, inverse, counts): in first-occurrence order, or with ``num_buckets``
@@ -134,7 +146,7 @@ class CpuBackend(CpuGroupKernels):
         return keys[:count], slots[:count], scores[:count]
 
     def rehash(self, old: TableArrays, new: TableArrays, remap) -> int:
-        return int(table_cpu.rehash_cpu(*_rehash_args(old, new, self._np), self._np(remap)))
+        return int(table_cpu.rehash_cpu(*rehash_args(old, new, self._np), self._np(remap)))
 
     def init_rows(self, out, keys, seed, table_id, kind, p0, p1, low, high):
         init_cpu.init_rows_cpu(self._np(out), self._np(keys), seed, table_id, kind, p0, p1, low,
@@ -152,13 +164,13 @@ class CpuBackend(CpuGroupKernels):
         n = self._np
         chunks = numba.get_num_threads() * optim_cpu.CHUNKS_PER_THREAD
         optim_cpu.fused_update_cpu(n(weights), n(slots), n(src), n(offsets), n(order), n(scale),
-                                   *_f32(clip), chunks, kind, dim,
-                                   *_f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
+                                   *f32(clip), chunks, kind, dim,
+                                   *f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
 
     def round_rows(self, src, out, keys, seed, table_id, step, fmt, stochastic):
         """float32 ``src`` [N, D] rounded into float16 / bfloat16 ``out`` [N, D]; see
         ``round_cpu.round_rows_cpu``."""
-        round_cpu.round_rows_cpu(*_bit_views(src, out, self._np), self._np(keys), seed,
+        round_cpu.round_rows_cpu(*bit_views(src, out, self._np), self._np(keys), seed,
                                  table_id, step, fmt, stochastic)
 
     def pool_bags(self, weights, occ_slots, offsets, scale, mean, batch, cols, dim, out):
@@ -167,6 +179,106 @@ class CpuBackend(CpuGroupKernels):
         n = self._np
         pool_cpu.pool_bags_cpu(n(weights), n(occ_slots), n(offsets), n(scale), bool(mean),
                                int(batch), n(cols), int(dim), n(out))
+
+
+
+    def dedup_segments(self, keys, segments, num_buckets=None):
+        """Each table's unique keys in first-occurrence order, or with ``num_buckets`` sorted
+        by bucket (see ``groups_cpu.dedup_segments_cpu``); exact, never padded."""
+        n = keys.numel()
+        unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
+        unique_bounds = np.empty(segments.count + 1, dtype=np.int64)
+        if num_buckets is None:
+            num_buckets = np.zeros(segments.count, dtype=np.int64)
+        u = groups_cpu.dedup_segments_cpu(keys.numpy(), segments.bounds, self._host(num_buckets),
+                                          unique.numpy(), inverse.numpy(), counts.numpy(),
+                                          unique_bounds)
+        return unique[:u], inverse, counts[:u], Segments(unique_bounds)
+
+    def find_group(self, table: TableArrays, segments, row_offset, num_buckets, ukeys,
+                   out_slots):
+        h = self._host
+        groups_cpu.find_group_cpu(self._np(table.keys), h(row_offset), h(num_buckets),
+                                  table.bucket_size, self._np(ukeys), segments.bounds,
+                                  self._np(out_slots))
+
+    def find_or_insert_group(self, table: TableArrays, sizes, segments, row_offset,
+                             num_buckets, ukeys, counts, given, policy, clocks, allow_evict,
+                             out_slots, out_inserted, out_prev_keys, out_prev_scores,
+                             out_failed, out_stats=None):
+        """One call, threads split the tables (``groups_cpu.find_or_insert_group_cpu``)."""
+        n, h = self._np, self._host
+        if out_stats is None:
+            out_stats = np.empty((segments.count, 3), dtype=np.int64)
+        groups_cpu.find_or_insert_group_cpu(
+            n(table.keys), n(table.scores), n(table.refcnt), n(sizes), h(row_offset),
+            h(num_buckets), table.bucket_size, n(ukeys), segments.bounds, n(counts), n(given),
+            policy, h(clocks), allow_evict, True, n(out_slots), n(out_inserted),
+            n(out_prev_keys), n(out_prev_scores), n(out_failed), h(out_stats))
+
+    def claim_counts_group(self, segments, slots, inserted, previous_keys, out):
+        groups_cpu.claim_counts_group_cpu(segments.bounds, self._np(slots), self._np(inserted),
+                                          self._np(previous_keys), self._host(out))
+
+    def init_rows_at_group(self, weights, slots, keys, mask, segments, dim, seeds, table_ids,
+                           kinds, p0, p1, low, high):
+        n, h = self._np, self._host
+        groups_cpu.init_rows_at_group_cpu(n(weights), n(slots), n(keys), n(mask),
+                                          segments.bounds, dim, h(seeds), h(table_ids),
+                                          h(kinds), h(p0), h(p1), h(low), h(high))
+
+    def store_find_group(self, store_keys, store_rows, store_buckets, bucket_sizes, movable,
+                         ukeys, segments, want, out_rows, out_found):
+        """``group_stores_cpu.store_find_group_cpu`` (the stores as numba typed lists)."""
+        n = self._np
+        group_stores_cpu.store_find_group_cpu(store_keys, store_rows, store_buckets,
+                                              bucket_sizes, movable, n(ukeys), segments.bounds,
+                                              n(want), n(out_rows), n(out_found))
+
+    def store_moves_group(self, weights, wb_keys, wb_scores, wb_rows, write_backs, ld_keys,
+                          ld_rows, loads, store_keys, store_scores, store_refcnt, store_size,
+                          store_rows, store_buckets, bucket_sizes, max_capacities, grow_at,
+                          clocks, out_slots, out_inserted, out_prev_keys, out_prev_scores,
+                          out_failed, out_found, out_scores, out_stats):
+        """``group_stores_cpu.store_moves_group_cpu`` (the stores as numba typed lists)."""
+        n = self._np
+        group_stores_cpu.store_moves_group_cpu(
+            n(weights), n(wb_keys), n(wb_scores), n(wb_rows), write_backs.bounds, n(ld_keys),
+            n(ld_rows), loads.bounds, store_keys, store_scores, store_refcnt, store_size,
+            store_rows, store_buckets, bucket_sizes, max_capacities, grow_at, clocks,
+            n(out_slots), n(out_inserted), n(out_prev_keys), n(out_prev_scores),
+            n(out_failed), n(out_found), n(out_scores), out_stats)
+
+    def occurrence_csr(self, inverse, num_rows):
+        """A counting sort (``optim_cpu.occurrence_csr_cpu``)."""
+        inverse = inverse.to(torch.int64).contiguous()
+        offsets = torch.empty(num_rows + 1, dtype=torch.int64)
+        order = torch.empty_like(inverse)
+        optim_cpu.occurrence_csr_cpu(inverse.numpy(), num_rows, offsets.numpy(), order.numpy())
+        return offsets, order
+
+    def copy_rows(self, src, src_slots, dst, dst_slots):
+        """Each row copied once, as raw bits (``rows_cpu.copy_rows_cpu``)."""
+        rows_cpu.copy_rows_cpu(_bits(src), src_slots.contiguous().numpy(), _bits(dst),
+                               dst_slots.contiguous().numpy())
+
+    def remap_rows(self, old, remap, new_capacity):
+        """Each new row written once (``rows_cpu.remap_rows_cpu``)."""
+        new = torch.empty(new_capacity, old.shape[1], dtype=old.dtype)
+        rows_cpu.remap_rows_cpu(_bits(old), remap.contiguous().numpy(), _bits(new))
+        return new
+
+    def has_reserved_keys(self, keys):
+        """One pass over contiguous keys (``table_cpu.count_reserved_cpu``) instead of four
+        torch ops."""
+        if not keys.is_contiguous():
+            return bool(((keys == EMPTY_KEY) | (keys == TOMBSTONE_KEY)).any())
+        return table_cpu.count_reserved_cpu(keys.numpy()) > 0
+
+
+def _bits(rows: torch.Tensor):
+    """The rows' bytes as a numpy array of same-size integers (no copy; bfloat16 included)."""
+    return rows.view(_BITS[rows.element_size()]).numpy()
 
 
 class _Scratch(threading.local):
@@ -184,225 +296,6 @@ class _Scratch(threading.local):
 
 
 _SCRATCH = _Scratch()
-
-
-class CudaBackend(CudaGroupKernels):
-    """numba-cuda kernels on CUDA tensors, launched on torch's current stream.
-
-    Under the simulator the same kernels take CPU tensors.
-    """
-
-    name = "cuda"
-    #: Slot failures are counted on the device and reported at a later call (reading them
-    #: would stall the host); unique keys are padded with EMPTY_KEY (slot -1).
-    defers_failures = True
-
-    def __init__(self):
-        from numba import cuda
-
-        from dynemb.kernels import groups_cuda, init_cuda, optim_cuda, round_cuda, table_cuda
-
-        self._cuda = cuda
-        self._table = table_cuda
-        self._groups = groups_cuda
-        self._init = init_cuda
-        self._optim = optim_cuda
-        self._round = round_cuda
-        self._simulated = cuda_simulator_enabled()
-        self._launcher = None  # made at the first launch on a GPU
-
-    def check_device(self, device: torch.device) -> None:
-        want = "cpu" if self._simulated else "cuda"
-        if device.type != want:
-            mode = "the CUDA simulator" if self._simulated else "a GPU"
-            raise ValueError(f"the cuda backend on {mode} needs {want} tensors, got {device}")
-
-    @staticmethod
-    def claim_summary(slots, inserted, previous_keys):
-        """``(hits, inserts, evictions)`` of one ``find_or_insert`` result, as 0-d device
-        tensors (no host sync)."""
-        hits = ((slots >= 0) & ~inserted).sum()
-        evicted = inserted & (previous_keys != EMPTY_KEY) & (previous_keys != TOMBSTONE_KEY)
-        return hits, inserted.sum(), evicted.sum()
-
-    def direct_launch_signatures(self) -> int:
-        """How many (kernel, argument signature) pairs this process launches without numba's
-        argument conversion (see :mod:`dynemb.bridges.numba_launch`)."""
-        return 0 if self._launcher is None else self._launcher.direct_signatures
-
-    def _arr(self, t: torch.Tensor):
-        """A kernel argument: the tensor itself on a GPU (``_launch`` hands it to numba),
-        its numpy view under the simulator."""
-        return t.numpy() if self._simulated else t
-
-    def _launch(self, kernel, n: int, *args) -> None:
-        if n <= 0:
-            return
-        blocks = (n + _THREADS_PER_BLOCK - 1) // _THREADS_PER_BLOCK
-        if self._simulated:
-            # Small blocks: the simulator runs every thread of a block as a Python thread.
-            blocks = (n + _SIMULATED_THREADS_PER_BLOCK - 1) // _SIMULATED_THREADS_PER_BLOCK
-            kernel[blocks, _SIMULATED_THREADS_PER_BLOCK](*args)
-            return
-        if self._launcher is None:
-            self._launcher = KernelLauncher()
-        self._launcher.launch(kernel, blocks, _THREADS_PER_BLOCK, torch.cuda.current_stream(),
-                              args)
-
-    def find(self, table: TableArrays, keys, out_slots, parallel=None):
-        a = self._arr
-        self._launch(self._table.find_kernel, keys.numel(), a(table.keys), table.num_buckets,
-                     table.bucket_size, a(keys), a(out_slots))
-
-    def lookup_update(self, table: TableArrays, ukeys, counts, given, policy, clock, pin,
-                      out_slots, out_prev_scores):
-        a = self._arr
-        self._launch(self._table.lookup_update_kernel, ukeys.numel(), *_probe_args(table, a),
-                     a(ukeys), a(counts), a(given), policy, clock, pin, a(out_slots),
-                     a(out_prev_scores))
-
-    def insert_missing(self, table: TableArrays, ukeys, counts, given, policy, clock,
-                       allow_evict, slots, out_prev_keys, out_prev_scores, out_failed):
-        a = self._arr
-        self._launch(self._table.insert_missing_kernel, ukeys.numel(), *_claim_args(table, a),
-                     a(ukeys), a(counts), a(given), policy, clock, allow_evict, a(slots),
-                     a(out_prev_keys), a(out_prev_scores), a(out_failed))
-
-    def find_or_insert(self, table: TableArrays, ukeys, counts, given, policy, clock,
-                       allow_evict, pin, out_slots, out_inserted, out_prev_keys, out_prev_scores,
-                       out_failed, out_stats):
-        """Look up and pin every key, then claim slots for the missing ones: the pins keep a
-        batch's slots from being claimed by its other keys; without ``pin`` they are dropped
-        at the end. Stats are computed on the device (no host sync).
-
-        Separate launches (lookup, claims, then the unpin without ``pin``): every hit must
-        hold its pin before any key picks a victim, and every claim must be done before the
-        pins drop; a launch has no barrier across its blocks. Nothing is read on the host
-        between them."""
-        self.lookup_update(table, ukeys, counts, given, policy, clock, True, out_slots,
-                           out_prev_scores)
-        hit = out_slots >= 0
-        self.insert_missing(table, ukeys, counts, given, policy, clock, allow_evict, out_slots,
-                            out_prev_keys, out_prev_scores, out_failed)
-        torch.logical_and(out_slots >= 0, ~hit, out=out_inserted)
-        if not pin:
-            self.add_refcounts(table, out_slots, -1)
-        out_stats[0] = out_failed.sum()
-        out_stats[1] = (out_inserted & (out_prev_keys != EMPTY_KEY)
-                        & (out_prev_keys != TOMBSTONE_KEY)).sum()
-
-    def erase(self, table: TableArrays, keys, out_erased, out_pinned):
-        a = self._arr
-        self._launch(self._table.erase_kernel, keys.numel(), *_claim_args(table, a), a(keys),
-                     a(out_erased), a(out_pinned))
-
-    def dedup(self, keys, num_buckets=None):
-        """(sorted unique keys, inverse, counts); ``num_buckets`` is not used (the claim
-        kernels take keys in any order)."""
-        return torch.unique(keys, return_inverse=True, return_counts=True)
-
-    def add_refcounts(self, table: TableArrays, slots, delta):
-        self._launch(self._table.add_refcounts_kernel, slots.numel(), self._arr(table.refcnt),
-                     self._arr(slots), delta)
-
-    def export(self, table: TableArrays, start, end):
-        n = end - start
-        dev = table.keys.device
-        keys, slots, scores = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(3))
-        counter = torch.zeros(1, dtype=torch.int64, device=dev)
-        a = self._arr
-        self._launch(self._table.export_kernel, n, a(table.keys), a(table.scores), start, end,
-                     a(counter), a(keys), a(slots), a(scores))
-        count = int(counter.item())
-        order = torch.argsort(slots[:count])
-        return keys[:count][order], slots[:count][order], scores[:count][order]
-
-    def rehash(self, old: TableArrays, new: TableArrays, remap) -> int:
-        lost = torch.zeros(1, dtype=torch.int64, device=old.keys.device)
-        a = self._arr
-        self._launch(self._table.rehash_kernel, old.capacity, *_rehash_args(old, new, a),
-                     a(remap), a(lost))
-        return int(lost.item())
-
-    def init_rows(self, out, keys, seed, table_id, kind, p0, p1, low, high):
-        self._launch(self._init.init_rows_kernel, out.numel(), self._arr(out), self._arr(keys),
-                     seed, table_id, kind, p0, p1, low, high)
-
-    def init_rows_at(self, weights, slots, keys, mask, dim, seed, table_id, kind, p0, p1, low,
-                     high):
-        a = self._arr
-        self._launch(self._init.init_rows_at_kernel, slots.numel() * weights.shape[1],
-                     a(weights), a(slots), a(keys), a(mask), dim, seed, table_id, kind, p0, p1,
-                     low, high)
-
-    def fused_update(self, weights, slots, src, offsets, order, scale, clip, kind, dim, lr,
-                     eps, beta1, beta2, weight_decay, bias1, bias2, acc0):
-        """In place on float32 ``weights`` [C, W]; one warp per row of ``slots``, the rows
-        with many occurrences summed in pieces first (see ``optim_cuda``)."""
-        # The kernel's shared buffer holds optim_cuda.MAX_THREADS_PER_BLOCK >= block size.
-        a = self._arr
-        pieces = self._hot_row_pieces(src, offsets, order, scale, clip, dim)
-        self._launch(self._optim.fused_update_kernel, slots.numel() * self._optim.WARP,
-                     a(weights), a(slots), a(src), a(offsets), a(order), a(scale), *_f32(clip),
-                     *map(a, pieces), kind, dim,
-                     *_f32(lr, eps, beta1, beta2, weight_decay, bias1, bias2, acc0))
-
-    def _hot_row_pieces(self, src, offsets, order, scale, clip, dim):
-        """``(piece_end, piece_count, pieces)`` of ``fused_update_kernel``: the layout of
-        :func:`~dynemb.foundations.hot_rows.hot_row_pieces`, ``pieces`` [P, dim] filled by
-        ``piece_sums_kernel``."""
-        piece_row, piece_end, piece_count = hot_row_pieces(offsets, order.numel(),
-                                                           self._optim.PIECE)
-        pieces = torch.empty(piece_row.numel(), dim, dtype=torch.float32, device=src.device)
-        a = self._arr
-        self._launch(self._optim.piece_sums_kernel, piece_row.numel() * self._optim.WARP,
-                     a(src), a(offsets), a(order), a(scale), *_f32(clip), a(piece_row),
-                     a(piece_end), a(piece_count), a(pieces), dim)
-        return piece_end, piece_count, pieces
-
-    def round_rows(self, src, out, keys, seed, table_id, step, fmt, stochastic):
-        """float32 ``src`` [N, D] rounded into float16 / bfloat16 ``out`` [N, D]; one thread
-        per element."""
-        self._launch(self._round.round_rows_kernel, src.numel(), *_bit_views(src, out, self._arr),
-                     self._arr(keys), seed, table_id, step, fmt, stochastic)
-
-    def pool_bags(self, weights, occ_slots, offsets, scale, mean, batch, cols, dim, out):
-        """A table's bags into their columns of ``out`` [B, C]; one warp per bag."""
-        from dynemb.kernels import pool_cuda
-        a = self._arr
-        self._launch(pool_cuda.pool_bags_kernel, (offsets.numel() - 1) * pool_cuda.WARP,
-                     a(weights), a(occ_slots), a(offsets), a(scale), bool(mean), int(batch),
-                     a(cols), int(dim), a(out))
-
-
-def _probe_args(table: TableArrays, convert):
-    """Leading kernel arguments of the kernels that probe and rescore: keys, scores, pins
-    and the bucket geometry."""
-    return (convert(table.keys), convert(table.scores), convert(table.refcnt),
-            table.num_buckets, table.bucket_size)
-
-
-def _claim_args(table: TableArrays, convert):
-    """Leading kernel arguments of the kernels that claim or free slots (they also keep
-    ``size`` up to date)."""
-    return (convert(table.keys), convert(table.scores), convert(table.refcnt),
-            convert(table.size), table.num_buckets, table.bucket_size)
-
-
-def _rehash_args(old: TableArrays, new: TableArrays, convert):
-    return (convert(old.keys), convert(old.scores), convert(old.refcnt), convert(new.keys),
-            convert(new.scores), convert(new.refcnt), new.num_buckets, new.bucket_size)
-
-
-def _bit_views(src, out, convert):
-    """float32 ``src`` as int32 and 16-bit ``out`` as int16 arrays (bfloat16 has no numpy
-    dtype; the kernels round on bit patterns)."""
-    return convert(src.view(torch.int32)), convert(out.view(torch.int16))
-
-
-def _f32(*values):
-    """Kernel scalars as float32, so the kernels compute (and compile) in float32."""
-    return tuple(np.float32(v) for v in values)
 
 
 @lru_cache(maxsize=None)

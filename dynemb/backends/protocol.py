@@ -1,17 +1,63 @@
-"""What the hash table and the row code need from a kernel backend, and the arrays of one
-table as the table kernels take them.
+"""What the layers above need from a kernel backend: the :class:`KernelBackend` protocol,
+the arrays of one table (:class:`TableArrays`) and of a group's keys per table
+(:class:`Segments`) as the kernels take them, and the codes and reserved keys the kernels
+share.
 
-:mod:`dynemb.backends.numba_backends` has the two implementations (``@njit`` on CPU, numba-cuda on GPU or
-in numba's simulator). Every tensor argument lives on the backend's device; ``out_*``
-arguments are written by the call.
+:mod:`dynemb.backends.numba_backends` has the two implementations (``@njit`` on CPU; numba-cuda on GPU or
+in numba's simulator, :mod:`dynemb.backends.cuda_backend`). Every tensor argument lives on the
+backend's device; ``out_*`` arguments are written by the call. This module, the two backends
+and nothing else import ``dynemb.kernels``: the layers above read the kernels' codes here.
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Protocol, Tuple, runtime_checkable
 
+import numpy as np
 import torch
 
-from dynemb.types import EMPTY_KEY
+from dynemb.foundations.device_values import values_on
+from dynemb.kernels import (constants, group_stores_cpu, hashing, init_common, optim_common,
+                            round_common)
+
+#: Reserved int64 keys: ``EMPTY_KEY`` marks a slot that never held a key since the last
+#: rehash, ``TOMBSTONE_KEY`` an erased one. Neither is ever stored.
+EMPTY_KEY = int(constants.EMPTY_KEY)
+TOMBSTONE_KEY = int(constants.TOMBSTONE_KEY)
+#: Largest bucket the CUDA insert kernel can track (two 64-bit masks).
+MAX_BUCKET_SIZE = constants.MAX_BUCKET_SIZE
+
+#: Score-policy codes, as the kernels take them (``ScorePolicy.code``).
+POLICY_LRU = constants.POLICY_LRU
+POLICY_LFU = constants.POLICY_LFU
+POLICY_STEP = constants.POLICY_STEP
+POLICY_CUSTOMIZED = constants.POLICY_CUSTOMIZED
+POLICY_NO_EVICTION = constants.POLICY_NO_EVICTION
+POLICY_LFU_LRU = constants.POLICY_LFU_LRU
+#: How an LFU_LRU score packs a count above a clock of ``LFU_LRU_CLOCK_BITS`` bits.
+LFU_LRU_CLOCK_BITS = constants.LFU_LRU_CLOCK_BITS
+LFU_LRU_MAX_COUNT = constants.LFU_LRU_MAX_COUNT
+LFU_LRU_MAX_CLOCK = constants.LFU_LRU_MAX_CLOCK
+
+#: Initializer codes of ``init_rows`` / ``init_rows_at``.
+INIT_NORMAL = init_common.INIT_NORMAL
+INIT_TRUNCATED_NORMAL = init_common.INIT_TRUNCATED_NORMAL
+INIT_UNIFORM = init_common.INIT_UNIFORM
+INIT_CONSTANT = init_common.INIT_CONSTANT
+#: Optimizer codes of ``fused_update``.
+OPT_SGD = optim_common.OPT_SGD
+OPT_ADAM = optim_common.OPT_ADAM
+OPT_ADAGRAD = optim_common.OPT_ADAGRAD
+OPT_ROWWISE_ADAGRAD = optim_common.OPT_ROWWISE_ADAGRAD
+#: 16-bit formats of ``round_rows``.
+FMT_FLOAT16 = round_common.FMT_FLOAT16
+FMT_BFLOAT16 = round_common.FMT_BFLOAT16
+#: The bucket hash's murmur3 multipliers (``mix64``), for hashes of keys in torch.
+MIX_A = int(hashing.MIX_A)
+MIX_B = int(hashing.MIX_B)
+#: ``store_moves_group``'s ``out_stats`` columns per table: rows written back, store keys
+#: evicted, rows loaded, 1 if the table was left for the host.
+STORE_STATS = group_stores_cpu.NUM_STATS
+STORE_STAT_LEFT = group_stores_cpu.STAT_LEFT
 
 
 class TableArrays(NamedTuple):
@@ -59,6 +105,91 @@ class TableArrays(NamedTuple):
                    for t in (self.keys, self.scores, self.refcnt, self.size))
 
 
+class Segments:
+    """Which table of a group each entry of a call's key array belongs to: entries
+    ``bounds[t]:bounds[t + 1]`` are table ``t``'s, in the group's table order. A lone table
+    is a group of one (:meth:`single`).
+
+    The CPU kernels walk ``bounds`` ([T + 1] int64, on the host); the CUDA kernels read
+    ``table_of`` ([N] int64 on ``device``: the table of each entry), made from the bounds at
+    first use without stalling the host.
+
+    Example::
+
+        >>> segments = Segments([0, 2, 2, 5])
+        >>> segments.count, segments.table_of.tolist()
+        (3, [0, 0, 2, 2, 2])
+        >>> Segments.single(3).bounds.tolist()
+        [0, 3]
+    """
+
+    __slots__ = ("bounds", "device", "_on_device", "_table_of")
+
+    def __init__(self, bounds, device: Optional[torch.device] = None):
+        self.bounds = np.asarray(bounds, dtype=np.int64)
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self._on_device: Optional[torch.Tensor] = None
+        self._table_of: Optional[torch.Tensor] = None
+
+    @classmethod
+    def single(cls, n: int, device: Optional[torch.device] = None) -> "Segments":
+        """The ``n`` entries of one table."""
+        return cls([0, n], device)
+
+    @property
+    def count(self) -> int:
+        """How many tables (segments)."""
+        return len(self.bounds) - 1
+
+    @property
+    def on_device(self) -> torch.Tensor:
+        """``bounds`` as a tensor on ``device``."""
+        if self._on_device is None:
+            self._on_device = values_on(self.bounds.tolist(), torch.int64, self.device)
+        return self._on_device
+
+    @property
+    def table_of(self) -> torch.Tensor:
+        """[N] int64 on ``device``: the table of each entry (how many tables end at or
+        before it)."""
+        if self._table_of is None:
+            positions = torch.arange(int(self.bounds[-1]), device=self.device)
+            self._table_of = torch.searchsorted(self.on_device[1:], positions, right=True)
+        return self._table_of
+
+
+def probe_args(table: TableArrays, convert):
+    """Leading kernel arguments of the kernels that probe and rescore: keys, scores, pins
+    and the bucket geometry (``convert``: a tensor as the backend's kernels take it)."""
+    return (convert(table.keys), convert(table.scores), convert(table.refcnt),
+            table.num_buckets, table.bucket_size)
+
+
+def claim_args(table: TableArrays, convert):
+    """Leading kernel arguments of the kernels that claim or free slots (they also keep
+    ``size`` up to date)."""
+    return (convert(table.keys), convert(table.scores), convert(table.refcnt),
+            convert(table.size), table.num_buckets, table.bucket_size)
+
+
+def rehash_args(old: TableArrays, new: TableArrays, convert):
+    """Leading kernel arguments of the rehash kernels: both tables' arrays, the new
+    geometry."""
+    return (convert(old.keys), convert(old.scores), convert(old.refcnt), convert(new.keys),
+            convert(new.scores), convert(new.refcnt), new.num_buckets, new.bucket_size)
+
+
+def bit_views(src, out, convert):
+    """float32 ``src`` as int32 and 16-bit ``out`` as int16 arrays (bfloat16 has no numpy
+    dtype; the rounding kernels work on bit patterns)."""
+    return convert(src.view(torch.int32)), convert(out.view(torch.int16))
+
+
+def f32(*values):
+    """Kernel scalars as float32, so the kernels compute (and compile) in float32."""
+    return tuple(np.float32(v) for v in values)
+
+
 @runtime_checkable
 class KernelBackend(Protocol):
     """The kernels of one device kind, launched on torch tensors.
@@ -67,6 +198,14 @@ class KernelBackend(Protocol):
     entries are padding and get slot -1), with their ``counts`` (occurrences, what LFU adds)
     and ``given`` scores (CUSTOMIZED); ``policy`` is a ``ScorePolicy.code`` and ``clock`` the
     table's clock for this call.
+
+    Group kernels (``*_group``, ``dedup_segments``; see :mod:`dynemb.tables.groups`) run
+    every table of a group in one call: a group's tables share one :class:`TableArrays`,
+    table ``t`` owning slots ``[row_offset[t], row_offset[t] + num_buckets[t] *
+    bucket_size)``; :class:`Segments` say which table each key is of; slots in and out are
+    group slots. Per-table values (``row_offset``, ``num_buckets``, ``clocks``, ``seeds``,
+    ..., per-table outputs) are [T] arrays on the backend's side: numpy arrays (or CPU
+    tensors) on the CPU backend, device tensors on CUDA (nothing read back).
 
     Example::
 
@@ -81,10 +220,6 @@ class KernelBackend(Protocol):
     #: stall the host) and pads its unique keys with ``EMPTY_KEY`` (fixed shapes); False: it
     #: raises at once and its unique keys are exact.
     defers_failures: bool
-    #: True: it has the table-group kernels (``dedup_segments``, ``find_or_insert_group``,
-    #: ``claim_counts_group``, ``init_rows_at_group``; see :mod:`dynemb.tables.groups`);
-    #: False: every table runs alone.
-    runs_groups: bool
 
     def check_device(self, device: torch.device) -> None:
         """Raise unless this backend runs on tensors of ``device``."""
@@ -167,3 +302,67 @@ class KernelBackend(Protocol):
         bag ``q = i * batch + b`` (feature ``i``, sample ``b``) sums rows ``occ_slots[k]``
         for ``k`` in ``offsets[q]:offsets[q + 1]`` (times ``scale[k]`` if not empty; divided
         by the length if ``mean``) into ``out[b, cols[i]:cols[i] + dim]``."""
+
+    def dedup_segments(self, keys, segments: Segments, num_buckets=None
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Segments]:
+        """``(unique keys, inverse, counts, their segments)`` of each table's ``keys``; the
+        inverse indexes the whole unique array. Without ``defers_failures`` each table's
+        unique keys are exact, in first-occurrence order or, with ``num_buckets`` (per
+        table), by bucket of a table of that many buckets (ties in first-occurrence order);
+        with it, each table's sorted unique keys are padded with ``EMPTY_KEY`` (count 0) to
+        its number of keys (fixed shapes: the segments are ``segments``)."""
+
+    def find_group(self, table: TableArrays, segments: Segments, row_offset, num_buckets,
+                   ukeys, out_slots) -> None:
+        """``out_slots[i]``: the group slot of ``ukeys[i]`` in its table, or -1; nothing
+        changes."""
+
+    def find_or_insert_group(self, table: TableArrays, sizes, segments: Segments, row_offset,
+                             num_buckets, ukeys, counts, given, policy: int, clocks,
+                             allow_evict: bool, out_slots, out_inserted, out_prev_keys,
+                             out_prev_scores, out_failed, out_stats=None) -> None:
+        """``find_or_insert`` with ``pin`` of every table's ``ukeys`` in its own slots, at its
+        own clock ``clocks[t]``, exactly as the table alone would claim them; ``sizes`` [T]
+        counts each table's live keys. ``out_stats`` [T, 3] int64 (None: not counted): per
+        table (keys added, live keys evicted, keys failed)."""
+
+    def claim_counts_group(self, segments: Segments, slots, inserted, previous_keys,
+                           out) -> None:
+        """Per table of one group claim: ``out[t] = (hits, inserts, live keys evicted)``
+        ([T, 3] int64)."""
+
+    def init_rows_at_group(self, weights, slots, keys, mask, segments: Segments, dim, seeds,
+                           table_ids, kinds, p0, p1, low, high) -> None:
+        """``init_rows_at`` with each key starting from its own table's initializer
+        (``kinds[t]``, ``p0[t]``, ...), seed and table id."""
+
+    def store_find_group(self, store_keys, store_rows, store_buckets, bucket_sizes, movable,
+                         ukeys, segments: Segments, want, out_rows, out_found) -> None:
+        """Each ``want``-ed key of a ``movable`` table looked up in its table's host store
+        (numba typed lists of arrays; rows as raw bits): ``out_found`` and the row's bits in
+        ``out_rows``. Nothing changes."""
+
+    def store_moves_group(self, weights, wb_keys, wb_scores, wb_rows, write_backs: Segments,
+                          ld_keys, ld_rows, loads: Segments, store_keys, store_scores,
+                          store_refcnt, store_size, store_rows, store_buckets, bucket_sizes,
+                          max_capacities, grow_at, clocks, out_slots, out_inserted,
+                          out_prev_keys, out_prev_scores, out_failed, out_found, out_scores,
+                          out_stats) -> None:
+        """Every table's write-backs of evicted rows to its host store and loads of inserted
+        keys from it, each as its ``HostBackingStore`` would make them; ``out_stats`` [T,
+        ``STORE_STATS``] (see ``kernels/group_stores_cpu.py``)."""
+
+    def occurrence_csr(self, inverse, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(offsets [num_rows + 1], order [N])`` int64: ``order[offsets[u]:offsets[u +
+        1]]`` are the positions ``i`` with ``inverse[i] == u``, in input order."""
+
+    def copy_rows(self, src, src_slots, dst, dst_slots) -> None:
+        """``dst[dst_slots[i]] = src[src_slots[i]]`` wherever both slots are >= 0 (contiguous
+        tables of one dtype and width, ``dst_slots`` distinct)."""
+
+    def remap_rows(self, old, remap, new_capacity: int) -> torch.Tensor:
+        """A new [new_capacity, width] table: row ``s`` of contiguous ``old`` at ``remap[s]``
+        (when >= 0, targets distinct), zeros elsewhere."""
+
+    def has_reserved_keys(self, keys) -> bool:
+        """Whether ``keys`` hold ``EMPTY_KEY`` or ``TOMBSTONE_KEY``."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dynemb.kernels import hashing
+from dynemb.backends.protocol import MIX_A, MIX_B  # the bucket hash's, as Python ints
 
 #: 0x9E3779B97F4A7C15 (2**64 / golden ratio) as int64: added to a key before mixing, so the
 #: owner rank is not a function of the bucket hash (which mixes the key itself).
@@ -24,9 +24,6 @@ OWNER_RANK_SALT = -7046029254386353131
 #: The same constant as a multiplier: Fibonacci hashing of the key picks its tier.
 TIER_MULTIPLIER = -7046029254386353131
 
-# the bucket hash's murmur3 constants, as Python ints (torch scalars)
-_MIX_A = int(hashing.MIX_A)
-_MIX_B = int(hashing.MIX_B)
 _MASK31 = 0x7FFFFFFF
 _MASK32 = 0xFFFFFFFF
 _MASK63 = 0x7FFFFFFFFFFFFFFF
@@ -45,9 +42,9 @@ def mix_keys(keys: torch.Tensor, salt: int = 0) -> torch.Tensor:
     """
     x = keys + salt if salt else keys
     x = x ^ ((x >> 33) & _MASK31)
-    x = x * _MIX_A
+    x = x * MIX_A
     x = x ^ ((x >> 33) & _MASK31)
-    x = x * _MIX_B
+    x = x * MIX_B
     return x ^ ((x >> 33) & _MASK31)
 
 

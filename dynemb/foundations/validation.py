@@ -1,13 +1,14 @@
 """Argument checks shared by the public API. Each error names the argument at fault."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
-from dynemb.kernels.table_cpu import count_reserved_cpu
+from dynemb.backends.numba_backends import resolve_kernels
+from dynemb.backends.protocol import KernelBackend
 from dynemb.types import EMPTY_KEY, MAX_BUCKET_SIZE, TOMBSTONE_KEY
 
 
@@ -23,10 +24,13 @@ def check_index_tensor(t, name: str, device: torch.device) -> None:
         raise ValueError(f"{name} is on {t.device} but the table is on {device}")
 
 
-def check_keys(keys, device: torch.device, name: str = "keys") -> None:
-    """1-D int64 keys on ``device`` that contain no reserved key."""
+def check_keys(keys, device: torch.device, name: str = "keys", *,
+               kernels: Optional[KernelBackend] = None) -> None:
+    """1-D int64 keys on ``device`` that contain no reserved key (looked for by ``kernels``,
+    those of ``device`` when None)."""
     check_index_tensor(keys, name, device)
-    if not keys.numel() or not _has_reserved(keys):
+    if not keys.numel() or not resolve_kernels(keys.device, kernels=kernels).has_reserved_keys(
+            keys):
         return
     reserved = (keys == EMPTY_KEY) | (keys == TOMBSTONE_KEY)
     if bool(reserved.any()):
@@ -34,12 +38,6 @@ def check_keys(keys, device: torch.device, name: str = "keys") -> None:
         raise ValueError(
             f"{name} contains the reserved key {bad} (EMPTY_KEY={EMPTY_KEY} and "
             f"TOMBSTONE_KEY={TOMBSTONE_KEY} mark free slots and cannot be stored)")
-
-
-def _has_reserved(keys: torch.Tensor) -> bool:
-    if keys.device.type == "cpu" and keys.is_contiguous():
-        return count_reserved_cpu(keys.numpy()) > 0  # one pass instead of four torch ops
-    return bool(((keys == EMPTY_KEY) | (keys == TOMBSTONE_KEY)).any())
 
 
 def check_same_length(a: torch.Tensor, name_a: str, b: torch.Tensor, name_b: str) -> None:

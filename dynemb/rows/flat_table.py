@@ -218,4 +218,4 @@ class FlatTable:
         check_index_tensor(remap, "remap", self.device)
         if remap.numel() != self.capacity:
             raise ValueError(f"remap has {remap.numel()} entries, the table {self.capacity} rows")
-        self.weights = remap_rows(self.weights, remap, new_capacity)
+        self.weights = remap_rows(self.weights, remap, new_capacity, kernels=self.kernels)

@@ -139,7 +139,7 @@ class ScoredHashTable:
         if allow_padding and not update_scores:
             check_index_tensor(keys, "keys", self.device)
         else:
-            check_keys(keys, self.device)
+            check_keys(keys, self.device, kernels=self._backend)
         check_scores(self.policy, self.device, keys, scores, required=update_scores)
         out = torch.empty_like(keys)
         if not update_scores:
@@ -176,7 +176,7 @@ class ScoredHashTable:
         With ``pin``, :meth:`undo` can revert the call.
         """
         check_claim_arguments(self.policy, self.device, keys, scores, on_failure=on_failure,
-                              assume_unique=assume_unique, counts=counts)
+                              assume_unique=assume_unique, counts=counts, kernels=self._backend)
         ukeys, inverse, dedup_counts, given = self._dedup(keys, scores, assume_unique)
         counts = dedup_counts if counts is None else counts
         self._undoable = None
@@ -321,7 +321,7 @@ class ScoredHashTable:
         if allow_padding:
             check_index_tensor(keys, "keys", self.device)
         else:
-            check_keys(keys, self.device)
+            check_keys(keys, self.device, kernels=self._backend)
         erased = torch.zeros(keys.shape, dtype=torch.bool, device=self.device)
         pinned = torch.zeros_like(erased)
         self._backend.erase(self._arrays, keys, erased, pinned)
@@ -436,7 +436,7 @@ class ScoredHashTable:
             >>> table.scores_at(slots).tolist()
             [40, 2]
         """
-        check_keys(keys, self.device)
+        check_keys(keys, self.device, kernels=self._backend)
         check_index_tensor(scores, "scores", self.device)
         if scores.shape != keys.shape:
             raise ValueError(f"scores has shape {tuple(scores.shape)} but keys has "

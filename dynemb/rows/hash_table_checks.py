@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from dynemb.backends.protocol import KernelBackend
 from dynemb.types import MAX_BUCKET_SIZE, ScorePolicy
 from dynemb.foundations.validation import (check_bucket_size, check_index_tensor, check_int, check_keys,
                                check_same_length)
@@ -133,12 +134,14 @@ def check_table_arguments(capacity: int, bucket_size: Optional[int], policy: Sco
 
 
 def check_claim_arguments(policy: ScorePolicy, device: torch.device, keys, scores, *,
-                          on_failure: str, assume_unique: bool, counts) -> None:
-    """The arguments of ``find_or_insert`` on a table of ``policy`` on ``device``."""
+                          on_failure: str, assume_unique: bool, counts,
+                          kernels: Optional[KernelBackend] = None) -> None:
+    """The arguments of ``find_or_insert`` on a table of ``policy`` on ``device`` (run by
+    ``kernels``)."""
     if assume_unique:
         check_index_tensor(keys, "keys", device)
     else:
-        check_keys(keys, device)
+        check_keys(keys, device, kernels=kernels)
     check_scores(policy, device, keys, scores, required=policy is ScorePolicy.CUSTOMIZED)
     if on_failure not in ON_FAILURE:
         raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")

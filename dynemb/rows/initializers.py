@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from dynemb.backends.numba_backends import resolve_kernels
+from dynemb.backends import protocol as codes
 from dynemb.backends.protocol import KernelBackend
-from dynemb.kernels import init_common
 from dynemb.foundations.validation import check_index_tensor
 
 
@@ -24,10 +24,10 @@ class InitializerKind(enum.Enum):
 
 
 _KIND_CODES = {
-    InitializerKind.NORMAL: init_common.INIT_NORMAL,
-    InitializerKind.TRUNCATED_NORMAL: init_common.INIT_TRUNCATED_NORMAL,
-    InitializerKind.UNIFORM: init_common.INIT_UNIFORM,
-    InitializerKind.CONSTANT: init_common.INIT_CONSTANT,
+    InitializerKind.NORMAL: codes.INIT_NORMAL,
+    InitializerKind.TRUNCATED_NORMAL: codes.INIT_TRUNCATED_NORMAL,
+    InitializerKind.UNIFORM: codes.INIT_UNIFORM,
+    InitializerKind.CONSTANT: codes.INIT_CONSTANT,
 }
 
 

@@ -7,7 +7,8 @@ from typing import Optional
 
 import torch
 
-from dynemb.kernels import optim_cpu
+from dynemb.backends.numba_backends import resolve_kernels
+from dynemb.backends.protocol import KernelBackend
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,12 @@ class OccurrenceGrads:
 
     @classmethod
     def from_inverse(cls, src: torch.Tensor, inverse: torch.Tensor, num_rows: int, *,
-                     scale: Optional[torch.Tensor] = None,
-                     clip: Optional[float] = None) -> "OccurrenceGrads":
+                     scale: Optional[torch.Tensor] = None, clip: Optional[float] = None,
+                     kernels: Optional[KernelBackend] = None) -> "OccurrenceGrads":
         """Occurrence ``i`` (``src[i]``, ``scale[i]``) belongs to row ``inverse[i]`` of
-        ``num_rows``. No host sync on CUDA."""
-        offsets, order = occurrence_csr(inverse, num_rows)
+        ``num_rows`` (``kernels``: those of the owning table, see :func:`occurrence_csr`).
+        No host sync on CUDA."""
+        offsets, order = occurrence_csr(inverse, num_rows, kernels=kernels)
         return cls(src.to(torch.float32).contiguous(), offsets, order,
                    None if scale is None else scale.to(torch.float32)[order].contiguous(), clip)
 
@@ -74,23 +76,10 @@ class OccurrenceGrads:
                 -1.0 if self.clip is None else float(self.clip))
 
 
-def occurrence_csr(inverse: torch.Tensor, num_rows: int):
+def occurrence_csr(inverse: torch.Tensor, num_rows: int, *,
+                   kernels: Optional[KernelBackend] = None):
     """(offsets [num_rows + 1], order [N]) int64: ``order[offsets[u]:offsets[u + 1]]`` are the
-    positions ``i`` with ``inverse[i] == u``, in input order. A numba counting sort on CPU;
-    a stable sort and a cumulative sum on CUDA (no host sync)."""
-    inverse = inverse.to(torch.int64).contiguous()
-    if inverse.device.type == "cpu":
-        offsets = torch.empty(num_rows + 1, dtype=torch.int64)
-        order = torch.empty_like(inverse)
-        optim_cpu.occurrence_csr_cpu(inverse.numpy(), num_rows, offsets.numpy(), order.numpy())
-        return offsets, order
-    return _occurrence_csr_torch(inverse, num_rows)
-
-
-def _occurrence_csr_torch(inverse: torch.Tensor, num_rows: int):
-    order = torch.sort(inverse, stable=True).indices
-    counts = torch.zeros(num_rows, dtype=torch.int64, device=inverse.device)
-    counts.index_add_(0, inverse, torch.ones_like(inverse))
-    offsets = torch.zeros(num_rows + 1, dtype=torch.int64, device=inverse.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    return offsets, order
+    positions ``i`` with ``inverse[i] == u``, in input order, by ``kernels`` (those of the
+    tensor's device when None: a numba counting sort on CPU; a stable sort and a cumulative
+    sum on CUDA, no host sync)."""
+    return resolve_kernels(inverse.device, kernels=kernels).occurrence_csr(inverse, num_rows)

@@ -22,8 +22,8 @@ import torch
 
 from dynemb.backends.numba_backends import resolve_kernels
 from dynemb.rows.flat_table import RowLayout
+from dynemb.backends import protocol as codes
 from dynemb.backends.protocol import KernelBackend
-from dynemb.kernels import optim_common, round_common
 from dynemb.rows.occurrence_grads import OccurrenceGrads, occurrence_csr
 from dynemb.optimizer_config import (OptimizerConfig, OptimizerType, check_number,
                                      clip_gradients)
@@ -34,10 +34,10 @@ __all__ = ["OccurrenceGrads", "OptimizerConfig", "OptimizerType", "clip_gradient
            "fused_update", "occurrence_csr", "round_rows"]
 
 _KIND_CODES = {
-    OptimizerType.SGD: optim_common.OPT_SGD,
-    OptimizerType.ADAM: optim_common.OPT_ADAM,
-    OptimizerType.ADAGRAD: optim_common.OPT_ADAGRAD,
-    OptimizerType.ROWWISE_ADAGRAD: optim_common.OPT_ROWWISE_ADAGRAD,
+    OptimizerType.SGD: codes.OPT_SGD,
+    OptimizerType.ADAM: codes.OPT_ADAM,
+    OptimizerType.ADAGRAD: codes.OPT_ADAGRAD,
+    OptimizerType.ROWWISE_ADAGRAD: codes.OPT_ROWWISE_ADAGRAD,
 }
 
 
@@ -162,8 +162,8 @@ def round_rows(values: torch.Tensor, dtype: torch.dtype, *, keys: torch.Tensor, 
     return out
 
 
-_ROUNDED_FORMATS = {torch.float16: round_common.FMT_FLOAT16,
-                    torch.bfloat16: round_common.FMT_BFLOAT16}
+_ROUNDED_FORMATS = {torch.float16: codes.FMT_FLOAT16,
+                    torch.bfloat16: codes.FMT_BFLOAT16}
 
 
 def _check_rounding_inputs(keys, rows: int, device: torch.device, stochastic) -> None:

@@ -1,5 +1,5 @@
-"""Moving whole rows between flat tables: CPU tables through numba kernels that copy each row
-once (``kernels/rows_cpu.py``), other devices through torch indexing.
+"""Moving whole rows between flat tables: tables on one device by that device's backend
+(on CPU, numba kernels that copy each row once), tables on two devices through torch indexing.
 
 Example::
 
@@ -12,46 +12,37 @@ Example::
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from dynemb.kernels import rows_cpu
-
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(rows: torch.Tensor):
-    """The rows' bytes as a numpy array of same-size integers (no copy; bfloat16 included)."""
-    return rows.view(_BITS[rows.element_size()]).numpy()
+from dynemb.backends.numba_backends import resolve_kernels
+from dynemb.backends.protocol import KernelBackend
 
 
 def copy_rows(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
-              dst_slots: torch.Tensor) -> None:
+              dst_slots: torch.Tensor, *, kernels: Optional[KernelBackend] = None) -> None:
     """``dst[dst_slots[i]] = src[src_slots[i]]`` wherever both slots are >= 0; ``src`` and
     ``dst`` are [rows, width] tables of one dtype and width, ``dst_slots`` distinct. Slots
-    come from the tables' own hash tables and are not range-checked (hot path)."""
+    come from the tables' own hash tables and are not range-checked (hot path). ``kernels``
+    (those of the tables' device when None) copy between tables of one device."""
     if src.dtype != dst.dtype or src.shape[1] != dst.shape[1]:
         raise ValueError(f"copy_rows needs tables of one dtype and width, got {src.dtype} "
                          f"[*, {src.shape[1]}] and {dst.dtype} [*, {dst.shape[1]}]")
     if src_slots.shape != dst_slots.shape:
         raise ValueError(f"src_slots {tuple(src_slots.shape)} and dst_slots "
                          f"{tuple(dst_slots.shape)} differ in shape")
-    if src.device.type == "cpu" and dst.device.type == "cpu" and src.is_contiguous() and (
-            dst.is_contiguous()):
-        rows_cpu.copy_rows_cpu(_bits(src), src_slots.contiguous().numpy(), _bits(dst),
-                               dst_slots.contiguous().numpy())
+    if src.device == dst.device and src.is_contiguous() and dst.is_contiguous():
+        resolve_kernels(dst.device, kernels=kernels).copy_rows(src, src_slots, dst, dst_slots)
         return
     both = (src_slots >= 0) & (dst_slots >= 0)
     dst.index_copy_(0, dst_slots[both], src.index_select(0, src_slots[both]).to(dst.device))
 
 
-def remap_rows(old: torch.Tensor, remap: torch.Tensor, new_capacity: int) -> torch.Tensor:
+def remap_rows(old: torch.Tensor, remap: torch.Tensor, new_capacity: int, *,
+               kernels: Optional[KernelBackend] = None) -> torch.Tensor:
     """A new [new_capacity, width] table: row ``s`` of ``old`` at ``remap[s]`` (when >= 0,
-    targets distinct), zeros elsewhere."""
-    if old.device.type == "cpu" and old.is_contiguous():
-        new = torch.empty(new_capacity, old.shape[1], dtype=old.dtype)
-        rows_cpu.remap_rows_cpu(_bits(old), remap.contiguous().numpy(), _bits(new))
-        return new
-    new = torch.zeros(new_capacity, old.shape[1], dtype=old.dtype, device=old.device)
-    live = remap >= 0
-    new[remap[live]] = old[live]
-    return new
+    targets distinct), zeros elsewhere; by ``kernels`` (those of ``old``'s device when
+    None)."""
+    return resolve_kernels(old.device, kernels=kernels).remap_rows(old.contiguous(), remap,
+                                                                   new_capacity)

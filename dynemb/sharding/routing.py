@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from dynemb.backends.numba_backends import resolve_kernels
-from dynemb.backends.protocol import KernelBackend
+from dynemb.backends.protocol import KernelBackend, Segments
 from dynemb.foundations.key_mixing import owner_rank_hash
 from dynemb.options import ShardingScheme
 
@@ -65,17 +64,16 @@ def route_unique(ids_per_table: Sequence[torch.Tensor], schemes: Sequence[Shardi
     num_tables = len(ids_per_table)
     device = ids_per_table[0].device
     kernels = resolve_kernels(device, kernels=kernels)
-    if kernels.runs_groups and num_tables > 1 and len(set(schemes)) == 1:
+    if not kernels.defers_failures and num_tables > 1 and len(set(schemes)) == 1:
         # every table in one dedup call, one owner computation (the same ids and order
-        # as table by table: each table's distinct ids in first-occurrence order)
+        # as table by table: each table's distinct ids in first-occurrence order; kernels
+        # that pad their unique keys dedup table by table)
         bounds = [0]
         for ids in ids_per_table:
             bounds.append(bounds[-1] + ids.numel())
-        all_unique, inverse, all_counts, unique_bounds = kernels.dedup_segments(
-            torch.cat(list(ids_per_table)), bounds)
-        table_of = torch.repeat_interleave(
-            torch.arange(num_tables, device=device),
-            torch.from_numpy(np.diff(unique_bounds)).to(device), output_size=all_unique.numel())
+        all_unique, inverse, all_counts, unique_segments = kernels.dedup_segments(
+            torch.cat(list(ids_per_table)), Segments(bounds, device))
+        table_of = unique_segments.table_of
         group = owner_ranks(all_unique, world_size, schemes[0]) * num_tables + table_of
     else:
         uniques, inverses, counts, groups, before = [], [], [], [], 0

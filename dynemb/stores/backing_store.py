@@ -145,7 +145,7 @@ class HostBackingStore:
         (a CPU table of this store's width and dtype) instead of returning them; the other
         rows of ``dst`` are left alone. Returns ``(found, scores)``."""
         slots = self._table.find(keys)
-        copy_rows(self._rows.weights, slots, dst, dst_slots)
+        copy_rows(self._rows.weights, slots, dst, dst_slots, kernels=self._rows.kernels)
         return slots >= 0, self._table.scores_at(slots)
 
     def insert_from(self, keys: torch.Tensor, src: torch.Tensor, src_slots: torch.Tensor,
@@ -155,7 +155,7 @@ class HostBackingStore:
         result = self._table.find_or_insert(keys, scores, assume_unique=True)
         if result.remap is not None:
             self._rows.remap(result.remap, self._table.capacity)
-        copy_rows(src, src_slots, self._rows.weights, result.slots)
+        copy_rows(src, src_slots, self._rows.weights, result.slots, kernels=self._rows.kernels)
         return int(result.evicted.sum())
 
     def export(self, start: int, batch: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[int]]:

@@ -407,7 +407,7 @@ class DynamicTable(CheckpointTiers):
         table dtype, or ``with_state`` the logical rows ``[N, dim + state_dim]`` (float32 for
         float16 / bfloat16 tables: the embedding upcast, then the float32 optimizer state;
         see :meth:`~dynemb.rows.flat_table.RowLayout.to_logical`)."""
-        check_keys(keys, self.device)
+        check_keys(keys, self.device, kernels=self.kernels)
         width = self.width if with_state else self.dim
         rows = torch.zeros(keys.numel(), width, dtype=self.layout.dtype, device=self.device)
         found = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)

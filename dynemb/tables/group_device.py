@@ -24,6 +24,7 @@ import torch
 
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.foundations.device_values import values_on
+from dynemb.backends.protocol import Segments
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy, TableFullError
 
@@ -32,40 +33,6 @@ from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy, TableFullError
 #: list would copy the list to the device and wait for it).
 PREFETCH_COUNTERS = ("lookups", "unique_keys", "hits", "misses", "inserts", "evictions")
 assert COUNTER_NAMES[:len(PREFETCH_COUNTERS)] == PREFETCH_COUNTERS
-
-
-def segmented_padded_unique(keys: torch.Tensor, seg: torch.Tensor, bounds: torch.Tensor):
-    """(unique keys, inverse, counts) of each segment ``keys[bounds[t]:bounds[t + 1]]`` (``seg``
-    [N]: the segment of each key; ``bounds`` [T + 1] on the device), every output [N]:
-    segment ``t``'s sorted unique keys start at ``bounds[t]``, ``EMPTY_KEY`` (count 0) fills
-    the rest of its part. Sort-based, no host sync.
-
-    Example::
-
-        >>> keys, seg = torch.tensor([5, 3, 5, 3, 9]), torch.tensor([0, 0, 0, 1, 1])
-        >>> u, inverse, counts = segmented_padded_unique(keys, seg, torch.tensor([0, 3, 5]))
-        >>> u.tolist()[:2], u.tolist()[3:], inverse.tolist(), counts.tolist()[:2]
-        ([3, 5], [3, 9], [1, 0, 1, 3, 4], [1, 2])
-    """
-    n = keys.numel()
-    unique = torch.full_like(keys, EMPTY_KEY)
-    inverse = torch.zeros_like(keys)
-    counts = torch.zeros_like(keys)
-    if n == 0:
-        return unique, inverse, counts
-    by_key, order = torch.sort(keys, stable=True)
-    sorted_seg, by_seg = torch.sort(seg[order], stable=True)  # segments keep their places
-    order = order[by_seg]
-    sorted_keys = by_key[by_seg]
-    new_run = torch.ones(n, dtype=torch.bool, device=keys.device)
-    new_run[1:] = (sorted_keys[1:] != sorted_keys[:-1]) | (sorted_seg[1:] != sorted_seg[:-1])
-    run = torch.cumsum(new_run.to(torch.int64), 0) - 1
-    first = bounds[:-1].clamp(max=n - 1)  # where each segment starts (empty ones: unused)
-    place = bounds[:-1][sorted_seg] + run - run[first][sorted_seg]
-    unique.scatter_(0, place, sorted_keys)
-    counts.scatter_add_(0, place, torch.ones_like(place))
-    inverse.scatter_(0, order, place)
-    return unique, inverse, counts
 
 
 class GroupFailures:
@@ -123,17 +90,14 @@ class DeviceGroupPrefetch:
 
     def _dedup(self, keys: Sequence[torch.Tensor],
                occurrences: Sequence[Optional[torch.Tensor]]):
-        """(key bounds, the table of each position, unique keys padded per table, inverse,
-        counts, the given occurrences or None) of every table's keys."""
+        """(key bounds, every table's segment of the keys, unique keys padded per table,
+        inverse, counts, the given occurrences or None) of every table's keys."""
         key_bounds = key_bounds_of(keys)
-        bounds = values_on(key_bounds, torch.int64, self.device)
-        # the table of each position: how many tables end at or before it
-        seg = torch.searchsorted(bounds[1:], torch.arange(key_bounds[-1], device=self.device),
-                                 right=True)
+        segments = Segments(key_bounds, self.device)
         all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
-        unique, inverse, counts = segmented_padded_unique(all_keys, seg, bounds)
+        unique, inverse, counts, _ = self.group.kernels.dedup_segments(all_keys, segments)
         counts, given = given_counts(keys, occurrences, inverse, counts)
-        return key_bounds, seg, unique, inverse, counts, given
+        return key_bounds, segments, unique, inverse, counts, given
 
     def lookup_batch(self, keys: Sequence[torch.Tensor],
                      occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
@@ -141,10 +105,11 @@ class DeviceGroupPrefetch:
         :mod:`dynemb.tables.group_eval` does on the host kernels, with nothing read back:
         found keys pinned until released, the others' eval rows in ``batch.fallback``."""
         group = self.group
-        key_bounds, seg, unique, inverse, counts, given = self._dedup(keys, occurrences)
+        key_bounds, segments, unique, inverse, counts, given = self._dedup(keys, occurrences)
+        seg = segments.table_of
         slots = torch.empty_like(unique)
-        group.kernels.find_group_device(group.arrays, seg, self.row_offset, self.num_buckets,
-                                        unique, slots)
+        group.kernels.find_group(group.arrays, segments, self.row_offset, self.num_buckets,
+                                 unique, slots)
         group.kernels.add_refcounts(group.arrays, slots, 1)
         batch = GroupBatch(group, unique, inverse, counts, list(key_bounds), key_bounds, slots)
         batch.seg, batch.training = seg, False
@@ -153,9 +118,9 @@ class DeviceGroupPrefetch:
         real = unique != EMPTY_KEY
         found = slots >= 0
         batch.fallback = torch.zeros(unique.numel(), group.dim, device=self.device)
-        group.kernels.init_rows_at_group_device(
+        group.kernels.init_rows_at_group(
             batch.fallback, torch.arange(unique.numel(), device=self.device), unique,
-            real & ~found, seg, group.dim, self.seeds, self.table_ids, self.eval_kinds,
+            real & ~found, segments, group.dim, self.seeds, self.table_ids, self.eval_kinds,
             *self.eval_params)
         lookups = torch.ones_like(seg) if given is None else given
         columns = torch.stack([lookups, real.to(torch.int64), found.to(torch.int64),
@@ -169,8 +134,9 @@ class DeviceGroupPrefetch:
         """Claim and pin the rows of every table's ``keys`` (see ``TableGroup.prefetch``)."""
         group = self.group
         self.failures.check()
-        key_bounds, seg, unique, inverse, counts, given = self._dedup(keys, occurrences)
-        slots, inserted, prev_keys, prev_scores = self._claim(seg, unique, counts, scores)
+        key_bounds, segments, unique, inverse, counts, given = self._dedup(keys, occurrences)
+        seg = segments.table_of
+        slots, inserted, prev_keys, prev_scores = self._claim(segments, unique, counts, scores)
         batch = GroupBatch(group, unique, inverse, counts, list(key_bounds), key_bounds, slots)
         batch.seg = seg
         for table in group.tables:
@@ -178,8 +144,8 @@ class DeviceGroupPrefetch:
         try:
             group.track_changes((unique, slots, inserted, prev_keys, prev_scores, key_bounds))
             if group.weights.dtype == torch.float32:
-                group.kernels.init_rows_at_group_device(
-                    group.weights, slots, unique, inserted, seg, group.dim, self.seeds,
+                group.kernels.init_rows_at_group(
+                    group.weights, slots, unique, inserted, segments, group.dim, self.seeds,
                     self.table_ids, self.init_kinds, *self.init_params)
             else:  # float16 / bfloat16 rows: table by table
                 group.initialize_rows(slots, unique, inserted, key_bounds)
@@ -189,7 +155,7 @@ class DeviceGroupPrefetch:
         self._count(seg, unique, slots, inserted, prev_keys, given)
         return batch
 
-    def _claim(self, seg, unique, counts, scores):
+    def _claim(self, segments, unique, counts, scores):
         """(slots, inserted, previous keys, previous scores) of one pinning claim of every
         table's unique keys, each table at its next clock; the keys that found no slot go to
         :attr:`failures`."""
@@ -200,16 +166,16 @@ class DeviceGroupPrefetch:
         inserted = torch.empty(unique.shape, dtype=torch.bool, device=self.device)
         failed = torch.empty_like(inserted)
         if group.policy is ScorePolicy.CUSTOMIZED:  # each table's score, for its keys
-            given = values_on(list(scores), torch.int64, self.device)[seg]
+            given = values_on(list(scores), torch.int64, self.device)[segments.table_of]
         else:
             given = unique.new_zeros(1).expand(unique.shape)
         group.kernels.find_or_insert_group(
-            group.arrays, group.arrays.size, seg, self.row_offset, self.num_buckets, unique,
+            group.arrays, group.arrays.size, segments, self.row_offset, self.num_buckets, unique,
             counts, given, group.policy.code, clocks, group.allows_eviction, slots, inserted,
             prev_keys, prev_scores, failed)
         self.failures.record(torch.zeros(len(group.tables), dtype=torch.int64,
                                          device=self.device)
-                             .index_add_(0, seg, failed.to(torch.int64)))
+                             .index_add_(0, segments.table_of, failed.to(torch.int64)))
         return slots, inserted, prev_keys, prev_scores
 
     def _count(self, seg, unique, slots, inserted, prev_keys, given) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dynemb.foundations.counters import COUNTER_NAMES
+from dynemb.backends.protocol import Segments
 from dynemb.options import StorageMode
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
 
@@ -44,8 +45,9 @@ class GroupEvalLookup:
         unique, inverse, counts, unique_bounds = group.dedup(keys, key_bounds)
         counts, given = given_counts(keys, occurrences, inverse, counts)
         slots = torch.empty_like(unique)
-        group.kernels.find_group(group.arrays, group.row_starts, group.bucket_counts, unique,
-                                 unique_bounds, slots)
+        segments = Segments(unique_bounds)
+        group.kernels.find_group(group.arrays, segments, group.row_starts, group.bucket_counts,
+                                 unique, slots)
         group.kernels.add_refcounts(group.arrays, slots, 1)  # until the rows are read
         batch = GroupBatch(group, unique, inverse, counts, unique_bounds.tolist(), key_bounds,
                            slots)
@@ -55,8 +57,8 @@ class GroupEvalLookup:
         found = slots >= 0
         batch.fallback = torch.zeros(unique.numel(), group.dim)
         group.kernels.init_rows_at_group(
-            batch.fallback, torch.arange(unique.numel()), unique, ~found, unique_bounds,
-            group.dim, group.seeds, group.table_ids, self.kinds, *self.params)
+            batch.fallback, torch.arange(unique.numel()), unique, ~found, segments, group.dim,
+            group.seeds, group.table_ids, self.kinds, *self.params)
         if group.mode is StorageMode.CACHE:
             try:
                 self._read_stores(batch, found)

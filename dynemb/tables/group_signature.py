@@ -24,8 +24,7 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
     hash_table = table.tier.hash
     if (table.mode not in GROUPED_MODES or table.admission is not None
             or hash_table.grow_at_load_factor is not None  # a table that grows
-            or options.stash is not StashMode.NONE
-            or not table.kernels.runs_groups):
+            or options.stash is not StashMode.NONE):
         return None
     weights = table.tier.flat.weights
     if weights.dtype != torch.float32 and options.stochastic_rounding:

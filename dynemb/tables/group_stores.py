@@ -19,8 +19,7 @@ from numba.typed import List as TypedList
 from dynemb.stores.backing_store import HostBackingStore
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.rows.hash_table_images import restore_scores_at
-from dynemb.backends.protocol import TableArrays
-from dynemb.kernels import group_stores_cpu
+from dynemb.backends.protocol import STORE_STAT_LEFT, STORE_STATS, Segments, TableArrays
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -135,13 +134,13 @@ class GroupStores:
         scratch = [torch.empty(n, dtype=torch.int64) for _ in range(3)]
         flags = [torch.empty(n, dtype=torch.bool) for _ in range(2)]
         found, scores = torch.empty(m, dtype=torch.bool), torch.empty(m, dtype=torch.int64)
-        stats = np.zeros((len(group.tables), group_stores_cpu.NUM_STATS), dtype=np.int64)
+        stats = np.zeros((len(group.tables), STORE_STATS), dtype=np.int64)
         bits = _BITS[group.weights.element_size()]
         group.kernels.store_moves_group(
-            group.weights.view(bits), wb_keys, wb_scores, slots[wb_at], wb_seg, ld_keys,
-            ld_slots, ld_seg, *self._store_arrays(), clocks, scratch[0], flags[0], scratch[1],
-            scratch[2], flags[1], found, scores, stats)
-        left = stats[:, group_stores_cpu.STAT_LEFT].astype(bool) & run
+            group.weights.view(bits), wb_keys, wb_scores, slots[wb_at], Segments(wb_seg),
+            ld_keys, ld_slots, Segments(ld_seg), *self._store_arrays(), clocks, scratch[0],
+            flags[0], scratch[1], scratch[2], flags[1], found, scores, stats)
+        left = stats[:, STORE_STAT_LEFT].astype(bool) & run
         for t, store in zip(writing.tolist(), stores):
             if not left[t]:
                 store.tick()
@@ -171,7 +170,7 @@ class GroupStores:
         out = torch.zeros(keys.numel(), group.weights.shape[1], dtype=bits)
         found = torch.zeros(keys.numel(), dtype=torch.bool)  # the kernel skips a user's store
         group.kernels.store_find_group(store_keys, store_rows, buckets, bucket_sizes,
-                                       self._movable, keys, np.asarray(unique_bounds), want,
+                                       self._movable, keys, Segments(unique_bounds), want,
                                        out, found)
         rows = out.view(group.weights.dtype)[:, :dim].float()
         return rows, found, np.flatnonzero(~self._movable).tolist()

@@ -32,7 +32,7 @@ class GroupUpdates:
                 g if g is not None else torch.zeros(size, self.dim, device=self.device)
                 for g, size in zip(grads, sizes)])
         return OccurrenceGrads.from_inverse(occurrence, batch.inverse, batch.keys.numel(),
-                                            clip=clip)
+                                            clip=clip, kernels=self.kernels)
 
     def apply_gradients(self, batch: GroupBatch, grads: OccurrenceGrads,
                         taking: Sequence[bool], *, lr: float, steps: Mapping[str, int]) -> None:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from dynemb.foundations.counters import COUNTER_NAMES
-from dynemb.backends.protocol import TableArrays
+from dynemb.backends.protocol import Segments, TableArrays
 from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
@@ -297,7 +297,9 @@ class TableGroup(GroupUpdates):
         all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
         # in bucket order, the order of the slots: the claim and the update walk each
         # table's rows front to back
-        return self.kernels.dedup_segments(all_keys, key_bounds, self.bucket_counts)
+        unique, inverse, counts, segments = self.kernels.dedup_segments(
+            all_keys, Segments(key_bounds), self.bucket_counts)
+        return unique, inverse, counts, segments.bounds
 
     def _given_scores(self, scores, bounds: List[int], unique: torch.Tensor) -> torch.Tensor:
         if self.policy is not ScorePolicy.CUSTOMIZED:
@@ -316,10 +318,9 @@ class TableGroup(GroupUpdates):
         failed = torch.empty(u, dtype=torch.bool)
         stats = np.empty((len(self.tables), 3), dtype=np.int64)
         self.kernels.find_or_insert_group(
-            self.arrays, self.arrays.size, self.row_starts, self.bucket_counts, unique,
-            unique_bounds, counts, given, self.policy.code, clocks,
-            self.allows_eviction, True, slots, inserted, prev_keys,
-            prev_scores, failed, stats)
+            self.arrays, self.arrays.size, Segments(unique_bounds), self.row_starts,
+            self.bucket_counts, unique, counts, given, self.policy.code, clocks,
+            self.allows_eviction, slots, inserted, prev_keys, prev_scores, failed, stats)
         if stats[:, 2].any():
             self._rollback(slots, inserted, prev_keys, prev_scores, stats)
             return None
@@ -356,8 +357,8 @@ class TableGroup(GroupUpdates):
         initializer."""
         if self.weights.dtype == torch.float32:
             self.kernels.init_rows_at_group(
-                self.weights, slots, keys, inserted, unique_bounds, self.dim, self.seeds,
-                self.table_ids, self.init_kinds, *self.init_params)
+                self.weights, slots, keys, inserted, Segments(unique_bounds), self.dim,
+                self.seeds, self.table_ids, self.init_kinds, *self.init_params)
             return
         for t, table in enumerate(self.tables):  # float16 / bfloat16 rows: table by table
             lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
@@ -370,8 +371,8 @@ class TableGroup(GroupUpdates):
                         skip: Sequence[int] = ()) -> None:
         """Count the claim (lookups, hits, inserts, evictions) of every table but ``skip``."""
         per_table = np.empty((len(self.tables), 3), dtype=np.int64)
-        self.kernels.claim_counts_group(np.asarray(batch.unique_bounds, dtype=np.int64),
-                                        batch.slots, inserted, prev_keys, per_table)
+        self.kernels.claim_counts_group(Segments(batch.unique_bounds), batch.slots, inserted,
+                                        prev_keys, per_table)
         unique = np.diff(np.asarray(batch.unique_bounds, dtype=np.int64))
         if occurrences is None:
             lookups = np.diff(np.asarray(batch.key_bounds, dtype=np.int64))
