@@ -39,6 +39,7 @@ from dynemb.tables import DynamicTable
 from dynemb.tables.batch import check_batch_score, check_score
 from dynemb.tables.groups import TableGroup, group_tables
 from dynemb.tables.lookup_batch import LookupBatch
+from dynemb.tables.units import work_units
 from dynemb.table_weights import TableWeights
 from dynemb.types import ScorePolicy
 
@@ -311,10 +312,10 @@ class DynamicCore:
             check_batch_score(name, ScorePolicy.CUSTOMIZED, training, self._scores.get(name))
         groups = (self._groups_for_training() if training else
                   [g for g in self.groups if g.intact(self.tables)])
+        units = work_units(groups, self.tables)  # the groups, and each other table alone
         if training and self._defers_failures:  # earlier batches' keys without a slot (CUDA)
-            check_failures(groups, self.tables.values())
-        batches = prefetch_all(groups, self.tables, per_table, training, self._scores,
-                               self._release)
+            check_failures(units)
+        batches = prefetch_all(units, per_table, training, self._scores, self._release)
         batches = {name: batches[name] for name in self.tables}
         features = {name: per_table[name][1] for name in self.tables}
         lengths = per_table["__lengths__"]

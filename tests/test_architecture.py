@@ -215,3 +215,29 @@ def test_the_documented_layers_are_the_eight_of_the_picture():
         "kernels", "foundations", "hash table and rows", "tables", "services", "modules",
         "distribution", "package"]
     assert (ROOT / "docs" / "architecture.png").exists()
+
+
+#: What tells a group from a table: the layers above the tables see neither (they see a
+#: ``tables.lookup_batch.LookupBatch`` and the units of ``tables.units``).
+_KINDS = ("GroupBatch", "TableBatch", "TableGroup", "LoneTable")
+
+
+def test_above_the_tables_nothing_tells_a_group_from_a_table():
+    tables = [name for name, _ in LAYERS].index("tables")
+    telling = []
+    for module, path, tree in sources():
+        if layer_of(module) <= tables:
+            continue
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):
+                named = {n.id if isinstance(n, ast.Name) else getattr(n, "attr", None)
+                         for n in ast.walk(node.args[1])}
+                telling.extend(f"{where}: isinstance(..., {kind})"
+                               for kind in sorted(named.intersection(_KINDS)))
+            elif isinstance(node, ast.ImportFrom) and node.module and \
+                    node.module.startswith("dynemb"):
+                telling.extend(f"{where}: imports {alias.name}" for alias in node.names
+                               if alias.name in ("GroupBatch", "LoneTable"))
+    assert not telling, "\n".join(telling)
