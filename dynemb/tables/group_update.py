@@ -23,8 +23,9 @@ class GroupUpdates:
     def apply_gradients(self, batch: GroupBatch, grads: OccurrenceGrads,
                         taking: Sequence[bool], *, lr: float, steps: Mapping[str, int]) -> None:
         """The fused update of the rows of the tables ``taking`` a gradient (``grads``: of
-        the batch's unique keys), each at its own ``steps``; then those tables' pins end (the others' at the next training lookup, as a table
-        alone keeps them until its backward or that lookup)."""
+        the batch's unique keys), each at its own ``steps``; then those tables' pins end
+        (the others' at the next training lookup, as a table alone keeps them until its
+        backward or that lookup)."""
         slots = self._live_slots(batch)
         if not all(taking):  # tables without a gradient keep their rows as they are
             slots = slots.clone()
