@@ -295,15 +295,6 @@ def test_every_folder_of_the_package_lies_in_one_layer():
 
 
 # -- private state: a class reads what it or its bases set -----------------------------------
-#: Classes that still read private state only a subclass of theirs sets (a mixin reaching back
-#: into its host): the group/table seam and the group kernels, which are being rebuilt over an
-#: explicit storage record and one kernel protocol. This list must shrink to empty; nothing
-#: may join it.
-REACHING_BACK_FOR_NOW = frozenset({
-    "dynemb.tables.group_update.GroupUpdates",        # host: tables/groups.py TableGroup
-})
-
-
 class PrivateRead(NamedTuple):
     """One read of ``self._name`` in a method of ``owner`` (``module.Class``)."""
 
@@ -482,22 +473,12 @@ def test_no_class_reads_private_state_only_a_subclass_sets():
     defined elsewhere sets: such a mixin works only inside its host and hides a dependency
     the import graph does not show. Compose an object over an explicit record instead."""
     modules = package_modules()
-    offenders = [(read, why) for read, why in reaching_back(modules)
-                 if read.owner not in REACHING_BACK_FOR_NOW]
+    offenders = reaching_back(modules)
     across = reads_set_in_another_file(modules)
-    print(f"\nself._x reads whose _x only another file sets: {len(across)}, of which "
-          f"{sum(read.owner in REACHING_BACK_FOR_NOW for read in across)} in "
-          f"REACHING_BACK_FOR_NOW")
+    print(f"\nself._x reads whose _x only another file sets: {len(across)}")
     assert not offenders, f"{len(offenders)} reads of private state a class does not own:\n" + \
         "\n".join(f"{read.path}:{read.lineno}: {read.owner} reads self.{read.attr}, {why}"
                   for read, why in offenders)
-
-
-def test_every_class_allowed_to_reach_back_still_does():
-    """:data:`REACHING_BACK_FOR_NOW` only shrinks: a class that no longer reaches back leaves
-    it."""
-    still = {read.owner for read, _ in reaching_back(package_modules())}
-    assert sorted(REACHING_BACK_FOR_NOW - still) == []
 
 
 def test_the_private_state_check_tells_a_mixin_from_a_subclass():
@@ -536,3 +517,29 @@ def test_the_private_state_check_tells_a_mixin_from_a_subclass():
     assert sorted((r.owner, r.attr) for r in reads_set_in_another_file(modules)) == [
         ("dynemb.host.Table", "_image"), ("dynemb.mixin.Images", "_arrays"),
         ("dynemb.mixin.Images", "_grow")]
+
+
+#: What tells a group from a table: the layers above the tables see neither (they see a
+#: ``tables.lookup_batch.LookupBatch`` and the units of ``tables.units``).
+_KINDS = ("GroupBatch", "TableBatch", "TableGroup", "LoneTable")
+
+
+def test_above_the_tables_nothing_tells_a_group_from_a_table():
+    tables = [name for name, _ in LAYERS].index("tables")
+    telling = []
+    for module, path, tree in sources():
+        if layer_of(module) <= tables:
+            continue
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):
+                named = {n.id if isinstance(n, ast.Name) else getattr(n, "attr", None)
+                         for n in ast.walk(node.args[1])}
+                telling.extend(f"{where}: isinstance(..., {kind})"
+                               for kind in sorted(named.intersection(_KINDS)))
+            elif isinstance(node, ast.ImportFrom) and node.module and \
+                    node.module.startswith("dynemb"):
+                telling.extend(f"{where}: imports {alias.name}" for alias in node.names
+                               if alias.name in ("GroupBatch", "LoneTable"))
+    assert not telling, "\n".join(telling)

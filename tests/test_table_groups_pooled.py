@@ -82,6 +82,19 @@ def test_a_grouped_half_precision_bag_module_trains_bit_for_bit_as_its_tables_on
     train_alike(grouped, alone, False, steps=6, seed=4)
 
 
+def test_a_grouped_bag_module_trains_as_its_tables_one_by_one_after_one_table_is_reset():
+    """A reset table comes last in the module's tables but keeps its place in its group:
+    each id's gradient still reaches its own table's row (the bags are read in the group's
+    order, that of its ids)."""
+    grouped, alone = twins([PoolingType.SUM, PoolingType.MEAN, PoolingType.SUM,
+                            PoolingType.SUM], OptimizerType.SGD)
+    train_alike(grouped, alone, False, steps=2, seed=5)
+    for module in (grouped, alone):
+        module.reset_parameters(["t0"])
+    assert list(grouped.tables)[-1] == "t0"
+    train_alike(grouped, alone, False, steps=3, seed=6)
+
+
 def train_alike(grouped, alone, weighted, steps, seed, device="cpu", by_key=False):
     """Both modules train on the same batches; outputs, then state and counters, are equal
     bit for bit. ``by_key``: the state is compared key by key (rows, optimizer state), not

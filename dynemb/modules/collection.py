@@ -12,13 +12,13 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from dynemb.modules.collection_config import check_configs, output_name_of, output_names_by_table
 from dynemb.modules.dynamic_core import trains_now
 from dynemb.modules.dynamic_module import DynamicModule
-from dynemb.modules.jagged import cut_by_feature, meta_outputs
-from dynemb.modules.occurrence_lookup import GroupOccurrenceLookup, OccurrenceLookup
+from dynemb.modules.jagged import meta_outputs
+from dynemb.modules.occurrence_lookup import OccurrenceLookup
 from dynemb.rows.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions
 from dynemb.modules.prefetch import PrefetchState
 from dynemb.modules.table_views import TableViews, table_views
-from dynemb.tables.groups import GroupBatch
+from dynemb.tables.lookup_batch import LookupBatch
 from dynemb.modules.tracing import call_as_leaf, is_traced, traced_outputs
 from dynemb.foundations.validation import check_kjt
 
@@ -128,53 +128,27 @@ class DynamicEmbCollection(EmbeddingCollectionInterface, DynamicModule):
         trains = trains_now(self)
         out: Dict[str, Any] = {}
         with self._core.lookup(kjt, trains) as state:
-            done = set()
-            for name in self._core.tables:
-                if name in done:
-                    continue
-                batch = state.batches[name]
-                if isinstance(batch, GroupBatch):
-                    done.update(batch.names)
-                    out.update(self._group_outputs(batch, state, trains, kjt))
-                else:
-                    out.update(self._table_outputs(name, self._table_rows(name, batch, trains),
-                                                   state, kjt))
+            for batch in state.distinct_batches():
+                out.update(self._outputs(batch, state, trains, kjt))
         return {n: out[n] for n in self._output_names if n in out}
 
-    def _table_rows(self, name: str, batch, trains: bool) -> torch.Tensor:
-        """A table's rows of its input ids, gathered straight per occurrence. Their
-        backward hands the output gradients to the fused optimizer kernel, which clips and
-        sums them per row itself."""
-        if trains:
-            anchor = torch.empty(0, device=self._core.device, requires_grad=True)
-            return OccurrenceLookup.apply(anchor, self._core, name, batch)
-        return self._core.tables[name].lookup_occurrences(batch)
-
-    def _group_outputs(self, batch: GroupBatch, state: PrefetchState, trains: bool,
-                       kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        """The outputs of a group's tables (:mod:`dynemb.tables.groups`) from one gather,
-        split straight into one part per feature: no per-table cut."""
+    def _outputs(self, batch: LookupBatch, state: PrefetchState, trains: bool,
+                 kjt: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        """The outputs of a batch's tables (a group's, or one table's) from one gather,
+        split straight into one part per feature. In training their backward hands the
+        output gradients to the fused optimizer kernel, which clips and sums them per row
+        itself."""
         segments = [(name, feature, count) for name in batch.names
                     for feature, count in state.features[name]]
         sizes = [count for _, _, count in segments]
         if trains:
             anchor = torch.empty(0, device=self._core.device, requires_grad=True)
-            part_tables = [batch.group.index[name] for name, _, _ in segments]
-            parts = GroupOccurrenceLookup.apply(anchor, self._core, batch, sizes, part_tables)
+            part_tables = [batch.names.index(name) for name, _, _ in segments]
+            parts = OccurrenceLookup.apply(anchor, self._core, batch, sizes, part_tables)
         else:
-            parts = batch.group.lookup_occurrences(batch, sizes)
+            parts = batch.lookup_occurrences(sizes)
         lengths = state.lengths
         return {self._output_name[(name, feature)]: JaggedTensor(
                     values=values, lengths=lengths[feature],
                     weights=kjt[feature].values() if self._need_indices else None)
                 for (name, feature, _), values in zip(segments, parts)}
-
-    def _table_outputs(self, name: str, rows: torch.Tensor, state: PrefetchState,
-                       kjt: KeyedJaggedTensor) -> Dict[str, Any]:
-        """One table's rows as its features' outputs: one JaggedTensor of rows per
-        feature."""
-        named = [(self._output_name[(name, f)], count) for f, count in state.features[name]]
-        feature_of = {self._output_name[(name, f)]: f for f, _ in state.features[name]}
-        ids = ({f: kjt[f].values() for f, _ in state.features[name]} if self._need_indices
-               else None)
-        return cut_by_feature(rows, named, state.lengths, ids, feature_of)

@@ -7,13 +7,16 @@ A training lookup (:meth:`DynamicCore.lookup`) takes the oldest prefetched batch
 inline), pins its rows until its backward or the next training lookup, and hands the batch
 to the module, which turns rows into its outputs (per occurrence or pooled) and, in backward,
 calls :meth:`DynamicCore.apply_gradients`.
+
+A batch is a :class:`~dynemb.tables.lookup_batch.LookupBatch`: a group's tables share one,
+a table alone has its own; every path here is the same for both.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 from typing import (Any, Deque, Dict, Iterable, Iterator, List, Mapping, Optional,
-                    Tuple)
+                    Sequence, Tuple)
 
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
@@ -32,9 +35,11 @@ from dynemb.options import DynamicEmbTableOptions, StorageMode
 from dynemb.modules.prefetch import PrefetchState, check_state_matches, prefetch_on_stream
 from dynemb.stashing.collection_stash import CollectionStash
 from dynemb.modules.table_inputs import TableInputs, split_by_table
-from dynemb.tables import DynamicTable, TableBatch
+from dynemb.tables import DynamicTable
 from dynemb.tables.batch import check_batch_score, check_score
-from dynemb.tables.groups import GroupBatch, TableGroup, group_tables
+from dynemb.tables.groups import TableGroup, group_tables
+from dynemb.tables.lookup_batch import LookupBatch
+from dynemb.tables.units import work_units
 from dynemb.modules.table_weights import TableWeights
 from dynemb.types import ScorePolicy
 
@@ -89,7 +94,7 @@ class DynamicCore:
         self._queue: Deque[PrefetchState] = collections.deque()
         # batches looked up by training lookups whose backward has not run: pinned until
         # their backward or the next training lookup (see lookup)
-        self._awaiting_backward: List[Tuple[str, TableBatch]] = []
+        self._awaiting_backward: List[Tuple[str, LookupBatch]] = []
         self._steps = {name: 0 for name in self.tables}
         self._scores: Dict[str, int] = {}  # CUSTOMIZED tables: what training batches write
         self._scored = [name for name, options in self.table_options.items()
@@ -191,10 +196,9 @@ class DynamicCore:
         self._regroup()
         lost = False
         for batch in in_flight.values():
-            if isinstance(batch, GroupBatch) and batch.group not in self.groups:
-                if not any(batch.move_to(group) for group in self.groups):
-                    batch.end_pins_alone()
-                    lost = True
+            if not batch.rehome(self.groups):
+                batch.end_pins_alone()
+                lost = True
         if lost:
             self.clear_prefetched()
             self._generation += 1
@@ -308,10 +312,10 @@ class DynamicCore:
             check_batch_score(name, ScorePolicy.CUSTOMIZED, training, self._scores.get(name))
         groups = (self._groups_for_training() if training else
                   [g for g in self.groups if g.intact(self.tables)])
+        units = work_units(groups, self.tables)  # the groups, and each other table alone
         if training and self._defers_failures:  # earlier batches' keys without a slot (CUDA)
-            check_failures(groups, self.tables.values())
-        batches = prefetch_all(groups, self.tables, per_table, training, self._scores,
-                               self._release)
+            check_failures(units)
+        batches = prefetch_all(units, per_table, training, self._scores, self._release)
         batches = {name: batches[name] for name in self.tables}
         features = {name: per_table[name][1] for name in self.tables}
         lengths = per_table["__lengths__"]
@@ -379,15 +383,12 @@ class DynamicCore:
         self._release(self._awaiting_backward)
         self._awaiting_backward = []
 
-    def _release(self, looked_up: Iterable[Tuple[str, Any]]) -> None:
-        released = set()  # a group batch stands for each of its tables: release it once
-        for name, batch in looked_up:
-            if isinstance(batch, GroupBatch):
-                if id(batch) not in released:
-                    released.add(id(batch))
-                    batch.group.release(batch)  # for all its tables
-            else:
-                self.tables[name].release(batch)
+    def _release(self, looked_up: Iterable[Tuple[str, LookupBatch]]) -> None:
+        released = set()  # a group's batch stands for each of its tables: release it once
+        for _, batch in looked_up:
+            if id(batch) not in released:
+                released.add(id(batch))
+                batch.release()  # for all its tables
 
     # -- backward ----------------------------------------------------------------------------
     def before_backward(self) -> None:
@@ -395,41 +396,31 @@ class DynamicCore:
         if self.memory_stash is not None:
             self.memory_stash.restore()
 
-    def apply_gradients(self, name: str, batch: TableBatch, grads, generation: int) -> None:
-        """The fused update of table ``name``'s rows of ``batch`` (looked up at load
-        ``generation``) from ``grads`` (:class:`~dynemb.rows.optimizers.OccurrenceGrads`)."""
-        if generation != self._generation:
-            raise RuntimeError(
-                f"table {name!r} was loaded from a checkpoint or reset after this forward; "
-                f"its backward would update rows that are no longer there. Run a new forward")
-        lr = self._check_lr()  # read here: a scheduler may change it after the forward
-        if not batch.applied:
-            self._steps[name] += 1
-        self.tables[name].apply_gradients(batch, grads, lr=lr, step=self._steps[name])
-
-    def apply_group_gradients(self, batch: GroupBatch, grads, taking: List[bool],
-                              generation: int) -> None:
-        """The fused update of a group batch's rows from ``grads`` (an
-        :class:`~dynemb.rows.optimizers.OccurrenceGrads` of its unique keys) for the tables
-        ``taking`` a gradient (per table of the group), as :meth:`apply_gradients` would do
-        table by table."""
+    def apply_gradients(self, batch: LookupBatch, grads, taking: Sequence[bool],
+                        generation: int) -> None:
+        """The fused update of the rows of ``batch`` (looked up at load ``generation``) from
+        ``grads`` (an :class:`~dynemb.rows.optimizers.OccurrenceGrads` of its unique keys) for its
+        tables ``taking`` a gradient (one flag per table of the batch), each at its own
+        step."""
         names = batch.names
         if generation != self._generation:
+            what = (f"table {names[0]!r} was" if len(names) == 1 else
+                    f"tables {list(names)} were")
+            their = "its" if len(names) == 1 else "their"
             raise RuntimeError(
-                f"tables {list(names)} were loaded from a checkpoint or reset after this "
-                f"forward; their backward would update rows that are no longer there. Run a "
-                f"new forward")
-        again = [n for n, takes in zip(names, taking) if takes and n in batch.applied]
+                f"{what} loaded from a checkpoint or reset after this forward; {their} "
+                f"backward would update rows that are no longer there. Run a new forward")
+        again = [n for n, takes in zip(names, taking) if takes and batch.applied_to(n)]
         if again:
             raise RuntimeError(
                 f"table {again[0]!r}: the backward of this lookup already ran and applied its "
                 f"update; a second backward through the same forward (retain_graph=True) would "
                 f"apply it twice. Sum the losses and call backward once, or run a new forward")
-        lr = self._check_lr()
+        lr = self._check_lr()  # read here: a scheduler may change it after the forward
         for name, takes in zip(names, taking):
             if takes:
                 self._steps[name] += 1
-        batch.group.apply_gradients(batch, grads, taking, lr=lr, steps=self._steps)
+        batch.apply_gradients(grads, taking, lr=lr, steps=self._steps)
 
     def _check_lr(self) -> float:
         given = self.fused_optimizer.param_groups[0]["lr"]

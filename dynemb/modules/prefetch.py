@@ -8,15 +8,16 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.bridges.device_assert import assert_on_device
-from dynemb.tables import TableBatch
 from dynemb.options import StorageMode
+from dynemb.tables import TableBatch
+from dynemb.tables.lookup_batch import LookupBatch
 
 
 @dataclass
 class PrefetchState:
-    """One prefetched batch: per table, its unique keys, inverse indices, slots, counts and
-    storage mode (:class:`~dynemb.tables.TableBatch`), plus how to cut the table's
-    rows back into features.
+    """One prefetched batch: per table, its batch (a
+    :class:`~dynemb.tables.lookup_batch.LookupBatch`: the tables of a group share one, a
+    table alone has its own), plus how to cut the table's rows back into features.
 
     ``values`` are the input ids (forward checks its input against them). ``features`` lists,
     per table, ``(feature name, number of values)`` in the order the
@@ -24,7 +25,7 @@ class PrefetchState:
     stream (None on CPU); forward waits on it before reading the slots.
     """
 
-    batches: Dict[str, TableBatch]
+    batches: Dict[str, LookupBatch]
     features: Dict[str, List[Tuple[str, int]]]
     feature_order: Tuple[str, ...]
     training: bool
@@ -57,8 +58,11 @@ class PrefetchState:
     def table_batch(self, name: str) -> TableBatch:
         """Table ``name``'s part of the batch, as a :class:`TableBatch` of its own (a
         grouped table's is a copy, see :meth:`dynemb.tables.groups.GroupBatch.member`)."""
-        batch = self.batches[name]
-        return batch if isinstance(batch, TableBatch) else batch.member(name)
+        return self.batches[name].member(name)
+
+    def distinct_batches(self) -> List[LookupBatch]:
+        """Each batch once, in the order of its first table."""
+        return list({id(batch): batch for batch in self.batches.values()}.values())
 
 
 _IN_ORDER = ("call forward in the order of prefetch, with the KeyedJaggedTensor given to it "

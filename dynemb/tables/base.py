@@ -198,7 +198,7 @@ class DynamicTable(CheckpointTiers):
         if occurrences is not None:
             counts = torch.zeros_like(counts).index_add_(0, unique.inverse, occurrences)
         batch = TableBatch(self.name, self.mode, training, unique.keys, unique.inverse,
-                           counts, unique.num_unique, score=score)
+                           counts, unique.num_unique, score=score, table=self)
         batch.lookups = keys.numel() if occurrences is None else occurrences.sum()
         try:
             if self.claims_apart(training):

@@ -1,20 +1,23 @@
-"""``TableBatch``: one table's share of a prefetched batch, from prefetch to backward."""
+"""``TableBatch``: one table's share of a prefetched batch, from prefetch to backward; the
+one-member case of :class:`~dynemb.tables.lookup_batch.LookupBatch`."""
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
-from typing import Any, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.options import StorageMode
+from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
 from dynemb.types import ScorePolicy
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
-class TableBatch:
+class TableBatch(LookupBatch):
     """One table's part of a :class:`~dynemb.modules.prefetch.PrefetchState`.
 
     ``keys`` / ``counts`` [U] are the unique keys and their occurrences, ``inverse`` [N] maps
@@ -25,7 +28,9 @@ class TableBatch:
 
     Life cycle: ``pinned`` while its slots hold a pin, ``consumed`` once a forward looked it
     up, ``applied`` once its backward ran. ``score``: the score a training claim writes for
-    the keys of a CUSTOMIZED table (None for the other policies).
+    the keys of a CUSTOMIZED table (None for the other policies). ``table``: the
+    :class:`~dynemb.tables.base.DynamicTable` whose batch it is (None for a read-only copy,
+    see :meth:`~dynemb.tables.group_batch.GroupBatch.member`).
     """
 
     name: str
@@ -46,10 +51,66 @@ class TableBatch:
     #: claim whose rows are not yet filled, and the lookups not yet counted
     pending: Any = None
     lookups: Any = None
+    table: Any = field(default=None, repr=False)
 
     @property
     def num_keys(self) -> int:
         return self.inverse.numel()
+
+    # -- LookupBatch: a batch of one member ----------------------------------------------------
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return (self.name,)
+
+    @property
+    def key_bounds(self) -> List[int]:
+        return [0, self.inverse.numel()]
+
+    def member(self, name: str) -> "TableBatch":
+        return self
+
+    @property
+    def dim(self) -> int:
+        return self.table.dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    @property
+    def kernels(self):
+        return self.table.kernels
+
+    def lookup_occurrences(self, sizes: Optional[Sequence[int]] = None
+                           ) -> Tuple[torch.Tensor, ...]:
+        rows = self.table.lookup_occurrences(self)
+        if sizes is None or len(sizes) == 1:
+            return (rows,)
+        return rows.split(list(sizes))
+
+    def pooling_rows(self) -> PoolingRows:
+        """In place where the table can be read where it is; else its looked-up unique rows:
+        by the kernel on the CUDA kernels (as a table group there pools, so that the two sum
+        alike), by ``embedding_bag`` on CPU (as TorchRec's EBC and a serving export pool)."""
+        table = self.table
+        in_place = table.rows_in_place(self)
+        if in_place is not None:
+            return PoolingRows(*in_place, by_kernel=True)
+        if table.kernels.name == "cuda":
+            return PoolingRows(table.lookup(self).to(torch.float32).contiguous(),
+                               self.inverse.to(torch.int64).contiguous(), by_kernel=True)
+        return PoolingRows(table.lookup(self), self.inverse, by_kernel=False)
+
+    def applied_to(self, name: str) -> bool:
+        return self.applied
+
+    def apply_gradients(self, grads: OccurrenceGrads, taking: Sequence[bool], *, lr: float,
+                        steps) -> None:
+        if taking[0]:
+            self.table.apply_gradients(self, grads, lr=lr, step=steps[self.name])
+
+    def release(self) -> None:
+        self.table.release(self)
 
     def table_tensors(self, name: str) -> List[torch.Tensor]:
         """The tensors of table ``name``'s part: all of them (the batch is one table's)."""

@@ -1,5 +1,6 @@
-"""``GroupBatch``: a table group's share of a prefetched training batch (see
-:mod:`dynemb.tables.groups`), from prefetch to backward."""
+"""``GroupBatch``: a table group's share of a prefetched batch (see
+:mod:`dynemb.tables.groups`), from prefetch to backward; the many-member case of
+:class:`~dynemb.tables.lookup_batch.LookupBatch`."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
@@ -7,7 +8,9 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.batch import TableBatch
+from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
 
 
 def key_bounds_of(keys: Sequence[torch.Tensor]) -> List[int]:
@@ -34,8 +37,8 @@ def given_counts(keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[to
     return torch.zeros_like(counts).index_add_(0, inverse, given), given
 
 
-class GroupBatch:
-    """A group's share of a prefetched training batch, for all its tables at once.
+class GroupBatch(LookupBatch):
+    """A group's share of a prefetched batch, for all its tables at once.
 
     ``keys`` / ``counts`` [U]: each table's unique keys (in bucket order), table after
     table; table ``t``'s are ``[unique_bounds[t], unique_bounds[t + 1])``. ``inverse`` [N]:
@@ -70,6 +73,63 @@ class GroupBatch:
 
     def tensors(self) -> List[torch.Tensor]:
         return [self.keys, self.inverse, self.counts, self.slots]
+
+    # -- LookupBatch ---------------------------------------------------------------------------
+    @property
+    def dim(self) -> int:
+        return self.group.dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.group.device
+
+    @property
+    def kernels(self):
+        return self.group.kernels
+
+    def key_range(self, name: str) -> Tuple[int, int]:
+        t = self.group.index[name]
+        return self.key_bounds[t], self.key_bounds[t + 1]
+
+    def lookup_occurrences(self, sizes: Optional[Sequence[int]] = None
+                           ) -> Tuple[torch.Tensor, ...]:
+        return self.group.lookup_occurrences(self, sizes)
+
+    def pooling_rows(self) -> PoolingRows:
+        """Straight from the group's rows; an eval batch on the host kernels pools its
+        unique rows (stored, or the eval initializer's) by ``embedding_bag``, as each table
+        alone pools its eval lookups. On the CUDA path a key without a slot pools zeros, and
+        an eval batch's key not stored its eval row."""
+        group = self.group
+        if self.fallback is not None and group.kernels.name != "cuda":
+            return PoolingRows(group.unique_rows(self), self.inverse, by_kernel=False)
+        occ_slots = self.slots.index_select(0, self.inverse)
+        rows = group.weights
+        if self.seg is not None or self.fallback is not None:
+            rows = self.lookup_occurrences([occ_slots.numel()])[0]
+            occ_slots = torch.arange(occ_slots.numel(), device=occ_slots.device)
+        elif rows.dtype != torch.float32:  # float16 / bfloat16 rows: pool float32 copies
+            rows = rows[:, :group.dim].float()
+        return PoolingRows(rows, occ_slots, by_kernel=True)
+
+    @property
+    def reads_strided_grads(self) -> bool:
+        return self.seg is None  # the CUDA path's batches carry their keys' tables
+
+    def applied_to(self, name: str) -> bool:
+        return name in self.applied
+
+    def apply_gradients(self, grads: OccurrenceGrads, taking: Sequence[bool], *, lr: float,
+                        steps) -> None:
+        self.group.apply_gradients(self, grads, taking, lr=lr, steps=steps)
+
+    def release(self) -> None:
+        self.group.release(self)
+
+    def rehome(self, groups: Sequence) -> bool:
+        if self.group in groups:
+            return True
+        return any(self.move_to(group) for group in groups)
 
     def table_tensors(self, name: str) -> List[torch.Tensor]:
         """The parts of the batch's tensors that are table ``name``'s."""

@@ -1,9 +1,11 @@
-"""A table group's backward (:mod:`dynemb.tables.groups`): the gradients of every input key's
-row in one tensor, and one fused update of the rows of every table that took a gradient,
-each table at its own step. Mixed into :class:`~dynemb.tables.groups.TableGroup`."""
+"""A table group's backward (:mod:`dynemb.tables.groups`): one fused update of the rows of
+every table that took a gradient, each table at its own step (the gradients of every input
+key's row come in one :class:`~dynemb.rows.optimizers.OccurrenceGrads`, see
+:meth:`~dynemb.tables.lookup_batch.LookupBatch.occurrence_grads`). Mixed into
+:class:`~dynemb.tables.groups.TableGroup`."""
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -18,28 +20,12 @@ class GroupUpdates:
     """The backward of a :class:`~dynemb.tables.groups.TableGroup` (its arrays, tables and
     ``release``)."""
 
-    def occurrence_grads(self, batch: GroupBatch, grads: Sequence[Optional[torch.Tensor]], *,
-                         clip: Optional[float],
-                         sizes: Optional[Sequence[int]] = None) -> OccurrenceGrads:
-        """The gradients of every input key's row (``grads``: one per part of
-        :meth:`lookup_occurrences` of the same ``sizes``, None for a part that took none:
-        zeros there), summed per row by the update."""
-        sizes = self._sizes(batch, sizes)
-        if len(grads) == 1:
-            occurrence = grads[0]
-        else:
-            occurrence = torch.cat([
-                g if g is not None else torch.zeros(size, self.dim, device=self.device)
-                for g, size in zip(grads, sizes)])
-        return OccurrenceGrads.from_inverse(occurrence, batch.inverse, batch.keys.numel(),
-                                            clip=clip, kernels=self.kernels)
-
     def apply_gradients(self, batch: GroupBatch, grads: OccurrenceGrads,
                         taking: Sequence[bool], *, lr: float, steps: Mapping[str, int]) -> None:
         """The fused update of the rows of the tables ``taking`` a gradient (``grads``: of
-        the batch's unique keys, see :meth:`occurrence_grads`), each at its own ``steps``;
-        then those tables' pins end (the others' at the next training lookup, as a table
-        alone keeps them until its backward or that lookup)."""
+        the batch's unique keys), each at its own ``steps``; then those tables' pins end
+        (the others' at the next training lookup, as a table alone keeps them until its
+        backward or that lookup)."""
         slots = self._live_slots(batch)
         if not all(taking):  # tables without a gradient keep their rows as they are
             slots = slots.clone()

@@ -49,6 +49,7 @@ from dynemb.tables.group_eval import GroupEvalLookup
 from dynemb.tables.group_signature import group_signature
 from dynemb.tables.group_stores import GroupStores
 from dynemb.tables.group_update import GroupUpdates
+from dynemb.tables.units import LoneTable
 from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
 
 __all__ = ["GroupBatch", "TableGroup", "group_signature", "group_tables"]
@@ -193,9 +194,17 @@ class TableGroup(GroupUpdates):
 
     def check_failures(self) -> None:
         """Raise the ``TableFullError`` of keys of earlier batches that found no slot on the
-        CUDA path (once their count has reached the host)."""
+        CUDA path (once their count has reached the host), the group's, then those of its
+        tables from before they were grouped."""
         if self._on_device is not None:
             self._on_device.failures.check()
+        for table in self.tables:
+            table.check_failures()
+
+    def alone(self) -> List[LoneTable]:
+        """The group's tables as units of their own (a :class:`~dynemb.tables.units` unit),
+        for a batch the group could not claim as one."""
+        return [LoneTable(table) for table in self.tables]
 
     def claim_batch(self, keys: Sequence[torch.Tensor],
                     occurrences: Sequence[Optional[torch.Tensor]],

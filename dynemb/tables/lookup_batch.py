@@ -1,0 +1,159 @@
+"""``LookupBatch``: a prefetched batch as the layers above the tables see it, one table's
+(:class:`~dynemb.tables.batch.TableBatch`) or a table group's
+(:class:`~dynemb.tables.group_batch.GroupBatch`) alike.
+
+A batch serves one or more member tables, ``names``, whose input keys lie one after the
+other in the order the module concatenated them: member ``t``'s are
+``[key_bounds[t], key_bounds[t + 1])`` of ``inverse`` [N], the unique index of each input
+key into ``keys`` [U]. A table that runs alone is the batch of one member. The modules above
+(:mod:`dynemb.modules.dynamic_core`, :mod:`dynemb.modules.collection`, :mod:`dynemb.modules.pooling`,
+:mod:`dynemb.modules.occurrence_lookup`) run one path over this interface and never ask which kind
+of batch they hold:
+
+- **forward, per occurrence**: :meth:`lookup_occurrences` (one gather, split into parts,
+  e.g. one per feature of each member);
+- **forward, pooled**: :meth:`pooling_rows` (the rows to pool from and the row of each
+  input key, by the pooling kernel of :attr:`kernels` or ``embedding_bag``);
+- **backward**: :meth:`occurrence_grads` of the parts' gradients (or a pooled gradient built
+  over ``inverse``, reading it strided where :attr:`reads_strided_grads`), then
+  :meth:`apply_gradients` for the members ``taking`` a gradient, each at its own step, once
+  per member (:meth:`applied_to` says which already took theirs);
+- **pins**: :meth:`release` ends them for every member (once; a second call does nothing);
+  after the module regrouped its tables, :meth:`rehome` moves the batch to the new groups,
+  or, where it cannot, :meth:`end_pins_alone` ends its pins table by table;
+- **reading one member**: :meth:`member` (that table's part as a ``TableBatch`` of its own),
+  :meth:`tensors` (every tensor held, for CUDA stream bookkeeping).
+
+What each kind does underneath (claims, fills, kernels, the storage mode) stays in its
+owner: :class:`~dynemb.tables.base.DynamicTable` or :class:`~dynemb.tables.groups.TableGroup`.
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from dynemb.rows.optimizers import OccurrenceGrads
+
+
+class PoolingRows(NamedTuple):
+    """Where a batch's bags pool from: ``rows`` and, for each input key, its row in them
+    (``index`` [N]). ``by_kernel``: the pooling kernel reads ``rows`` [R, W >= dim] in place
+    (only their first ``dim`` columns); else ``rows`` are [U, dim] float32 unique rows, pooled
+    by ``embedding_bag`` as TorchRec's EBC pools."""
+
+    rows: torch.Tensor
+    index: torch.Tensor
+    by_kernel: bool
+
+
+class LookupBatch:
+    """The interface of the module docstring; subclasses provide the abstract parts."""
+
+    keys: torch.Tensor  # [U] the unique keys of every member, member after member
+    inverse: torch.Tensor  # [N] the unique index of each input key
+    key_bounds: List[int]  # [members + 1] where each member's input keys start, and N
+    consumed: bool  # a forward looked the batch up
+
+    # -- members ---------------------------------------------------------------------------
+    @property
+    def names(self) -> Tuple[str, ...]:
+        """The member tables, in the order of their input keys."""
+        raise NotImplementedError
+
+    def key_range(self, name: str) -> Tuple[int, int]:
+        """``(start, end)`` of member ``name``'s input keys in ``inverse``."""
+        t = self.names.index(name)
+        bounds = self.key_bounds
+        return bounds[t], bounds[t + 1]
+
+    def member(self, name: str):
+        """Member ``name``'s part as a :class:`~dynemb.tables.batch.TableBatch` of its own
+        (for reading)."""
+        raise NotImplementedError
+
+    def tensors(self) -> List[torch.Tensor]:
+        """Every tensor the batch holds (to mark them used by another CUDA stream)."""
+        raise NotImplementedError
+
+    @property
+    def dim(self) -> int:
+        """The embedding dim of every member."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        """Where the module reads the rows."""
+        raise NotImplementedError
+
+    @property
+    def kernels(self):
+        """The kernel backend of the batch's rows (``pool_bags`` for :meth:`pooling_rows`)."""
+        raise NotImplementedError
+
+    # -- forward -----------------------------------------------------------------------------
+    def lookup_occurrences(self, sizes: Optional[Sequence[int]] = None
+                           ) -> Tuple[torch.Tensor, ...]:
+        """Every input key's row (float32), split into parts of ``sizes`` (None: one part per
+        member)."""
+        raise NotImplementedError
+
+    def pooling_rows(self) -> PoolingRows:
+        """The rows to pool the batch's bags from (see :class:`PoolingRows`)."""
+        raise NotImplementedError
+
+    # -- backward ----------------------------------------------------------------------------
+    @property
+    def reads_strided_grads(self) -> bool:
+        """Whether the update kernel may read the gradients through a strided view (the host
+        kernels); else it takes contiguous rows."""
+        return self.kernels.name == "cpu"
+
+    def occurrence_grads(self, grads: Sequence[Optional[torch.Tensor]], *,
+                         clip: Optional[float],
+                         sizes: Optional[Sequence[int]] = None) -> OccurrenceGrads:
+        """The gradients of every input key's row, ``grads`` one per part of
+        :meth:`lookup_occurrences` of the same ``sizes`` (None for a part that took none:
+        zeros there), summed per row by the update."""
+        if len(grads) == 1:
+            occurrence = grads[0]
+        else:
+            sizes = self._part_sizes(sizes)
+            occurrence = torch.cat([
+                g if g is not None else torch.zeros(size, self.dim, device=self.device)
+                for g, size in zip(grads, sizes)])
+        return OccurrenceGrads.from_inverse(occurrence, self.inverse, self.keys.numel(),
+                                            clip=clip, kernels=self.kernels)
+
+    def applied_to(self, name: str) -> bool:
+        """Whether member ``name``'s update of this batch already ran."""
+        raise NotImplementedError
+
+    def apply_gradients(self, grads: OccurrenceGrads, taking: Sequence[bool], *, lr: float,
+                        steps) -> None:
+        """The fused update of the rows of the members ``taking`` a gradient (one flag per
+        member), each at its ``steps[name]``, from ``grads`` of the batch's unique keys; then
+        those members' pins end."""
+        raise NotImplementedError
+
+    # -- pins --------------------------------------------------------------------------------
+    def release(self) -> None:
+        """End the batch's pins, for every member (once)."""
+        raise NotImplementedError
+
+    def rehome(self, groups: Sequence) -> bool:
+        """After the module regrouped its tables: make the batch one of ``groups`` if its own
+        group is gone. False where it cannot (its group had other tables); a lone table's
+        batch needs nothing."""
+        return True
+
+    def end_pins_alone(self) -> None:
+        """End the batch's pins table by table, in each member's own arrays."""
+        self.release()
+
+    def _part_sizes(self, sizes: Optional[Sequence[int]]) -> Sequence[int]:
+        """``sizes``, or one part per member when None."""
+        if sizes is not None:
+            return sizes
+        bounds = self.key_bounds
+        return [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]

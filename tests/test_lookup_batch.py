@@ -1,0 +1,48 @@
+"""The interfaces the layers above the tables see: a table's batch and a group's batch both
+implement every operation of ``LookupBatch`` with its parameters, and a table alone
+(``LoneTable``) offers a prefetch every operation of a group, with the same parameters."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from dynemb.tables.batch import TableBatch
+from dynemb.tables.group_batch import GroupBatch
+from dynemb.tables.groups import TableGroup
+from dynemb.tables.lookup_batch import LookupBatch
+from dynemb.tables.units import LoneTable
+
+
+def _abstract(cls):
+    """The methods and properties of ``cls`` whose body only raises NotImplementedError."""
+    names = []
+    for name, member in vars(cls).items():
+        func = member.fget if isinstance(member, property) else member
+        if callable(func) and "raise NotImplementedError" in inspect.getsource(func):
+            names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("kind", [TableBatch, GroupBatch])
+def test_both_batch_kinds_implement_every_operation_of_the_batch_interface(kind):
+    abstract = _abstract(LookupBatch)
+    assert {"lookup_occurrences", "pooling_rows", "apply_gradients", "release",
+            "names", "member"} <= set(abstract)
+    for name in abstract:
+        ours = getattr(kind, name)
+        assert ours is not getattr(LookupBatch, name), f"{kind.__name__} lacks {name}"
+        if callable(ours) and not isinstance(ours, property):
+            assert (list(inspect.signature(ours).parameters)
+                    == list(inspect.signature(getattr(LookupBatch, name)).parameters)), name
+
+
+UNIT_OPERATIONS = ("claims_apart", "claim_batch", "finish_batch", "undo_batch", "prefetch",
+                   "lookup_batch", "check_failures", "alone")
+
+
+@pytest.mark.parametrize("operation", UNIT_OPERATIONS)
+def test_a_table_alone_is_a_unit_as_a_group_is(operation):
+    group, lone = getattr(TableGroup, operation), getattr(LoneTable, operation)
+    assert (list(inspect.signature(group).parameters)
+            == list(inspect.signature(lone).parameters))
