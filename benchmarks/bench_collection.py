@@ -685,8 +685,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 def set_numba_threads(count: int) -> int:
     """Run dynemb's kernels on ``count`` numba threads (0: every core), instead of the
-    library's default (dynemb.foundations.threads), which would cap them when the first table is built;
-    returns the count in use."""
+    library's default (dynemb.foundations.threads), which would cap them when the first table is
+    built; returns the count in use."""
     os.environ[dynemb_threads.SWITCH] = "off"
     numba.set_num_threads(count or numba.config.NUMBA_NUM_THREADS)
     return numba.get_num_threads()

@@ -4,8 +4,8 @@ over disk against one over host memory, and a table several times larger than it
 Three parts, in one run on the same disk (``--work-dir``, default the system temp dir):
 
 1. **Store throughput.** ``--store-rows`` rows of dim 64 (float32 with a score: 264 bytes)
-   inserted into a :class:`~dynemb.stores.disk_store.DiskBackingStore` in batches of 8192 and flushed
-   to its files, then found again in random batches of 8192 after the files' pages were
+   inserted into a :class:`~dynemb.stores.disk_store.DiskBackingStore` in batches of 8192 and
+   flushed to its files, then found again in random batches of 8192 after the files' pages were
    dropped from the page cache (``posix_fadvise(DONTNEED)``, no root needed): rows/s and MB/s,
    next to the same bytes written (plus fsync) and read back with plain file calls.
 2. **Training step.** One CACHE table (dim 64, SGD, Zipf ids) trained over the default

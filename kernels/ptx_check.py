@@ -34,7 +34,8 @@ def cuda_kernels():
 
 
 def launch_signatures():
-    """Kernel name -> the numba argument types its launcher (``dynemb.backends.numba_backends``) passes."""
+    """Kernel name -> the numba argument types its launcher (``dynemb.backends.numba_backends``)
+    passes."""
     from numba import types as nt
 
     i64, i32, b1, f32, f64 = nt.int64, nt.int32, nt.boolean, nt.float32, nt.float64

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dynemb.kernels.hashing import mix64
-from dynemb.foundations.key_mixing import (OWNER_RANK_SALT, mix_keys, owner_rank_hash, reduce_to_range,
-                               routes_to_first)
+from dynemb.foundations.key_mixing import (OWNER_RANK_SALT, mix_keys, owner_rank_hash,
+                                           reduce_to_range, routes_to_first)
 from dynemb.options import ShardingScheme
 from dynemb.sharding.routing import owner_ranks
 from key_reference import GOLDEN, fmix64, owner_hash, signed

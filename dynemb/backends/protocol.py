@@ -3,7 +3,8 @@ the arrays of one table (:class:`TableArrays`) and of a group's keys per table
 (:class:`Segments`) as the kernels take them, and the codes and reserved keys the kernels
 share.
 
-:mod:`dynemb.backends.numba_backends` has the two implementations (``@njit`` on CPU; numba-cuda on GPU or
+:mod:`dynemb.backends.numba_backends` has the two implementations (``@njit`` on CPU; numba-cuda on
+GPU or
 in numba's simulator, :mod:`dynemb.backends.cuda_backend`). Every tensor argument lives on the
 backend's device; ``out_*`` arguments are written by the call. This module, the two backends
 and nothing else import ``dynemb.kernels``: the layers above read the kernels' codes here.

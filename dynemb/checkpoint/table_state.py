@@ -11,7 +11,8 @@ A table's state is a set of named tensors (see :func:`capture`):
   tier's **slot image**: ``keys`` and ``scores`` per slot, and ``rows`` (embedding plus
   optimizer state, the table's physical row) except for ``admission``. Free slots hold
   ``EMPTY_KEY`` / ``TOMBSTONE_KEY``. These are views of the table's own arrays (saving
-  copies nothing); a backing store that is not a :class:`~dynemb.stores.backing_store.HostBackingStore` is saved
+  copies nothing); a backing store that is not a
+  :class:`~dynemb.stores.backing_store.HostBackingStore` is saved
   from its ``export`` (compact, capacity -1).
 
 Putting it back (:func:`restore`):

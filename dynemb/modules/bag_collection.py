@@ -127,7 +127,8 @@ class DynamicEmbBagCollection(EmbeddingBagCollectionInterface, DynamicModule):
         ``KeyedTensor`` [B, sum of dims] keyed by feature.
 
         Lookups, pins, prefetch and eval behave as in
-        :meth:`DynamicEmbCollection.forward <dynemb.modules.collection.DynamicEmbCollection.forward>`.
+        :meth:`DynamicEmbCollection.forward
+        <dynemb.modules.collection.DynamicEmbCollection.forward>`.
         """
         kjt = features
         if is_traced(kjt):  # symbolic tracing: one call_module node (dynemb.modules.tracing)
@@ -190,7 +191,8 @@ class DynamicEmbBagCollection(EmbeddingBagCollectionInterface, DynamicModule):
 
 def check_bag_kjt(kjt: KeyedJaggedTensor, features: List[str], is_weighted: bool) -> None:
     """Raise unless ``kjt`` has every one of ``features`` (a
-    :class:`~dynemb.foundations.validation.MissingFeatureError`), and per-id weights when ``is_weighted``
+    :class:`~dynemb.foundations.validation.MissingFeatureError`), and per-id weights when
+    ``is_weighted``
     (a ``ValueError``; an unweighted collection ignores them, as TorchRec's does)."""
     check_features_present(kjt.keys(), features)
     has_weights = kjt.weights_or_none() is not None

@@ -96,7 +96,8 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
 
     def marked_fused_params(self) -> Optional[Dict[str, Any]]:
         """The fused params that ``apply_optimizer_in_backward`` marks on the tables'
-        parameters configure (:meth:`~dynemb.modules.table_weights.TableWeights.marked_fused_params`;
+        parameters configure
+        (:meth:`~dynemb.modules.table_weights.TableWeights.marked_fused_params`;
         None when unmarked): what a sharder reads."""
         weights = getattr(self, "table_weights", None)
         return None if weights is None else weights.marked_fused_params()
@@ -171,7 +172,8 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         return self._core.storage_modes()
 
     def stats(self) -> Dict[str, Dict[str, Any]]:
-        """Per-table counters and sizes (see :mod:`dynemb.foundations.counters`); one device read each."""
+        """Per-table counters and sizes (see :mod:`dynemb.foundations.counters`); one device read
+        each."""
         return self._core.stats()
 
     def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
@@ -293,7 +295,8 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     # -- nn.Module conversions ---------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         """Where ``.to()``, ``.cuda()``, ``.half()``... reach this module: a call that would
-        move or convert the tables raises (:func:`dynemb.modules.module_conversion.check_conversion`).
+        move or convert the tables raises
+        (:func:`dynemb.modules.module_conversion.check_conversion`).
         ``to_empty(device=...)`` of a module on meta builds its tables there (TorchRec's way
         to materialize a meta module; :meth:`_materialize`)."""
         target = materialized_device(fn, self._core.device)

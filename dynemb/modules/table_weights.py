@@ -100,7 +100,8 @@ class TableWeights(torch.nn.Module):
         return tuple(mark_count(p) for p in self.parameters(recurse=False))
 
     def marked_fused_params(self) -> Optional[Dict[str, Any]]:
-        """The fused params (:func:`~dynemb.foundations.marked_optimizer.fused_params_of_mark`) the marks
+        """The fused params (:func:`~dynemb.foundations.marked_optimizer.fused_params_of_mark`)
+        the marks
         of the handles configure, None if no handle is marked. The module's tables share one
         optimizer, so every handle must carry the same one mark: two marks on a handle (as
         TorchRec's sharders refuse), marks that differ, or some tables marked and others

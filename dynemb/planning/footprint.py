@@ -65,7 +65,8 @@ class TableFootprint:
     """Bytes one rank spends on one row-wise sharded dynamic table.
 
     Device side: ``values_bytes`` + ``optimizer_bytes`` (the device rows, embedding columns
-    then optimizer state, float32 whatever the dtype: see :class:`~dynemb.rows.flat_table.RowLayout`),
+    then optimizer state, float32 whatever the dtype: see
+    :class:`~dynemb.rows.flat_table.RowLayout`),
     ``hash_bytes`` (key, score and reference count of every slot of the device hash table),
     ``admission_bytes`` (the admission counter's hash table), ``fixed_bytes`` (counters), and
     the I/O of the pipeline: ``input_bytes`` (deduplicated ids received for one batch, int64),

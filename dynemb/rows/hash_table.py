@@ -14,8 +14,8 @@ from dynemb.rows.hash_table_checks import (MAX_BUCKETS, SLOT_BYTES, check_claim_
                                       check_scores, check_table_arguments, max_table_capacity)
 from dynemb.types import (EMPTY_KEY, TOMBSTONE_KEY, EraseResult, ExportBatch, FindOrInsertResult,
                           ScorePolicy, TableFullError)
-from dynemb.foundations.validation import (canonical_device, check_index_tensor, check_int, check_keys,
-                               check_slots)
+from dynemb.foundations.validation import (canonical_device, check_index_tensor, check_int,
+                                           check_keys, check_slots)
 
 __all__ = ["MAX_BUCKETS", "SLOT_BYTES", "ScoredHashTable", "max_table_capacity"]
 

@@ -9,8 +9,8 @@ import torch
 
 from dynemb.backends.protocol import KernelBackend
 from dynemb.types import MAX_BUCKET_SIZE, ScorePolicy
-from dynemb.foundations.validation import (check_bucket_size, check_index_tensor, check_int, check_keys,
-                               check_same_length)
+from dynemb.foundations.validation import (check_bucket_size, check_index_tensor, check_int,
+                                           check_keys, check_same_length)
 
 #: What ``find_or_insert`` does when keys find no slot.
 ON_FAILURE = ("raise", "report", "defer")

@@ -22,8 +22,8 @@ from dynemb.options import ShardingScheme
 def owner_ranks(keys: torch.Tensor, world_size: int, scheme: ShardingScheme) -> torch.Tensor:
     """The rank (int64, in ``[0, world_size)``) that owns each key.
 
-    HASH mixes ``key + salt`` (:func:`dynemb.foundations.key_mixing.owner_rank_hash`), so the owner is
-    independent of the bucket a table's own hash (of ``key``) picks: the keys of one rank
+    HASH mixes ``key + salt`` (:func:`dynemb.foundations.key_mixing.owner_rank_hash`), so the
+    owner is independent of the bucket a table's own hash (of ``key``) picks: the keys of one rank
     still spread over all buckets.
 
     Example::

@@ -138,8 +138,8 @@ class DynamicTable(CheckpointTiers):
     def fixed_memory() -> MemoryBreakdown:
         """Bytes every table holds whatever its size (``other_bytes`` and ``host_other_bytes``
         of :meth:`memory_breakdown`): one int64 per counter of
-        :data:`~dynemb.foundations.counters.COUNTER_NAMES` and the int64 count of deferred slot failures
-        on the device, that count's mirror on the host.
+        :data:`~dynemb.foundations.counters.COUNTER_NAMES` and the int64 count of deferred slot
+        failures on the device, that count's mirror on the host.
 
         Example::
 

@@ -51,8 +51,8 @@ class CacheTable(HbmDirectTable):
     @classmethod
     def planned_rows(cls, layout: TableLayout, options: DynamicEmbTableOptions) -> PlannedRows:
         """The cache's rows, and the backing store at its largest: the default store's
-        :func:`~dynemb.stores.backing_store.default_store_slots` (a row and a hash slot each), or the
-        rows a user's store must hold (its own structures unknown): the rows the table is
+        :func:`~dynemb.stores.backing_store.default_store_slots` (a row and a hash slot each), or
+        the rows a user's store must hold (its own structures unknown): the rows the table is
         sized for, ``layout.target_rows`` (``num_embeddings``, or ``max_capacity`` when set).
 
         Example::

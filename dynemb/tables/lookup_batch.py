@@ -6,7 +6,8 @@ A batch serves one or more member tables, ``names``, whose input keys lie one af
 other in the order the module concatenated them: member ``t``'s are
 ``[key_bounds[t], key_bounds[t + 1])`` of ``inverse`` [N], the unique index of each input
 key into ``keys`` [U]. A table that runs alone is the batch of one member. The modules above
-(:mod:`dynemb.modules.dynamic_core`, :mod:`dynemb.modules.collection`, :mod:`dynemb.modules.pooling`,
+(:mod:`dynemb.modules.dynamic_core`, :mod:`dynemb.modules.collection`,
+:mod:`dynemb.modules.pooling`,
 :mod:`dynemb.modules.occurrence_lookup`) run one path over this interface and never ask which kind
 of batch they hold:
 
