@@ -130,12 +130,14 @@ def worker(args: argparse.Namespace) -> dict:
 
 def tables_worker(args: argparse.Namespace) -> dict:
     """The many-tables step at ``args.table_counts`` tables, dynemb (HBM_DIRECT, every id
-    fits) and torch sparse embeddings taking turns on each batch, with whatever thread
+    fits) and torch sparse embeddings at every count taking turns on each batch (an order
+    drawn per step), with whatever thread
     settings the libraries pick; the library comes from ``args.root``. Returns ms per step
     and the settings the process ended up with."""
     sys.path.insert(0, str(args.root))
     import gc
     import numba
+    import numpy as np
     import torch
 
     import dynemb
@@ -145,25 +147,29 @@ def tables_worker(args: argparse.Namespace) -> dict:
     cfg = argparse.Namespace(ids=args.table_ids, vocab_factor=4, zipf=1.05, seed=0,
                              warmup=args.warmup, steps=args.steps, batch=256, dim=32)
     wall, cpu = time.perf_counter(), time.process_time()
-    out: dict = {"step_ms": {}}
+    setups = []  # (workload, dynemb, torch sparse, gradients) per table count
     for tables in args.table_counts:
         wl = bt.Workload(cfg, tables)
         fit, _ = bt.capacities(wl, DynamicEmbTableOptions().bucket_size)
         dyn = bt.DynembMethod("hbm_fit", wl, cfg.dim, "sgd", DynamicEmbTableOptions(
             max_capacity=fit, init_capacity=fit), StorageMode.HBM_DIRECT)
         ref = bt.TorchSparseMethod(wl, cfg.dim, "sgd", dyn.initial_rows(wl, cfg.dim))
-        grads = wl.gradients(cfg.seed, cfg.dim)
-        times: Dict[str, List[float]] = {dyn.name: [], ref.name: []}
-        for i in range(cfg.warmup + cfg.steps):
-            if i == cfg.warmup:
-                gc.collect()
-                gc.freeze()
-            for method in ((dyn, ref) if i % 2 == 0 else (ref, dyn)):
-                _, fwd, bwd = bt.timed_step(method, wl, i, grads)
-                if i >= cfg.warmup:
-                    times[method.name].append((fwd + bwd) * 1e3)
-        gc.unfreeze()
-        out["step_ms"][str(tables)] = times
+        setups.append((wl, dyn, ref, wl.gradients(cfg.seed, cfg.dim)))
+    times = {str(wl.tables): {dyn.name: [], ref.name: []} for wl, dyn, ref, _ in setups}
+    # every table count and method on each batch, in an order drawn per step: a load that
+    # drifts falls on all of them alike
+    runs = [(wl, m, grads) for wl, dyn, ref, grads in setups for m in (dyn, ref)]
+    for i in range(cfg.warmup + cfg.steps):
+        if i == cfg.warmup:
+            gc.collect()
+            gc.freeze()
+        for j in np.random.default_rng(i).permutation(len(runs)):
+            wl, method, grads = runs[j]
+            _, fwd, bwd = bt.timed_step(method, wl, i, grads)
+            if i >= cfg.warmup:
+                times[str(wl.tables)][method.name].append((fwd + bwd) * 1e3)
+    gc.unfreeze()
+    out: dict = {"step_ms": times}
     parked = any(t.name == "dynemb-idle-openmp-team" for t in threading.enumerate())
     out.update(numba_threads=numba.get_num_threads(), torch_threads=torch.get_num_threads(),
                threading_layer=numba.threading_layer(), idle_openmp_team_parked=parked,
@@ -403,7 +409,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         if args.quick:
             args.steps, args.warmup, args.rounds, args.table_ids = 3, 1, 1, 4096
             args.table_counts = [8, 1]
-    if args.quick and not args.tables_workload:
+    if args.quick and not (args.tables_workload or args.tables_worker):
         args.steps, args.warmup, args.rounds, args.batch = 8, 2, 1, 256
     if args.loads is None:
         args.loads = [0, len(os.sched_getaffinity(0))]
