@@ -48,8 +48,8 @@ class CpuBackend(CpuGroupKernels):
     defers_failures = False
 
     def __init__(self):
-        # numba one core short of the process's (dynemb.threads): created once per process,
-        # before the first CPU kernel runs
+        # the process's thread defaults (dynemb.threads: idle OpenMP threads sleep, numba's
+        # count): created once per process, before the first CPU kernel runs
         apply_thread_defaults()
 
     def check_device(self, device: torch.device) -> None:

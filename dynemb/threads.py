@@ -6,7 +6,7 @@ torch loads its bundled libgomp into the process's global symbol scope (``import
 dynemb does before any kernel runs), and numba's OpenMP pool binds its ``GOMP_*`` calls to that
 copy. So a parallel kernel and a parallel torch op on one Python thread use the same worker
 threads, one after the other. What made them slow is what those workers do between regions:
-libgomp's default (no ``OMP_WAIT_POLICY``) spins each idle worker for 300,000 polls (several ms)
+libgomp's default (no ``OMP_WAIT_POLICY``) spins each idle worker for 300,000 polls (a few ms)
 before it sleeps. A training step runs hundreds of small parallel regions, so the workers spin
 through all of it, and on a machine with few cores anything else that needs a core (a second
 process, the data loader, other jobs) waits behind them, and they behind it: steps of 20 ms
@@ -21,7 +21,9 @@ table built in a process (:class:`~dynemb.backends.CpuBackend`) starts one idle 
 torch's thread count, and then waits forever; its workers sleep in libgomp and use no CPU.
 From then on libgomp counts more threads than cores whenever torch's or numba's pool has a
 worker, and every idle worker in the process sleeps almost at once, as under ``PASSIVE``.
-With nothing spinning, numba keeps every core, as torch does.
+With nothing spinning, numba keeps every core, as torch does. The rule is libgomp's: with a
+torch built on another OpenMP runtime, or numba's pool started on the system libgomp before
+torch was imported, the team is harmless and changes nothing.
 
 numba starting its pool sets OpenMP's thread count (``omp_set_num_threads``) to its own
 (``NUMBA_NUM_THREADS``, every core by default), and torch, unless told otherwise with
@@ -37,7 +39,8 @@ steady under load. The user's settings win:
   OpenMP users read them): no idle team, libgomp waits as told; under ``PASSIVE`` numba keeps
   every core, under anything else the cap applies;
 - ``NUMBA_NUM_THREADS`` in the environment: numba's count is left as it is;
-- ``DYNEMB_THREADS=off``: no default at all (no idle team, numba on every core, as before);
+- ``DYNEMB_THREADS=off``: no default at all (no idle team, numba on every core, torch's
+  count as numba's pool start leaves it);
 - ``numba.set_num_threads(n)`` / ``torch.set_num_threads(n)`` after the first table is built:
   those counts from then on.
 
