@@ -23,6 +23,7 @@ Run from the repository root::
     .venv/bin/python -m benchmarks.bench_threads            # about 3 minutes on a quiet 2-core machine, 10 or more when shared
     .venv/bin/python -m benchmarks.bench_threads --quick    # smoke run, about 40 seconds
     .venv/bin/python -m benchmarks.bench_threads --tables-workload --before c525657   # ~10 minutes
+    .venv/bin/python -m benchmarks.bench_threads --idle-cpu --rounds 3   # seconds
 """
 from __future__ import annotations
 
@@ -176,6 +177,57 @@ def tables_worker(args: argparse.Namespace) -> dict:
                cpu_per_wall=(time.process_time() - cpu) / (time.perf_counter() - wall),
                library=str(Path(dynemb.__file__).parent))
     return out
+
+
+#: ``--idle-cpu``: configuration name -> environment variables of its process
+IDLE_CONFIGS: Dict[str, Dict[str, str]] = {
+    "libgomp's default wait (DYNEMB_THREADS=off)": {"DYNEMB_THREADS": "off"},
+    "dynemb default (idle team)": {},
+    "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE", "DYNEMB_THREADS": "off"},
+}
+
+
+def idle_cpu_worker(repeats: int = 100, sleep_s: float = 0.005) -> dict:
+    """Process CPU time per second of wall time over ``repeats`` x (one parallel torch op on
+    1M floats, then ``sleep_s`` asleep), after building one CPU table (which applies
+    dynemb's thread defaults): what idle OpenMP workers burn between regions."""
+    import torch
+    from torchrec import EmbeddingConfig
+
+    from dynemb import DynamicEmbCollection
+    DynamicEmbCollection([EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=64,
+                                          feature_names=["f"])])
+    x = torch.ones(1 << 20)
+    x.mul_(1.0)
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(repeats):
+        x.mul_(1.0)
+        time.sleep(sleep_s)
+    return {"cpu_per_wall": (time.process_time() - cpu) / (time.perf_counter() - wall),
+            "torch_threads": torch.get_num_threads(),
+            "idle_openmp_team_parked": any(t.name == "dynemb-idle-openmp-team"
+                                           for t in threading.enumerate())}
+
+
+def main_idle_cpu(args: argparse.Namespace) -> dict:
+    """Every configuration of IDLE_CONFIGS, ``args.rounds`` times in turn."""
+    runs: Dict[str, List[dict]] = {name: [] for name in IDLE_CONFIGS}
+    for _ in range(args.rounds):
+        for name, variables in IDLE_CONFIGS.items():
+            env = {k: v for k, v in os.environ.items() if k not in CLEARED}
+            env.update(variables)
+            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_threads",
+                                  "--idle-cpu-worker"], cwd=ROOT, env=env,
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"configuration {name!r} failed:\n{out.stderr[-3000:]}")
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for name, r in runs.items():
+        values = [x["cpu_per_wall"] for x in r]
+        print(f"{name:<46} CPU s per wall s {min(values):.2f}-{max(values):.2f} "
+              f"(torch threads {r[0]['torch_threads']}, idle team "
+              f"{r[0]['idle_openmp_team_parked']})")
+    return runs
 
 
 def checkout_of(rev: str, into: Path) -> Path:
@@ -398,6 +450,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--table-counts", type=int, nargs="+", default=[128, 1])
     p.add_argument("--table-ids", type=int, default=65536)
     p.add_argument("--tables-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--idle-cpu", action="store_true",
+                   help="CPU time the process burns around parallel torch ops with sleeps "
+                        "between them, per configuration of IDLE_CONFIGS (prints only)")
+    p.add_argument("--idle-cpu-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tables_workload or args.tables_worker:
@@ -424,6 +480,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if args.tables_worker:
         print(json.dumps(tables_worker(args)))
         return {}
+    if args.idle_cpu_worker:
+        print(json.dumps(idle_cpu_worker()))
+        return {}
+    if args.idle_cpu:
+        return main_idle_cpu(args)
     if args.tables_workload:
         return main_tables(args)
     import numba
