@@ -132,9 +132,8 @@ def worker(args: argparse.Namespace) -> dict:
 def tables_worker(args: argparse.Namespace) -> dict:
     """The many-tables step at ``args.table_counts`` tables, dynemb (HBM_DIRECT, every id
     fits) and torch sparse embeddings at every count taking turns on each batch (an order
-    drawn per step), with whatever thread
-    settings the libraries pick; the library comes from ``args.root``. Returns ms per step
-    and the settings the process ended up with."""
+    drawn per step), with whatever thread settings the libraries pick; the library comes
+    from ``args.root``. Returns ms per step and the settings the process ended up with."""
     sys.path.insert(0, str(args.root))
     import gc
     import numba
