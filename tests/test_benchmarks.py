@@ -137,7 +137,7 @@ def test_tables_benchmark_quick(tmp_path):
         assert row["methods"]["hbm_fit"]["timed_counters"]["evictions"] == 0
         assert set(row["eval_ms"]) == set(bench_tables.EVAL_METHODS)
         assert all(math.isfinite(t) and t > 0 for t in row["eval_ms"].values())
-    assert len(report["targets"]) == 2 * len(bench_tables.DYNEMB_METHODS) * len(opts)
+    assert len(report["targets"]) == 3 * len(bench_tables.DYNEMB_METHODS) * len(opts)
     saved = json.loads((tmp_path / "tables_cpu_quick.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(report["rows"]))
     assert (tmp_path / "tables_cpu_quick.png").stat().st_size > 0

@@ -60,8 +60,8 @@ class CpuBackend:
         return values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
 
     def __init__(self):
-        # numba one core short of the process's (dynemb.foundations.threads): created once per
-        # process, before the first CPU kernel runs
+        # the process's thread defaults (dynemb.foundations.threads: idle OpenMP threads sleep,
+        # numba's count): created once per process, before the first CPU kernel runs
         apply_thread_defaults()
 
     def check_device(self, device: torch.device) -> None:
