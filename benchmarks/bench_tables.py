@@ -677,8 +677,9 @@ def profile_phases():
          ("dynemb/tables/hbm_direct.py", "_fill_new_rows")),
         ("gather (rows per occurrence)", HbmDirectTable, "lookup_occurrences",
          ("dynemb/tables/hbm_direct.py", "lookup_occurrences")),
-        ("output cut (JaggedTensor per feature)", dynemb.modules.collection, "cut_by_feature",
-         ("dynemb/modules/jagged.py", "cut_by_feature")),
+        # the outputs are made in a dict comprehension of DynamicEmbCollection._outputs
+        ("output cut (JaggedTensor per feature)", dynemb.modules.collection, "JaggedTensor",
+         ("dynemb/modules/collection.py", "<dictcomp>")),
         ("backward grads (occurrence CSR per row)", dynemb.rows.occurrence_grads, "occurrence_csr",
          ("dynemb/rows/occurrence_grads.py", "occurrence_csr")),
         ("fused update (kernel)", dynemb.tables.base, "fused_update",
