@@ -12,8 +12,9 @@ Example (the arguments after ``--`` go to the benchmark)::
         -- bench_tables.py --quick
 
 writes ``benchmarks/results/before_after_<bench>.json``: the configuration, each round's
-full reports, and per timing (any number whose key ends in ``_ms`` or ``ms``, found at the
-same place in both reports) the median of each side and their ratio.
+full reports, and per timing (any number whose key ends in ``ms`` or ``_s``, or is
+``seconds``, found at the same place in both reports) the median of each side and their
+ratio.
 """
 from __future__ import annotations
 
@@ -60,22 +61,28 @@ def run_bench(tree: Path, bench: List[str], out_dir: Path) -> Dict:
 
 
 def timings(report, path: str = "") -> Iterator[Tuple[str, float]]:
-    """``(path, value)`` of every number in ``report`` whose key ends in ``ms``.
+    """``(path, value)`` of every number in ``report`` whose key names a time: ending in
+    ``ms`` or ``_s``, or ``seconds``.
 
-    >>> dict(timings({"a": {"step_ms": 2.0, "n": 3}, "rows": [{"total_ms": 1.5}]}))
-    {'a.step_ms': 2.0, 'rows.0.total_ms': 1.5}
+    >>> dict(timings({"a": {"step_ms": 2.0, "n": 3}, "rows": [{"total_ms": 1.5}],
+    ...               "load": {"seconds": 4.0, "run_s": 9}}))
+    {'a.step_ms': 2.0, 'rows.0.total_ms': 1.5, 'load.seconds': 4.0, 'load.run_s': 9.0}
     """
     if isinstance(report, dict):
         for key, value in report.items():
             inner = f"{path}.{key}" if path else str(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and str(key).endswith("ms"):
+                    and _names_a_time(str(key)):
                 yield inner, float(value)
             else:
                 yield from timings(value, inner)
     elif isinstance(report, list):
         for index, value in enumerate(report):
             yield from timings(value, f"{path}.{index}" if path else str(index))
+
+
+def _names_a_time(key: str) -> bool:
+    return key.endswith(("ms", "_s")) or key == "seconds"
 
 
 def compare(before: List[Dict], after: List[Dict]) -> Dict[str, Dict[str, float]]:
