@@ -60,25 +60,24 @@ def run_bench(tree: Path, bench: List[str], out_dir: Path) -> Dict:
     return json.loads(reports[0].read_text())
 
 
-def timings(report, path: str = "") -> Iterator[Tuple[str, float]]:
-    """``(path, value)`` of every number in ``report`` whose key names a time: ending in
-    ``ms`` or ``_s``, or ``seconds``.
+def timings(report, path: str = "", timed: bool = False) -> Iterator[Tuple[str, float]]:
+    """``(path, value)`` of every number in ``report`` whose key names a time (ends in
+    ``ms`` or ``_s``, or is ``seconds``), or that sits under such a key.
 
     >>> dict(timings({"a": {"step_ms": 2.0, "n": 3}, "rows": [{"total_ms": 1.5}],
-    ...               "load": {"seconds": 4.0, "run_s": 9}}))
-    {'a.step_ms': 2.0, 'rows.0.total_ms': 1.5, 'load.seconds': 4.0, 'load.run_s': 9.0}
+    ...               "load": {"seconds": 4.0, "run_s": 9}, "median_ms": {"ours": 3}}))
+    {'a.step_ms': 2.0, 'rows.0.total_ms': 1.5, 'load.seconds': 4.0, 'load.run_s': 9.0, \
+'median_ms.ours': 3.0}
     """
     if isinstance(report, dict):
         for key, value in report.items():
             inner = f"{path}.{key}" if path else str(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and _names_a_time(str(key)):
-                yield inner, float(value)
-            else:
-                yield from timings(value, inner)
+            yield from timings(value, inner, timed or _names_a_time(str(key)))
     elif isinstance(report, list):
         for index, value in enumerate(report):
-            yield from timings(value, f"{path}.{index}" if path else str(index))
+            yield from timings(value, f"{path}.{index}" if path else str(index), timed)
+    elif timed and isinstance(report, (int, float)) and not isinstance(report, bool):
+        yield path, float(report)
 
 
 def _names_a_time(key: str) -> bool:
