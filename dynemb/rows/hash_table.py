@@ -11,7 +11,8 @@ from dynemb.backends.protocol import KernelBackend, TableArrays
 from dynemb.rows.hash_table_images import (arrays_image, compose_remaps, empty_arrays,
                                            load_arrays_image, move_arrays, restore_scores_at)
 from dynemb.rows.hash_table_checks import (MAX_BUCKETS, SLOT_BYTES, check_claim_arguments,
-                                      check_scores, check_table_arguments, max_table_capacity)
+                                          check_distinct_with_scores, check_scores,
+                                          check_table_arguments, max_table_capacity)
 from dynemb.types import (EMPTY_KEY, TOMBSTONE_KEY, EraseResult, ExportBatch, FindOrInsertResult,
                           ScorePolicy, TableFullError)
 from dynemb.foundations.validation import (canonical_device, check_index_tensor, check_int,
@@ -257,12 +258,8 @@ class ScoredHashTable:
             [6]
         """
         self._check_live_slots(slots, "slots")
-        check_index_tensor(scores, "scores", self.device)
-        if scores.shape != slots.shape:
-            raise ValueError(f"scores has shape {tuple(scores.shape)} but slots has "
-                             f"{tuple(slots.shape)}")
-        if torch.unique(slots).numel() != slots.numel():
-            raise ValueError("slots must be distinct (one score per key)")
+        check_distinct_with_scores(slots, scores, self.device, name="slots",
+                                   each="one score per key")
         restore_scores_at(self._arrays.scores, self.policy, slots, scores)
 
     def _find_or_insert_once(self, ukeys, counts, given, pin, policy=None, allow_evict=None):
@@ -437,12 +434,7 @@ class ScoredHashTable:
             [40, 2]
         """
         check_keys(keys, self.device, kernels=self._backend)
-        check_index_tensor(scores, "scores", self.device)
-        if scores.shape != keys.shape:
-            raise ValueError(f"scores has shape {tuple(scores.shape)} but keys has "
-                             f"{tuple(keys.shape)}")
-        if torch.unique(keys).numel() != keys.numel():
-            raise ValueError("keys must be distinct (one entry per key)")
+        check_distinct_with_scores(keys, scores, self.device, name="keys", each="one entry per key")
         self._undoable = None
         counts = keys.new_ones(1).expand(keys.shape)
         remap = self._grow_for(keys) if self.grow_at_load_factor is not None else None

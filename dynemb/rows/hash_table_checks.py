@@ -167,6 +167,18 @@ def check_scores(policy: ScorePolicy, device: torch.device, keys, scores, *,
     check_same_length(keys, "keys", scores, "scores")
 
 
+def check_distinct_with_scores(ids: torch.Tensor, scores: torch.Tensor, device: torch.device, *,
+                               name: str, each: str) -> None:
+    """Raise unless ``scores`` is an index tensor on ``device`` of ``ids``' shape and ``ids``
+    (slots or keys, called ``name``) are distinct (``each``: what one of them stands for)."""
+    check_index_tensor(scores, "scores", device)
+    if scores.shape != ids.shape:
+        raise ValueError(f"scores has shape {tuple(scores.shape)} but {name} has "
+                         f"{tuple(ids.shape)}")
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError(f"{name} must be distinct ({each})")
+
+
 def _check_capacity_for_default_buckets(capacity: int) -> None:
     """The default bucket is the whole table below ``MAX_BUCKET_SIZE`` slots, so the capacity
     must then be a power of two; above it, a multiple of ``MAX_BUCKET_SIZE``."""
