@@ -8,8 +8,8 @@
 #   GPU_CHECK_SIMULATE=1 bash scripts/gpu_check.sh   # dry run without a GPU (numba's simulator)
 #
 # Stages, in the order they run when none is named (the extra sanitizers last, so a short
-# budget drops them first): env ptx tests memcheck racecheck sync bench tables ems synccheck
-# initcheck. Named stages run in the order named.
+# budget drops them first): env ptx tests memcheck racecheck sync bench step tables ems
+# synccheck initcheck. Named stages run in the order named.
 # Writes into $OUT (default ./gpu_out): summary.txt (stage, PASS/FAIL/SKIP, seconds, note;
 # the tail of each failed stage's log), env.txt, pytest.xml and logs.tar.gz (every log and
 # JSON), refreshed after each stage so an interrupted run still leaves its results.
@@ -27,7 +27,7 @@ BUDGET=${GPU_CHECK_BUDGET_S:-1500}
 SIMULATE=${GPU_CHECK_SIMULATE:-0}
 SITE=${TMPDIR:-/tmp}/dynemb_gpu_site
 WORK=${TMPDIR:-/tmp}/dynemb_gpu_work
-ALL_STAGES=(env ptx tests memcheck racecheck sync bench tables ems synccheck initcheck)
+ALL_STAGES=(env ptx tests memcheck racecheck sync bench step tables ems synccheck initcheck)
 # The tests with a CUDA variant: the `backend` fixture's cuda ids, tests named after cuda,
 # and those that take both entries of conftest.BACKENDS; the PTX test is the ptx stage's.
 TEST_SELECTION='(cuda or backends_agree or sync_free_path) and not compiles_to_ptx'
@@ -264,6 +264,22 @@ run_bench() {
     return $rc
 }
 
+# the training step against nn.Embedding(sparse=True) on five workloads
+# (benchmarks/bench_gpu.py), then find_or_insert at 2^26 slots, load 0.5, 2^20 keys a call
+run_step() {
+    if [[ $SIMULATE == 1 ]]; then
+        "$PY" -m benchmarks.bench_gpu --device cpu --backend cuda --scale 0.002 --rounds 1 \
+            --warmup 1 --steps 1 --profiled-steps 1 --batches 1 --workloads T1_82k_sgd T26_sgd \
+            --json "$WORK/gpu_step.json"
+        return
+    fi
+    local rc=0
+    "$PY" -m benchmarks.bench_gpu --json "$WORK/gpu_step.json" --plot "$WORK/gpu_step.png" || rc=1
+    "$PY" -m scripts.gpu_bench --capacity-log2 26 --batch-log2 20 \
+        --json "$WORK/bench_hash_table_2e26.json" || rc=1
+    return $rc
+}
+
 # many tables: step time and kernels per step against the table count (scripts/gpu_tables.py)
 run_tables() {
     if [[ $SIMULATE == 1 ]]; then
@@ -291,6 +307,7 @@ run_named() {
         tests) stage tests 600 run_tests ;;
         sync) stage sync 300 run_sync ;;
         bench) stage bench 420 run_bench ;;
+        step) stage step 300 run_step ;;
         tables) stage tables 300 run_tables ;;
         ems) stage ems 300 run_ems ;;
         *)
@@ -328,6 +345,6 @@ main() {
 }
 
 export -f install_kit choose_numba_stack install_dynemb has_dist dist_version run_env run_ptx \
-    run_tests run_sanitizer run_sync run_bench run_tables run_ems
+    run_tests run_sanitizer run_sync run_bench run_step run_tables run_ems
 export PY KIT SITE WORK REPO SIMULATE TEST_SELECTION
 main "$@"
