@@ -473,6 +473,8 @@ def main(argv=None) -> int:
                      f"missing: {missing}" if missing else f"{len(ran)} kernels")
         from dynemb.backends.numba_backends import get_backend
         direct = get_backend("cuda").direct_launch_signatures()
+        for name, why in sorted(get_backend("cuda").numba_launch_refusals().items()):
+            print(f"numba's launch kept for {name}: {why}")
         report.check("kernels launch directly once numba's marshalling of their arguments is "
                      "matched (dynemb.bridges.numba_launch)", direct >= len(ran),
                      f"{direct} kernel signatures launch directly, {len(ran)} kernels ran")

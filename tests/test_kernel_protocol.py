@@ -15,7 +15,8 @@ from dynemb.backends.protocol import INIT_UNIFORM, KernelBackend, Segments, Tabl
 from dynemb.types import ScorePolicy
 
 #: Public members of a backend that are not kernel operations.
-NOT_OPERATIONS = {"name", "defers_failures", "direct_launch_signatures"}
+NOT_OPERATIONS = {"name", "defers_failures", "direct_launch_signatures",
+                  "numba_launch_refusals"}
 
 
 def operations(cls) -> set:

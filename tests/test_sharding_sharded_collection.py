@@ -195,3 +195,13 @@ def compiled_then_eager_sharded():
     torch.testing.assert_close(got, want)
     assert torch.equal(found, want_found)
     torch.testing.assert_close(rows, want_rows)
+
+
+def test_the_sharding_context_has_every_field_of_torchrecs_own():
+    """TorchRec before 1.8 sets the EC context's fields in its own ``__init__``, which a
+    dataclass subclass does not call: the context must carry them whatever the version."""
+    from torchrec.distributed.embedding import EmbeddingCollectionContext
+    from dynemb.sharding.sharded_collection import DynamicEmbShardingContext
+    ours, theirs = DynamicEmbShardingContext(), EmbeddingCollectionContext()
+    assert set(vars(theirs)) <= set(vars(ours))
+    assert ours.sharding_contexts == [] and ours.routings == [] and ours.batch == 0

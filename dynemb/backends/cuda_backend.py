@@ -65,6 +65,10 @@ class CudaBackend:
         argument conversion (see :mod:`dynemb.bridges.numba_launch`)."""
         return 0 if self._launcher is None else self._launcher.direct_signatures
 
+    def numba_launch_refusals(self) -> dict:
+        """Kernels with a signature that keeps numba's launch, and why (for the GPU checks)."""
+        return {} if self._launcher is None else self._launcher.refusals
+
     def _arr(self, t: torch.Tensor):
         """A kernel argument: the tensor itself on a GPU (``_launch`` hands it to numba),
         its numpy view under the simulator."""

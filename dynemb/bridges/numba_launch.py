@@ -51,6 +51,8 @@ class KernelLauncher:
         self._streams: Dict[int, object] = {}
         #: (kernel, signature) -> (the driver function, argument types), or None: numba's launch
         self._direct: Dict[Tuple, object] = {}
+        #: kernel name -> why one of its signatures keeps numba's launch
+        self._refusals: Dict[str, str] = {}
         self._enabled = direct_launch_enabled()
         self._launch_fn = self._config_of = None
         if self._enabled:
@@ -70,6 +72,11 @@ class KernelLauncher:
         """How many (kernel, signature) pairs launch directly (checked against numba)."""
         return sum(1 for v in self._direct.values() if v is not None)
 
+    @property
+    def refusals(self) -> Dict[str, str]:
+        """Kernels with a signature that keeps numba's launch, and why (the first reason)."""
+        return dict(self._refusals)
+
     def numba_stream(self, stream: torch.cuda.Stream):
         """numba's handle of a torch stream, made once per stream."""
         handle = stream.cuda_stream
@@ -82,6 +89,8 @@ class KernelLauncher:
                args: tuple) -> None:
         numba_stream = self.numba_stream(stream)
         key = (kernel, _signature(args)) if self._enabled else None
+        if key is not None and key[1] is None:
+            self._refuse(kernel, "a non-contiguous tensor argument")
         direct = self._direct.get(key) if key is not None and key[1] is not None else None
         if direct is not None:
             function, types = direct
@@ -92,8 +101,15 @@ class KernelLauncher:
                           else a for a in args)
         kernel[blocks, threads, numba_stream](*converted)
         if key is not None and key[1] is not None and key not in self._direct:
+            path, reason = _checked_direct_path(kernel, args, converted)
             with self._lock:
-                self._direct[key] = _checked_direct_path(kernel, args, converted)
+                self._direct[key] = path
+            if path is None:
+                self._refuse(kernel, reason)
+
+    def _refuse(self, kernel, reason: str) -> None:
+        name = getattr(getattr(kernel, "py_func", None), "__name__", repr(kernel))
+        self._refusals.setdefault(name, reason)
 
 
 def _signature(args) -> Tuple:
@@ -142,25 +158,31 @@ def _driver_args(types, args) -> list:
 
 
 def _checked_direct_path(kernel, args, converted):
-    """(driver function, argument types) when the arguments built here equal numba's own for
-    this call, else None (numba's launch stays)."""
+    """((driver function, argument types), "") when the arguments built here equal numba's
+    own for this call, else (None, why): numba's launch stays."""
     try:
         argtypes = tuple(kernel.typeof_pyval(a) for a in converted)
         compiled = kernel.overloads[argtypes]
-        if not all(hasattr(compiled, name) for name in _NUMBA_INTERNALS):
-            return None
+        missing = [name for name in _NUMBA_INTERNALS if not hasattr(compiled, name)]
+        if missing:
+            return None, f"this numba-cuda lacks {missing}"
         if compiled.debug or compiled.cooperative:
-            return None
+            return None, "a debug or cooperative kernel"
         types = compiled.argument_types
         theirs: list = []
         for ty, value in zip(types, converted):
             compiled._prepare_args(ty, value, 0, [], theirs)
         mine = _driver_args(types, args)
-        if [_comparable(x) for x in mine] != [_comparable(x) for x in theirs]:
-            return None
-        return compiled._codelibrary.get_cufunc().kernel, types
-    except Exception:  # any surprise in numba's internals: keep its launch
-        return None
+        mine, theirs = [_comparable(x) for x in mine], [_comparable(x) for x in theirs]
+        if mine != theirs:
+            first = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b) \
+                if len(mine) == len(theirs) else min(len(mine), len(theirs))
+            return None, (f"driver arguments differ from numba's at {first} of "
+                          f"{len(theirs)}: {mine[first:first + 2]} != {theirs[first:first + 2]} "
+                          f"(types {types})")
+        return (compiled._codelibrary.get_cufunc().kernel, types), ""
+    except Exception as error:  # any surprise in numba's internals: keep its launch
+        return None, f"{type(error).__name__}: {str(error)[:200]}"
 
 
 def _comparable(value):

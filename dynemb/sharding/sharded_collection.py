@@ -50,6 +50,12 @@ class DynamicEmbShardingContext(EmbeddingCollectionContext):
     received: Optional[KeyedJaggedTensor] = None
     batch: int = 0  # the number of the module's input dist (checked across ranks)
 
+    def __post_init__(self) -> None:
+        # TorchRec before 1.8 sets its context's fields in an __init__ of its own, which the
+        # dataclass __init__ above does not call
+        if not hasattr(self, "sharding_contexts"):
+            EmbeddingCollectionContext.__init__(self)
+
     def record_stream(self, stream: torch.Stream) -> None:
         super().record_stream(stream)
         for routing in self.routings:
