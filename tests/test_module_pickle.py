@@ -188,3 +188,41 @@ def test_a_grouped_module_saves_after_training_and_trains_on_alike(mode, how):
     assert copy.stats() == original.stats()
     if mode == "cache":
         assert all(original.stats()[n]["write_backs"] > 0 for n in ("a", "b"))
+
+
+def test_a_module_pickled_by_the_code_before_the_layered_package_loads_and_trains_on():
+    """Modules pickled whole at c525657, when most modules lay directly in ``dynemb/``
+    (``dynemb.collection``, ``dynemb.hash_table``...): they load, and the next three
+    training steps give the outputs the old code gave (tests/data/make_old_module_pickle.py)."""
+    import gzip
+    from pathlib import Path
+    from tests.data.make_old_module_pickle import train_step
+    path = Path(__file__).parent / "data" / "old_module_c525657.pt.gz"
+    with gzip.open(path, "rb") as f:
+        saved = torch.load(io.BytesIO(f.read()), weights_only=False)
+    for kind, entry in saved.items():
+        module = torch.load(io.BytesIO(entry["pickle"]), weights_only=False)
+        for step, expected in zip(range(4, 7), entry["after"]):
+            got = train_step(module, step)
+            assert got.keys() == expected.keys(), kind
+            for name in got:
+                assert torch.equal(got[name], expected[name]), (kind, step, name)
+
+
+def test_old_module_paths_are_the_new_modules_and_new_pickles_name_the_new_paths():
+    import importlib
+    from dynemb.foundations.moved_modules import MOVED_MODULES
+    for old, new in MOVED_MODULES.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    from dynemb.backends import CpuBackend
+    from dynemb.backends.numba_backends import CpuBackend as where_it_lives
+    assert CpuBackend is where_it_lives
+    import dynemb.backends
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        getattr(dynemb.backends, "NoSuchThing")
+    module = make("sequence", OPTIONS["hbm"])
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    import dynemb.collection  # noqa: F401  (the alias, imported)
+    assert b"dynemb.collection\n" not in buffer.getvalue()  # classes keep their new module
+    assert type(module).__module__ == "dynemb.modules.collection"

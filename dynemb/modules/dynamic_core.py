@@ -120,6 +120,12 @@ class DynamicCore:
         self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
         for group in self.groups:
             group.view_parts_again()
+        # a table's batch pickled by an earlier version does not name its table
+        held = list(self._awaiting_backward)
+        held += [item for state in self._queue for item in state.batches.items()]
+        for name, batch in held:
+            if getattr(batch, "table", False) is None and name in self.tables:
+                batch.table = self.tables[name]
 
     # -- the optimizer marked by apply_optimizer_in_backward ---------------------------------
     def settle_marked_optimizer(self) -> None:
