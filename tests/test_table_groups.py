@@ -189,8 +189,8 @@ def test_groups_follow_what_the_kernels_share():
     assert grouped_names(module) == [("t0", "t2"), ("t1", "t3")]
     module = DynamicEmbCollection(configs(), table_options={
         "t0": DynamicEmbTableOptions(score_strategy=ScorePolicy.LFU)})
-    assert grouped_names(module) == [("t1", "t2", "t3")]
-    assert grouped_names(DynamicEmbCollection(configs()[:1])) == []
+    assert grouped_names(module) == [("t0",), ("t1", "t2", "t3")]
+    assert grouped_names(DynamicEmbCollection(configs()[:1])) == [("t0",)]  # a group of one
 
 
 def test_mixed_groups_and_lone_tables_match_their_twin():
@@ -202,7 +202,7 @@ def test_mixed_groups_and_lone_tables_match_their_twin():
     grouped, alone = (DynamicEmbCollection(configs(dims=(8, 8, 16, 8)), table_options=options,
                                            optimizer=config, group_tables=g)
                       for g in (True, False))
-    assert grouped_names(grouped) == [("t0", "t3")]
+    assert grouped_names(grouped) == [("t0", "t3"), ("t2",)]  # t2: a group of one
     gen = torch.Generator().manual_seed(3)
     for _ in range(12):
         kjt = batch(gen)

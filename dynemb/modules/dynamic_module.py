@@ -117,7 +117,9 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         return self._core.groups_on
 
     def table_groups(self) -> List[Tuple[str, ...]]:
-        """The names of the tables of each group (tables that train alone are in none).
+        """The names of the tables of each group; a table that can group but has no partner
+        is a group of one, a table that cannot group (growth, admission, stashing, DEFAULT or
+        HOST_ONLY, rows rounded with noise) is in none and trains alone.
 
         Example::
 

@@ -2,7 +2,8 @@
 
 A module's HBM_DIRECT (or CACHE) tables that agree on everything the kernels read (mode,
 device and kernels, dtype, dim and row width, optimizer, score policy, bucket size, no
-growth, no admission, no stashing) form a :class:`TableGroup`. The group allocates one set of arrays (hash keys,
+growth, no admission, no stashing) form a :class:`TableGroup`; such a table with no partner
+is a group of one, so that it trains on the same path. The group allocates one set of arrays (hash keys,
 scores, pins, rows, counters) and each table moves into its own contiguous part of them:
 table ``t`` owns rows ``[row_offset[t], row_offset[t] + capacity[t])`` and the buckets over
 them, so a key of one table never meets, or evicts, another table's. The tables stay whole
@@ -58,14 +59,15 @@ _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
 
 
 def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
-    """The groups of ``tables`` (two tables or more each), in table order; a table with no
-    partner is left out (it trains alone)."""
+    """The groups of ``tables``, in table order: every table that can group is in one, a
+    table with no partner in a group of one; a table that cannot group (see
+    :func:`group_signature`) is in none and trains alone."""
     by_signature: Dict[Hashable, List[DynamicTable]] = {}
     for table in tables.values():
         signature = group_signature(table)
         if signature is not None:
             by_signature.setdefault(signature, []).append(table)
-    return [TableGroup(members) for members in by_signature.values() if len(members) > 1]
+    return [TableGroup(members) for members in by_signature.values()]
 
 
 class TableGroup(GroupUpdates):
