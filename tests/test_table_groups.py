@@ -63,10 +63,14 @@ def step(module, kjt, weights=(1.0, 2.0, 0.0, 0.5), scores=None):
 
 
 def assert_same_module(a, b):
+    """Same state bit for bit (half-precision rows carry float32 optimizer state as raw bits,
+    which may read as NaN), stats and steps."""
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
+        assert sa[key].dtype == sb[key].dtype and sa[key].shape == sb[key].shape, key
+        assert torch.equal(sa[key].contiguous().view(torch.uint8),
+                           sb[key].contiguous().view(torch.uint8)), key
     assert a.stats() == b.stats()
     assert a.steps == b.steps
 
@@ -554,3 +558,37 @@ def test_group_stores_that_grow_evict_or_are_a_users_match_their_twin(policy, mo
         kjt = batch(gen, vocab=(2000, 2000, 2000, 4000))
         assert_same_outputs(grouped(kjt), alone(kjt))
     assert_same_module(grouped, alone)
+
+
+@pytest.mark.parametrize("data_type", ["FP16", "BF16"])
+def test_half_precision_tables_rounding_with_noise_are_groups_of_one_as_they_train_alone(data_type):
+    """Rounding noise is drawn per table (its seed and id): such tables group only alone,
+    and the group's update draws the noise the table alone draws, bit for bit."""
+    from torchrec.modules.embedding_configs import DataType
+    tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=n,
+                              feature_names=[FEATURES[i]], data_type=DataType[data_type])
+              for i, n in enumerate((200, 200, 120, 300))]
+    rounding = {f"t{i}": DynamicEmbTableOptions(max_capacity=256, bucket_size=32, seed=i,
+                                                stochastic_rounding=(i != 3))
+                for i in range(4)}
+    rounding["t2"] = DynamicEmbTableOptions(max_capacity=256, bucket_size=32, seed=5,
+                                            stochastic_rounding=False)
+    config = OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05)
+    grouped, alone = (DynamicEmbCollection(tables, table_options=rounding, optimizer=config,
+                                           group_tables=g) for g in (True, False))
+    assert grouped.table_groups() == [("t0",), ("t1",), ("t2", "t3")]
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(6):
+        kjt = batch(gen)
+        assert_same_outputs(step(grouped, kjt), step(alone, kjt))
+    assert_same_module(grouped, alone)
+    # the noise is there: without it, the same training rounds differently
+    plain = DynamicEmbCollection(tables, optimizer=config, table_options={
+        name: DynamicEmbTableOptions(max_capacity=256, bucket_size=32, seed=o.seed,
+                                     stochastic_rounding=False)
+        for name, o in rounding.items()})
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(6):
+        step(plain, batch(gen))
+    keys = torch.arange(900)
+    assert not torch.equal(plain.read_rows("t0", keys)[0], grouped.read_rows("t0", keys)[0])

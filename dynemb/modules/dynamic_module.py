@@ -119,7 +119,7 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     def table_groups(self) -> List[Tuple[str, ...]]:
         """The names of the tables of each group; a table that can group but has no partner
         is a group of one, a table that cannot group (growth, admission, stashing, DEFAULT or
-        HOST_ONLY, rows rounded with noise) is in none and trains alone.
+        HOST_ONLY) is in none and trains alone.
 
         Example::
 

@@ -18,8 +18,9 @@ GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
     """What tables of one group share, or None for a table that trains alone (another
-    storage mode, a table that grows, admission, stashing, or float16 / bfloat16 rows
-    rounded with noise drawn per table)."""
+    storage mode, a table that grows, admission or stashing). A table of float16 / bfloat16
+    rows rounded with noise is a group of one: the noise is drawn per table (its seed and
+    id), and the fused update takes one of each."""
     options = table.options
     hash_table = table.tier.hash
     if (table.mode not in GROUPED_MODES or table.admission is not None
@@ -27,9 +28,14 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
             or options.stash is not StashMode.NONE):
         return None
     weights = table.tier.flat.weights
-    if weights.dtype != torch.float32 and options.stochastic_rounding:
-        return None
+    alone = (table.name,) if rounds_with_noise(table) else ()
     if table.kernels.defers_failures and table.mode is not StorageMode.HBM_DIRECT:
         return None  # the sync-free path (group_device) has no CACHE stores
     return (table.mode, table.tier.device, table.kernels.name, weights.dtype, table.dim,
-            weights.shape[1], table.optimizer, hash_table.policy, hash_table.bucket_size)
+            weights.shape[1], table.optimizer, hash_table.policy, hash_table.bucket_size,
+            *alone)
+
+
+def rounds_with_noise(table: DynamicTable) -> bool:
+    """Whether the table's updates round float16 / bfloat16 rows with noise."""
+    return table.tier.flat.weights.dtype != torch.float32 and table.options.stochastic_rounding

@@ -17,8 +17,8 @@ _DROPPED = COUNTER_NAMES.index("dropped_updates")
 
 
 class GroupUpdates:
-    """The backward of a :class:`~dynemb.tables.groups.TableGroup` (its arrays, tables and
-    ``release``)."""
+    """The backward of a :class:`~dynemb.tables.groups.TableGroup` (its arrays, tables,
+    ``rounding`` and ``release``)."""
 
     def apply_gradients(self, batch: GroupBatch, grads: OccurrenceGrads,
                         taking: Sequence[bool], *, lr: float, steps: Mapping[str, int]) -> None:
@@ -42,7 +42,7 @@ class GroupUpdates:
                         chosen[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
             fused_update(self.weights, chosen, grads, dim=self.dim, config=self.optimizer,
                          lr=lr, step=step, kernels=self.kernels, keys=batch.keys,
-                         stochastic_rounding=False)
+                         **self.rounding)
         batch.applied.update(name for name, takes in zip(self.names, taking) if takes)
         for table, takes in zip(self.tables, taking):  # tracking began after the prefetch
             if takes and table.changes is not None:

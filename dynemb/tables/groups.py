@@ -47,7 +47,7 @@ from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
 from dynemb.tables.group_device import DeviceGroupPrefetch
 from dynemb.tables.group_eval import GroupEvalLookup
-from dynemb.tables.group_signature import group_signature
+from dynemb.tables.group_signature import group_signature, rounds_with_noise
 from dynemb.tables.group_stores import GroupStores
 from dynemb.tables.group_update import GroupUpdates
 from dynemb.tables.units import LoneTable
@@ -114,6 +114,11 @@ class TableGroup(GroupUpdates):
                              for i in range(1, 5)]
         self.seeds = np.asarray([t.options.seed for t in tables], dtype=np.int64)
         self.table_ids = np.asarray([t.table_id for t in tables], dtype=np.int64)
+        #: how the fused update rounds float16 / bfloat16 rows: with noise only in a group of
+        #: one (group_signature), drawn from its table's seed and id as the table alone does
+        self.rounding = (dict(stochastic_rounding=True, seed=first.options.seed,
+                              table_id=first.table_id)
+                         if rounds_with_noise(first) else dict(stochastic_rounding=False))
         self._stores = GroupStores(self) if self.mode is StorageMode.CACHE else None
         self._on_device = DeviceGroupPrefetch(self) if self.kernels.defers_failures else None
         self._eval = None  # the eval lookups of the whole group, made at the first one
@@ -121,6 +126,8 @@ class TableGroup(GroupUpdates):
     def __setstate__(self, state: Dict) -> None:
         """Unpickling a group pickled by an earlier version: what it lacks is derived."""
         self.__dict__.update(state)
+        if "rounding" not in state:  # groups held no rows rounded with noise then
+            self.rounding = dict(stochastic_rounding=False)
         if "row_starts" not in state:
             self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)
         self.__dict__.setdefault("_eval", None)  # made at the first eval lookup
