@@ -296,7 +296,7 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict:
     args = parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     report = run(args)
@@ -306,8 +306,8 @@ def main(argv=None) -> int:
             json.dump(report, f, indent=1)
     if args.plot:
         plot(report, args.plot)
-    return 0
+    return report
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -182,3 +182,24 @@ def test_before_after_pairs_every_timing_both_sides_measured():
         "rows.1.step_ms": {"before": 5.0, "after": 5.0, "ratio": 1.0}}
     assert dict(before_after.timings({"flag_ms": True, "ms": 2, "deep": [[{"x_ms": 1}]]})) == \
         {"ms": 2.0, "deep.0.0.x_ms": 1.0}
+
+
+def test_gpu_step_benchmark_runs_its_workloads_on_cpu(tmp_path):
+    """bench_gpu's five workloads at 1% of their size on the CPU: every row names its
+    workload, both times and their ratio, and the report and plot are written (what the
+    gpu_check stage commits)."""
+    from benchmarks import bench_gpu
+    path, image = tmp_path / "gpu_step.json", tmp_path / "gpu_step.png"
+    report = bench_gpu.main(["--device", "cpu", "--scale", "0.01", "--rounds", "2",
+                             "--warmup", "1", "--steps", "2", "--profiled-steps", "1",
+                             "--batches", "2", "--json", str(path), "--plot", str(image)])
+    rows = {r["workload"]: r for r in report["rows"]}
+    assert list(rows) == list(bench_gpu.WORKLOADS)
+    for name, row in rows.items():
+        assert len(row["dynemb_ms_rounds"]) == len(row["torch_sparse_ms_rounds"]) == 2
+        assert row["dynemb_ms"] > 0 and row["torch_sparse_ms"] > 0 and row["dynemb_host_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["dynemb_ms"] / row["torch_sparse_ms"])
+        assert row["target_ratio"] == bench_gpu.TARGETS[name]
+        assert row["tables"] == bench_gpu.WORKLOADS[name].tables
+    assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(report["rows"]))
+    assert image.stat().st_size > 0

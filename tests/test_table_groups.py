@@ -592,3 +592,27 @@ def test_half_precision_tables_rounding_with_noise_are_groups_of_one_as_they_tra
         step(plain, batch(gen))
     keys = torch.arange(900)
     assert not torch.equal(plain.read_rows("t0", keys)[0], grouped.read_rows("t0", keys)[0])
+
+
+def test_a_group_of_one_works_on_its_tables_arrays_without_a_copy():
+    """A lone table's group takes its arrays as they are (no second copy of a table that
+    may fill most of the device); a table that was part of a bigger group is copied out of
+    it, so that the old group's memory goes."""
+    from dynemb.tables.groups import TableGroup, group_tables
+    module = DynamicEmbCollection(configs()[:1], group_tables=False)
+    table = module.tables["t0"]
+    pointers = (table.tier.hash.arrays.keys.data_ptr(), table.tier.flat.weights.data_ptr(),
+                table.counters.values.data_ptr())
+    group = TableGroup([table])
+    assert (group.arrays.keys.data_ptr(), group.weights.data_ptr(),
+            group.counters.data_ptr()) == pointers
+    assert (table.tier.hash.arrays.keys.data_ptr(), table.tier.flat.weights.data_ptr(),
+            table.counters.values.data_ptr()) == pointers
+    assert group.intact(module.tables)
+    pair = DynamicEmbCollection(configs()[:2], group_tables=False)
+    (big,) = group_tables(pair.tables)
+    alone = TableGroup([pair.tables["t1"]])  # its arrays were views of the pair's
+    assert alone.arrays.keys.numel() == pair.tables["t1"].tier.hash.capacity
+    assert alone.arrays.keys.untyped_storage().nbytes() == alone.arrays.keys.numel() * 8
+    assert big.arrays.keys.untyped_storage().data_ptr() != \
+        alone.arrays.keys.untyped_storage().data_ptr()

@@ -186,6 +186,10 @@ class CpuBackend:
         """Each table's unique keys in first-occurrence order, or with ``num_buckets`` sorted
         by bucket (see ``groups_cpu.dedup_segments_cpu``); exact, never padded."""
         n = keys.numel()
+        if segments.count == 1 and n:  # a group of one: the table's own (parallel) dedup
+            buckets = None if num_buckets is None else int(self._host(num_buckets)[0])
+            unique, inverse, counts = self.dedup(keys, buckets or None)
+            return unique, inverse, counts, Segments(np.asarray([0, unique.numel()]))
         unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
         unique_bounds = np.empty(segments.count + 1, dtype=np.int64)
         if num_buckets is None:
@@ -206,10 +210,21 @@ class CpuBackend:
                              num_buckets, ukeys, counts, given, policy, clocks, allow_evict,
                              out_slots, out_inserted, out_prev_keys, out_prev_scores,
                              out_failed, out_stats=None):
-        """One call, threads split the tables (``groups_cpu.find_or_insert_group_cpu``)."""
+        """One call, threads split the tables (``groups_cpu.find_or_insert_group_cpu``); a
+        group of one claims as its table alone, threads splitting its buckets."""
         n, h = self._np, self._host
         if out_stats is None:
             out_stats = np.empty((segments.count, 3), dtype=np.int64)
+        if (segments.count == 1 and int(h(row_offset)[0]) == 0
+                and int(h(num_buckets)[0]) == table.num_buckets and sizes is table.size):
+            before = int(sizes[0])
+            failed_evicted = torch.empty(2, dtype=torch.int64)
+            self.find_or_insert(table, ukeys, counts, given, policy, int(h(clocks)[0]),
+                                allow_evict, True, out_slots, out_inserted, out_prev_keys,
+                                out_prev_scores, out_failed, failed_evicted)
+            failed, evicted = failed_evicted.tolist()
+            h(out_stats)[0] = (int(sizes[0]) - before, evicted, failed)
+            return
         groups_cpu.find_or_insert_group_cpu(
             n(table.keys), n(table.scores), n(table.refcnt), n(sizes), h(row_offset),
             h(num_buckets), table.bucket_size, n(ukeys), segments.bounds, n(counts), n(given),
@@ -223,6 +238,11 @@ class CpuBackend:
     def init_rows_at_group(self, weights, slots, keys, mask, segments, dim, seeds, table_ids,
                            kinds, p0, p1, low, high):
         n, h = self._np, self._host
+        if segments.count == 1:  # a group of one: the table's own kernel
+            self.init_rows_at(weights, slots, keys, mask, dim, int(h(seeds)[0]),
+                              int(h(table_ids)[0]), int(h(kinds)[0]), *(float(h(p)[0])
+                                                                       for p in (p0, p1, low, high)))
+            return
         groups_cpu.init_rows_at_group_cpu(n(weights), n(slots), n(keys), n(mask),
                                           segments.bounds, dim, h(seeds), h(table_ids),
                                           h(kinds), h(p0), h(p1), h(low), h(high))

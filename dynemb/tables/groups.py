@@ -70,6 +70,13 @@ def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
     return [TableGroup(members) for members in by_signature.values()]
 
 
+def _owns_its_arrays(table: DynamicTable) -> bool:
+    """Whether the table's arrays are whole tensors, not views into an earlier group's (a
+    group of one that kept those would keep the earlier group's memory alive)."""
+    tensors = (table.tier.hash.arrays.keys, table.tier.flat.weights, table.counters.values)
+    return all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
+
+
 class TableGroup(GroupUpdates):
     """Tables of one :func:`group_signature` in one set of arrays (see the module
     docstring). Building it copies each table into its part of the group's arrays."""
@@ -90,20 +97,11 @@ class TableGroup(GroupUpdates):
         self.row_offset = [0]
         for capacity in capacities:
             self.row_offset.append(self.row_offset[-1] + capacity)
-        rows = self.row_offset[-1]
-        weights = first.tier.flat.weights
-        self.arrays = TableArrays(
-            torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device=self.device),
-            torch.zeros(rows, dtype=torch.int64, device=self.device),
-            torch.zeros(rows, dtype=torch.int32, device=self.device),
-            torch.zeros(len(tables), dtype=torch.int64, device=self.device),
-            rows // self.bucket_size, self.bucket_size)
-        self.weights = torch.zeros(rows, weights.shape[1], dtype=weights.dtype,
-                                   device=self.device)
-        self.counters = torch.zeros(len(tables), len(COUNTER_NAMES), dtype=torch.int64,
-                                    device=first.counters.values.device)
-        for t in range(len(tables)):
-            self._move_into_part(t)
+        if len(tables) == 1 and _owns_its_arrays(first):  # works on them: nothing is copied
+            self.arrays, self.weights = first.tier.hash.arrays, first.tier.flat.weights
+            self.counters = first.counters.values.unsqueeze(0)
+        else:
+            self._allocate_and_move_in()
         self._storage = [self._storage_of(t) for t in tables]
         self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)  # numpy, for the kernels
         self.bucket_counts = np.asarray([c // self.bucket_size for c in capacities],
@@ -131,6 +129,24 @@ class TableGroup(GroupUpdates):
         if "row_starts" not in state:
             self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)
         self.__dict__.setdefault("_eval", None)  # made at the first eval lookup
+
+    def _allocate_and_move_in(self) -> None:
+        """The group's arrays, each table copied into its part of them."""
+        rows = self.row_offset[-1]
+        first = self.tables[0]
+        weights = first.tier.flat.weights
+        self.arrays = TableArrays(
+            torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device=self.device),
+            torch.zeros(rows, dtype=torch.int64, device=self.device),
+            torch.zeros(rows, dtype=torch.int32, device=self.device),
+            torch.zeros(len(self.tables), dtype=torch.int64, device=self.device),
+            rows // self.bucket_size, self.bucket_size)
+        self.weights = torch.zeros(rows, weights.shape[1], dtype=weights.dtype,
+                                   device=self.device)
+        self.counters = torch.zeros(len(self.tables), len(COUNTER_NAMES), dtype=torch.int64,
+                                    device=first.counters.values.device)
+        for t in range(len(self.tables)):
+            self._move_into_part(t)
 
     def _move_into_part(self, t: int) -> None:
         """Copy table ``t`` into its part of the group's arrays and make its arrays views
