@@ -32,7 +32,7 @@ class _Model(torch.nn.Module):
         kind = {"sgd": OptimizerType.SGD, "adam": OptimizerType.ADAM,
                 "rowwise_adagrad": OptimizerType.ROWWISE_ADAGRAD}[s.optimizer]
         optimizer = OptimizerConfig(kind, learning_rate=0.05)
-        # t0..t2 group (t1 reads two features); t3 has another dim: a group of one
+        # t0..t2 group (t1 reads two features); t3 (HBM_DIRECT) has another dim: a group of one
         features = [["a"], ["b", "c"], ["d"]]
         rows = 400 if s.cache else 40  # CACHE: more ids than device rows
         options = {f"t{i}": DynamicEmbTableOptions(max_capacity=256, bucket_size=16)

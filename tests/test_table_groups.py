@@ -616,3 +616,24 @@ def test_a_group_of_one_works_on_its_tables_arrays_without_a_copy():
     assert alone.arrays.keys.untyped_storage().nbytes() == alone.arrays.keys.numel() * 8
     assert big.arrays.keys.untyped_storage().data_ptr() != \
         alone.arrays.keys.untyped_storage().data_ptr()
+
+
+def test_a_cache_table_and_a_cuda_table_without_a_partner_train_alone():
+    """A CACHE table's own write-backs and loads are faster than a group of one's; and until
+    the group's sync-free path is measured for one table on a GPU, a lone CUDA table keeps
+    its own path (numba's simulator stands in for the GPU). Two CACHE tables still group."""
+    cache = DynamicEmbTableOptions(caching=True, bucket_size=32, max_capacity=1024,
+                                   local_hbm_for_values=64 * 24 * 4)
+    alone = DynamicEmbCollection(configs()[:1], table_options={"t0": cache},
+                                 optimizer=OptimizerConfig(OptimizerType.ADAM))
+    assert alone.storage_modes()["t0"].name == "CACHE" and alone.table_groups() == []
+    pair = DynamicEmbCollection(configs()[:2], table_options={"t0": cache, "t1": cache},
+                                optimizer=OptimizerConfig(OptimizerType.ADAM))
+    assert pair.table_groups() == [("t0", "t1")]
+    from conftest import BACKENDS
+    name, device = BACKENDS[1]
+    module = DynamicEmbCollection(configs(dims=(8, 8, 16, 8)), backend=name,
+                                  device=torch.device(device))
+    assert module.table_groups() == [("t0", "t1", "t3")]
+    host = DynamicEmbCollection(configs(dims=(8, 8, 16, 8)))
+    assert host.table_groups() == [("t0", "t1", "t3"), ("t2",)]

@@ -61,13 +61,24 @@ _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
 def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
     """The groups of ``tables``, in table order: every table that can group is in one, a
     table with no partner in a group of one; a table that cannot group (see
-    :func:`group_signature`) is in none and trains alone."""
+    :func:`group_signature`) is in none and trains alone.
+
+    A table with no partner is a group of one only where that is measured to cost no more
+    than its own path: HBM_DIRECT on the host kernels. A CACHE table alone writes back and
+    loads its rows faster than a group of one does (1.11-1.18x on bench_collection's
+    workload), and on the CUDA kernels the group's sync-free path has not been measured for
+    one table (the table's own path was, benchmarks/results/gpu_h100)."""
     by_signature: Dict[Hashable, List[DynamicTable]] = {}
     for table in tables.values():
         signature = group_signature(table)
         if signature is not None:
             by_signature.setdefault(signature, []).append(table)
-    return [TableGroup(members) for members in by_signature.values()]
+    return [TableGroup(members) for members in by_signature.values()
+            if len(members) > 1 or _one_is_a_group(members[0])]
+
+
+def _one_is_a_group(table: DynamicTable) -> bool:
+    return table.mode is StorageMode.HBM_DIRECT and not table.kernels.defers_failures
 
 
 def _owns_its_arrays(table: DynamicTable) -> bool:
