@@ -192,7 +192,7 @@ def host_ms(method, grads, args, device) -> float:
 def profiled(method, grads, args, device) -> Dict[str, float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from scripts.gpu_profile import device_activity
+    from benchmarks.gpu_profile import device_activity
     activities = [ProfilerActivity.CPU]
     if torch.device(device).type == "cuda":
         activities.append(ProfilerActivity.CUDA)

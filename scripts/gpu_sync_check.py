@@ -278,7 +278,7 @@ def profile_steps(ec, batches, device) -> Dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from scripts.gpu_profile import device_activity, label_numba_launches, top_ops
+    from benchmarks.gpu_profile import device_activity, label_numba_launches, top_ops
     label_numba_launches()
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -358,7 +358,7 @@ def print_report(report, on_cuda: bool) -> int:
               f"(min {t['min_ms']:.2f}, max {t['max_ms']:.2f}) on {report['device']}")
     p = report.get("profile")
     if p:
-        from scripts.gpu_profile import print_top_ops  # on the path: profile_steps put it
+        from benchmarks.gpu_profile import print_top_ops  # on the path: profile_steps put it
         print(f"per step: {p['kernels']:.0f} kernels, {p['memcpy']:.0f} memcpys, "
               f"{p['memset']:.0f} memsets; top ops, ms per step (host self, device self):")
         print_top_ops(p["top_ops"], limit=len(p["top_ops"]))

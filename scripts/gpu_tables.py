@@ -30,7 +30,7 @@ import os
 import statistics
 import sys
 import time
-from scripts.gpu_profile import device_activity, label_numba_launches, print_top_ops, top_ops
+from benchmarks.gpu_profile import device_activity, label_numba_launches, print_top_ops, top_ops
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,5 +1,5 @@
-"""Profiling helpers of the GPU scripts: numba's launches and argument conversions named in
-``torch.profiler``, and a step's top ops."""
+"""Profiling helpers of the GPU benchmark and scripts: numba's launches and argument
+conversions named in ``torch.profiler``, and a step's top ops."""
 from __future__ import annotations
 
 from typing import Dict, List
