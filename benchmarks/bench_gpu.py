@@ -117,7 +117,7 @@ class Dynemb:
             device=torch.device(device), validate_inputs=False, backend=args.backend)
         assert set(self.module.storage_modes().values()) == {StorageMode.HBM_DIRECT}
         self.features = wl.features
-        self.batches = [device_kjt(wl, i, wl.raw[i], device) for i in range(args.batches)]
+        self.batches = [device_kjt(wl, wl.raw[i], device) for i in range(args.batches)]
 
     def step(self, i: int, grads) -> None:
         import torch
@@ -147,9 +147,10 @@ class TorchSparse:
         self.opt.step()
 
 
-def device_kjt(wl, i: int, values, device):
-    """Batch ``i`` on ``device`` with its per-feature lengths and offsets given, so that
-    TorchRec reads nothing back from the device (see scripts/gpu_sync_check.py)."""
+def device_kjt(wl, values, device):
+    """A batch of ``wl`` (its ``values``: ``wl.raw[i]`` or ``wl.dense[i]``) on ``device``
+    with its per-feature lengths and offsets given, so that TorchRec reads nothing back from
+    the device (see scripts/gpu_sync_check.py)."""
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     lengths = wl.lengths

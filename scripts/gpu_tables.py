@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from benchmarks.bench_gpu import device_kjt, synchronize
 from benchmarks.gpu_profile import device_activity, label_numba_launches, print_top_ops, top_ops
 
 
@@ -63,22 +64,6 @@ def workload(args, tables: int):
                              batch=args.batch, warmup=args.warmup,
                              steps=args.steps + args.profiled_steps)
     return Workload(cfg, tables)
-
-
-def device_kjt(wl, i: int, dense: bool, device):
-    """Batch ``i`` on ``device`` with its per-feature lengths and offsets given, so that
-    TorchRec reads nothing back from the device (see scripts/gpu_sync_check.py)."""
-    import torch
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-    values = wl.dense[i] if dense else wl.raw[i]
-    lengths = wl.lengths
-    per_key = [wl.per_table] * wl.tables
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    offset_per_key = [k * wl.per_table for k in range(wl.tables + 1)]
-    return KeyedJaggedTensor(
-        keys=wl.features, values=values.to(device), lengths=lengths.to(device),
-        offsets=offsets.to(device), stride=len(lengths) // wl.tables,
-        length_per_key=per_key, offset_per_key=offset_per_key)
 
 
 class Dynemb:
@@ -128,19 +113,13 @@ class TorchSparse:
         self.opt.step()
 
 
-def synchronize(device) -> None:
-    import torch
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(method, args, wl, device, opt_name) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
     gen = torch.Generator().manual_seed(args.seed + args.dim)
     grads = [g.to(device) for g in torch.randn(wl.tables * wl.per_table, args.dim,
                                                generator=gen).split(wl.per_table)]
-    kjts = [device_kjt(wl, i, method.dense, device)
+    kjts = [device_kjt(wl, (wl.dense if method.dense else wl.raw)[i], device)
             for i in range(args.warmup + args.steps + args.profiled_steps)]
     synchronize(device)
     for kjt in kjts[:args.warmup]:
