@@ -168,6 +168,39 @@ def claim_counts_group_cpu(useg, slots, inserted, prev_keys, out):
 
 
 @njit(cache=True, parallel=True)
+def add_claim_counts_cpu(useg, ukeys, slots, inserted, prev_keys, lookups, out):
+    """Per table ``t`` of a group's claim, added to ``out[t, :6]``: (lookups, unique keys,
+    hits, misses, inserts, live keys evicted). Key ``i`` stands for ``lookups[i]`` lookups
+    (1 each when ``lookups`` is empty); an ``EMPTY_KEY`` pads (no unique key, no miss)."""
+    for t in prange(useg.size - 1):
+        looked = 0
+        unique = 0
+        hits = 0
+        misses = 0
+        new = 0
+        evicted = 0
+        for i in range(useg[t], useg[t + 1]):
+            looked += lookups[i] if lookups.size else 1
+            hit = slots[i] >= 0 and not inserted[i]
+            if ukeys[i] != EMPTY_KEY:
+                unique += 1
+                if not hit:
+                    misses += 1
+            if hit:
+                hits += 1
+            if inserted[i]:
+                new += 1
+                if is_live_key(prev_keys[i]):
+                    evicted += 1
+        out[t, 0] += looked
+        out[t, 1] += unique
+        out[t, 2] += hits
+        out[t, 3] += misses
+        out[t, 4] += new
+        out[t, 5] += evicted
+
+
+@njit(cache=True, parallel=True)
 def init_rows_at_group_cpu(weights, slots, keys, mask, useg, dim, seeds, table_ids, kinds, p0,
                            p1, low, high):
     """``init_cpu.init_rows_at_cpu`` for a group: the key at ``i`` in table ``t``'s segment

@@ -7,7 +7,7 @@ row_offset[t] + num_buckets[t] * bucket_size)`` and scores with its own clock
 ``clocks[t]``. Slots in and out are group slots. Keys of one call are unique per table;
 ``EMPTY_KEY`` pads (slot -1, nothing written).
 """
-from numba import cuda
+from numba import cuda, int64
 
 from .constants import EMPTY_KEY, cuda_simulator_enabled
 from .hashing import bucket_base_and_start, is_live_key
@@ -117,3 +117,55 @@ def init_rows_at_group_kernel(weights, slots, keys, mask, seg, dim, seeds, table
                                           row_stream(seeds[t], table_ids[t], keys[i]), j)
         else:
             weights[s, j] = 0.0
+
+
+#: the most threads per block :func:`add_claim_counts_kernel` is launched with (a power of 2)
+COUNT_BLOCK = 256
+_CLAIM_COLUMNS = 6
+
+
+@cuda.jit
+def add_claim_counts_kernel(seg, ukeys, slots, inserted, prev_keys, lookups, out):
+    """``groups_cpu.add_claim_counts_cpu``, one thread per key: a block whose keys are all of
+    one table sums them in shared memory and adds each column once; a block across tables
+    adds key by key."""
+    sums = cuda.shared.array((_CLAIM_COLUMNS, COUNT_BLOCK), int64)
+    i = cuda.grid(1)
+    n = ukeys.size
+    tid = cuda.threadIdx.x
+    width = cuda.blockDim.x
+    first = cuda.blockIdx.x * width
+    last = min(first + width, n) - 1
+    for c in range(_CLAIM_COLUMNS):
+        sums[c, tid] = 0
+    if i < n:
+        hit = slots[i] >= 0 and not inserted[i]
+        sums[0, tid] = lookups[i] if lookups.size else 1
+        if ukeys[i] != EMPTY_KEY:
+            sums[1, tid] = 1
+            if not hit:
+                sums[3, tid] = 1
+        if hit:
+            sums[2, tid] = 1
+        if inserted[i]:
+            sums[4, tid] = 1
+            if is_live_key(prev_keys[i]):
+                sums[5, tid] = 1
+    if seg[first] != seg[last]:  # the same for every thread of the block
+        if i < n:
+            for c in range(_CLAIM_COLUMNS):
+                if sums[c, tid]:
+                    cuda.atomic.add(out, (seg[i], c), sums[c, tid])
+        return
+    cuda.syncthreads()
+    step = width // 2
+    while step > 0:
+        if tid < step:
+            for c in range(_CLAIM_COLUMNS):
+                sums[c, tid] += sums[c, tid + step]
+        cuda.syncthreads()
+        step //= 2
+    if tid == 0:
+        for c in range(_CLAIM_COLUMNS):
+            if sums[c, 0]:
+                cuda.atomic.add(out, (seg[first], c), sums[c, 0])

@@ -44,3 +44,14 @@ def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, ou
             length = float32(end - start)
             for j in range(dim):
                 cell[j] /= length
+
+
+@njit(cache=True, parallel=True)
+def gather_rows_cpu(weights, slots, index, dim, out):
+    """``out[i, :dim] = weights[slots[index[i]], :dim]``, zeros where the slot is -1."""
+    for i in prange(index.size):
+        s = slots[index[i]]
+        if s >= 0:
+            out[i, :dim] = weights[s, :dim]
+        else:
+            out[i, :dim] = 0.0

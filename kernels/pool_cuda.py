@@ -1,5 +1,6 @@
-"""CUDA pooling kernel: one warp per bag, lanes stride over the columns (coalesced row reads
-and output writes); same contract as ``pool_cpu.pool_bags_cpu``."""
+"""CUDA pooling kernels: one warp per bag, lanes stride over the columns (coalesced row reads
+and output writes); same contract as ``pool_cpu.pool_bags_cpu``. And the plain gather of each
+occurrence's row (``pool_cpu.gather_rows_cpu``)."""
 from numba import cuda, float32
 
 WARP = 32
@@ -28,3 +29,16 @@ def pool_bags_kernel(weights, occ_slots, offsets, scale, mean, batch, cols, dim,
         if mean and end > start:
             acc = acc / float32(end - start)
         out[b, c + j] = acc
+
+
+@cuda.jit
+def gather_rows_kernel(weights, slots, index, dim, out):
+    """One thread per output cell ``(i, j)``: ``out[i, j] = weights[slots[index[i]], j]``, 0
+    where the slot is -1."""
+    t = cuda.grid(1)
+    i = t // dim
+    if i >= index.size:
+        return
+    j = t - i * dim
+    s = slots[index[i]]
+    out[i, j] = weights[s, j] if s >= 0 else float32(0.0)

@@ -194,3 +194,55 @@ def test_both_backends_give_a_group_the_same_claim():
     sizes, stats, failures = results[0]
     assert sizes[1] == 0 and sizes[2] == 32 and [row[0] for row in stats] == sizes
     assert failures == sum(row[2] for row in stats) > 0
+
+
+@pytest.mark.parametrize("with_lookups", [False, True])
+@pytest.mark.parametrize("name,device", BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_claim_counts_add_up_per_table_as_counted_by_hand(name, device, with_lookups):
+    """``add_claim_counts`` against a count key by key in Python, on segments of many sizes:
+    empty, shorter than a block, and across blocks (the CUDA kernel sums a block of one table
+    in shared memory and a block across tables key by key)."""
+    from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
+    kernels, device = get_backend(name), torch.device(device)
+    gen = torch.Generator().manual_seed(11)
+    bounds = [0, 0, 5, 75, 76, 300, 301]
+    n = bounds[-1]
+    ukeys = torch.randint(1, 1000, (n,), generator=gen)
+    ukeys[torch.rand(n, generator=gen) < 0.2] = EMPTY_KEY
+    slots = torch.where(ukeys == EMPTY_KEY, -1, torch.randint(-1, 500, (n,), generator=gen))
+    inserted = (slots >= 0) & (torch.rand(n, generator=gen) < 0.4)
+    prev_keys = torch.randint(1, 1000, (n,), generator=gen)
+    prev_keys[torch.rand(n, generator=gen) < 0.3] = EMPTY_KEY
+    prev_keys[torch.rand(n, generator=gen) < 0.1] = TOMBSTONE_KEY
+    lookups = torch.randint(1, 4, (n,), generator=gen) if with_lookups else None
+    out = torch.full((len(bounds) - 1, 8), 7, dtype=torch.int64)  # adds to what is there
+    want = out.clone()
+    for t in range(len(bounds) - 1):
+        for i in range(bounds[t], bounds[t + 1]):
+            hit = bool(slots[i] >= 0 and not inserted[i])
+            real = int(ukeys[i]) != EMPTY_KEY
+            want[t, 0] += int(lookups[i]) if with_lookups else 1
+            want[t, 1] += real
+            want[t, 2] += hit
+            want[t, 3] += real and not hit
+            want[t, 4] += bool(inserted[i])
+            want[t, 5] += bool(inserted[i]) and int(prev_keys[i]) not in (EMPTY_KEY,
+                                                                           TOMBSTONE_KEY)
+    on = [x if x is None else x.to(device) for x in (ukeys, slots, inserted, prev_keys,
+                                                     lookups, out)]
+    kernels.add_claim_counts(Segments(bounds, device), *on)
+    assert on[-1].cpu().tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("name,device", BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_gather_rows_reads_each_occurrences_row_and_zeros_without_a_slot(name, device):
+    kernels, device = get_backend(name), torch.device(device)
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.randn(50, 7, generator=gen)  # 4 embedding columns, 3 of state
+    slots = torch.tensor([3, -1, 49, 0, 3, -1])
+    index = torch.randint(0, 6, (40,), generator=gen)
+    out = torch.full((40, 4), float("nan"))
+    on = [t.to(device) for t in (weights, slots, index, out)]
+    kernels.gather_rows(on[0], on[1], on[2], 4, on[3])
+    want = torch.where((slots[index] >= 0)[:, None], weights[slots[index].clamp(min=0), :4], 0.0)
+    assert torch.equal(on[3].cpu(), want)

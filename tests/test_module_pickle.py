@@ -106,7 +106,8 @@ def test_a_pickled_module_keeps_its_learning_rate_and_eval_behaviour():
 def test_a_module_pickled_by_an_earlier_version_unpickles_and_trains_on_alike():
     """A pickle made before the attributes derived from the configuration existed (the
     per-key-order input plans, the CUSTOMIZED tables, a table's held batches as a list, a
-    group's row starts and eval lookup) derives them again when unpickled."""
+    group's row starts and eval lookup, and its arrays in a storage record) derives them
+    again when unpickled."""
     configs = [EmbeddingConfig(name=n, embedding_dim=8, num_embeddings=4096,
                                feature_names=[f"f_{n}"]) for n in ("a", "b")]
     original = DynamicEmbCollection(configs, table_options=OPTIONS["hbm"], optimizer=ADAM)
@@ -124,10 +125,17 @@ def test_a_module_pickled_by_an_earlier_version_unpickles_and_trains_on_alike():
     for name in ("_inputs", "_scored", "_defers_failures"):
         del core.__dict__[name]
     for table in core.tables.values():
+        for batch in table._held:  # a group's batch held its group
+            if "storage" in batch.__dict__:
+                (batch.__dict__["group"],) = [g for g in core.groups
+                                              if g.storage is batch.__dict__.pop("storage")]
         table.__dict__["_held"] = list(table._held)
-    for group in core.groups:
-        group.__dict__["_offsets"] = group.__dict__.pop("row_starts")
-        del group.__dict__["_eval"]
+    for group in core.groups:  # a group held its arrays itself, with no row starts
+        fields = dict(group.__dict__.pop("storage").__dict__)
+        fields["_storage"] = fields.pop("_parts")
+        fields["_offsets"] = fields.pop("row_starts")
+        group.__dict__.clear()
+        group.__dict__.update(fields, _stores=None, _on_device=None)
     copy = save_and_load(original)
     for module in (copy, reference):
         for i in range(3, 7):

@@ -604,15 +604,16 @@ def test_a_group_of_one_works_on_its_tables_arrays_without_a_copy():
     pointers = (table.tier.hash.arrays.keys.data_ptr(), table.tier.flat.weights.data_ptr(),
                 table.counters.values.data_ptr())
     group = TableGroup([table])
-    assert (group.arrays.keys.data_ptr(), group.weights.data_ptr(),
-            group.counters.data_ptr()) == pointers
+    storage = group.storage
+    assert (storage.arrays.keys.data_ptr(), storage.weights.data_ptr(),
+            storage.counters.data_ptr()) == pointers
     assert (table.tier.hash.arrays.keys.data_ptr(), table.tier.flat.weights.data_ptr(),
             table.counters.values.data_ptr()) == pointers
     assert group.intact(module.tables)
     pair = DynamicEmbCollection(configs()[:2], group_tables=False)
     (big,) = group_tables(pair.tables)
     alone = TableGroup([pair.tables["t1"]])  # its arrays were views of the pair's
-    assert alone.arrays.keys.numel() == pair.tables["t1"].tier.hash.capacity
+    assert alone.storage.arrays.keys.numel() == pair.tables["t1"].tier.hash.capacity
     assert alone.arrays.keys.untyped_storage().nbytes() == alone.arrays.keys.numel() * 8
     assert big.arrays.keys.untyped_storage().data_ptr() != \
         alone.arrays.keys.untyped_storage().data_ptr()

@@ -45,6 +45,9 @@ class CudaBackend:
         self._round = round_cuda
         self._simulated = cuda_simulator_enabled()
         self._launcher = None  # made at the first launch on a GPU
+        self._empty: dict = {}  # an empty int64 tensor per device (an absent optional array)
+        # add_claim_counts_kernel sums a block in a shared array of COUNT_BLOCK threads
+        assert groups_cuda.COUNT_BLOCK >= _THREADS_PER_BLOCK >= _SIMULATED_THREADS_PER_BLOCK
 
     def check_device(self, device: torch.device) -> None:
         want = "cpu" if self._simulated else "cuda"
@@ -212,12 +215,21 @@ class CudaBackend:
                      a(weights), a(occ_slots), a(offsets), a(scale), bool(mean), int(batch),
                      a(cols), int(dim), a(out))
 
+    def gather_rows(self, weights, slots, index, dim, out):
+        """One thread per output cell (``pool_cuda.gather_rows_kernel``)."""
+        a = self._arr
+        self._launch(self._pool.gather_rows_kernel, index.numel() * int(dim), a(weights),
+                     a(slots), a(index), int(dim), a(out))
+
     def dedup_segments(self, keys, segments, num_buckets=None):
         """Each table's sorted unique keys, padded with ``EMPTY_KEY`` to its number of keys
         (:func:`segmented_padded_unique`); ``num_buckets`` is not used. Sort-based, no host
         sync."""
-        unique, inverse, counts = segmented_padded_unique(keys, segments.table_of,
-                                                          segments.on_device)
+        if segments.count == 1:  # one table: one sort, no segment of each key
+            unique, inverse, counts = segmented_padded_unique(keys, None, None)
+        else:
+            unique, inverse, counts = segmented_padded_unique(keys, segments.table_of,
+                                                              segments.on_device)
         return unique, inverse, counts, segments
 
     def find_group(self, table: TableArrays, segments, row_offset, num_buckets, ukeys,
@@ -255,6 +267,18 @@ class CudaBackend:
         live = (previous_keys != EMPTY_KEY) & (previous_keys != TOMBSTONE_KEY)
         columns = torch.stack([(slots >= 0) & ~inserted, inserted, inserted & live], 1)
         out.zero_().index_add_(0, segments.table_of, columns.to(torch.int64))
+
+    def add_claim_counts(self, segments, ukeys, slots, inserted, previous_keys, lookups, out):
+        """One thread per key, summed per block in shared memory
+        (``groups_cuda.add_claim_counts_kernel``)."""
+        a = self._arr
+        if lookups is None:  # 1 each
+            if ukeys.device not in self._empty:
+                self._empty[ukeys.device] = torch.empty(0, dtype=torch.int64,
+                                                        device=ukeys.device)
+            lookups = self._empty[ukeys.device]
+        self._launch(self._groups.add_claim_counts_kernel, ukeys.numel(), a(segments.table_of),
+                     a(ukeys), a(slots), a(inserted), a(previous_keys), a(lookups), a(out))
 
     def init_rows_at_group(self, weights, slots, keys, mask, segments, dim, seeds, table_ids,
                            kinds, p0, p1, low, high):
@@ -310,7 +334,8 @@ _NO_GROUP_STORES = ("the CUDA kernels have no group store kernels: CACHE tables 
 
 def segmented_padded_unique(keys: torch.Tensor, seg: torch.Tensor, bounds: torch.Tensor):
     """(unique keys, inverse, counts) of each segment ``keys[bounds[t]:bounds[t + 1]]`` (``seg``
-    [N]: the segment of each key; ``bounds`` [T + 1] on the device), every output [N]:
+    [N]: the segment of each key; ``bounds`` [T + 1] on the device; both None for one segment),
+    every output [N]:
     segment ``t``'s sorted unique keys start at ``bounds[t]``, ``EMPTY_KEY`` (count 0) fills
     the rest of its part. Sort-based, no host sync.
 
@@ -327,15 +352,22 @@ def segmented_padded_unique(keys: torch.Tensor, seg: torch.Tensor, bounds: torch
     counts = torch.zeros_like(keys)
     if n == 0:
         return unique, inverse, counts
-    by_key, order = torch.sort(keys, stable=True)
-    sorted_seg, by_seg = torch.sort(seg[order], stable=True)  # segments keep their places
-    order = order[by_seg]
-    sorted_keys = by_key[by_seg]
-    new_run = torch.ones(n, dtype=torch.bool, device=keys.device)
-    new_run[1:] = (sorted_keys[1:] != sorted_keys[:-1]) | (sorted_seg[1:] != sorted_seg[:-1])
-    run = torch.cumsum(new_run.to(torch.int64), 0) - 1
-    first = bounds[:-1].clamp(max=n - 1)  # where each segment starts (empty ones: unused)
-    place = bounds[:-1][sorted_seg] + run - run[first][sorted_seg]
+    if seg is None:  # one segment: one sort
+        sorted_keys, order = torch.sort(keys)
+        new_run = torch.ones(n, dtype=torch.bool, device=keys.device)
+        new_run[1:] = sorted_keys[1:] != sorted_keys[:-1]
+        place = torch.cumsum(new_run.to(torch.int64), 0) - 1
+    else:
+        by_key, order = torch.sort(keys, stable=True)
+        sorted_seg, by_seg = torch.sort(seg[order], stable=True)  # segments keep their places
+        order = order[by_seg]
+        sorted_keys = by_key[by_seg]
+        new_run = torch.ones(n, dtype=torch.bool, device=keys.device)
+        new_run[1:] = ((sorted_keys[1:] != sorted_keys[:-1])
+                       | (sorted_seg[1:] != sorted_seg[:-1]))
+        run = torch.cumsum(new_run.to(torch.int64), 0) - 1
+        first = bounds[:-1].clamp(max=n - 1)  # where each segment starts (empty ones: unused)
+        place = bounds[:-1][sorted_seg] + run - run[first][sorted_seg]
     unique.scatter_(0, place, sorted_keys)
     counts.scatter_add_(0, place, torch.ones_like(place))
     inverse.scatter_(0, order, place)

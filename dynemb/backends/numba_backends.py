@@ -39,6 +39,7 @@ _MIN_PARALLEL_KEYS = 16384
 #: find_or_insert: smallest batch worth sorting by bucket.
 _MIN_PARTITIONED_KEYS = 4096
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NO_LOOKUPS = np.empty(0, dtype=np.int64)  # add_claim_counts without lookups: 1 per key
 
 
 class CpuBackend:
@@ -180,7 +181,9 @@ class CpuBackend:
         pool_cpu.pool_bags_cpu(n(weights), n(occ_slots), n(offsets), n(scale), bool(mean),
                                int(batch), n(cols), int(dim), n(out))
 
-
+    def gather_rows(self, weights, slots, index, dim, out):
+        n = self._np
+        pool_cpu.gather_rows_cpu(n(weights), n(slots), n(index), int(dim), n(out))
 
     def dedup_segments(self, keys, segments, num_buckets=None):
         """Each table's unique keys in first-occurrence order, or with ``num_buckets`` sorted
@@ -234,6 +237,12 @@ class CpuBackend:
     def claim_counts_group(self, segments, slots, inserted, previous_keys, out):
         groups_cpu.claim_counts_group_cpu(segments.bounds, self._np(slots), self._np(inserted),
                                           self._np(previous_keys), self._host(out))
+
+    def add_claim_counts(self, segments, ukeys, slots, inserted, previous_keys, lookups, out):
+        n = self._np
+        given = _NO_LOOKUPS if lookups is None else n(lookups)
+        groups_cpu.add_claim_counts_cpu(segments.bounds, n(ukeys), n(slots), n(inserted),
+                                        n(previous_keys), given, n(out))
 
     def init_rows_at_group(self, weights, slots, keys, mask, segments, dim, seeds, table_ids,
                            kinds, p0, p1, low, high):

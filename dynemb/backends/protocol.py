@@ -153,7 +153,10 @@ class Segments:
     def table_of(self) -> torch.Tensor:
         """[N] int64 on ``device``: the table of each entry (how many tables end at or
         before it)."""
-        if self._table_of is None:
+        if self._table_of is None and self.count == 1:
+            self._table_of = torch.zeros(int(self.bounds[-1]), dtype=torch.int64,
+                                         device=self.device)
+        elif self._table_of is None:
             positions = torch.arange(int(self.bounds[-1]), device=self.device)
             self._table_of = torch.searchsorted(self.on_device[1:], positions, right=True)
         return self._table_of
@@ -304,6 +307,10 @@ class KernelBackend(Protocol):
         for ``k`` in ``offsets[q]:offsets[q + 1]`` (times ``scale[k]`` if not empty; divided
         by the length if ``mean``) into ``out[b, cols[i]:cols[i] + dim]``."""
 
+    def gather_rows(self, weights, slots, index, dim: int, out) -> None:
+        """``out[i] = weights[slots[index[i]], :dim]`` (float32 rows, ``out`` [N, dim]
+        float32), zeros where that slot is -1: each occurrence's row in one launch."""
+
     def dedup_segments(self, keys, segments: Segments, num_buckets=None
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Segments]:
         """``(unique keys, inverse, counts, their segments)`` of each table's ``keys``; the
@@ -331,6 +338,13 @@ class KernelBackend(Protocol):
                            out) -> None:
         """Per table of one group claim: ``out[t] = (hits, inserts, live keys evicted)``
         ([T, 3] int64)."""
+
+    def add_claim_counts(self, segments: Segments, ukeys, slots, inserted, previous_keys,
+                         lookups: Optional[torch.Tensor], out) -> None:
+        """Per table of one group claim, added to ``out[t, :6]`` (int64, on the keys'
+        device): lookups (``lookups[i]`` for key ``i``, None: 1 each), unique keys (not
+        ``EMPTY_KEY``), hits, misses, inserts and live keys evicted. One launch on CUDA,
+        nothing read back."""
 
     def init_rows_at_group(self, weights, slots, keys, mask, segments: Segments, dim, seeds,
                            table_ids, kinds, p0, p1, low, high) -> None:

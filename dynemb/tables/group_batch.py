@@ -10,6 +10,8 @@ import torch
 
 from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.batch import TableBatch
+from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.group_update import apply_group_gradients
 from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
 
 
@@ -43,33 +45,47 @@ class GroupBatch(LookupBatch):
     ``keys`` / ``counts`` [U]: each table's unique keys (in bucket order), table after
     table; table ``t``'s are ``[unique_bounds[t], unique_bounds[t + 1])``. ``inverse`` [N]:
     the unique index of each input key (the tables' keys concatenated in group order, table
-    ``t``'s ``[key_bounds[t], key_bounds[t + 1])``). ``slots`` [U]: group rows. ``applied``:
-    the tables whose backward ran.
+    ``t``'s ``[key_bounds[t], key_bounds[t + 1])``). ``slots`` [U]: rows of the group's
+    ``storage``. ``applied``: the tables whose backward ran.
     """
 
     training = True
     fallback = None
     pending = None  # (a batch pickled by an earlier version has no instance value)
 
-    def __init__(self, group, keys, inverse, counts, unique_bounds, key_bounds,
+    def __init__(self, storage: GroupStorage, keys, inverse, counts, unique_bounds, key_bounds,
                  slots):
-        self.group = group
-        self.mode = group.mode
+        self.storage = storage
+        self.mode = storage.mode
         self.keys, self.inverse, self.counts, self.slots = keys, inverse, counts, slots
         self.unique_bounds: List[int] = unique_bounds
         self.key_bounds: List[int] = key_bounds
         self.pinned = True
-        self.unreleased = set(range(len(group.names)))  # tables whose pins have not ended
+        self.unreleased = set(range(len(storage.names)))  # tables whose pins have not ended
         self.consumed = False
         self.applied: set = set()
         #: [U] the table of each unique key, on the device (the CUDA path's; None on CPU)
         self.seg = None
-        #: between ``TableGroup.claim`` and ``finish``: the claim whose rows are not filled
+        #: between ``TableGroup.claim_batch`` and ``finish_batch``: the claim whose rows are
+        #: not filled
         self.pending = None
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        if "group" in state:  # pickled when a batch held its group, not the group's storage
+            self._earlier_group = self.__dict__.pop("group")
+
+    def __getattr__(self, name: str):
+        # the storage of an earlier version's group: read once the whole pickle is loaded
+        # (while loading, the group may not hold its storage yet)
+        if name == "storage" and "_earlier_group" in self.__dict__:
+            self.storage = self.__dict__.pop("_earlier_group").storage
+            return self.storage
+        raise AttributeError(name)
 
     @property
     def names(self) -> Tuple[str, ...]:
-        return self.group.names
+        return self.storage.names
 
     def tensors(self) -> List[torch.Tensor]:
         return [self.keys, self.inverse, self.counts, self.slots]
@@ -77,39 +93,39 @@ class GroupBatch(LookupBatch):
     # -- LookupBatch ---------------------------------------------------------------------------
     @property
     def dim(self) -> int:
-        return self.group.dim
+        return self.storage.dim
 
     @property
     def device(self) -> torch.device:
-        return self.group.device
+        return self.storage.device
 
     @property
     def kernels(self):
-        return self.group.kernels
+        return self.storage.kernels
 
     def key_range(self, name: str) -> Tuple[int, int]:
-        t = self.group.index[name]
+        t = self.storage.index[name]
         return self.key_bounds[t], self.key_bounds[t + 1]
 
     def lookup_occurrences(self, sizes: Optional[Sequence[int]] = None
                            ) -> Tuple[torch.Tensor, ...]:
-        return self.group.lookup_occurrences(self, sizes)
+        return self.storage.lookup_occurrences(self, sizes)
 
     def pooling_rows(self) -> PoolingRows:
         """Straight from the group's rows; an eval batch on the host kernels pools its
         unique rows (stored, or the eval initializer's) by ``embedding_bag``, as each table
         alone pools its eval lookups. On the CUDA path a key without a slot pools zeros, and
         an eval batch's key not stored its eval row."""
-        group = self.group
-        if self.fallback is not None and group.kernels.name != "cuda":
-            return PoolingRows(group.unique_rows(self), self.inverse, by_kernel=False)
+        storage = self.storage
+        if self.fallback is not None and storage.kernels.name != "cuda":
+            return PoolingRows(storage.unique_rows(self), self.inverse, by_kernel=False)
         occ_slots = self.slots.index_select(0, self.inverse)
-        rows = group.weights
+        rows = storage.weights
         if self.seg is not None or self.fallback is not None:
             rows = self.lookup_occurrences([occ_slots.numel()])[0]
             occ_slots = torch.arange(occ_slots.numel(), device=occ_slots.device)
         elif rows.dtype != torch.float32:  # float16 / bfloat16 rows: pool float32 copies
-            rows = rows[:, :group.dim].float()
+            rows = rows[:, :storage.dim].float()
         return PoolingRows(rows, occ_slots, by_kernel=True)
 
     @property
@@ -121,19 +137,20 @@ class GroupBatch(LookupBatch):
 
     def apply_gradients(self, grads: OccurrenceGrads, taking: Sequence[bool], *, lr: float,
                         steps) -> None:
-        self.group.apply_gradients(self, grads, taking, lr=lr, steps=steps)
+        apply_group_gradients(self.storage, self, grads, taking, lr=lr, steps=steps)
 
     def release(self) -> None:
-        self.group.release(self)
+        self.storage.release(self)
 
     def rehome(self, groups: Sequence) -> bool:
-        if self.group in groups:
+        storages = [group.storage for group in groups]
+        if any(self.storage is storage for storage in storages):
             return True
-        return any(self.move_to(group) for group in groups)
+        return any(self.move_to(storage) for storage in storages)
 
     def table_tensors(self, name: str) -> List[torch.Tensor]:
         """The parts of the batch's tensors that are table ``name``'s."""
-        t = self.group.index[name]
+        t = self.storage.index[name]
         u0, u1 = self.unique_bounds[t], self.unique_bounds[t + 1]
         k0, k1 = self.key_bounds[t], self.key_bounds[t + 1]
         return [self.keys[u0:u1], self.inverse[k0:k1], self.counts[u0:u1], self.slots[u0:u1]]
@@ -141,44 +158,45 @@ class GroupBatch(LookupBatch):
     def member(self, name: str) -> TableBatch:
         """Table ``name``'s part as a :class:`TableBatch` of its own (slots of its table,
         inverse into its keys): a copy, for reading."""
-        t = self.group.index[name]
+        t = self.storage.index[name]
         u0 = self.unique_bounds[t]
         keys, inverse, counts, slots = self.table_tensors(name)
-        local = torch.where(slots >= 0, slots - self.group.row_offset[t], -1)
+        local = torch.where(slots >= 0, slots - self.storage.row_offset[t], -1)
         batch = TableBatch(name, self.mode, True, keys, inverse - u0, counts,
                            torch.tensor([keys.numel()]), slots=local)
         batch.pinned, batch.consumed = self.pinned, self.consumed
         batch.applied = name in self.applied
         return batch
 
-    def move_to(self, group) -> bool:
+    def move_to(self, storage: GroupStorage) -> bool:
         """Make this batch of an earlier group of the same tables (regrouped while the batch
-        held pins, which moved with the tables' arrays) a batch of ``group``: its slots are
-        renumbered to that group's rows. False, and nothing changes, if the earlier group
-        had other tables."""
-        old = self.group
-        if len(old.tables) != len(group.tables) or any(
-                a is not b for a, b in zip(old.tables, group.tables)):
+        held pins, which moved with the tables' arrays) a batch of the group of ``storage``:
+        its slots are renumbered to that group's rows. False, and nothing changes, if the
+        earlier group had other tables."""
+        old = self.storage
+        if len(old.tables) != len(storage.tables) or any(
+                a is not b for a, b in zip(old.tables, storage.tables)):
             return False
         device = self.slots.device
-        shift = torch.tensor([new - was for new, was in zip(group.row_offset, old.row_offset)][:-1],
+        shift = torch.tensor([new - was for new, was
+                              in zip(storage.row_offset, old.row_offset)][:-1],
                              dtype=torch.int64, device=device)
         sizes = torch.tensor(np.diff(np.asarray(self.unique_bounds)), dtype=torch.int64,
                              device=device)
         delta = torch.repeat_interleave(shift, sizes, output_size=self.slots.numel())
         self.slots = torch.where(self.slots >= 0, self.slots + delta, -1)
-        self.group = group
+        self.storage = storage
         return True
 
     def end_pins_alone(self) -> None:
         """End the batch's pins table by table, in each table's own arrays (when its group no
         longer holds them: its tables were regrouped into other groups)."""
-        group = self.group
+        storage = self.storage
         for t in sorted(self.unreleased):
-            table = group.tables[t]
+            table = storage.tables[t]
             lo, hi = self.unique_bounds[t], self.unique_bounds[t + 1]
             part = self.slots[lo:hi]
-            table.tier.hash.release(torch.where(part >= 0, part - group.row_offset[t], -1))
+            table.tier.hash.release(torch.where(part >= 0, part - storage.row_offset[t], -1))
             table.drop_group_batch(self)
         self.unreleased = set()
         self.pinned = False

@@ -26,11 +26,11 @@ from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.foundations.device_values import values_on
 from dynemb.backends.protocol import Segments
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
-from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy, TableFullError
+from dynemb.tables.group_storage import GroupStorage
+from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
 
-#: The counters a training prefetch adds to, in the order :meth:`DeviceGroupPrefetch._count`
-#: sums them: the first columns of the counters, so that it adds to a view (indexing with a
-#: list would copy the list to the device and wait for it).
+#: The counters a prefetch adds to (``add_claim_counts``), in its order: the first columns of
+#: the counters.
 PREFETCH_COUNTERS = ("lookups", "unique_keys", "hits", "misses", "inserts", "evictions")
 assert COUNTER_NAMES[:len(PREFETCH_COUNTERS)] == PREFETCH_COUNTERS
 
@@ -69,24 +69,25 @@ class GroupFailures:
 
 
 class DeviceGroupPrefetch:
-    """``TableGroup.prefetch`` without host reads, for a group on the CUDA kernels."""
+    """A group's training prefetch and eval lookup without host reads, over its
+    ``storage``, for a group on the CUDA kernels."""
 
-    def __init__(self, group):
-        self.group = group
-        device = group.device
+    def __init__(self, storage: GroupStorage):
+        self.storage = storage
+        device = storage.device
         self.device = device
-        self.row_offset = values_on(group.row_offset[:-1], torch.int64, device)
-        self.num_buckets = values_on(group.bucket_counts.tolist(), torch.int64, device)
-        self.seeds = values_on(group.seeds.tolist(), torch.int64, device)
-        self.table_ids = values_on(group.table_ids.tolist(), torch.int64, device)
-        self.init_kinds = values_on(group.init_kinds.tolist(), torch.int64, device)
+        self.row_offset = values_on(storage.row_offset[:-1], torch.int64, device)
+        self.num_buckets = values_on(storage.bucket_counts.tolist(), torch.int64, device)
+        self.seeds = values_on(storage.seeds.tolist(), torch.int64, device)
+        self.table_ids = values_on(storage.table_ids.tolist(), torch.int64, device)
+        self.init_kinds = values_on(storage.init_kinds.tolist(), torch.int64, device)
         self.init_params = [values_on(p.tolist(), torch.float64, device)
-                            for p in group.init_params]
-        evals = [t.options.eval_initializer.kernel_params() for t in group.tables]
+                            for p in storage.init_params]
+        evals = [t.options.eval_initializer.kernel_params() for t in storage.tables]
         self.eval_kinds = values_on([p[0] for p in evals], torch.int64, device)
         self.eval_params = [values_on([p[i] for p in evals], torch.float64, device)
                             for i in range(1, 5)]
-        self.failures = GroupFailures(group.names, device)
+        self.failures = GroupFailures(storage.names, device)
 
     def _dedup(self, keys: Sequence[torch.Tensor],
                occurrences: Sequence[Optional[torch.Tensor]]):
@@ -95,7 +96,7 @@ class DeviceGroupPrefetch:
         key_bounds = key_bounds_of(keys)
         segments = Segments(key_bounds, self.device)
         all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
-        unique, inverse, counts, _ = self.group.kernels.dedup_segments(all_keys, segments)
+        unique, inverse, counts, _ = self.storage.kernels.dedup_segments(all_keys, segments)
         counts, given = given_counts(keys, occurrences, inverse, counts)
         return key_bounds, segments, unique, inverse, counts, given
 
@@ -104,91 +105,79 @@ class DeviceGroupPrefetch:
         """A read-only (eval) lookup of every table's ``keys``, as
         :mod:`dynemb.tables.group_eval` does on the host kernels, with nothing read back:
         found keys pinned until released, the others' eval rows in ``batch.fallback``."""
-        group = self.group
+        storage = self.storage
         key_bounds, segments, unique, inverse, counts, given = self._dedup(keys, occurrences)
         seg = segments.table_of
         slots = torch.empty_like(unique)
-        group.kernels.find_group(group.arrays, segments, self.row_offset, self.num_buckets,
-                                 unique, slots)
-        group.kernels.add_refcounts(group.arrays, slots, 1)
-        batch = GroupBatch(group, unique, inverse, counts, list(key_bounds), key_bounds, slots)
+        storage.kernels.find_group(storage.arrays, segments, self.row_offset, self.num_buckets,
+                                   unique, slots)
+        storage.kernels.add_refcounts(storage.arrays, slots, 1)
+        batch = GroupBatch(storage, unique, inverse, counts, list(key_bounds), key_bounds, slots)
         batch.seg, batch.training = seg, False
-        for table in group.tables:
+        for table in storage.tables:
             table.hold_group_batch(batch)
         real = unique != EMPTY_KEY
         found = slots >= 0
-        batch.fallback = torch.zeros(unique.numel(), group.dim, device=self.device)
-        group.kernels.init_rows_at_group(
+        batch.fallback = torch.zeros(unique.numel(), storage.dim, device=self.device)
+        storage.kernels.init_rows_at_group(
             batch.fallback, torch.arange(unique.numel(), device=self.device), unique,
-            real & ~found, segments, group.dim, self.seeds, self.table_ids, self.eval_kinds,
+            real & ~found, segments, storage.dim, self.seeds, self.table_ids, self.eval_kinds,
             *self.eval_params)
-        lookups = torch.ones_like(seg) if given is None else given
-        columns = torch.stack([lookups, real.to(torch.int64), found.to(torch.int64),
-                               (real & ~found).to(torch.int64)], 1)
-        group.counters[:, :4] += torch.zeros(len(group.tables), 4, dtype=torch.int64,
-                                             device=self.device).index_add_(0, seg, columns)
+        nothing = torch.zeros_like(found)  # an eval lookup inserts nothing: hits are finds
+        self._count(segments, unique, slots, nothing, unique, given)
         return batch
 
     def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
                  scores: Sequence[Optional[int]]) -> GroupBatch:
         """Claim and pin the rows of every table's ``keys`` (see ``TableGroup.prefetch``)."""
-        group = self.group
+        storage = self.storage
         self.failures.check()
         key_bounds, segments, unique, inverse, counts, given = self._dedup(keys, occurrences)
         seg = segments.table_of
         slots, inserted, prev_keys, prev_scores = self._claim(segments, unique, counts, scores)
-        batch = GroupBatch(group, unique, inverse, counts, list(key_bounds), key_bounds, slots)
+        batch = GroupBatch(storage, unique, inverse, counts, list(key_bounds), key_bounds, slots)
         batch.seg = seg
-        for table in group.tables:
+        for table in storage.tables:
             table.hold_group_batch(batch)
         try:
-            group.track_changes((unique, slots, inserted, prev_keys, prev_scores, key_bounds))
-            if group.weights.dtype == torch.float32:
-                group.kernels.init_rows_at_group(
-                    group.weights, slots, unique, inserted, segments, group.dim, self.seeds,
+            storage.track_changes((unique, slots, inserted, prev_keys, prev_scores, key_bounds))
+            if storage.weights.dtype == torch.float32:
+                storage.kernels.init_rows_at_group(
+                    storage.weights, slots, unique, inserted, segments, storage.dim, self.seeds,
                     self.table_ids, self.init_kinds, *self.init_params)
             else:  # float16 / bfloat16 rows: table by table
-                group.initialize_rows(slots, unique, inserted, key_bounds)
+                storage.initialize_rows(slots, unique, inserted, key_bounds)
         except Exception:
-            group.release(batch)
+            storage.release(batch)
             raise
-        self._count(seg, unique, slots, inserted, prev_keys, given)
+        self._count(segments, unique, slots, inserted, prev_keys, given)
         return batch
 
     def _claim(self, segments, unique, counts, scores):
         """(slots, inserted, previous keys, previous scores) of one pinning claim of every
         table's unique keys, each table at its next clock; the keys that found no slot go to
         :attr:`failures`."""
-        group = self.group
-        clocks = values_on([t.tier.hash.tick() for t in group.tables], torch.int64,
+        storage = self.storage
+        clocks = values_on([t.tier.hash.tick() for t in storage.tables], torch.int64,
                            self.device)
         slots, prev_keys, prev_scores = (torch.empty_like(unique) for _ in range(3))
         inserted = torch.empty(unique.shape, dtype=torch.bool, device=self.device)
         failed = torch.empty_like(inserted)
-        if group.policy is ScorePolicy.CUSTOMIZED:  # each table's score, for its keys
+        if storage.policy is ScorePolicy.CUSTOMIZED:  # each table's score, for its keys
             given = values_on(list(scores), torch.int64, self.device)[segments.table_of]
         else:
             given = unique.new_zeros(1).expand(unique.shape)
-        group.kernels.find_or_insert_group(
-            group.arrays, group.arrays.size, segments, self.row_offset, self.num_buckets, unique,
-            counts, given, group.policy.code, clocks, group.allows_eviction, slots, inserted,
-            prev_keys, prev_scores, failed)
-        self.failures.record(torch.zeros(len(group.tables), dtype=torch.int64,
+        storage.kernels.find_or_insert_group(
+            storage.arrays, storage.arrays.size, segments, self.row_offset, self.num_buckets,
+            unique, counts, given, storage.policy.code, clocks, storage.allows_eviction, slots,
+            inserted, prev_keys, prev_scores, failed)
+        self.failures.record(torch.zeros(len(storage.tables), dtype=torch.int64,
                                          device=self.device)
                              .index_add_(0, segments.table_of, failed.to(torch.int64)))
         return slots, inserted, prev_keys, prev_scores
 
-    def _count(self, seg, unique, slots, inserted, prev_keys, given) -> None:
-        """Every table's lookups, unique keys, hits, misses, inserts and evictions, summed
-        per table on the device in one ``index_add_``."""
-        group = self.group
-        hits = (slots >= 0) & ~inserted
-        evicted = inserted & (prev_keys != EMPTY_KEY) & (prev_keys != TOMBSTONE_KEY)
-        real = unique != EMPTY_KEY
-        lookups = (torch.ones_like(seg) if given is None else given)
-        columns = torch.stack([lookups, real.to(torch.int64), hits.to(torch.int64),
-                               (real & ~hits).to(torch.int64), inserted.to(torch.int64),
-                               evicted.to(torch.int64)], 1)
-        per_table = torch.zeros(len(group.tables), columns.shape[1], dtype=torch.int64,
-                                device=self.device).index_add_(0, seg, columns)
-        group.counters[:, :len(PREFETCH_COUNTERS)] += per_table
+    def _count(self, segments, unique, slots, inserted, prev_keys, given) -> None:
+        """Every table's lookups, unique keys, hits, misses, inserts and evictions, added to
+        its counters on the device in one launch."""
+        self.storage.kernels.add_claim_counts(segments, unique, slots, inserted, prev_keys,
+                                              given, self.storage.counters)

@@ -22,16 +22,20 @@ from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.backends.protocol import Segments
 from dynemb.options import StorageMode
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
+from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.group_stores import GroupStores
 
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
 
 
 class GroupEvalLookup:
-    """Read-only lookups of ``group``'s tables (see the module docstring)."""
+    """Read-only lookups of the tables of a group's ``storage`` (see the module docstring);
+    ``stores``: a CACHE group's stores (None in the other modes)."""
 
-    def __init__(self, group):
-        self.group = group
-        params = [t.options.eval_initializer.kernel_params() for t in group.tables]
+    def __init__(self, storage: GroupStorage, stores: Optional[GroupStores]):
+        self.storage = storage
+        self.stores = stores
+        params = [t.options.eval_initializer.kernel_params() for t in storage.tables]
         self.kinds = np.asarray([p[0] for p in params], dtype=np.int64)
         self.params = [np.asarray([p[i] for p in params], dtype=np.float64)
                        for i in range(1, 5)]
@@ -40,30 +44,30 @@ class GroupEvalLookup:
                      occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
         """Every table's ``keys`` (group order) found and pinned until released; the keys
         not stored get their eval rows in ``batch.fallback`` [U, dim]."""
-        group = self.group
+        storage = self.storage
         key_bounds = key_bounds_of(keys)
-        unique, inverse, counts, unique_bounds = group.dedup(keys, key_bounds)
+        unique, inverse, counts, unique_bounds = storage.dedup(keys, key_bounds)
         counts, given = given_counts(keys, occurrences, inverse, counts)
         slots = torch.empty_like(unique)
         segments = Segments(unique_bounds)
-        group.kernels.find_group(group.arrays, segments, group.row_starts, group.bucket_counts,
-                                 unique, slots)
-        group.kernels.add_refcounts(group.arrays, slots, 1)  # until the rows are read
-        batch = GroupBatch(group, unique, inverse, counts, unique_bounds.tolist(), key_bounds,
+        storage.kernels.find_group(storage.arrays, segments, storage.row_starts,
+                                   storage.bucket_counts, unique, slots)
+        storage.kernels.add_refcounts(storage.arrays, slots, 1)  # until the rows are read
+        batch = GroupBatch(storage, unique, inverse, counts, unique_bounds.tolist(), key_bounds,
                            slots)
         batch.training = False
-        for table in group.tables:
+        for table in storage.tables:
             table.hold_group_batch(batch)
         found = slots >= 0
-        batch.fallback = torch.zeros(unique.numel(), group.dim)
-        group.kernels.init_rows_at_group(
-            batch.fallback, torch.arange(unique.numel()), unique, ~found, segments, group.dim,
-            group.seeds, group.table_ids, self.kinds, *self.params)
-        if group.mode is StorageMode.CACHE:
+        batch.fallback = torch.zeros(unique.numel(), storage.dim)
+        storage.kernels.init_rows_at_group(
+            batch.fallback, torch.arange(unique.numel()), unique, ~found, segments, storage.dim,
+            storage.seeds, storage.table_ids, self.kinds, *self.params)
+        if storage.mode is StorageMode.CACHE:
             try:
                 self._read_stores(batch, found)
             except BaseException:  # a store failed (a disk): the pins end, nothing counted
-                group.release(batch)
+                storage.release(batch)
                 raise
         self._count(batch, found, given)
         return batch
@@ -72,9 +76,9 @@ class GroupEvalLookup:
         """The stored rows of the keys missing from the cache, into ``batch.fallback``
         (where a table's store has them; the others keep their eval rows): the default
         stores in one kernel call, a user's store by its own ``find``."""
-        group = self.group
+        storage = self.storage
         bounds = np.asarray(batch.unique_bounds, dtype=np.int64)
-        rows, stored, alone = group.read_stores(batch.keys, bounds, ~found)
+        rows, stored, alone = self.stores.read(batch.keys, bounds, ~found, storage.dim)
         batch.fallback[stored] = rows[stored]
         missing = (~found).numpy()
         before = np.concatenate([[0], np.cumsum(missing)])
@@ -83,9 +87,9 @@ class GroupEvalLookup:
             if before[bounds[t + 1]] == before[lo]:
                 continue
             where = torch.from_numpy(lo + np.flatnonzero(missing[lo:bounds[t + 1]]))
-            rows, stored, _ = group.tables[t].store.find(batch.keys[where])
-            stored = stored.to(group.device)
-            batch.fallback[where[stored]] = rows.to(group.device)[stored, :group.dim].float()
+            rows, stored, _ = storage.tables[t].store.find(batch.keys[where])
+            stored = stored.to(storage.device)
+            batch.fallback[where[stored]] = rows.to(storage.device)[stored, :storage.dim].float()
 
     def _count(self, batch: GroupBatch, found: torch.Tensor,
                occurrences: Optional[torch.Tensor]) -> None:
@@ -100,9 +104,9 @@ class GroupEvalLookup:
         else:
             total = np.concatenate([[0], np.cumsum(occurrences.numpy())])
             lookups = total[key_bounds[1:]] - total[key_bounds[:-1]]
-        delta = np.zeros((len(self.group.tables), len(COUNTER_NAMES)), dtype=np.int64)
+        delta = np.zeros((len(self.storage.tables), len(COUNTER_NAMES)), dtype=np.int64)
         delta[:, _COUNTER["lookups"]] = lookups
         delta[:, _COUNTER["unique_keys"]] = unique
         delta[:, _COUNTER["hits"]] = hits
         delta[:, _COUNTER["misses"]] = unique - hits
-        self.group.counters += torch.from_numpy(delta)
+        self.storage.counters += torch.from_numpy(delta)

@@ -19,6 +19,7 @@ from numba.typed import List as TypedList
 from dynemb.stores.backing_store import HostBackingStore
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.rows.hash_table_images import restore_scores_at
+from dynemb.tables.group_storage import GroupStorage
 from dynemb.backends.protocol import STORE_STAT_LEFT, STORE_STATS, Segments, TableArrays
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 
@@ -36,14 +37,14 @@ def moves_in_group(table) -> bool:
 
 
 class GroupStores:
-    """The stores of ``group``'s tables (see the module docstring).
+    """The stores of the tables of a group's ``storage`` (see the module docstring).
 
     The kernel reads each store's arrays through typed lists, rebuilt when a store's arrays
     were replaced (it grew) since the last call."""
 
-    def __init__(self, group):
-        self.group = group
-        self._movable = np.asarray([moves_in_group(t) for t in group.tables], dtype=np.bool_)
+    def __init__(self, storage: GroupStorage):
+        self.storage = storage
+        self._movable = np.asarray([moves_in_group(t) for t in storage.tables], dtype=np.bool_)
         self._sources: Optional[List[tuple]] = None
         self._lists = None
         self._empty = None
@@ -59,17 +60,17 @@ class GroupStores:
         """Typed lists of every store's (keys, scores, pins, size, rows as bits), plus
         (buckets, bucket size, max capacity, grow-at load factor) per store as numpy."""
         sources = [(t.store.hash_table.arrays, t.store.row_table.weights) if movable else None
-                   for t, movable in zip(self.group.tables, self._movable)]
+                   for t, movable in zip(self.storage.tables, self._movable)]
         if self._sources is not None and all(map(_same_source, sources, self._sources)):
             return self._lists
         lists = [TypedList() for _ in range(5)]
         shape = np.zeros((len(sources), 4), dtype=np.float64)
-        bits = _BITS[self.group.weights.element_size()]
+        bits = _BITS[self.storage.weights.element_size()]
         for t, source in enumerate(sources):
             if source is None:
                 source = self._placeholder()
             else:
-                store = self.group.tables[t].store.hash_table
+                store = self.storage.tables[t].store.hash_table
                 shape[t] = (store.num_buckets, store.bucket_size,
                             -1 if store.max_capacity is None else store.max_capacity,
                             store.grow_at_load_factor)
@@ -86,20 +87,20 @@ class GroupStores:
         """Empty arrays of the right types for a table the kernel skips."""
         if self._empty is None:
             self._empty = (TableArrays.empty(0, 1, torch.device("cpu")),
-                           torch.empty(0, self.group.weights.shape[1],
-                                       dtype=self.group.weights.dtype))
+                           torch.empty(0, self.storage.weights.shape[1],
+                                       dtype=self.storage.weights.dtype))
         return self._empty
 
     def fill(self, claim, inserting: Sequence[int], undo) -> None:
         """Write back and load the rows of ``claim`` (the group's, as
-        :meth:`~dynemb.tables.groups.TableGroup.prefetch` holds it) for the tables
+        :class:`~dynemb.tables.group_prefetch.HostGroupPrefetch` holds it) for the tables
         ``inserting`` (indices of those that inserted a key): in one kernel call where it
         can, the rest each alone. If a table alone fails (its store raised), ``undo(tables)``
         is called with it and the tables after it, whose rows were not filled, and the
         error goes on."""
-        group = self.group
+        storage = self.storage
         keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
-        run = np.zeros(len(group.tables), dtype=np.bool_)
+        run = np.zeros(len(storage.tables), dtype=np.bool_)
         run[list(inserting)] = True
         run &= self._movable
         alone = [t for t in inserting if not run[t]]
@@ -107,16 +108,16 @@ class GroupStores:
             alone += self._fill_in_kernel(claim, run)
         alone = sorted(alone)
         for i, t in enumerate(alone):
-            result = group.table_claim(claim, t)
+            result = storage.table_claim(claim, t)
             try:
-                group.tables[t].fill_claimed_rows(result.keys, result)
+                storage.tables[t].fill_claimed_rows(result.keys, result)
             except BaseException:
                 undo(alone[i:])
                 raise
 
     def _fill_in_kernel(self, claim, run: np.ndarray) -> List[int]:
         """The kernel's share; returns the tables it left to the host."""
-        group = self.group
+        storage = self.storage
         keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
         bounds = np.asarray(unique_bounds, dtype=np.int64)
         evicted = inserted & (prev_keys != EMPTY_KEY) & (prev_keys != TOMBSTONE_KEY)
@@ -127,17 +128,17 @@ class GroupStores:
         wb_keys, wb_scores = prev_keys[wb_at], prev_scores[wb_at]
         ld_keys, ld_slots = keys[ld_at], slots[ld_at]
         writing = np.flatnonzero(np.diff(wb_seg) > 0)
-        stores = [group.tables[t].store.hash_table for t in writing.tolist()]
-        clocks = np.zeros(len(group.tables), dtype=np.int64)
+        stores = [storage.tables[t].store.hash_table for t in writing.tolist()]
+        clocks = np.zeros(len(storage.tables), dtype=np.int64)
         clocks[writing] = [s.clock + 1 for s in stores]
         n, m = wb_keys.numel(), ld_keys.numel()
         scratch = [torch.empty(n, dtype=torch.int64) for _ in range(3)]
         flags = [torch.empty(n, dtype=torch.bool) for _ in range(2)]
         found, scores = torch.empty(m, dtype=torch.bool), torch.empty(m, dtype=torch.int64)
-        stats = np.zeros((len(group.tables), STORE_STATS), dtype=np.int64)
-        bits = _BITS[group.weights.element_size()]
-        group.kernels.store_moves_group(
-            group.weights.view(bits), wb_keys, wb_scores, slots[wb_at], Segments(wb_seg),
+        stats = np.zeros((len(storage.tables), STORE_STATS), dtype=np.int64)
+        bits = _BITS[storage.weights.element_size()]
+        storage.kernels.store_moves_group(
+            storage.weights.view(bits), wb_keys, wb_scores, slots[wb_at], Segments(wb_seg),
             ld_keys, ld_slots, Segments(ld_seg), *self._store_arrays(), clocks, scratch[0],
             flags[0], scratch[1], scratch[2], flags[1], found, scores, stats)
         left = stats[:, STORE_STAT_LEFT].astype(bool) & run
@@ -146,15 +147,15 @@ class GroupStores:
                 store.tick()
         if left.any():  # their loads were not made: the host makes them, with the rest
             found &= torch.from_numpy(~np.repeat(left, np.diff(ld_seg)))
-        restore_scores_at(group.arrays.scores, group.policy, ld_slots[found], scores[found])
+        restore_scores_at(storage.arrays.scores, storage.policy, ld_slots[found], scores[found])
         counts = torch.from_numpy(stats[:, :3].copy())
         for name, column in (("write_backs", 0), ("store_evictions", 1), ("loads", 2)):
-            group.counters[:, _COUNTER[name]] += counts[:, column]
+            storage.counters[:, _COUNTER[name]] += counts[:, column]
         fresh = inserted & torch.from_numpy(np.repeat(run & ~left, np.diff(bounds)))
         fresh[ld_at[found]] = False
-        group.initialize_rows(slots, keys, fresh, unique_bounds)
+        storage.initialize_rows(slots, keys, fresh, unique_bounds)
         for t in np.flatnonzero(run & ~left).tolist():
-            changes = group.tables[t].changes
+            changes = storage.tables[t].changes
             if changes is not None and wb_seg[t + 1] > wb_seg[t]:
                 changes.written_back(wb_keys[wb_seg[t]:wb_seg[t + 1]])
         return np.flatnonzero(left).tolist()
@@ -164,15 +165,15 @@ class GroupStores:
         """(rows [U, dim] float32, found [U]) of the ``want``-ed keys in their tables'
         stores, read without changing them, in one kernel call; and the tables it left
         to the host (a user's store: their ``found`` is False here)."""
-        group = self.group
+        storage = self.storage
         store_keys, _, _, _, store_rows, buckets, bucket_sizes, _, _ = self._store_arrays()
-        bits = _BITS[group.weights.element_size()]
-        out = torch.zeros(keys.numel(), group.weights.shape[1], dtype=bits)
+        bits = _BITS[storage.weights.element_size()]
+        out = torch.zeros(keys.numel(), storage.weights.shape[1], dtype=bits)
         found = torch.zeros(keys.numel(), dtype=torch.bool)  # the kernel skips a user's store
-        group.kernels.store_find_group(store_keys, store_rows, buckets, bucket_sizes,
-                                       self._movable, keys, Segments(unique_bounds), want,
-                                       out, found)
-        rows = out.view(group.weights.dtype)[:, :dim].float()
+        storage.kernels.store_find_group(store_keys, store_rows, buckets, bucket_sizes,
+                                         self._movable, keys, Segments(unique_bounds), want,
+                                         out, found)
+        rows = out.view(storage.weights.dtype)[:, :dim].float()
         return rows, found, np.flatnonzero(~self._movable).tolist()
 
     @staticmethod

@@ -1,8 +1,8 @@
 """A table group's backward (:mod:`dynemb.tables.groups`): one fused update of the rows of
 every table that took a gradient, each table at its own step (the gradients of every input
 key's row come in one :class:`~dynemb.rows.optimizers.OccurrenceGrads`, see
-:meth:`~dynemb.tables.lookup_batch.LookupBatch.occurrence_grads`). Mixed into
-:class:`~dynemb.tables.groups.TableGroup`."""
+:meth:`~dynemb.tables.lookup_batch.LookupBatch.occurrence_grads`), over the group's
+:class:`~dynemb.tables.group_storage.GroupStorage`."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -11,58 +11,56 @@ import torch
 
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.rows.optimizers import OccurrenceGrads, fused_update
-from dynemb.tables.group_batch import GroupBatch
+from dynemb.tables.group_storage import GroupStorage
 
 _DROPPED = COUNTER_NAMES.index("dropped_updates")
 
 
-class GroupUpdates:
-    """The backward of a :class:`~dynemb.tables.groups.TableGroup` (its arrays, tables,
-    ``rounding`` and ``release``)."""
+def apply_group_gradients(storage: GroupStorage, batch, grads: OccurrenceGrads,
+                          taking: Sequence[bool], *, lr: float,
+                          steps: Mapping[str, int]) -> None:
+    """The fused update of the rows of the tables ``taking`` a gradient (``grads``: of
+    ``batch``'s unique keys), each at its own ``steps``; then those tables' pins end (the
+    others' at the next training lookup, as a table alone keeps them until its backward or
+    that lookup)."""
+    slots = _live_slots(storage, batch)
+    if not all(taking):  # tables without a gradient keep their rows as they are
+        slots = slots.clone()
+        for t, takes in enumerate(taking):
+            if not takes:
+                slots[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
+    step_of = [steps[name] for name, takes in zip(storage.names, taking) if takes]
+    for step in sorted(set(step_of)):
+        chosen = slots
+        if len(set(step_of)) > 1:  # tables at different steps: one update per step
+            chosen = slots.clone()
+            for t, name in enumerate(storage.names):
+                if not taking[t] or steps[name] != step:
+                    chosen[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
+        fused_update(storage.weights, chosen, grads, dim=storage.dim, config=storage.optimizer,
+                     lr=lr, step=step, kernels=storage.kernels, keys=batch.keys,
+                     **storage.rounding)
+    batch.applied.update(name for name, takes in zip(storage.names, taking) if takes)
+    for table, takes in zip(storage.tables, taking):  # tracking began after the prefetch
+        if takes and table.changes is not None:
+            table.changes.updated(batch.member(table.name))
+    storage.release(batch, [t for t, takes in enumerate(taking) if takes])
 
-    def apply_gradients(self, batch: GroupBatch, grads: OccurrenceGrads,
-                        taking: Sequence[bool], *, lr: float, steps: Mapping[str, int]) -> None:
-        """The fused update of the rows of the tables ``taking`` a gradient (``grads``: of
-        the batch's unique keys), each at its own ``steps``; then those tables' pins end
-        (the others' at the next training lookup, as a table alone keeps them until its
-        backward or that lookup)."""
-        slots = self._live_slots(batch)
-        if not all(taking):  # tables without a gradient keep their rows as they are
-            slots = slots.clone()
-            for t, takes in enumerate(taking):
-                if not takes:
-                    slots[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
-        step_of = [steps[name] for name, takes in zip(self.names, taking) if takes]
-        for step in sorted(set(step_of)):
-            chosen = slots
-            if len(set(step_of)) > 1:  # tables at different steps: one update per step
-                chosen = slots.clone()
-                for t, name in enumerate(self.names):
-                    if not taking[t] or steps[name] != step:
-                        chosen[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
-            fused_update(self.weights, chosen, grads, dim=self.dim, config=self.optimizer,
-                         lr=lr, step=step, kernels=self.kernels, keys=batch.keys,
-                         **self.rounding)
-        batch.applied.update(name for name, takes in zip(self.names, taking) if takes)
-        for table, takes in zip(self.tables, taking):  # tracking began after the prefetch
-            if takes and table.changes is not None:
-                table.changes.updated(batch.member(table.name))
-        self.release(batch, [t for t, takes in enumerate(taking) if takes])
 
-    def _live_slots(self, batch: GroupBatch) -> torch.Tensor:
-        """The batch's slots if still pinned; else only those still holding its keys, the
-        others counted as dropped updates of their tables."""
-        if batch.pinned:
-            return batch.slots
-        slots = batch.slots
-        kept = self.arrays.keys[slots.clamp(min=0)] == batch.keys
-        dropped = ((slots >= 0) & ~kept).to(torch.int64)
-        if batch.seg is not None:  # the table of each key, on the device: no host read
-            per_table = torch.zeros(len(self.tables), dtype=torch.int64,
-                                    device=dropped.device).index_add_(0, batch.seg, dropped)
-        else:
-            total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])  # per table:
-            bounds = torch.tensor(batch.unique_bounds, dtype=torch.int64)     # differences
-            per_table = total[bounds[1:]] - total[bounds[:-1]]
-        self.counters[:, _DROPPED] += per_table
-        return torch.where(kept, slots, -1)
+def _live_slots(storage: GroupStorage, batch) -> torch.Tensor:
+    """The batch's slots if still pinned; else only those still holding its keys, the
+    others counted as dropped updates of their tables."""
+    if batch.pinned:
+        return batch.slots
+    slots = batch.slots
+    kept = storage.arrays.keys[slots.clamp(min=0)] == batch.keys
+    dropped = ((slots >= 0) & ~kept).to(torch.int64)
+    if batch.seg is not None:  # the table of each key, on the device: no host read
+        per_table = torch.zeros(len(storage.tables), dtype=torch.int64,
+                                device=dropped.device).index_add_(0, batch.seg, dropped)
+    else:
+        total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])  # per table:
+        bounds = torch.tensor(batch.unique_bounds, dtype=torch.int64)     # differences
+        per_table = total[bounds[1:]] - total[bounds[:-1]]
+    storage.counters[:, _DROPPED] += per_table
+    return torch.where(kept, slots, -1)

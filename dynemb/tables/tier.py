@@ -58,18 +58,25 @@ class DeferredFailures:
         self._on_gpu = device.type == "cuda"
         self.host = torch.zeros(1, dtype=torch.int64, pin_memory=self._on_gpu)
         self._event = None
+        self._recorded = False  # whether a count may have come since the last check
 
     def record(self, failed: torch.Tensor) -> None:
         self.total += failed.sum()
         self.host.copy_(self.total, non_blocking=self._on_gpu)
+        self._recorded = True
         if self._on_gpu:
             self._event = torch.cuda.Event()
             self._event.record()
 
     def check(self, table: str) -> None:
+        # nothing recorded since a check that found none: no host read (a grouped table's
+        # own count, checked at every prefetch of its group, stays at rest)
+        if not getattr(self, "_recorded", True):
+            return
         if self._event is not None and not self._event.query():
             return
         count = int(self.host[0])
+        self._recorded = False
         if count:
             self.total.zero_()
             self.host.zero_()

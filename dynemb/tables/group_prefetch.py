@@ -1,0 +1,185 @@
+"""A table group's training prefetch on the host kernels (:mod:`dynemb.tables.groups`), over
+its :class:`~dynemb.tables.group_storage.GroupStorage`: one dedup, one claim, one fill and
+one count for all its tables, each with the results its table alone would give (the claim is
+the single-table kernel run on each table's part, see ``kernels/groups_cpu.py``).
+
+The claim and the fill are apart, so that a module's prefetch can claim every unit of a batch
+before it fills any, and take back what it claimed when one fails:
+:meth:`HostGroupPrefetch.claim_batch` claims and pins, :meth:`~HostGroupPrefetch.finish_batch`
+fills the claimed rows (CACHE: write-backs and loads through the group's
+:class:`~dynemb.tables.group_stores.GroupStores`, else the initializers) and counts them,
+:meth:`~HostGroupPrefetch.undo_batch` takes a claim back exactly.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dynemb.backends.protocol import Segments
+from dynemb.foundations.counters import COUNTER_NAMES
+from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
+from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.group_stores import GroupStores
+from dynemb.types import ScorePolicy
+
+_COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
+
+
+class HostGroupPrefetch:
+    """The training prefetch of the tables of a group's ``storage`` (see the module
+    docstring); ``stores``: a CACHE group's stores (None in the other modes)."""
+
+    def __init__(self, storage: GroupStorage, stores: Optional[GroupStores]):
+        self.storage = storage
+        self.stores = stores
+
+    def claim_batch(self, keys: Sequence[torch.Tensor],
+                    occurrences: Sequence[Optional[torch.Tensor]],
+                    scores: Sequence[Optional[int]]) -> Optional[GroupBatch]:
+        """Claim and pin the rows of every table's ``keys`` (see
+        ``TableGroup.claim_batch``); the rows are neither filled nor counted yet. None, the
+        claim undone, when a key finds no slot."""
+        storage = self.storage
+        key_bounds = key_bounds_of(keys)
+        unique, inverse, counts, unique_bounds = storage.dedup(keys, key_bounds)
+        counts, given_occurrences = given_counts(keys, occurrences, inverse, counts)
+        ub = unique_bounds.tolist()
+        given = self._given_scores(scores, ub, unique)
+        claimed = self._claim(unique, counts, given, unique_bounds)
+        if claimed is None:
+            return None
+        slots, inserted, prev_keys, prev_scores, stats = claimed
+        batch = GroupBatch(storage, unique, inverse, counts, ub, key_bounds, slots)
+        for table in storage.tables:
+            table.hold_group_batch(batch)
+        claim = (unique, slots, inserted, prev_keys, prev_scores, unique_bounds)
+        batch.pending = (claim, stats, given_occurrences)
+        return batch
+
+    def undo_batch(self, batch: GroupBatch) -> None:
+        """Take back a :meth:`claim_batch` that :meth:`finish_batch` did not follow: keys,
+        scores, sizes, clocks and pins as before it. A finished batch's pins just end."""
+        if batch.pending is None:
+            self.storage.release(batch)
+            return
+        (_, slots, inserted, prev_keys, prev_scores, _), stats, _ = batch.pending
+        batch.pending = None
+        self._rollback(slots, inserted, prev_keys, prev_scores, stats)
+        for table in self.storage.tables:
+            table.drop_group_batch(batch)
+        batch.unreleased = set()
+        batch.pinned = False
+
+    def finish_batch(self, batch: GroupBatch) -> GroupBatch:
+        """Fill the rows :meth:`claim_batch` claimed (CACHE: write-backs and loads, else the
+        initializers) and count them."""
+        if batch.pending is None:
+            return batch
+        storage = self.storage
+        claim, stats, occurrences = batch.pending
+        batch.pending = None
+        unique, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
+        undone: List[int] = []
+
+        def undo(tables: List[int]) -> None:  # their rows could not be filled
+            self._undo_tables(batch, claim, stats, tables)
+            undone.extend(tables)
+        try:
+            storage.track_changes(claim)
+            if self.stores is not None:  # a store may raise (a full disk, say)
+                self.stores.fill(claim, np.flatnonzero(stats[:, 0] + stats[:, 1]).tolist(),
+                                 undo)
+            else:
+                storage.initialize_rows(slots, unique, inserted, unique_bounds)
+        except Exception:
+            if undone:  # the other tables' claims stand, filled: they count
+                self._count(batch, inserted, prev_keys, occurrences, skip=undone)
+            storage.release(batch)
+            raise
+        self._count(batch, inserted, prev_keys, occurrences)
+        return batch
+
+    def _undo_tables(self, batch: GroupBatch, claim, stats, tables: List[int]) -> None:
+        """Undo the claim of ``tables`` (whose rows were not filled: the keys it evicted are
+        back with their rows, which nothing overwrote); their pins end."""
+        storage = self.storage
+        keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
+        chosen = np.zeros(len(storage.tables), dtype=np.bool_)
+        chosen[tables] = True
+        mine = torch.from_numpy(np.repeat(chosen, np.diff(np.asarray(unique_bounds))))
+        a = storage.arrays
+        back = inserted & mine
+        a.keys[slots[back]] = prev_keys[back]
+        placed = (slots >= 0) & mine
+        a.scores[slots[placed]] = prev_scores[placed]
+        a.size.sub_(torch.from_numpy(np.where(chosen, stats[:, 0], 0)))
+        storage.kernels.add_refcounts(a, torch.where(mine, slots, -1), -1)
+        for t in tables:
+            storage.tables[t].tier.hash.untick()
+            storage.tables[t].drop_group_batch(batch)
+        batch.unreleased -= set(tables)
+        batch.pinned = bool(batch.unreleased)
+
+    def _given_scores(self, scores, bounds: List[int], unique: torch.Tensor) -> torch.Tensor:
+        if self.storage.policy is not ScorePolicy.CUSTOMIZED:
+            return unique.new_zeros(1).expand(unique.shape)
+        sizes = np.diff(np.asarray(bounds))
+        return torch.from_numpy(np.repeat(np.asarray(scores, dtype=np.int64), sizes))
+
+    def _claim(self, unique, counts, given, unique_bounds) -> Optional[tuple]:
+        """(slots, inserted, previous keys, previous scores, per-table stats) of one
+        pinning claim of every table's keys; None, the claim undone, if a key found no
+        slot."""
+        storage = self.storage
+        clocks = np.asarray([t.tier.hash.tick() for t in storage.tables], dtype=np.int64)
+        u = unique.numel()
+        slots, prev_keys, prev_scores = (torch.empty(u, dtype=torch.int64) for _ in range(3))
+        inserted = torch.empty(u, dtype=torch.bool)
+        failed = torch.empty(u, dtype=torch.bool)
+        stats = np.empty((len(storage.tables), 3), dtype=np.int64)
+        storage.kernels.find_or_insert_group(
+            storage.arrays, storage.arrays.size, Segments(unique_bounds), storage.row_starts,
+            storage.bucket_counts, unique, counts, given, storage.policy.code, clocks,
+            storage.allows_eviction, slots, inserted, prev_keys, prev_scores, failed, stats)
+        if stats[:, 2].any():
+            self._rollback(slots, inserted, prev_keys, prev_scores, stats)
+            return None
+        return slots, inserted, prev_keys, prev_scores, stats
+
+    def _rollback(self, slots, inserted, prev_keys, prev_scores, stats) -> None:
+        """Undo a claim: keys, scores, sizes, pins and clocks as before it."""
+        storage = self.storage
+        a = storage.arrays
+        a.keys[slots[inserted]] = prev_keys[inserted]
+        a.size.sub_(torch.from_numpy(stats[:, 0].copy()))
+        placed = slots >= 0
+        a.scores[slots[placed]] = prev_scores[placed]
+        storage.kernels.add_refcounts(a, slots, -1)
+        for table in storage.tables:
+            table.tier.hash.untick()
+
+    def _count(self, batch: GroupBatch, inserted, prev_keys, occurrences,
+               skip: Sequence[int] = ()) -> None:
+        """Count the claim (lookups, hits, inserts, evictions) of every table but ``skip``."""
+        storage = self.storage
+        per_table = np.empty((len(storage.tables), 3), dtype=np.int64)
+        storage.kernels.claim_counts_group(Segments(batch.unique_bounds), batch.slots, inserted,
+                                           prev_keys, per_table)
+        unique = np.diff(np.asarray(batch.unique_bounds, dtype=np.int64))
+        if occurrences is None:
+            lookups = np.diff(np.asarray(batch.key_bounds, dtype=np.int64))
+        else:
+            total = np.concatenate([[0], np.cumsum(occurrences.numpy())])
+            bounds = np.asarray(batch.key_bounds)
+            lookups = total[bounds[1:]] - total[bounds[:-1]]
+        delta = np.zeros((len(storage.tables), len(COUNTER_NAMES)), dtype=np.int64)
+        delta[:, _COUNTER["lookups"]] = lookups
+        delta[:, _COUNTER["unique_keys"]] = unique
+        delta[:, _COUNTER["hits"]] = per_table[:, 0]
+        delta[:, _COUNTER["misses"]] = unique - per_table[:, 0]
+        delta[:, _COUNTER["inserts"]] = per_table[:, 1]
+        delta[:, _COUNTER["evictions"]] = per_table[:, 2]
+        delta[list(skip)] = 0
+        storage.counters += torch.from_numpy(delta)

@@ -1,0 +1,269 @@
+"""``GroupStorage``: where a table group's tables live, and what every phase of the group does
+to it (:mod:`dynemb.tables.groups`).
+
+One set of arrays (hash keys, scores, pins, sizes, rows, counters) holds every table of the
+group, each in its own contiguous part: table ``t`` owns rows
+``[row_offset[t], row_offset[t] + capacity[t])`` and the buckets over them, so a key of one
+table never meets, or evicts, another table's. The tables stay whole tables: their hash
+tables, flat tables and counters are views of their parts. Beside the arrays the record keeps
+what the group kernels read per table (row starts, bucket counts, initializers, seeds, ids).
+
+The phases (the host and the device prefetch, the eval lookup, the update, the CACHE stores)
+are objects or functions over this record; the record itself knows none of them. What it does
+itself is what several phases share: dedup a batch's keys, initialize claimed rows, mark
+claimed slots for checkpoint deltas, gather a batch's rows and end its pins.
+
+Example::
+
+    >>> from dynemb.options import DynamicEmbTableOptions, choose_storage_mode
+    >>> from dynemb.rows.optimizers import OptimizerConfig
+    >>> from dynemb.tables import build_table
+    >>> def table(name):
+    ...     layout = choose_storage_mode(DynamicEmbTableOptions(), name=name, num_embeddings=512,
+    ...                                  width=4, config_dtype=torch.float32)
+    ...     return build_table(name, 0, 4, layout, DynamicEmbTableOptions(), OptimizerConfig(),
+    ...                        torch.device("cpu"))
+    >>> a, b = table("a"), table("b")
+    >>> storage = GroupStorage([a, b])
+    >>> storage.row_offset == [0, a.tier.hash.capacity, a.tier.hash.capacity * 2]
+    True
+    >>> b.tier.flat.weights.data_ptr() == storage.weights[storage.row_offset[1]:].data_ptr()
+    True
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from dynemb.backends.protocol import Segments, TableArrays
+from dynemb.foundations.counters import COUNTER_NAMES
+from dynemb.tables.base import DynamicTable
+from dynemb.tables.group_signature import rounds_with_noise
+from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
+
+#: The fields of the record, as a group pickled before the record existed held them itself.
+FIELDS = ("tables", "names", "index", "mode", "kernels", "device", "dim", "optimizer", "policy",
+          "bucket_size", "row_offset", "row_starts", "bucket_counts", "arrays", "weights",
+          "counters", "init_kinds", "init_params", "seeds", "table_ids", "rounding")
+
+
+class GroupStorage:
+    """The arrays of a group's ``tables`` and each table's part of them (see the module
+    docstring). Building it moves each table into its part, copying it, unless the group
+    is one table that owns its arrays (then it works on them as they are)."""
+
+    def __init__(self, tables: Sequence[DynamicTable]):
+        first = tables[0]
+        self.tables: List[DynamicTable] = list(tables)
+        self.names: Tuple[str, ...] = tuple(t.name for t in tables)
+        self.index: Dict[str, int] = {name: t for t, name in enumerate(self.names)}
+        self.mode = first.mode
+        self.kernels = first.kernels
+        self.device = first.tier.device
+        self.dim = first.dim
+        self.optimizer = first.optimizer
+        self.policy = first.tier.hash.policy
+        self.bucket_size = first.tier.hash.bucket_size
+        capacities = [t.tier.hash.capacity for t in tables]
+        self.row_offset = [0]
+        for capacity in capacities:
+            self.row_offset.append(self.row_offset[-1] + capacity)
+        if len(tables) == 1 and _owns_its_arrays(first):  # works on them: nothing is copied
+            self.arrays, self.weights = first.tier.hash.arrays, first.tier.flat.weights
+            self.counters = first.counters.values.unsqueeze(0)
+        else:
+            self._allocate_and_move_in()
+        self._parts = [_parts_of(t) for t in tables]
+        self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)  # numpy, for the kernels
+        self.bucket_counts = np.asarray([c // self.bucket_size for c in capacities],
+                                        dtype=np.int64)
+        init = [t.options.initializer.kernel_params() for t in tables]
+        self.init_kinds = np.asarray([p[0] for p in init], dtype=np.int64)
+        self.init_params = [np.asarray([p[i] for p in init], dtype=np.float64)
+                            for i in range(1, 5)]
+        self.seeds = np.asarray([t.options.seed for t in tables], dtype=np.int64)
+        self.table_ids = np.asarray([t.table_id for t in tables], dtype=np.int64)
+        #: how the fused update rounds float16 / bfloat16 rows: with noise only in a group of
+        #: one (group_signature), drawn from its table's seed and id as the table alone does
+        self.rounding = (dict(stochastic_rounding=True, seed=first.options.seed,
+                              table_id=first.table_id)
+                         if rounds_with_noise(first) else dict(stochastic_rounding=False))
+
+    @classmethod
+    def of_earlier_group(cls, state: Dict) -> "GroupStorage":
+        """The record of a group pickled by an earlier version, which held these fields
+        itself (what it lacks is derived)."""
+        storage = cls.__new__(cls)
+        storage.__dict__.update({name: state[name] for name in FIELDS if name in state})
+        storage._parts = state["_storage"]
+        if "rounding" not in state:  # groups held no rows rounded with noise then
+            storage.rounding = dict(stochastic_rounding=False)
+        if "row_starts" not in state:
+            storage.row_starts = np.asarray(storage.row_offset[:-1], dtype=np.int64)
+        return storage
+
+    def _allocate_and_move_in(self) -> None:
+        """The group's arrays, each table copied into its part of them."""
+        rows = self.row_offset[-1]
+        first = self.tables[0]
+        weights = first.tier.flat.weights
+        self.arrays = TableArrays(
+            torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device=self.device),
+            torch.zeros(rows, dtype=torch.int64, device=self.device),
+            torch.zeros(rows, dtype=torch.int32, device=self.device),
+            torch.zeros(len(self.tables), dtype=torch.int64, device=self.device),
+            rows // self.bucket_size, self.bucket_size)
+        self.weights = torch.zeros(rows, weights.shape[1], dtype=weights.dtype,
+                                   device=self.device)
+        self.counters = torch.zeros(len(self.tables), len(COUNTER_NAMES), dtype=torch.int64,
+                                    device=first.counters.values.device)
+        for t in range(len(self.tables)):
+            self._move_into_part(t)
+
+    def _move_into_part(self, t: int) -> None:
+        """Copy table ``t`` into its part of the group's arrays and make its arrays views
+        of that part."""
+        table = self.tables[t]
+        lo, hi = self.row_offset[t], self.row_offset[t + 1]
+        table.tier.hash.use_storage(TableArrays(
+            self.arrays.keys[lo:hi], self.arrays.scores[lo:hi], self.arrays.refcnt[lo:hi],
+            self.arrays.size[t:t + 1], (hi - lo) // self.bucket_size, self.bucket_size))
+        table.tier.flat.use_storage(self.weights[lo:hi])
+        table.counters.use_storage(self.counters[t])
+
+    def view_parts_again(self) -> None:
+        """After unpickling: plain ``pickle`` copies every tensor on its own (``torch.save``
+        and ``copy.deepcopy`` keep views), so a table's arrays may no longer be views of the
+        group's. Such a table's arrays (equal to its part) become views of its part again."""
+        for t, table in enumerate(self.tables):
+            lo = self.row_offset[t]
+            apart = (table.tier.hash.arrays.keys.data_ptr() != self.arrays.keys[lo:].data_ptr()
+                     or table.tier.flat.weights.data_ptr() != self.weights[lo:].data_ptr()
+                     or table.counters.values.data_ptr() != self.counters[t].data_ptr())
+            if apart:
+                self._move_into_part(t)
+                self._parts[t] = _parts_of(table)
+
+    def intact(self, tables: Mapping[str, DynamicTable]) -> bool:
+        """Whether ``tables`` still holds the group's tables, each still in its part of the
+        group's arrays (a checkpoint load or reset may have replaced a table, a direct call
+        of its hash table's ``grow`` its arrays)."""
+        for name, table, (arrays, weights, counters) in zip(self.names, self.tables,
+                                                             self._parts):
+            if (tables.get(name) is not table or table.tier.hash.arrays is not arrays
+                    or table.tier.flat.weights is not weights
+                    or table.counters.values is not counters):
+                return False
+        return True
+
+    @property
+    def allows_eviction(self) -> bool:
+        return self.policy is not ScorePolicy.NO_EVICTION
+
+    # -- what the phases share -----------------------------------------------------------------
+    def dedup(self, keys: Sequence[torch.Tensor], key_bounds: List[int]):
+        """(unique keys, inverse, counts, unique bounds [T + 1]) of every table's keys."""
+        all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
+        # in bucket order, the order of the slots: the claim and the update walk each
+        # table's rows front to back
+        unique, inverse, counts, segments = self.kernels.dedup_segments(
+            all_keys, Segments(key_bounds), self.bucket_counts)
+        return unique, inverse, counts, segments.bounds
+
+    def table_claim(self, claim, t: int) -> FindOrInsertResult:
+        """Table ``t``'s part of a group claim ``(keys, slots, inserted, previous keys,
+        previous scores, unique bounds)``, in its own slots."""
+        keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
+        lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
+        part = slots[lo:hi]
+        local = torch.where(part >= 0, part - self.row_offset[t], -1)
+        return FindOrInsertResult(keys[lo:hi], None, local, inserted[lo:hi], prev_keys[lo:hi],
+                                  prev_scores[lo:hi], None, None)
+
+    def track_changes(self, claim) -> None:
+        """Tables tracking their changes for checkpoint deltas mark the slots claimed."""
+        for t, table in enumerate(self.tables):
+            if table.changes is not None:
+                table.changes.claimed(table.tier, self.table_claim(claim, t))
+
+    def initialize_rows(self, slots, keys, inserted, unique_bounds) -> None:
+        """Rows of the claim's keys where ``inserted`` start from their table's
+        initializer."""
+        if self.weights.dtype == torch.float32:
+            self.kernels.init_rows_at_group(
+                self.weights, slots, keys, inserted, Segments(unique_bounds), self.dim,
+                self.seeds, self.table_ids, self.init_kinds, *self.init_params)
+            return
+        for t, table in enumerate(self.tables):  # float16 / bfloat16 rows: table by table
+            lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
+            local = torch.where(slots[lo:hi] >= 0, slots[lo:hi] - self.row_offset[t], -1)
+            table.tier.flat.initialize_where(local, keys[lo:hi], inserted[lo:hi],
+                                             table.options.initializer, seed=table.options.seed,
+                                             table_id=table.table_id)
+
+    def lookup_occurrences(self, batch, sizes: Optional[Sequence[int]] = None
+                           ) -> Tuple[torch.Tensor, ...]:
+        """Every input key's row (float32) of ``batch`` (a
+        :class:`~dynemb.tables.group_batch.GroupBatch`), views of one gather split into
+        ``sizes`` (None: one tensor per table; a collection passes one size per feature of
+        each table)."""
+        if sizes is None:
+            sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
+        if batch.fallback is not None:  # eval: a key not stored reads its eval initializer row
+            return self.unique_rows(batch).index_select(0, batch.inverse).split(sizes)
+        if not self.kernels.defers_failures:  # every key has its row
+            slots = batch.slots.index_select(0, batch.inverse)
+            rows = self.weights[:, :self.dim].index_select(0, slots).float()
+        elif self.weights.dtype == torch.float32:  # one launch; no slot (group_device): zeros
+            rows = torch.empty(batch.inverse.numel(), self.dim, device=self.weights.device)
+            self.kernels.gather_rows(self.weights, batch.slots, batch.inverse, self.dim, rows)
+        else:
+            slots = batch.slots.index_select(0, batch.inverse)
+            rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0)).float()
+            rows = torch.where((slots >= 0)[:, None], rows, 0.0)
+        return rows.split(sizes)
+
+    def unique_rows(self, batch) -> torch.Tensor:
+        """[U, dim] float32: each unique key's row of ``batch``; an eval batch's keys not
+        stored read their eval initializer's row."""
+        slots = batch.slots
+        rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0)).float()
+        if batch.fallback is not None:
+            rows = torch.where((slots >= 0)[:, None], rows, batch.fallback)
+        return rows
+
+    def release(self, batch, tables: Optional[Sequence[int]] = None) -> None:
+        """End ``batch``'s pins of ``tables`` (indices; None: all), once per table."""
+        if not batch.pinned:
+            return
+        ending = (set(batch.unreleased) if tables is None
+                  else batch.unreleased.intersection(tables))
+        if not ending:
+            return
+        if len(ending) == len(self.tables):
+            slots = batch.slots
+        else:
+            slots = torch.cat([batch.slots[batch.unique_bounds[t]:batch.unique_bounds[t + 1]]
+                               for t in sorted(ending)])
+        self.kernels.add_refcounts(self.arrays, slots, -1)
+        batch.unreleased -= ending
+        for t in ending:
+            self.tables[t].drop_group_batch(batch)
+        batch.pinned = bool(batch.unreleased)
+
+    def __repr__(self) -> str:
+        return f"GroupStorage({list(self.names)}, rows={self.row_offset[-1]})"
+
+
+def _owns_its_arrays(table: DynamicTable) -> bool:
+    """Whether the table's arrays are whole tensors, not views into an earlier group's (a
+    group of one that kept those would keep the earlier group's memory alive)."""
+    tensors = (table.tier.hash.arrays.keys, table.tier.flat.weights, table.counters.values)
+    return all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
+
+
+def _parts_of(table: DynamicTable):
+    """The table's arrays, as the group placed them (to tell whether they were replaced)."""
+    return table.tier.hash.arrays, table.tier.flat.weights, table.counters.values

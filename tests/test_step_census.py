@@ -1,0 +1,47 @@
+"""The launches of a steady-state training step on the CUDA kernels (under the simulator
+without a GPU), counted by ``benchmarks/step_census.py``: numba launches and the torch ops
+that launch device work. They must not grow with the number of tables, and must not grow
+past what this commit issues (lower the budgets as launches are fused; the GPU's own kernel
+count, sorts included, comes from ``scripts/gpu_check.sh step``)."""
+import argparse
+
+import pytest
+
+from conftest import BACKENDS
+
+#: launches per step (torch ops + numba launches) at this commit, by workload
+BUDGET = {"T1_82k_sgd": 51, "T26_sgd": 66, "T256_sgd": 66}
+
+
+@pytest.fixture(scope="module")
+def census():
+    from benchmarks.step_census import census_of
+    args = argparse.Namespace(device=BACKENDS[1][1], backend="cuda", scale=0.002, warmup=2,
+                              steps=2, batches=3, seed=0)
+    return {name: census_of(name, args) for name in BUDGET}
+
+
+def launches(row) -> float:
+    return row["torch_ops"] + row["numba_launches"]
+
+
+def test_a_step_launches_no_more_than_its_budget(census):
+    for name, row in census.items():
+        assert launches(row) <= BUDGET[name], (name, row["torch_ops_by_op"],
+                                               row["numba_by_kernel"])
+
+
+def test_a_step_launches_as_much_for_256_tables_as_for_26(census):
+    """One group: nothing is launched per table."""
+    assert census["T256_sgd"]["torch_ops_by_op"] == census["T26_sgd"]["torch_ops_by_op"]
+    assert census["T256_sgd"]["numba_by_kernel"] == census["T26_sgd"]["numba_by_kernel"]
+
+
+def test_a_lone_table_steps_as_a_group_of_one(census):
+    """A table alone launches the group's kernels, with one sort in its dedup."""
+    kernels = census["T1_82k_sgd"]["numba_by_kernel"]
+    assert {"lookup_update_group_kernel", "add_claim_counts_kernel"} <= set(kernels)
+    ops = census["T1_82k_sgd"]["torch_ops_by_op"]
+    assert ops["aten.sort at backends/cuda_backend.py:segmented_padded_unique"] == 1
+    assert census["T26_sgd"]["torch_ops_by_op"][
+        "aten.sort at backends/cuda_backend.py:segmented_padded_unique"] == 2
