@@ -275,6 +275,8 @@ run_step() {
     fi
     local rc=0
     "$PY" -m benchmarks.bench_gpu --json "$WORK/gpu_step.json" --plot "$WORK/gpu_step.png" || rc=1
+    "$PY" -m benchmarks.step_census --device cuda --scale 1 \
+        --workloads T1_82k_sgd T26_sgd T256_sgd --json "$WORK/step_census.json" || rc=1
     "$PY" -m scripts.gpu_bench --capacity-log2 26 --batch-log2 20 \
         --json "$WORK/bench_hash_table_2e26.json" || rc=1
     return $rc

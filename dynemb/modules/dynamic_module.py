@@ -117,10 +117,10 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         return self._core.groups_on
 
     def table_groups(self) -> List[Tuple[str, ...]]:
-        """The names of the tables of each group. An HBM_DIRECT table on the CPU kernels that
-        can group but has no partner is a group of one; a table that cannot group (growth,
-        admission, stashing, DEFAULT or HOST_ONLY), and a CACHE or CUDA table without a
-        partner, is in none and trains alone.
+        """The names of the tables of each group. An HBM_DIRECT table that can group but has
+        no partner is a group of one; a table that cannot group (growth, admission,
+        stashing, DEFAULT or HOST_ONLY), and a CACHE table without a partner, is in none and
+        trains alone.
 
         Example::
 
