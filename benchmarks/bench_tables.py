@@ -54,6 +54,8 @@ from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfi
                     OptimizerType, StorageMode)
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.tables import DynamicTable, HbmDirectTable
+from dynemb.tables.group_prefetch import HostGroupPrefetch
+from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.groups import TableGroup
 
 FILE_STEM, PROFILE_STEM = "tables_cpu", "tables_profile"
@@ -686,18 +688,19 @@ def profile_phases():
          ("dynemb/rows/optimizers.py", "fused_update")),
         ("release pins", DynamicTable, "release", ("dynemb/tables/base.py", "release")),
         # a group's phases (dynemb.tables.groups), under the same labels
-        ("dedup", TableGroup, "dedup", ("dynemb/tables/groups.py", "dedup")),
-        ("find_or_insert (claim, pin)", TableGroup, "_claim",
-         ("dynemb/tables/groups.py", "_claim")),
-        ("counters of the claim", TableGroup, "_count_prefetch",
-         ("dynemb/tables/groups.py", "_count_prefetch")),
-        ("new rows' initializer", TableGroup, "initialize_rows",
-         ("dynemb/tables/groups.py", "initialize_rows")),
-        ("gather (rows per occurrence)", TableGroup, "lookup_occurrences",
-         ("dynemb/tables/groups.py", "lookup_occurrences")),
+        ("dedup", GroupStorage, "dedup", ("dynemb/tables/group_storage.py", "dedup")),
+        ("find_or_insert (claim, pin)", HostGroupPrefetch, "_claim",
+         ("dynemb/tables/group_prefetch.py", "_claim")),
+        ("counters of the claim", HostGroupPrefetch, "_count",
+         ("dynemb/tables/group_prefetch.py", "_count")),
+        ("new rows' initializer", GroupStorage, "initialize_rows",
+         ("dynemb/tables/group_storage.py", "initialize_rows")),
+        ("gather (rows per occurrence)", GroupStorage, "lookup_occurrences",
+         ("dynemb/tables/group_storage.py", "lookup_occurrences")),
         ("fused update (kernel)", dynemb.tables.group_update, "fused_update",
          ("dynemb/rows/optimizers.py", "fused_update")),
-        ("release pins", TableGroup, "release", ("dynemb/tables/groups.py", "release")),
+        ("release pins", GroupStorage, "release",
+         ("dynemb/tables/group_storage.py", "release")),
     ]
 
 

@@ -70,15 +70,17 @@ def lookup_update_group_kernel(tbl_keys, tbl_scores, refcnt, seg, row_offset, nu
 @cuda.jit
 def insert_missing_group_kernel(tbl_keys, tbl_scores, refcnt, sizes, seg, row_offset,
                                 num_buckets, bucket_size, ukeys, counts, given, policy, clocks,
-                                allow_evict, slots, prev_keys, prev_scores, failed):
+                                allow_evict, slots, prev_keys, prev_scores, failed, inserted):
     """``table_cuda.insert_missing_kernel`` with key ``i`` in table ``seg[i]``'s slots and
-    its live key count ``sizes[seg[i]]`` (the same claim: ``table_cuda.claim_slot``)."""
+    its live key count ``sizes[seg[i]]`` (the same claim: ``table_cuda.claim_slot``);
+    ``inserted[i]``: whether key ``i`` took a slot here."""
     i = cuda.grid(1)
     if i >= ukeys.size:
         return
     key = ukeys[i]
     prev_keys[i] = EMPTY_KEY
     failed[i] = False
+    inserted[i] = False
     if slots[i] >= 0 or key == EMPTY_KEY:
         return
     t = seg[i]
@@ -96,6 +98,7 @@ def insert_missing_group_kernel(tbl_keys, tbl_scores, refcnt, sizes, seg, row_of
     if not is_live_key(prev):
         cuda.atomic.add(sizes, t, 1)
     slots[i] = claimed
+    inserted[i] = True
 
 
 @cuda.jit

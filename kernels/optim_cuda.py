@@ -59,6 +59,29 @@ def _row_grad(src, offsets, order, scale, clip, piece_end, piece_count, pieces, 
 
 
 @cuda.jit
+def piece_counts_kernel(offsets, piece, out_count):
+    """Per row ``r`` of the CSR ``offsets``: its number of pieces of ``piece`` occurrences,
+    ``ceil(count / piece)``, or 0 for a row of at most ``piece`` (summed whole)."""
+    r = cuda.grid(1)
+    if r >= out_count.size:
+        return
+    count = offsets[r + 1] - offsets[r]
+    out_count[r] = (count + piece - 1) // piece if count > piece else 0
+
+
+@cuda.jit
+def piece_rows_kernel(piece_end, piece_count, out_piece_row):
+    """Each row writes its own number into its pieces' places ``[piece_end[r] -
+    piece_count[r], piece_end[r])`` of ``out_piece_row`` (the rest keeps the padding)."""
+    r = cuda.grid(1)
+    if r >= piece_count.size:
+        return
+    end = piece_end[r]
+    for p in range(end - piece_count[r], end):
+        out_piece_row[p] = r
+
+
+@cuda.jit
 def piece_sums_kernel(src, offsets, order, scale, clip, piece_row, piece_end, piece_count,
                       pieces, dim):
     """Warp ``p`` sums piece ``p`` into ``pieces[p, :dim]``: piece ``i`` of row

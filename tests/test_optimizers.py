@@ -560,9 +560,11 @@ def test_hot_row_pieces_cut_each_long_row_in_order(counts, piece):
     """The CUDA update's layout of pieces against a Python model: rows of more than
     ``piece`` occurrences are cut into ``ceil(count / piece)`` pieces, numbered row by row;
     the padding past the last piece belongs to no row."""
-    from dynemb.foundations.hot_rows import hot_row_pieces
-    offsets = torch.tensor([0] + counts).cumsum(0)
-    piece_row, piece_end, piece_count = hot_row_pieces(offsets, sum(counts), piece)
+    from dynemb.backends.cuda_backend import CudaBackend
+    from conftest import BACKENDS
+    offsets = torch.tensor([0] + counts).cumsum(0).to(BACKENDS[1][1])
+    layout = CudaBackend()._hot_row_layout(offsets, sum(counts), piece)
+    piece_row, piece_end, piece_count = (t.cpu() for t in layout)
     want_rows = [r for r, c in enumerate(counts) if c > piece for _ in range(-(-c // piece))]
     if sum(counts) <= piece:
         assert piece_row.numel() == 0 and not piece_count.any()

@@ -15,7 +15,7 @@ from conftest import BACKENDS
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
                     Initializer, InitializerKind, OptimizerConfig, OptimizerType)
 from dynemb.backends.numba_backends import CudaBackend
-from dynemb.backends.cuda_backend import segmented_padded_unique
+from dynemb.backends.protocol import Segments
 from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
 
 KERNELS, DEVICE = BACKENDS[1][0], torch.device(BACKENDS[1][1])
@@ -189,13 +189,15 @@ def test_a_key_without_a_slot_is_reported_at_the_next_prefetch_as_alone():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(-4, 9), max_size=7), min_size=1, max_size=5))
-def test_segmented_padded_unique_matches_a_python_model(segments):
+def test_the_segmented_dedup_matches_a_python_model(segments):
+    """One segment (one sort) and many (two sorts), each with its runs placed by kernels."""
     keys = torch.tensor([k for part in segments for k in part], dtype=torch.int64)
     bounds = [0]
     for part in segments:
         bounds.append(bounds[-1] + len(part))
-    seg = torch.tensor([t for t, part in enumerate(segments) for _ in part], dtype=torch.int64)
-    unique, inverse, counts = segmented_padded_unique(keys, seg, torch.tensor(bounds))
+    unique, inverse, counts, _ = CudaBackend().dedup_segments(keys.to(DEVICE),
+                                                              Segments(bounds, DEVICE))
+    unique, inverse, counts = unique.cpu(), inverse.cpu(), counts.cpu()
     for t, part in enumerate(segments):
         lo, hi = bounds[t], bounds[t + 1]
         want = sorted(set(part))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from dynemb.bridges.numba_launch import KernelLauncher
-from dynemb.foundations.hot_rows import hot_row_pieces
 from dynemb.backends.protocol import (EMPTY_KEY, TOMBSTONE_KEY, TableArrays, bit_views, claim_args,
                                    f32, probe_args, rehash_args)
 from dynemb.kernels.constants import cuda_simulator_enabled
@@ -33,12 +32,13 @@ class CudaBackend:
     def __init__(self):
         from numba import cuda
 
-        from dynemb.kernels import (groups_cuda, init_cuda, optim_cuda, pool_cuda, round_cuda,
-                                    table_cuda)
+        from dynemb.kernels import (dedup_cuda, groups_cuda, init_cuda, optim_cuda, pool_cuda,
+                                    round_cuda, table_cuda)
 
         self._cuda = cuda
         self._table = table_cuda
         self._groups = groups_cuda
+        self._dedup = dedup_cuda
         self._pool = pool_cuda
         self._init = init_cuda
         self._optim = optim_cuda
@@ -71,6 +71,12 @@ class CudaBackend:
     def numba_launch_refusals(self) -> dict:
         """Kernels with a signature that keeps numba's launch, and why (for the GPU checks)."""
         return {} if self._launcher is None else self._launcher.refusals
+
+    def _empty_int64(self, device: torch.device) -> torch.Tensor:
+        """An empty int64 tensor on ``device``: an optional array the kernel is not given."""
+        if device not in self._empty:
+            self._empty[device] = torch.empty(0, dtype=torch.int64, device=device)
+        return self._empty[device]
 
     def _arr(self, t: torch.Tensor):
         """A kernel argument: the tensor itself on a GPU (``_launch`` hands it to numba),
@@ -191,16 +197,37 @@ class CudaBackend:
 
     def _hot_row_pieces(self, src, offsets, order, scale, clip, dim):
         """``(piece_end, piece_count, pieces)`` of ``fused_update_kernel``: the layout of
-        :func:`~dynemb.foundations.hot_rows.hot_row_pieces`, ``pieces`` [P, dim] filled by
-        ``piece_sums_kernel``."""
-        piece_row, piece_end, piece_count = hot_row_pieces(offsets, order.numel(),
-                                                           self._optim.PIECE)
+        :meth:`_hot_row_layout`, ``pieces`` [P, dim] filled by ``piece_sums_kernel``."""
+        piece_row, piece_end, piece_count = self._hot_row_layout(offsets, order.numel(),
+                                                                 self._optim.PIECE)
         pieces = torch.empty(piece_row.numel(), dim, dtype=torch.float32, device=src.device)
         a = self._arr
         self._launch(self._optim.piece_sums_kernel, piece_row.numel() * self._optim.WARP,
                      a(src), a(offsets), a(order), a(scale), *f32(clip), a(piece_row),
                      a(piece_end), a(piece_count), a(pieces), dim)
         return piece_end, piece_count, pieces
+
+    def _hot_row_layout(self, offsets: torch.Tensor, occurrences: int, piece: int):
+        """How the fused update cuts rows of more than ``piece`` occurrences (the CSR
+        ``offsets`` [R + 1] of ``occurrences`` ids) into pieces of ``piece``, each summed by
+        its own warp. Returns ``(piece_row [P], piece_end [R], piece_count [R])`` int64: per
+        row, its number of pieces (0 for a row of at most ``piece``) and where they end in
+        the pieces' buffer; per piece, its row (``>= R`` for the padding). ``P`` is the bound
+        ``2 N / piece + 1`` (a row of ``c > piece`` occurrences has ``ceil(c / piece) <
+        2 c / piece`` pieces), so nothing is read back. With no row able to pass ``piece``,
+        no piece."""
+        rows, device = offsets.numel() - 1, offsets.device
+        if occurrences <= piece:
+            none = torch.zeros(rows, dtype=torch.int64, device=device)
+            return self._empty_int64(device), none, none
+        a, optim = self._arr, self._optim
+        piece_count = torch.empty(rows, dtype=torch.int64, device=device)
+        self._launch(optim.piece_counts_kernel, rows, a(offsets), int(piece), a(piece_count))
+        piece_end = torch.cumsum(piece_count, 0)
+        piece_row = torch.full((2 * occurrences // piece + 1,), rows, dtype=torch.int64,
+                               device=device)
+        self._launch(optim.piece_rows_kernel, rows, a(piece_end), a(piece_count), a(piece_row))
+        return piece_row, piece_end, piece_count
 
     def round_rows(self, src, out, keys, seed, table_id, step, fmt, stochastic):
         """float32 ``src`` [N, D] rounded into float16 / bfloat16 ``out`` [N, D]; one thread
@@ -222,14 +249,30 @@ class CudaBackend:
                      a(slots), a(index), int(dim), a(out))
 
     def dedup_segments(self, keys, segments, num_buckets=None):
-        """Each table's sorted unique keys, padded with ``EMPTY_KEY`` to its number of keys
-        (:func:`segmented_padded_unique`); ``num_buckets`` is not used. Sort-based, no host
-        sync."""
+        """Each table's sorted unique keys at the start of its part of the output, padded
+        with ``EMPTY_KEY`` (count 0) to its number of keys; ``num_buckets`` is not used.
+        Sorted by key, then by table (one sort for one table), then two launches
+        (``dedup_cuda``); no host sync."""
+        n = keys.numel()
+        unique = torch.full_like(keys, EMPTY_KEY)
+        inverse = torch.empty_like(keys)
+        counts = torch.zeros_like(keys)
+        if n == 0:
+            return unique, inverse, counts, segments
         if segments.count == 1:  # one table: one sort, no segment of each key
-            unique, inverse, counts = segmented_padded_unique(keys, None, None)
-        else:
-            unique, inverse, counts = segmented_padded_unique(keys, segments.table_of,
-                                                              segments.on_device)
+            sorted_keys, order = torch.sort(keys)
+            sorted_seg = bounds = self._empty_int64(keys.device)
+        else:  # by key, then by segment (stable: each segment's keys stay sorted)
+            by_key, order = torch.sort(keys, stable=True)
+            sorted_seg, by_seg = torch.sort(segments.table_of[order], stable=True)
+            order, sorted_keys = order[by_seg], by_key[by_seg]
+            bounds = segments.on_device
+        a, dedup = self._arr, self._dedup
+        starts = torch.empty_like(keys)
+        self._launch(dedup.run_starts_kernel, n, a(sorted_keys), a(sorted_seg), a(starts))
+        run_end = torch.cumsum(starts, 0)
+        self._launch(dedup.place_runs_kernel, n, a(sorted_keys), a(sorted_seg), a(order),
+                     a(run_end), a(bounds), a(unique), a(inverse), a(counts))
         return unique, inverse, counts, segments
 
     def find_group(self, table: TableArrays, segments, row_offset, num_buckets, ukeys,
@@ -251,12 +294,10 @@ class CudaBackend:
         self._launch(groups_cuda.lookup_update_group_kernel, n, a(table.keys),
                      a(table.scores), a(table.refcnt), *where, a(ukeys), a(counts), a(given),
                      policy, a(clocks), True, a(out_slots), a(out_prev_scores))
-        hit = out_slots >= 0
         self._launch(groups_cuda.insert_missing_group_kernel, n, a(table.keys),
                      a(table.scores), a(table.refcnt), a(sizes), *where, a(ukeys), a(counts),
                      a(given), policy, a(clocks), allow_evict, a(out_slots), a(out_prev_keys),
-                     a(out_prev_scores), a(out_failed))
-        torch.logical_and(out_slots >= 0, ~hit, out=out_inserted)
+                     a(out_prev_scores), a(out_failed), a(out_inserted))
         if out_stats is not None:
             live = (out_prev_keys != EMPTY_KEY) & (out_prev_keys != TOMBSTONE_KEY)
             columns = torch.stack([out_inserted & ~live, out_inserted & live, out_failed], 1)
@@ -273,10 +314,7 @@ class CudaBackend:
         (``groups_cuda.add_claim_counts_kernel``)."""
         a = self._arr
         if lookups is None:  # 1 each
-            if ukeys.device not in self._empty:
-                self._empty[ukeys.device] = torch.empty(0, dtype=torch.int64,
-                                                        device=ukeys.device)
-            lookups = self._empty[ukeys.device]
+            lookups = self._empty_int64(ukeys.device)
         self._launch(self._groups.add_claim_counts_kernel, ukeys.numel(), a(segments.table_of),
                      a(ukeys), a(slots), a(inserted), a(previous_keys), a(lookups), a(out))
 
@@ -303,14 +341,12 @@ class CudaBackend:
         raise NotImplementedError(_NO_GROUP_STORES)
 
     def occurrence_csr(self, inverse, num_rows):
-        """A stable sort and a cumulative sum (no host sync)."""
+        """A stable sort; each row's offset where the sorted rows reach it (no host
+        sync)."""
         inverse = inverse.to(torch.int64).contiguous()
-        order = torch.sort(inverse, stable=True).indices
-        counts = torch.zeros(num_rows, dtype=torch.int64, device=inverse.device)
-        counts.index_add_(0, inverse, torch.ones_like(inverse))
-        offsets = torch.zeros(num_rows + 1, dtype=torch.int64, device=inverse.device)
-        torch.cumsum(counts, 0, out=offsets[1:])
-        return offsets, order
+        sorted_rows, order = torch.sort(inverse, stable=True)
+        rows = torch.arange(num_rows + 1, dtype=torch.int64, device=inverse.device)
+        return torch.searchsorted(sorted_rows, rows), order
 
     def copy_rows(self, src, src_slots, dst, dst_slots):
         """torch indexing."""
@@ -330,45 +366,3 @@ class CudaBackend:
 
 _NO_GROUP_STORES = ("the CUDA kernels have no group store kernels: CACHE tables on them train "
                     "alone (group_signature), each with its own store")
-
-
-def segmented_padded_unique(keys: torch.Tensor, seg: torch.Tensor, bounds: torch.Tensor):
-    """(unique keys, inverse, counts) of each segment ``keys[bounds[t]:bounds[t + 1]]`` (``seg``
-    [N]: the segment of each key; ``bounds`` [T + 1] on the device; both None for one segment),
-    every output [N]:
-    segment ``t``'s sorted unique keys start at ``bounds[t]``, ``EMPTY_KEY`` (count 0) fills
-    the rest of its part. Sort-based, no host sync.
-
-    Example::
-
-        >>> keys, seg = torch.tensor([5, 3, 5, 3, 9]), torch.tensor([0, 0, 0, 1, 1])
-        >>> u, inverse, counts = segmented_padded_unique(keys, seg, torch.tensor([0, 3, 5]))
-        >>> u.tolist()[:2], u.tolist()[3:], inverse.tolist(), counts.tolist()[:2]
-        ([3, 5], [3, 9], [1, 0, 1, 3, 4], [1, 2])
-    """
-    n = keys.numel()
-    unique = torch.full_like(keys, EMPTY_KEY)
-    inverse = torch.zeros_like(keys)
-    counts = torch.zeros_like(keys)
-    if n == 0:
-        return unique, inverse, counts
-    if seg is None:  # one segment: one sort
-        sorted_keys, order = torch.sort(keys)
-        new_run = torch.ones(n, dtype=torch.bool, device=keys.device)
-        new_run[1:] = sorted_keys[1:] != sorted_keys[:-1]
-        place = torch.cumsum(new_run.to(torch.int64), 0) - 1
-    else:
-        by_key, order = torch.sort(keys, stable=True)
-        sorted_seg, by_seg = torch.sort(seg[order], stable=True)  # segments keep their places
-        order = order[by_seg]
-        sorted_keys = by_key[by_seg]
-        new_run = torch.ones(n, dtype=torch.bool, device=keys.device)
-        new_run[1:] = ((sorted_keys[1:] != sorted_keys[:-1])
-                       | (sorted_seg[1:] != sorted_seg[:-1]))
-        run = torch.cumsum(new_run.to(torch.int64), 0) - 1
-        first = bounds[:-1].clamp(max=n - 1)  # where each segment starts (empty ones: unused)
-        place = bounds[:-1][sorted_seg] + run - run[first][sorted_seg]
-    unique.scatter_(0, place, sorted_keys)
-    counts.scatter_add_(0, place, torch.ones_like(place))
-    inverse.scatter_(0, order, place)
-    return unique, inverse, counts

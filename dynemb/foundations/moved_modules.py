@@ -35,7 +35,7 @@ MOVED_MODULES: Dict[str, str] = {
     **{f"dynemb.{name}": f"dynemb.stores.{name}" for name in (
         "backing_store", "disk_levels", "disk_store")},
     **{f"dynemb.{name}": f"dynemb.foundations.{name}" for name in (
-        "counters", "device_values", "hot_rows", "key_mixing", "marked_optimizer", "threads",
+        "counters", "device_values", "key_mixing", "marked_optimizer", "threads",
         "validation")},
     "dynemb.allocation_checks": "dynemb.tables.allocation_checks",
     "dynemb.kernel_backend": "dynemb.backends.protocol",
