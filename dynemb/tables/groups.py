@@ -60,7 +60,7 @@ def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
 
     A table with no partner is a group of one only where that is measured to cost no more
     than its own path: HBM_DIRECT, on the host kernels by time (0.99-1.02x), on CUDA by
-    launches (51 against 80 per step, ``benchmarks/step_census.py``). A CACHE table alone
+    launches (30 against 80 per step, ``benchmarks/step_census.py``). A CACHE table alone
     writes back and loads its rows faster than a group of one does (1.11-1.18x on
     bench_collection's workload)."""
     by_signature: Dict[Hashable, List[DynamicTable]] = {}
