@@ -100,9 +100,8 @@ def train_alike(grouped, alone, weighted, steps, seed, device="cpu", by_key=Fals
     bit for bit. ``by_key``: the state is compared key by key (rows, optimizer state), not
     slot by slot: on a GPU, concurrent inserts into one bucket may take its slots in
     another order."""
-    # t3 has no partner: a group of one if HBM_DIRECT on the host kernels, else alone
-    t3 = grouped.tables["t3"]
-    lone = [("t3",)] if t3.mode.name == "HBM_DIRECT" and not t3.kernels.defers_failures else []
+    # t3 has no partner: a group of one if HBM_DIRECT, else alone
+    lone = [("t3",)] if grouped.tables["t3"].mode.name == "HBM_DIRECT" else []
     assert grouped.table_groups() == [("t0", "t1", "t2")] + lone
     gen = torch.Generator().manual_seed(seed)
     probe = torch.randn(BATCH, 8 * 4 + 4, generator=gen).to(device)
