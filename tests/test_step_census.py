@@ -17,7 +17,7 @@ BUDGET = {"T1_82k_sgd": 30, "T26_sgd": 37, "T256_sgd": 37}
 def census():
     from benchmarks.step_census import census_of
     args = argparse.Namespace(device=BACKENDS[1][1], backend="cuda", scale=0.002, warmup=2,
-                              steps=2, batches=3, seed=0)
+                              steps=1, batches=3, seed=0)
     return {name: census_of(name, args) for name in BUDGET}
 
 
