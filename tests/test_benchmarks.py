@@ -203,3 +203,21 @@ def test_gpu_step_benchmark_runs_its_workloads_on_cpu(tmp_path):
         assert row["tables"] == bench_gpu.WORKLOADS[name].tables
     assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(report["rows"]))
     assert image.stat().st_size > 0
+
+
+def test_growth_benchmark_quick(tmp_path):
+    """Tables growing from init_capacity, grouped next to alone: the run grew them (the same
+    capacities both ways, checked by the run itself), the ratios are those of the medians
+    and of the run totals."""
+    from benchmarks import bench_growth
+    report = bench_growth.main(["--quick", "--out-dir", str(tmp_path)])
+    assert [r["tables"] for r in report["rows"]] == report["config"]["tables"]
+    for row in report["rows"]:
+        assert row["capacity_end"] > row["capacity_start"] and row["growth_steps"] >= 1
+        grouped, alone = (row["methods"][n] for n in (bench_growth.GROUPED, bench_growth.ALONE))
+        assert len(grouped["step_ms"]) == report["config"]["steps"]
+        assert row["grow_grouped_vs_grow_alone"] == pytest.approx(
+            grouped["median_ms"] / alone["median_ms"])
+        assert row["grow_grouped_vs_grow_alone_total"] == pytest.approx(
+            sum(grouped["step_ms"]) / sum(alone["step_ms"]))
+    assert (tmp_path / "growth_cpu_quick.png").stat().st_size > 0

@@ -188,7 +188,7 @@ def test_groups_follow_what_the_kernels_share():
         "t3": DynamicEmbTableOptions(init_capacity=128, max_capacity=512),  # grows
     }
     module = DynamicEmbCollection(configs(), table_options=options)
-    assert grouped_names(module) == [("t0", "t1")]
+    assert grouped_names(module) == [("t0", "t1", "t3")]  # a table that grows, grows in it
     module = DynamicEmbCollection(configs(dims=(8, 16, 8, 16)))
     assert grouped_names(module) == [("t0", "t2"), ("t1", "t3")]
     module = DynamicEmbCollection(configs(), table_options={
@@ -444,6 +444,112 @@ def test_late_backwards_drop_the_updates_of_evicted_rows_as_alone():
                 sum((out[f].values() ** 2).sum() for f in FEATURES).backward()
     assert_same_module(grouped, alone)
     assert sum(s["dropped_updates"] for s in grouped.stats().values()) > 0
+
+
+def growing_options(policy=ScorePolicy.LRU, init=64):
+    """t0, t2, t3 grow (t2 only to 128: past that it evicts), t1 does not."""
+    return {f"t{i}": DynamicEmbTableOptions(
+        init_capacity=min(init, cap) if i != 1 else None, max_capacity=cap, bucket_size=32,
+        score_strategy=policy) for i, cap in enumerate((512, 256, 128, 1024))}
+
+
+@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.STEP,
+                                    ScorePolicy.CUSTOMIZED])
+def test_tables_that_grow_grow_in_their_group_bit_for_bit_as_alone(policy):
+    grouped, alone = twins(OptimizerType.ADAM, policy, table_options=growing_options(policy))
+    assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+    gen = torch.Generator().manual_seed(21)
+    capacities = []
+    for i in range(25):
+        kjt = batch(gen)
+        scores = ({f"t{t}": 500 + 3 * i + t for t in range(4)}
+                  if policy is ScorePolicy.CUSTOMIZED else None)
+        assert_same_outputs(step(grouped, kjt, scores=scores), step(alone, kjt, scores=scores))
+        capacities.append([t.tier.hash.capacity for t in grouped.tables.values()])
+    assert_same_module(grouped, alone)
+    assert capacities[-1] == [512, 256, 128, 1024]  # from 64: each grew to its max_capacity
+    assert len({tuple(c) for c in capacities}) > 3  # over several steps, one doubling or more
+    assert [t.tier.hash.capacity for t in alone.tables.values()] == capacities[-1]
+    assert grouped.stats()["t2"]["evictions"] > 0  # at its max_capacity it evicts
+    (group,) = grouped._core.groups
+    assert group.intact(grouped.tables)  # grown in place: no regroup was needed
+    assert group.storage.row_offset[-1] == sum(capacities[-1])
+
+
+def test_batches_held_across_a_growth_follow_their_rows():
+    """Batches prefetched ahead and lookups awaiting a late backward hold slots of the
+    group's old layout when a table grows: they are renumbered, so their forwards read and
+    their backwards update the rows they pinned, as alone."""
+    grouped, alone = twins(OptimizerType.ADAGRAD, ScorePolicy.LFU,
+                           table_options=growing_options(ScorePolicy.LFU, init=32))
+    gen = torch.Generator().manual_seed(5)
+    kjts = [batch(gen) for _ in range(18)]
+    for i in range(0, 18, 3):
+        for module in (grouped, alone):  # two batches queued ahead: the second one grows
+            module.prefetch(kjts[i]), module.prefetch(kjts[i + 1])
+        outs = {id(m): [] for m in (grouped, alone)}
+        for j in range(i, i + 3):
+            pair = [m(kjts[j]) for m in (grouped, alone)]
+            assert_same_outputs(*pair)
+            for m, out in zip((grouped, alone), pair):
+                outs[id(m)].append(out)
+        for m in (grouped, alone):  # backwards after later forwards
+            for out in outs[id(m)][:2]:
+                sum((out[f].values() ** 2).sum() for f in FEATURES).backward()
+    assert_same_module(grouped, alone)
+    assert grouped.tables["t3"].tier.hash.capacity > 32
+
+
+def test_a_lone_table_that_grows_is_a_group_of_one_on_its_own_arrays():
+    options = {"t0": DynamicEmbTableOptions(init_capacity=64, max_capacity=4096,
+                                            bucket_size=32)}
+    grouped, alone = (DynamicEmbCollection(configs()[:1], table_options=options,
+                                           group_tables=g) for g in (True, False))
+    assert grouped_names(grouped) == [("t0",)]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(10):
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            ["f0"], torch.randint(0, 10**6, (96,), generator=gen), torch.full((12,), 8))
+        outs = [m(kjt) for m in (grouped, alone)]
+        assert_same_outputs(*outs)
+        for out in outs:
+            (out["f0"].values() ** 2).sum().backward()
+    assert_same_module(grouped, alone)
+    table = grouped.tables["t0"]
+    assert table.tier.hash.capacity > 64
+    (group,) = grouped._core.groups
+    assert group.storage.arrays.keys.data_ptr() == table.tier.hash.arrays.keys.data_ptr()
+    assert group.storage.weights.data_ptr() == table.tier.flat.weights.data_ptr()
+    # on the CUDA kernels (numba's simulator stands in for the GPU) a table that grows trains
+    # alone: the sync-free group prefetch reads nothing back, growing is decided on the host
+    from conftest import BACKENDS
+    name, device = BACKENDS[1]
+    on_cuda = DynamicEmbCollection(configs()[:2], backend=name, device=torch.device(device),
+                                   table_options={"t0": options["t0"]})
+    assert on_cuda.table_groups() == [("t1",)]
+
+
+def test_a_full_table_beside_tables_that_grow_raises_as_alone():
+    """t0 and t2 grow, t3 does not and fills: the same error, and the same tables, as
+    alone. (Alone, the tables after the one that refuses a batch claim nothing; in a group
+    they claim too, and a growth stays: so the table that fills is the last one here.)"""
+    options = growing_options(ScorePolicy.NO_EVICTION, init=32)
+    options["t3"] = DynamicEmbTableOptions(max_capacity=64, bucket_size=32,
+                                           score_strategy=ScorePolicy.NO_EVICTION)
+    grouped, alone = (DynamicEmbCollection(configs(), table_options=options, group_tables=g,
+                                           optimizer=OptimizerConfig(OptimizerType.SGD))
+                      for g in (True, False))
+    gen = torch.Generator().manual_seed(4)
+    messages = []
+    for module in (grouped, alone):
+        gen.manual_seed(4)
+        with pytest.raises(TableFullError) as err:
+            for _ in range(30):
+                step(module, batch(gen), weights=(1, 1, 1, 1))
+        messages.append(str(err.value))
+    assert messages[0] == messages[1] and "found no slot" in messages[0]
+    assert_same_module(grouped, alone)
+    assert grouped.tables["t0"].tier.hash.capacity > 32
 
 
 def test_a_second_backward_through_one_grouped_forward_raises():

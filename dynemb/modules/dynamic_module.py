@@ -118,9 +118,9 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
 
     def table_groups(self) -> List[Tuple[str, ...]]:
         """The names of the tables of each group. An HBM_DIRECT table that can group but has
-        no partner is a group of one; a table that cannot group (growth, admission,
-        stashing, DEFAULT or HOST_ONLY), and a CACHE table without a partner, is in none and
-        trains alone.
+        no partner is a group of one; a table that cannot group (admission, stashing,
+        DEFAULT or HOST_ONLY; on the CUDA kernels growth), and a CACHE table without a
+        partner, is in none and trains alone.
 
         Example::
 

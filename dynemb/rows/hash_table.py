@@ -533,15 +533,48 @@ class ScoredHashTable:
             cap = min(cap, limit // self.bucket_size * self.bucket_size)
         return cap if cap > self.capacity else None
 
-    def _grow_for(self, ukeys) -> Optional[torch.Tensor]:
-        """Grow before inserting if the missing keys would pass ``grow_at_load_factor``."""
+    def capacity_to_grow_to(self, keys_after: int, displaces: bool) -> Optional[int]:
+        """The capacity :meth:`find_or_insert` grows to for a claim that would leave
+        ``keys_after`` keys (every key it misses counted) and, with ``displaces``, evict a
+        live key or find no slot for one: past ``grow_at_load_factor``, the smallest doubling
+        that holds them below it; else, if it displaces, one doubling. None: no growth
+        (growth off, at ``max_capacity``, or not needed). For an owner that claims on
+        :attr:`arrays` itself (a table group) and grows as this table would.
+
+        Example::
+
+            >>> table = ScoredHashTable(1024, grow_at_load_factor=0.5)
+            >>> table.capacity_to_grow_to(400, False), table.capacity_to_grow_to(1100, False)
+            (None, 4096)
+            >>> table.capacity_to_grow_to(400, True)
+            2048
+        """
+        if self.grow_at_load_factor is None:
+            return None
+        if keys_after > self.grow_at_load_factor * self.capacity:
+            capacity = self._next_capacity(int(keys_after / self.grow_at_load_factor) + 1)
+            if capacity is not None:
+                return capacity
+        return self._next_capacity(self.capacity + 1) if displaces else None
+
+    def capacity_to_claim(self, ukeys: torch.Tensor) -> Optional[int]:
+        """The capacity :meth:`find_or_insert` grows to before it claims ``ukeys`` (distinct
+        keys): where the keys it misses would pass ``grow_at_load_factor`` (see
+        :meth:`capacity_to_grow_to`); None: no growth. Nothing changes.
+
+        Example::
+
+            >>> table = ScoredHashTable(256, bucket_size=32, grow_at_load_factor=0.5)
+            >>> table.capacity_to_claim(torch.arange(100)), table.capacity_to_claim(torch.arange(200))
+            (None, 512)
+        """
         probe = torch.empty_like(ukeys)
         self._backend.find(self._arrays, ukeys, probe)
-        after = self.size() + int((probe < 0).sum())
-        if after <= self.grow_at_load_factor * self.capacity:
-            return None
-        needed = int(after / self.grow_at_load_factor) + 1
-        new_capacity = self._next_capacity(needed)
+        return self.capacity_to_grow_to(self.size() + int((probe < 0).sum()), False)
+
+    def _grow_for(self, ukeys) -> Optional[torch.Tensor]:
+        """Grow before inserting if the missing keys would pass ``grow_at_load_factor``."""
+        new_capacity = self.capacity_to_claim(ukeys)
         return None if new_capacity is None else self.grow(new_capacity)
 
     def __repr__(self) -> str:

@@ -14,7 +14,7 @@ input length (``EMPTY_KEY`` entries, slot -1) so the hot path never reads a size
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, Optional, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -292,8 +292,16 @@ class DynamicTable(CheckpointTiers):
         if tier is not self.tier:
             return
         for held in self._held:
-            if held.slots is not None:
-                held.slots = torch.where(held.slots >= 0, remap[held.slots.clamp(min=0)], -1)
+            held.table_remapped(self.name, remap)
+
+    def grow(self, new_capacity: int) -> torch.Tensor:
+        """Rehash the table into ``new_capacity`` slots, as a claim that passes
+        ``grow_at_load_factor`` does: the rows move with their keys, and so do the slots of
+        every batch holding pins in the table. Returns the remap (old slot -> new, -1 for
+        an empty one)."""
+        remap = self.tier.hash.grow(new_capacity)
+        self._apply_remap(self.tier, remap)
+        return remap
 
     def _count_claim(self, tier: Tier, batch: TableBatch, result, *, misses: bool = True):
         """Add one claim's hits, inserts and evictions (and misses) to the counters; returns
@@ -388,6 +396,10 @@ class DynamicTable(CheckpointTiers):
 
     def drop_group_batch(self, batch) -> None:
         self._held.drop(batch)
+
+    def held_batches(self) -> List:
+        """The batches holding pins in the table (its own and its group's)."""
+        return list(self._held)
 
     def has_batches_in_flight(self) -> bool:
         """A prefetched or looked-up batch still holds pins (its backward or release has not

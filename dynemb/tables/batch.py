@@ -112,6 +112,10 @@ class TableBatch(LookupBatch):
     def release(self) -> None:
         self.table.release(self)
 
+    def table_remapped(self, name: str, remap: torch.Tensor) -> None:
+        if self.slots is not None:
+            self.slots = torch.where(self.slots >= 0, remap[self.slots.clamp(min=0)], -1)
+
     def table_tensors(self, name: str) -> List[torch.Tensor]:
         """The tensors of table ``name``'s part: all of them (the batch is one table's)."""
         return self.tensors()

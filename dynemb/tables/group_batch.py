@@ -69,6 +69,7 @@ class GroupBatch(LookupBatch):
         #: between ``TableGroup.claim_batch`` and ``finish_batch``: the claim whose rows are
         #: not filled
         self.pending = None
+        storage.batch_made(self)
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
@@ -168,6 +169,31 @@ class GroupBatch(LookupBatch):
         batch.applied = name in self.applied
         return batch
 
+    def table_remapped(self, name: str, remap: torch.Tensor) -> None:
+        """Member ``name``'s slots move by ``remap`` (in its own numbering); they stay counted
+        from its part's old start until :meth:`rows_moved` (its group laid its tables out
+        again: :meth:`GroupStorage.grow_tables`) or :meth:`move_to`."""
+        t = self.storage.index[name]
+        lo, hi = self.unique_bounds[t], self.unique_bounds[t + 1]
+        start = self.storage.row_offset[t]
+        part = self.slots[lo:hi]
+        moved = torch.where(part >= 0, remap[(part - start).clamp(min=0)] + start, -1)
+        self.slots = torch.cat([self.slots[:lo], moved, self.slots[hi:]])
+
+    def rows_moved(self, storage: GroupStorage, old_offsets: Sequence[int]) -> None:
+        if storage is self.storage:
+            self._shift(old_offsets, storage.row_offset)
+
+    def _shift(self, old_offsets: Sequence[int], new_offsets: Sequence[int]) -> None:
+        """Renumber the slots of each table from its part's old start to its new one."""
+        device = self.slots.device
+        shift = torch.tensor([new - was for new, was in zip(new_offsets, old_offsets)][:-1],
+                             dtype=torch.int64, device=device)
+        sizes = torch.tensor(np.diff(np.asarray(self.unique_bounds)), dtype=torch.int64,
+                             device=device)
+        delta = torch.repeat_interleave(shift, sizes, output_size=self.slots.numel())
+        self.slots = torch.where(self.slots >= 0, self.slots + delta, -1)
+
     def move_to(self, storage: GroupStorage) -> bool:
         """Make this batch of an earlier group of the same tables (regrouped while the batch
         held pins, which moved with the tables' arrays) a batch of the group of ``storage``:
@@ -177,14 +203,7 @@ class GroupBatch(LookupBatch):
         if len(old.tables) != len(storage.tables) or any(
                 a is not b for a, b in zip(old.tables, storage.tables)):
             return False
-        device = self.slots.device
-        shift = torch.tensor([new - was for new, was
-                              in zip(storage.row_offset, old.row_offset)][:-1],
-                             dtype=torch.int64, device=device)
-        sizes = torch.tensor(np.diff(np.asarray(self.unique_bounds)), dtype=torch.int64,
-                             device=device)
-        delta = torch.repeat_interleave(shift, sizes, output_size=self.slots.numel())
-        self.slots = torch.where(self.slots >= 0, self.slots + delta, -1)
+        self._shift(old.row_offset, storage.row_offset)
         self.storage = storage
         return True
 

@@ -131,7 +131,59 @@ class HostGroupPrefetch:
     def _claim(self, unique, counts, given, unique_bounds) -> Optional[tuple]:
         """(slots, inserted, previous keys, previous scores, per-table stats) of one
         pinning claim of every table's keys; None, the claim undone, if a key found no
-        slot."""
+        slot. A table that grows grows where its claim alone would: before the claim, where
+        the keys it misses would pass its load factor, and where the claim evicted a key or
+        missed a slot (the claim is undone, the table grown in the group, and the claim runs
+        again): so below its ``max_capacity`` it never evicts and never misses a slot."""
+        self._grow_before(unique, unique_bounds.tolist())
+        while True:
+            claimed = self._claim_once(unique, counts, given, unique_bounds)
+            slots, inserted, prev_keys, prev_scores, stats = claimed
+            growth = self._growth(stats)
+            if not growth and not stats[:, 2].any():
+                return claimed
+            self._rollback(slots, inserted, prev_keys, prev_scores, stats)
+            if not growth:
+                return None
+            self.storage.grow_tables(growth)
+
+    def _grow_before(self, unique: torch.Tensor, bounds: List[int]) -> None:
+        """Grow the tables whose keys missing from them would pass their load factor (only a
+        table whose size and unique keys together could pass it looks its keys up)."""
+        storage = self.storage
+        if not storage.growing:
+            return
+        sizes = storage.arrays.size.numpy()
+        growth = []
+        for t in storage.growing:
+            hash_table = storage.tables[t].tier.hash
+            lo, hi = bounds[t], bounds[t + 1]
+            if sizes[t] + hi - lo > hash_table.grow_at_load_factor * hash_table.capacity:
+                capacity = hash_table.capacity_to_claim(unique[lo:hi])
+                if capacity is not None:
+                    growth.append((t, capacity))
+        if growth:
+            self.storage.grow_tables(growth)
+
+    def _growth(self, stats) -> List[tuple]:
+        """[(table, capacity)] of the tables that grow before this claim (see
+        ``ScoredHashTable.capacity_to_grow_to``); ``stats``: the claim's per-table (keys
+        added, live keys evicted, keys failed)."""
+        storage = self.storage
+        if not storage.growing:
+            return []
+        sizes = storage.arrays.size.numpy()  # after the claim
+        growth = []
+        for t in storage.growing:
+            added, evicted, failed = stats[t].tolist()
+            capacity = storage.tables[t].tier.hash.capacity_to_grow_to(
+                int(sizes[t]) + evicted + failed, evicted + failed > 0)
+            if capacity is not None:
+                growth.append((t, capacity))
+        return growth
+
+    def _claim_once(self, unique, counts, given, unique_bounds) -> tuple:
+        """One claim of every table's keys (see :meth:`_claim`)."""
         storage = self.storage
         clocks = np.asarray([t.tier.hash.tick() for t in storage.tables], dtype=np.int64)
         u = unique.numel()
@@ -143,9 +195,6 @@ class HostGroupPrefetch:
             storage.arrays, storage.arrays.size, Segments(unique_bounds), storage.row_starts,
             storage.bucket_counts, unique, counts, given, storage.policy.code, clocks,
             storage.allows_eviction, slots, inserted, prev_keys, prev_scores, failed, stats)
-        if stats[:, 2].any():
-            self._rollback(slots, inserted, prev_keys, prev_scores, stats)
-            return None
         return slots, inserted, prev_keys, prev_scores, stats
 
     def _rollback(self, slots, inserted, prev_keys, prev_scores, stats) -> None:

@@ -18,13 +18,15 @@ GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
     """What tables of one group share, or None for a table that trains alone (another
-    storage mode, a table that grows, admission or stashing). A table of float16 / bfloat16
-    rows rounded with noise is a group of one: the noise is drawn per table (its seed and
-    id), and the fused update takes one of each."""
+    storage mode, admission or stashing, or on the CUDA kernels a table that grows: the
+    sync-free prefetch reads nothing back, and growing is decided on the host). A table of
+    float16 / bfloat16 rows rounded with noise is a group of one: the noise is drawn per
+    table (its seed and id), and the fused update takes one of each."""
     options = table.options
     hash_table = table.tier.hash
+    grows = hash_table.grow_at_load_factor is not None
     if (table.mode not in GROUPED_MODES or table.admission is not None
-            or hash_table.grow_at_load_factor is not None  # a table that grows
+            or (grows and table.kernels.defers_failures)
             or options.stash is not StashMode.NONE):
         return None
     weights = table.tier.flat.weights

@@ -32,6 +32,7 @@ Example::
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -54,6 +55,8 @@ class GroupStorage:
     docstring). Building it moves each table into its part, copying it, unless the group
     is one table that owns its arrays (then it works on them as they are)."""
 
+    growing: Tuple[int, ...] = ()  # (a record pickled by an earlier version has none)
+
     def __init__(self, tables: Sequence[DynamicTable]):
         first = tables[0]
         self.tables: List[DynamicTable] = list(tables)
@@ -66,19 +69,10 @@ class GroupStorage:
         self.optimizer = first.optimizer
         self.policy = first.tier.hash.policy
         self.bucket_size = first.tier.hash.bucket_size
-        capacities = [t.tier.hash.capacity for t in tables]
-        self.row_offset = [0]
-        for capacity in capacities:
-            self.row_offset.append(self.row_offset[-1] + capacity)
-        if len(tables) == 1 and _owns_its_arrays(first):  # works on them: nothing is copied
-            self.arrays, self.weights = first.tier.hash.arrays, first.tier.flat.weights
-            self.counters = first.counters.values.unsqueeze(0)
-        else:
-            self._allocate_and_move_in()
-        self._parts = [_parts_of(t) for t in tables]
-        self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)  # numpy, for the kernels
-        self.bucket_counts = np.asarray([c // self.bucket_size for c in capacities],
-                                        dtype=np.int64)
+        #: the tables that grow (``grow_at_load_factor``): a claim checks whether they must
+        self.growing: Tuple[int, ...] = tuple(
+            t for t, table in enumerate(tables) if table.tier.hash.grow_at_load_factor is not None)
+        self._lay_out()
         init = [t.options.initializer.kernel_params() for t in tables]
         self.init_kinds = np.asarray([p[0] for p in init], dtype=np.int64)
         self.init_params = [np.asarray([p[i] for p in init], dtype=np.float64)
@@ -91,6 +85,50 @@ class GroupStorage:
                               table_id=first.table_id)
                          if rounds_with_noise(first) else dict(stochastic_rounding=False))
 
+    def _lay_out(self) -> None:
+        """Place every table in its part of the group's arrays, by the tables' capacities."""
+        first = self.tables[0]
+        capacities = [t.tier.hash.capacity for t in self.tables]
+        self.row_offset = [0]
+        for capacity in capacities:
+            self.row_offset.append(self.row_offset[-1] + capacity)
+        if len(self.tables) == 1 and _owns_its_arrays(first):  # works on them: no copy
+            self.arrays, self.weights = first.tier.hash.arrays, first.tier.flat.weights
+            self.counters = first.counters.values.unsqueeze(0)
+        else:
+            self._allocate_and_move_in()
+        self._parts = [_parts_of(t) for t in self.tables]
+        self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)  # numpy, for the kernels
+        self.bucket_counts = np.asarray([c // self.bucket_size for c in capacities],
+                                        dtype=np.int64)
+
+    def grow_tables(self, growth: Sequence[Tuple[int, int]]) -> None:
+        """Grow each table ``t`` of ``growth`` ``[(t, new capacity)]`` (its rows rehashed, as
+        alone: see :meth:`DynamicTable.grow <dynemb.tables.base.DynamicTable.grow>`), then
+        lay the group out again, once: every table is copied into its part of new arrays (a
+        group of one keeps the table's grown arrays). The group's batches follow: their slots
+        are renumbered to the new parts."""
+        old_offsets = list(self.row_offset)
+        for t, new_capacity in growth:
+            self.tables[t].grow(new_capacity)
+        self._lay_out()
+        batches = {id(b): b for table in self.tables for b in table.held_batches()}
+        batches.update((id(b), b) for b in self.__dict__.get("_batches", ()))
+        for batch in batches.values():
+            batch.rows_moved(self, old_offsets)
+
+    def batch_made(self, batch) -> None:
+        """Keep (weakly) each batch of a group whose tables grow: a batch whose pins ended
+        may still see a late backward, which updates the rows still at its slots, as a
+        table alone does; so its slots follow the group's new layouts too."""
+        if self.growing:
+            self.__dict__.setdefault("_batches", weakref.WeakSet()).add(batch)
+
+    def __getstate__(self) -> Dict:
+        state = dict(self.__dict__)
+        state.pop("_batches", None)  # weak references do not pickle
+        return state
+
     @classmethod
     def of_earlier_group(cls, state: Dict) -> "GroupStorage":
         """The record of a group pickled by an earlier version, which held these fields
@@ -100,6 +138,7 @@ class GroupStorage:
         storage._parts = state["_storage"]
         if "rounding" not in state:  # groups held no rows rounded with noise then
             storage.rounding = dict(stochastic_rounding=False)
+        storage.growing = ()  # groups held no tables that grow then
         if "row_starts" not in state:
             storage.row_starts = np.asarray(storage.row_offset[:-1], dtype=np.int64)
         return storage

@@ -68,6 +68,16 @@ class LookupBatch:
         bounds = self.key_bounds
         return bounds[t], bounds[t + 1]
 
+    def table_remapped(self, name: str, remap: torch.Tensor) -> None:
+        """Member ``name`` grew (:meth:`DynamicTable.grow <dynemb.tables.base.DynamicTable.grow>`):
+        its slots move by ``remap`` (its old slot -> new)."""
+        raise NotImplementedError
+
+    def rows_moved(self, storage, old_offsets: Sequence[int]) -> None:
+        """The table group of ``storage`` laid its tables out again (one of them grew); a
+        batch of that group renumbers its slots from the parts that started at
+        ``old_offsets``. Any other batch is unchanged."""
+
     def member(self, name: str):
         """Member ``name``'s part as a :class:`~dynemb.tables.batch.TableBatch` of its own
         (for reading)."""
