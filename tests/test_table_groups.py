@@ -188,7 +188,8 @@ def test_groups_follow_what_the_kernels_share():
         "t3": DynamicEmbTableOptions(init_capacity=128, max_capacity=512),  # grows
     }
     module = DynamicEmbCollection(configs(), table_options=options)
-    assert grouped_names(module) == [("t0", "t1", "t3")]  # a table that grows, grows in it
+    # a table that grows grows in its group; tables with admission group with each other
+    assert grouped_names(module) == [("t0", "t1", "t3"), ("t2",)]
     module = DynamicEmbCollection(configs(dims=(8, 16, 8, 16)))
     assert grouped_names(module) == [("t0", "t2"), ("t1", "t3")]
     module = DynamicEmbCollection(configs(), table_options={
@@ -206,13 +207,94 @@ def test_mixed_groups_and_lone_tables_match_their_twin():
     grouped, alone = (DynamicEmbCollection(configs(dims=(8, 8, 16, 8)), table_options=options,
                                            optimizer=config, group_tables=g)
                       for g in (True, False))
-    assert grouped_names(grouped) == [("t0", "t3"), ("t2",)]  # t2: a group of one
+    assert grouped_names(grouped) == [("t0", "t3"), ("t1",), ("t2",)]  # t1 admits, t2: dim
     gen = torch.Generator().manual_seed(3)
     for _ in range(12):
         kjt = batch(gen)
         assert_same_outputs(step(grouped, kjt, weights=(1, 1, 1, 1)),
                             step(alone, kjt, weights=(1, 1, 1, 1)))
     assert_same_module(grouped, alone)
+
+
+def admission_options(policy=ScorePolicy.LRU):
+    """Every table admits a key at its 2nd or 3rd occurrence (t3 rejects into its own
+    initializer's rows); t0 also grows, t2 evicts."""
+    return {f"t{i}": DynamicEmbTableOptions(
+        init_capacity=64 if i == 0 else None, max_capacity=cap, bucket_size=32,
+        score_strategy=policy, admission=FrequencyAdmission(
+            threshold, initializer=Initializer(InitializerKind.CONSTANT, value=0.25)
+            if i == 3 else None))
+        for i, (cap, threshold) in enumerate(((512, 2), (256, 3), (64, 2), (512, 2)))}
+
+
+@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.CUSTOMIZED])
+def test_tables_with_admission_group_and_train_bit_for_bit_as_alone(policy):
+    grouped, alone = twins(OptimizerType.ROWWISE_ADAGRAD, policy,
+                           table_options=admission_options(policy))
+    assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+    gen = torch.Generator().manual_seed(17)
+    for i in range(20):
+        kjt = batch(gen, vocab=(300, 300, 400, 600))
+        scores = ({f"t{t}": 100 + 5 * i + t for t in range(4)}
+                  if policy is ScorePolicy.CUSTOMIZED else None)
+        assert_same_outputs(step(grouped, kjt, scores=scores), step(alone, kjt, scores=scores))
+    assert_same_module(grouped, alone)
+    stats = grouped.stats()
+    assert all(s["admission_rejects"] > 0 for s in stats.values())
+    assert stats["t2"]["evictions"] > 0 and grouped.tables["t0"].tier.hash.capacity > 64
+    for module in (grouped, alone):  # eval lookups of keys never admitted: the eval rows
+        module.eval()
+    with torch.no_grad():
+        kjt = batch(gen, vocab=(300, 300, 400, 600))
+        assert_same_outputs(grouped(kjt), alone(kjt))
+
+
+def test_tables_with_admission_pooled_and_prefetched_ahead_match_their_twin():
+    from dynemb import DynamicEmbBagCollection
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    bags = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=300,
+                               feature_names=[FEATURES[i]]) for i in range(4)]
+    grouped, alone = (DynamicEmbBagCollection(
+        bags, table_options=admission_options(), group_tables=g,
+        optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05)) for g in (True, False))
+    assert grouped.table_groups() == [("t0", "t1", "t2", "t3")]
+    gen = torch.Generator().manual_seed(8)
+    kjts = [batch(gen, vocab=(300, 300, 400, 600)) for _ in range(12)]
+    for i in range(0, 12, 2):
+        for module in (grouped, alone):
+            module.prefetch(kjts[i]), module.prefetch(kjts[i + 1])
+        for j in (i, i + 1):
+            outs = [m(kjts[j]) for m in (grouped, alone)]
+            assert torch.equal(outs[0].values(), outs[1].values())
+            for out in outs:
+                (out.values() ** 2).sum().backward()
+    assert_same_module(grouped, alone)
+
+
+def test_a_full_table_with_admission_undoes_its_groups_claim_and_raises_its_error():
+    """Admission counts cannot be taken back, so a group with admission raises the error of
+    the table that refused the batch itself, every table's claim undone (alone, the tables
+    before the refusing one keep theirs)."""
+    options = admission_options(ScorePolicy.NO_EVICTION)
+    options["t1"] = DynamicEmbTableOptions(max_capacity=32, bucket_size=32,
+                                           score_strategy=ScorePolicy.NO_EVICTION,
+                                           admission=FrequencyAdmission(1))
+    grouped, alone = (DynamicEmbCollection(configs(), table_options=options, group_tables=g,
+                                           optimizer=OptimizerConfig(OptimizerType.SGD))
+                      for g in (True, False))
+    assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+    kjt = batch(torch.Generator().manual_seed(0))
+    rows_before = {n: t.stats()["rows_device"] for n, t in grouped.tables.items()}
+    messages = []
+    for module in (grouped, alone):
+        with pytest.raises(TableFullError, match="table 't1'") as err:
+            module(kjt)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    assert {n: t.stats()["rows_device"] for n, t in grouped.tables.items()} == rows_before
+    assert alone.stats()["t0"]["rows_device"] > 0  # alone, t0 claimed before t1 refused
+    assert not any(t.has_batches_in_flight() for t in grouped.tables.values())
+    step(grouped, batch(torch.Generator().manual_seed(1), ids_per_table=(12, 12, 12, 12)))
 
 
 def test_tables_of_several_features_and_a_shared_feature_match_their_twin():

@@ -118,9 +118,10 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
 
     def table_groups(self) -> List[Tuple[str, ...]]:
         """The names of the tables of each group. An HBM_DIRECT table that can group but has
-        no partner is a group of one; a table that cannot group (admission, stashing,
-        DEFAULT or HOST_ONLY; on the CUDA kernels growth), and a CACHE table without a
-        partner, is in none and trains alone.
+        no partner is a group of one (tables with admission group only with each other);
+        a table that cannot group (stashing, DEFAULT or HOST_ONLY, CACHE with admission; on
+        the CUDA kernels growth or admission), and a CACHE table without a partner, is in
+        none and trains alone.
 
         Example::
 

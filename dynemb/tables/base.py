@@ -242,17 +242,23 @@ class DynamicTable(CheckpointTiers):
         self._held.add(batch)
 
     def _admit(self, batch: TableBatch, present: torch.Tensor) -> torch.Tensor:
-        """Keys allowed a row: those already stored and those reaching the threshold. The rest
-        get the admission initializer's row (the table's initializer when it is None) in
-        ``batch.fallback``."""
-        valid = batch.keys != EMPTY_KEY
-        admitted = present | self.admission.admit(batch.keys, batch.counts, valid & ~present)
+        admitted, batch.fallback = self.admit(batch.keys, batch.counts, present)
+        return admitted
+
+    def admit(self, keys: torch.Tensor, counts: torch.Tensor,
+              present: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Admission of a training batch's unique ``keys`` [U] (``counts`` occurrences each;
+        ``present``: stored already): ``(admitted [U] bool, fallback [U, dim])``. Keys
+        allowed a row are those already stored and those reaching the threshold (the
+        others are counted as ``admission_rejects``); the rest read their ``fallback`` row,
+        the admission initializer's (the table's initializer when it is None)."""
+        valid = keys != EMPTY_KEY
+        admitted = present | self.admission.admit(keys, counts, valid & ~present)
         self.counters.add("admission_rejects", (valid & ~admitted).sum())
         initializer = self.options.admission.initializer or self.options.initializer
-        batch.fallback = initializer.rows(
-            batch.keys, self.dim, seed=self.options.seed, table_id=self.table_id,
-            kernels=self.kernels)
-        return admitted
+        fallback = initializer.rows(keys, self.dim, seed=self.options.seed,
+                                    table_id=self.table_id, kernels=self.kernels)
+        return admitted, fallback
 
     def _claim(self, tier: Tier, keys: torch.Tensor, counts: torch.Tensor,
                score: Optional[int] = None):
@@ -268,12 +274,7 @@ class DynamicTable(CheckpointTiers):
         except TableFullError as err:
             if err.remap is not None:
                 self._apply_remap(tier, err.remap)
-            raise TableFullError(
-                f"table {self.name!r}: {err.failed_keys.numel()} keys found no slot in "
-                f"{self._tier_name(tier)} ({tier.hash.capacity} rows, "
-                f"{tier.hash.pinned_count()} pinned by {self._held.describe()}); prefetch fewer "
-                f"batches ahead, raise the device budget, or use an evicting score_strategy. "
-                f"Nothing was inserted.", err.failed_keys, err.remap) from None
+            raise self.full_error(err.failed_keys, tier, err.remap) from None
         if result.remap is not None:
             self._apply_remap(tier, result.remap)
         if on_failure == "defer":
@@ -281,6 +282,18 @@ class DynamicTable(CheckpointTiers):
         if self.changes is not None:
             self.changes.claimed(tier, result)
         return result
+
+    def full_error(self, failed_keys: torch.Tensor, tier: Optional[Tier] = None,
+                   remap: Optional[torch.Tensor] = None) -> TableFullError:
+        """The error of a training claim whose ``failed_keys`` found no slot in ``tier``
+        (default: the table's own), after the claim was undone."""
+        tier = self.tier if tier is None else tier
+        return TableFullError(
+            f"table {self.name!r}: {failed_keys.numel()} keys found no slot in "
+            f"{self._tier_name(tier)} ({tier.hash.capacity} rows, "
+            f"{tier.hash.pinned_count()} pinned by {self._held.describe()}); prefetch fewer "
+            f"batches ahead, raise the device budget, or use an evicting score_strategy. "
+            f"Nothing was inserted.", failed_keys, remap)
 
     def _tier_name(self, tier: Tier) -> str:
         return "the cache" if self.mode is StorageMode.CACHE else f"the {self.mode.value} table"

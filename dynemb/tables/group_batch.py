@@ -167,6 +167,8 @@ class GroupBatch(LookupBatch):
                            torch.tensor([keys.numel()]), slots=local)
         batch.pinned, batch.consumed = self.pinned, self.consumed
         batch.applied = name in self.applied
+        if self.fallback is not None:
+            batch.fallback = self.fallback[u0:self.unique_bounds[t + 1]]
         return batch
 
     def table_remapped(self, name: str, remap: torch.Tensor) -> None:

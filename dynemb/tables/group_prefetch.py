@@ -22,7 +22,7 @@ from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.group_stores import GroupStores
-from dynemb.types import ScorePolicy
+from dynemb.types import EMPTY_KEY, ScorePolicy
 
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
 
@@ -40,23 +40,60 @@ class HostGroupPrefetch:
                     scores: Sequence[Optional[int]]) -> Optional[GroupBatch]:
         """Claim and pin the rows of every table's ``keys`` (see
         ``TableGroup.claim_batch``); the rows are neither filled nor counted yet. None, the
-        claim undone, when a key finds no slot."""
+        claim undone, when a key finds no slot.
+
+        Tables with admission claim only the keys they admit (the others read their
+        ``fallback`` row, as alone); their admission counts cannot be taken back, so where a
+        key finds no slot the claim of every table is undone and the ``TableFullError`` of
+        the first table that refused it raised (alone, the tables before it would keep
+        their claims)."""
         storage = self.storage
         key_bounds = key_bounds_of(keys)
         unique, inverse, counts, unique_bounds = storage.dedup(keys, key_bounds)
         counts, given_occurrences = given_counts(keys, occurrences, inverse, counts)
         ub = unique_bounds.tolist()
         given = self._given_scores(scores, ub, unique)
-        claimed = self._claim(unique, counts, given, unique_bounds)
+        claim_keys, fallback = (self._admit(unique, counts, ub) if storage.admits
+                                else (unique, None))
+        claimed, refused = self._claim(claim_keys, counts, given, unique_bounds)
         if claimed is None:
+            if storage.admits:
+                t, failed_keys = refused
+                raise storage.tables[t].full_error(failed_keys)
             return None
         slots, inserted, prev_keys, prev_scores, stats = claimed
         batch = GroupBatch(storage, unique, inverse, counts, ub, key_bounds, slots)
+        batch.fallback = fallback
         for table in storage.tables:
             table.hold_group_batch(batch)
-        claim = (unique, slots, inserted, prev_keys, prev_scores, unique_bounds)
+        claim = (claim_keys, slots, inserted, prev_keys, prev_scores, unique_bounds)
         batch.pending = (claim, stats, given_occurrences)
         return batch
+
+    def prefetch(self, keys: Sequence[torch.Tensor],
+                 occurrences: Sequence[Optional[torch.Tensor]],
+                 scores: Sequence[Optional[int]]) -> GroupBatch:
+        """:meth:`claim_batch` then :meth:`finish_batch`, for tables with admission (whose
+        claim cannot be taken back; a key without a slot raises)."""
+        return self.finish_batch(self.claim_batch(keys, occurrences, scores))
+
+    def _admit(self, unique: torch.Tensor, counts: torch.Tensor, bounds: List[int]):
+        """(the keys to claim: those admitted, ``EMPTY_KEY`` for the others; every key's
+        fallback row [U, dim]), each table admitting its own keys as alone."""
+        storage = self.storage
+        present = torch.empty_like(unique)
+        storage.kernels.find_group(storage.arrays, Segments(bounds), storage.row_starts,
+                                   storage.bucket_counts, unique, present)
+        present = present >= 0
+        admitted, fallback = [], []
+        for t, table in enumerate(storage.tables):
+            lo, hi = bounds[t], bounds[t + 1]
+            yes, rows = table.admit(unique[lo:hi], counts[lo:hi], present[lo:hi])
+            admitted.append(yes)
+            fallback.append(rows)
+        if len(admitted) > 1:  # (a copy: not for a group of one)
+            admitted, fallback = [torch.cat(admitted)], [torch.cat(fallback)]
+        return torch.where(admitted[0], unique, EMPTY_KEY), fallback[0].to(torch.float32)
 
     def undo_batch(self, batch: GroupBatch) -> None:
         """Take back a :meth:`claim_batch` that :meth:`finish_batch` did not follow: keys,
@@ -128,23 +165,27 @@ class HostGroupPrefetch:
         sizes = np.diff(np.asarray(bounds))
         return torch.from_numpy(np.repeat(np.asarray(scores, dtype=np.int64), sizes))
 
-    def _claim(self, unique, counts, given, unique_bounds) -> Optional[tuple]:
-        """(slots, inserted, previous keys, previous scores, per-table stats) of one
-        pinning claim of every table's keys; None, the claim undone, if a key found no
-        slot. A table that grows grows where its claim alone would: before the claim, where
+    def _claim(self, unique, counts, given, unique_bounds):
+        """``(claim, None)``: the (slots, inserted, previous keys, previous scores,
+        per-table stats) of one pinning claim of every table's keys; or, the claim undone,
+        ``(None, (table, its keys that found no slot))`` of the first table where a key
+        found none. A table that grows grows where its claim alone would: before the claim, where
         the keys it misses would pass its load factor, and where the claim evicted a key or
         missed a slot (the claim is undone, the table grown in the group, and the claim runs
         again): so below its ``max_capacity`` it never evicts and never misses a slot."""
-        self._grow_before(unique, unique_bounds.tolist())
+        bounds = unique_bounds.tolist()
+        self._grow_before(unique, bounds)
         while True:
-            claimed = self._claim_once(unique, counts, given, unique_bounds)
-            slots, inserted, prev_keys, prev_scores, stats = claimed
+            slots, inserted, prev_keys, prev_scores, failed, stats = self._claim_once(
+                unique, counts, given, unique_bounds)
             growth = self._growth(stats)
             if not growth and not stats[:, 2].any():
-                return claimed
+                return (slots, inserted, prev_keys, prev_scores, stats), None
             self._rollback(slots, inserted, prev_keys, prev_scores, stats)
             if not growth:
-                return None
+                t = int(np.flatnonzero(stats[:, 2])[0])
+                lo, hi = bounds[t], bounds[t + 1]
+                return None, (t, unique[lo:hi][failed[lo:hi]])
             self.storage.grow_tables(growth)
 
     def _grow_before(self, unique: torch.Tensor, bounds: List[int]) -> None:
@@ -195,7 +236,7 @@ class HostGroupPrefetch:
             storage.arrays, storage.arrays.size, Segments(unique_bounds), storage.row_starts,
             storage.bucket_counts, unique, counts, given, storage.policy.code, clocks,
             storage.allows_eviction, slots, inserted, prev_keys, prev_scores, failed, stats)
-        return slots, inserted, prev_keys, prev_scores, stats
+        return slots, inserted, prev_keys, prev_scores, failed, stats
 
     def _rollback(self, slots, inserted, prev_keys, prev_scores, stats) -> None:
         """Undo a claim: keys, scores, sizes, pins and clocks as before it."""

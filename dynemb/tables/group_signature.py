@@ -18,16 +18,19 @@ GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
     """What tables of one group share, or None for a table that trains alone (another
-    storage mode, admission or stashing, or on the CUDA kernels a table that grows: the
-    sync-free prefetch reads nothing back, and growing is decided on the host). A table of
-    float16 / bfloat16 rows rounded with noise is a group of one: the noise is drawn per
-    table (its seed and id), and the fused update takes one of each."""
+    storage mode, stashing, admission on a CACHE table, or on the CUDA kernels a table that
+    grows or admits: the sync-free prefetch reads nothing back, and growing and admitting
+    are decided on the host). Tables with admission group only with each other (their
+    prefetch counts keys before it claims, so it cannot be taken back). A table of float16 /
+    bfloat16 rows rounded with noise is a group of one: the noise is drawn per table (its
+    seed and id), and the fused update takes one of each."""
     options = table.options
     hash_table = table.tier.hash
     grows = hash_table.grow_at_load_factor is not None
-    if (table.mode not in GROUPED_MODES or table.admission is not None
-            or (grows and table.kernels.defers_failures)
-            or options.stash is not StashMode.NONE):
+    admits = table.admission is not None
+    if (table.mode not in GROUPED_MODES or options.stash is not StashMode.NONE
+            or (admits and table.mode is not StorageMode.HBM_DIRECT)
+            or ((grows or admits) and table.kernels.defers_failures)):
         return None
     weights = table.tier.flat.weights
     alone = (table.name,) if rounds_with_noise(table) else ()
@@ -35,7 +38,7 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
         return None  # the sync-free path (group_device) has no CACHE stores
     return (table.mode, table.tier.device, table.kernels.name, weights.dtype, table.dim,
             weights.shape[1], table.optimizer, hash_table.policy, hash_table.bucket_size,
-            *alone)
+            admits, *alone)
 
 
 def rounds_with_noise(table: DynamicTable) -> bool:

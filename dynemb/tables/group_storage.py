@@ -55,7 +55,9 @@ class GroupStorage:
     docstring). Building it moves each table into its part, copying it, unless the group
     is one table that owns its arrays (then it works on them as they are)."""
 
-    growing: Tuple[int, ...] = ()  # (a record pickled by an earlier version has none)
+    # (a record pickled by an earlier version has neither)
+    growing: Tuple[int, ...] = ()
+    admits = False
 
     def __init__(self, tables: Sequence[DynamicTable]):
         first = tables[0]
@@ -72,6 +74,8 @@ class GroupStorage:
         #: the tables that grow (``grow_at_load_factor``): a claim checks whether they must
         self.growing: Tuple[int, ...] = tuple(
             t for t, table in enumerate(tables) if table.tier.hash.grow_at_load_factor is not None)
+        #: the tables admit keys by count (all or none of a group's do, group_signature)
+        self.admits = first.admission is not None
         self._lay_out()
         init = [t.options.initializer.kernel_params() for t in tables]
         self.init_kinds = np.asarray([p[0] for p in init], dtype=np.int64)
@@ -250,7 +254,7 @@ class GroupStorage:
         each table)."""
         if sizes is None:
             sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
-        if batch.fallback is not None:  # eval: a key not stored reads its eval initializer row
+        if batch.fallback is not None:  # eval, admission: a key not stored reads its fallback row
             return self.unique_rows(batch).index_select(0, batch.inverse).split(sizes)
         if not self.kernels.defers_failures:  # every key has its row
             slots = batch.slots.index_select(0, batch.inverse)

@@ -1,11 +1,12 @@
 """Table groups: tables of one shape that train as one, one kernel call per phase.
 
 A module's HBM_DIRECT (or CACHE) tables that agree on everything the kernels read (mode,
-device and kernels, dtype, dim and row width, optimizer, score policy, bucket size, no
-admission, no stashing; on the CUDA kernels no growth) form a :class:`TableGroup`; such a
-table with no partner is a group of one, so that it trains on the same path. A table that
-grows grows in its group, where and as much as it would alone
-(:meth:`GroupStorage.grow_tables <dynemb.tables.group_storage.GroupStorage.grow_tables>`). The group's tables live in one set of
+device and kernels, dtype, dim and row width, optimizer, score policy, bucket size,
+admission or not, no stashing; on the CUDA kernels no growth and no admission) form a
+:class:`TableGroup`; such a table with no partner is a group of one, so that it trains on
+the same path. A table that grows grows in its group, where and as much as it would alone
+(:meth:`GroupStorage.grow_tables <dynemb.tables.group_storage.GroupStorage.grow_tables>`);
+tables with admission each admit their own keys before the group claims them. The group's tables live in one set of
 arrays (hash keys, scores, pins, rows, counters), each table in its own contiguous part: the
 record :class:`~dynemb.tables.group_storage.GroupStorage`. The tables stay whole tables:
 their hash tables, flat tables and counters are views of their parts, and everything read
@@ -140,8 +141,9 @@ class TableGroup:
     # -- the unit interface (dynemb.tables.units) ----------------------------------------------
     def claims_apart(self) -> bool:
         """Whether :meth:`claim_batch` only claims (:meth:`undo_batch` takes it back
-        exactly): on the host kernels. The CUDA path does all of the prefetch at once."""
-        return not self.storage.kernels.defers_failures
+        exactly): on the host kernels, for tables without admission (which counts keys
+        before it claims). The CUDA path does all of the prefetch at once."""
+        return not (self.storage.kernels.defers_failures or self.storage.admits)
 
     def claim_batch(self, keys: Sequence[torch.Tensor],
                     occurrences: Sequence[Optional[torch.Tensor]],
@@ -159,7 +161,7 @@ class TableGroup:
         On the host kernels the rows are claimed but neither filled nor counted yet:
         :meth:`finish_batch` does that, or :meth:`undo_batch` takes the claim back."""
         prefetch, _ = self._phases()
-        if not self.claims_apart():
+        if not self.claims_apart():  # raises the error of a table that refuses the batch
             return prefetch.prefetch(keys, occurrences, scores)
         return prefetch.claim_batch(keys, occurrences, scores)
 
@@ -191,7 +193,7 @@ class TableGroup:
         """Raise the ``TableFullError`` of keys of earlier batches that found no slot on the
         CUDA path (once their count has reached the host), the group's, then those of its
         tables from before they were grouped."""
-        if not self.claims_apart():
+        if self.storage.kernels.defers_failures:
             self._phases()[0].failures.check()
         for table in self.tables:
             table.check_failures()
