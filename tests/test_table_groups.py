@@ -297,6 +297,38 @@ def test_a_full_table_with_admission_undoes_its_groups_claim_and_raises_its_erro
     step(grouped, batch(torch.Generator().manual_seed(1), ids_per_table=(12, 12, 12, 12)))
 
 
+def test_host_only_tables_of_a_module_on_the_host_group_and_match_their_twin():
+    """HOST_ONLY keeps its rows in host memory: on a module on the host, that is where a
+    group's arrays are, so its tables group (with each other: they do not grow and allocate
+    max_capacity up front); with admission and eviction, pooled or not."""
+    options = {f"t{i}": DynamicEmbTableOptions(local_hbm_for_values=0, max_capacity=cap,
+                                               bucket_size=32, score_strategy=ScorePolicy.LFU)
+               for i, cap in enumerate((256, 128, 128, 512))}
+    options["t2"] = DynamicEmbTableOptions(max_capacity=128, bucket_size=32,
+                                           score_strategy=ScorePolicy.LFU)  # HBM_DIRECT
+    grouped, alone = twins(OptimizerType.ADAM, ScorePolicy.LFU, table_options=options)
+    assert {m.name for m in grouped.storage_modes().values()} == {"HOST_ONLY", "HBM_DIRECT"}
+    assert grouped_names(grouped) == [("t0", "t1", "t3"), ("t2",)]
+    gen = torch.Generator().manual_seed(31)
+    for _ in range(15):
+        kjt = batch(gen)
+        assert_same_outputs(step(grouped, kjt), step(alone, kjt))
+    assert_same_module(grouped, alone)
+    assert grouped.stats()["t1"]["evictions"] > 0 and grouped.stats()["t1"]["rows_device"] == 0
+    for module in (grouped, alone):
+        module.eval()
+    with torch.no_grad():
+        kjt = batch(gen)
+        assert_same_outputs(grouped(kjt), alone(kjt))
+    # on the CUDA kernels (numba's simulator stands in for the GPU) a HOST_ONLY table's
+    # rows are on the host, claimed by the host kernels, away from its batches: alone
+    from conftest import BACKENDS
+    name, device = BACKENDS[1]
+    on_cuda = DynamicEmbCollection(configs(), table_options=options, backend=name,
+                                   device=torch.device(device))
+    assert grouped_names(on_cuda) == [("t2",)]
+
+
 def test_tables_of_several_features_and_a_shared_feature_match_their_twin():
     # t0 reads f0 and f1, t1 reads f2, t2 reads f3 and f1 (outputs f1@t0, f1@t2); the loss
     # leaves some outputs out (t1's entirely), and some batches have no ids of f3

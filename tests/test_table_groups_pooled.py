@@ -29,9 +29,10 @@ def configs(poolings, data_type=DataType.FP32):
 
 
 def twins(poolings, optimizer, weighted=False, clip=None, backend=None, device=None,
-          data_type=DataType.FP32, capacity=128):
+          data_type=DataType.FP32, capacity=128, **table_options):
     options = DynamicEmbTableOptions(max_capacity=capacity, bucket_size=32,
-                                     score_strategy=ScorePolicy.LFU, stochastic_rounding=False)
+                                     score_strategy=ScorePolicy.LFU, stochastic_rounding=False,
+                                     **table_options)
     config = OptimizerConfig(optimizer, learning_rate=0.05, max_gradient=clip)
     return [DynamicEmbBagCollection(configs(poolings, data_type), is_weighted=weighted,
                                     table_options=options, optimizer=config, group_tables=g,
@@ -71,6 +72,16 @@ def test_a_grouped_bag_module_trains_bit_for_bit_as_its_tables_one_by_one(
     assert sum(s["evictions"] for s in grouped.stats().values()) > 0
 
 
+@pytest.mark.parametrize("poolings,weighted,clip", POOLINGS[:3])
+def test_grouped_host_only_bag_tables_train_bit_for_bit_as_alone(poolings, weighted, clip):
+    grouped, alone = twins(poolings, OptimizerType.ADAM, weighted, clip,
+                           local_hbm_for_values=0)
+    assert {m.name for m in grouped.storage_modes().values()} == {"HOST_ONLY"}
+    assert grouped.table_groups() == [("t0", "t1", "t2"), ("t3",)]
+    train_alike(grouped, alone, weighted, steps=12, seed=4)
+    assert sum(s["evictions"] for s in grouped.stats().values()) > 0
+
+
 @pytest.mark.parametrize("data_type", [DataType.FP16, DataType.BF16])
 @pytest.mark.parametrize("poolings", [[PoolingType.MEAN] * 4, [PoolingType.SUM] * 4,
                                       [PoolingType.SUM, PoolingType.MEAN] * 2])
@@ -100,8 +111,9 @@ def train_alike(grouped, alone, weighted, steps, seed, device="cpu", by_key=Fals
     bit for bit. ``by_key``: the state is compared key by key (rows, optimizer state), not
     slot by slot: on a GPU, concurrent inserts into one bucket may take its slots in
     another order."""
-    # t3 has no partner: a group of one if HBM_DIRECT, else alone
-    lone = [("t3",)] if grouped.tables["t3"].mode.name == "HBM_DIRECT" else []
+    # t3 has no partner: a group of one if HBM_DIRECT or HOST_ONLY, else alone
+    lone = ([("t3",)] if grouped.tables["t3"].mode.name in ("HBM_DIRECT", "HOST_ONLY")
+            else [])
     assert grouped.table_groups() == [("t0", "t1", "t2")] + lone
     gen = torch.Generator().manual_seed(seed)
     probe = torch.randn(BATCH, 8 * 4 + 4, generator=gen).to(device)

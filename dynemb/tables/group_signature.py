@@ -10,15 +10,16 @@ from dynemb.options import StashMode, StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.policies import POLICIES
 
-#: The modes whose tables group (their policy's ``groups``): HBM_DIRECT, and CACHE (the
-#: device tier grouped; each table's evicted rows go to its own store, and its new rows come
-#: from it, table by table).
+#: The modes whose tables group (their policy's ``groups``): HBM_DIRECT, CACHE (the device
+#: tier grouped; each table's evicted rows go to its own store, and its new rows come from
+#: it, table by table) and HOST_ONLY (where the module is on the host too).
 GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups)
 
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
     """What tables of one group share, or None for a table that trains alone (another
-    storage mode, stashing, admission on a CACHE table, or on the CUDA kernels a table that
+    storage mode, rows away from the module's device (HOST_ONLY on CUDA), stashing,
+    admission on a CACHE table, or on the CUDA kernels a table that
     grows or admits: the sync-free prefetch reads nothing back, and growing and admitting
     are decided on the host). Tables with admission group only with each other (their
     prefetch counts keys before it claims, so it cannot be taken back). A table of float16 /
@@ -28,7 +29,9 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
     hash_table = table.tier.hash
     grows = hash_table.grow_at_load_factor is not None
     admits = table.admission is not None
-    if (table.mode not in GROUPED_MODES or options.stash is not StashMode.NONE
+    if (table.mode not in GROUPED_MODES or table.tier.device != table.device
+            or table.tier.kernels.name != table.kernels.name
+            or options.stash is not StashMode.NONE
             or (admits and table.mode is not StorageMode.HBM_DIRECT)
             or ((grows or admits) and table.kernels.defers_failures)):
         return None

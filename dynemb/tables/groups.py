@@ -63,7 +63,9 @@ def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
 
     A table with no partner is a group of one only where that is measured to cost no more
     than its own path: HBM_DIRECT, on the host kernels by time (0.99-1.02x), on CUDA by
-    launches (30 against 80 per step, ``benchmarks/step_census.py``). A CACHE table alone
+    launches (30 against 80 per step, ``benchmarks/step_census.py``); HOST_ONLY on a module
+    on the host (0.54-0.59x: alone it updates copies of its rows and writes them back, a
+    group in place). A CACHE table alone
     writes back and loads its rows faster than a group of one does (1.11-1.18x on
     bench_collection's workload)."""
     by_signature: Dict[Hashable, List[DynamicTable]] = {}
@@ -76,7 +78,7 @@ def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
 
 
 def _one_is_a_group(table: DynamicTable) -> bool:
-    return table.mode is StorageMode.HBM_DIRECT
+    return table.mode in (StorageMode.HBM_DIRECT, StorageMode.HOST_ONLY)
 
 
 class TableGroup:

@@ -14,7 +14,7 @@ policy         table class      new rows         evicted rows     row reads   gr
 HBM_DIRECT     HbmDirectTable   initializer      dropped          device      yes
 CACHE          CacheTable       store load       written back     cached      yes
 DEFAULT        TieredTable      initializer      dropped          cached      no
-HOST_ONLY      HostOnlyTable    initializer      dropped          host        no
+HOST_ONLY      HostOnlyTable    initializer      dropped          host        on CPU
 =============  ===============  ===============  ===============  ==========  ======
 
 Example::
@@ -83,7 +83,8 @@ class StoragePolicy:
     new_rows: NewRows = NewRows.INITIALIZER
     evicted_rows: EvictedRows = EvictedRows.DROPPED
     row_reads: RowReads = RowReads.DEVICE
-    #: whether tables of this mode can train as one group (:mod:`dynemb.tables.groups`)
+    #: whether tables of this mode can train as one group (:mod:`dynemb.tables.groups`; a
+    #: table whose rows live away from the module's device never does)
     groups: bool = False
 
     def __repr__(self) -> str:
@@ -189,6 +190,7 @@ class HostOnlyPolicy(StoragePolicy):
     mode = StorageMode.HOST_ONLY
     table_class = HostOnlyTable
     row_reads = RowReads.HOST
+    groups = True  # where the module is on the host too (group_signature)
 
     def upfront_device_rows(self, layout: TableLayout) -> int:
         return 0
