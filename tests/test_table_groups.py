@@ -430,14 +430,21 @@ def test_a_grouped_eval_lookup_is_one_group_batch_and_matches_its_twin():
     assert grouped.stats()["t0"]["misses"] > 0
 
 
-def test_state_dicts_load_across_grouped_and_lone_modules_and_training_goes_on_the_same():
-    grouped, alone = twins(OptimizerType.ADAM)
+def options_of(kind):
+    """Tables of fixed capacity (None: twins' default), that grow, or that admit keys."""
+    return {"fixed": lambda: None, "growing": growing_options,
+            "admission": admission_options}[kind]()
+
+
+@pytest.mark.parametrize("kind", ["fixed", "growing", "admission"])
+def test_state_dicts_load_across_grouped_and_lone_modules_and_training_goes_on_the_same(kind):
+    grouped, alone = twins(OptimizerType.ADAM, table_options=options_of(kind))
     gen = torch.Generator().manual_seed(9)
     for _ in range(8):
         step(grouped, batch(gen))
     alone.load_state_dict(grouped.state_dict())
     assert_same_module(grouped, alone)
-    fresh, _ = twins(OptimizerType.ADAM)
+    fresh, _ = twins(OptimizerType.ADAM, table_options=options_of(kind))
     fresh.load_state_dict(alone.state_dict())  # into a grouped module
     assert grouped_names(fresh) == [("t0", "t1", "t2", "t3")]
     for _ in range(8):
@@ -447,8 +454,9 @@ def test_state_dicts_load_across_grouped_and_lone_modules_and_training_goes_on_t
     assert_same_module(grouped, alone), assert_same_module(grouped, fresh)
 
 
-def test_resetting_one_table_regroups_and_matches_the_twin():
-    grouped, alone = twins(OptimizerType.SGD)
+@pytest.mark.parametrize("kind", ["fixed", "growing", "admission"])
+def test_resetting_one_table_regroups_and_matches_the_twin(kind):
+    grouped, alone = twins(OptimizerType.SGD, table_options=options_of(kind))
     gen = torch.Generator().manual_seed(2)
     train_both(grouped, alone, gen, 5)
     grouped.reset_parameters(tables=["t1"]), alone.reset_parameters(tables=["t1"])
@@ -490,8 +498,9 @@ def test_a_table_replaced_with_a_lookup_in_flight_ends_that_lookup():
     assert all(t.tier.hash.pinned_count() == 0 for t in grouped.tables.values())
 
 
-def test_a_pickled_grouped_module_goes_on_bit_for_bit():
-    grouped, alone = twins(OptimizerType.ADAM)
+@pytest.mark.parametrize("kind", ["fixed", "growing", "admission"])
+def test_a_pickled_grouped_module_goes_on_bit_for_bit(kind):
+    grouped, alone = twins(OptimizerType.ADAM, table_options=options_of(kind))
     gen = torch.Generator().manual_seed(4)
     train_both(grouped, alone, gen, 4)
     buffer = io.BytesIO()
