@@ -643,13 +643,13 @@ def test_a_lone_table_that_grows_is_a_group_of_one_on_its_own_arrays():
     (group,) = grouped._core.groups
     assert group.storage.arrays.keys.data_ptr() == table.tier.hash.arrays.keys.data_ptr()
     assert group.storage.weights.data_ptr() == table.tier.flat.weights.data_ptr()
-    # on the CUDA kernels (numba's simulator stands in for the GPU) a table that grows trains
-    # alone: the sync-free group prefetch reads nothing back, growing is decided on the host
+    # on the CUDA kernels (numba's simulator stands in for the GPU) too
     from conftest import BACKENDS
     name, device = BACKENDS[1]
+    fixed = DynamicEmbTableOptions(max_capacity=512, bucket_size=32)
     on_cuda = DynamicEmbCollection(configs()[:2], backend=name, device=torch.device(device),
-                                   table_options={"t0": options["t0"]})
-    assert on_cuda.table_groups() == [("t1",)]
+                                   table_options={"t0": options["t0"], "t1": fixed})
+    assert on_cuda.table_groups() == [("t0", "t1")]
 
 
 def test_a_full_table_beside_tables_that_grow_raises_as_alone():

@@ -91,6 +91,36 @@ def test_grouped_tables_train_as_alone_on_the_cuda_kernels(optimizer, pooled):
     assert grouped.steps == alone.steps
 
 
+def test_grouped_tables_that_grow_grow_as_alone_on_the_cuda_kernels():
+    """t0 grows from 16 to 64 rows, t1 does not; with a batch prefetched ahead of each
+    forward, whose slots follow the growth. What a key reads and holds, and the counters,
+    equal the tables' alone (the slots may differ: concurrent claims)."""
+    options = {"t0": DynamicEmbTableOptions(init_capacity=16, max_capacity=64, bucket_size=16,
+                                            stochastic_rounding=False),
+               "t1": DynamicEmbTableOptions(max_capacity=64, bucket_size=16,
+                                            stochastic_rounding=False)}
+    grouped, alone = (DynamicEmbCollection(
+        tables(2), table_options=options, device=DEVICE, backend=KERNELS, group_tables=g,
+        optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05)) for g in (True, False))
+    assert grouped.table_groups() == [("t0", "t1")]
+    gen = torch.Generator().manual_seed(3)
+    kjts = [batch(gen, 2, per_table=9) for _ in range(5)]
+    capacities = []
+    for module in (grouped, alone):
+        module.prefetch(kjts[0])
+    for i in range(4):
+        outs = []
+        for module in (grouped, alone):
+            module.prefetch(kjts[i + 1])  # may grow t0 while batch i waits for its forward
+            outs.append(train(module, kjts[i], ["f0", "f1"]))
+        for f in outs[0]:
+            assert torch.equal(outs[0][f], outs[1][f]), (i, f)
+        capacities.append(grouped.tables["t0"].tier.hash.capacity)
+    assert capacities[-1] == alone.tables["t0"].tier.hash.capacity == 64 > capacities[0]
+    grouped.clear_prefetched(), alone.clear_prefetched()
+    assert_same_tables(grouped, alone, torch.arange(40, device=DEVICE))
+
+
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
 def test_grouped_eval_lookups_match_alone_on_the_cuda_kernels(pooled):
     """A group's eval lookup on the CUDA kernels: one find kernel, pins until the rows are

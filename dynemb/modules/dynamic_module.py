@@ -120,7 +120,7 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         """The names of the tables of each group. An HBM_DIRECT or HOST_ONLY table that can
         group but has no partner is a group of one (tables with admission group only with
         each other); a table that cannot group (stashing, DEFAULT, CACHE with admission; on
-        the CUDA kernels growth, admission or HOST_ONLY), and a CACHE table without a
+        the CUDA kernels admission or HOST_ONLY), and a CACHE table without a
         partner, is in none and trains alone.
 
         Example::

@@ -13,6 +13,11 @@ What the host cannot know without waiting, it does not need:
 - **Per-table values** (bounds, clocks) go to the device through pinned memory
   (:func:`dynemb.foundations.device_values.values_on`).
 
+A group with a table that grows reads back what that table alone reads back: its size and,
+where its keys could pass its load factor, how many of them it misses, before the claim; and
+whether the claim evicted a live key below its ``max_capacity`` after it (then the claim is
+undone, the table grown in the group, and the claim runs again).
+
 Within a table, the unique keys come sorted (as ``dedup.padded_unique`` sorts a table's own),
 each at its table's position in the key bounds.
 """
@@ -76,8 +81,7 @@ class DeviceGroupPrefetch:
         self.storage = storage
         device = storage.device
         self.device = device
-        self.row_offset = values_on(storage.row_offset[:-1], torch.int64, device)
-        self.num_buckets = values_on(storage.bucket_counts.tolist(), torch.int64, device)
+        self._place_tables()
         self.seeds = values_on(storage.seeds.tolist(), torch.int64, device)
         self.table_ids = values_on(storage.table_ids.tolist(), torch.int64, device)
         self.init_kinds = values_on(storage.init_kinds.tolist(), torch.int64, device)
@@ -88,6 +92,13 @@ class DeviceGroupPrefetch:
         self.eval_params = [values_on([p[i] for p in evals], torch.float64, device)
                             for i in range(1, 5)]
         self.failures = GroupFailures(storage.names, device)
+
+    def _place_tables(self) -> None:
+        """Where each table's part starts, and its buckets, on the device (again after a
+        growth laid the group out anew)."""
+        storage = self.storage
+        self.row_offset = values_on(storage.row_offset[:-1], torch.int64, self.device)
+        self.num_buckets = values_on(storage.bucket_counts.tolist(), torch.int64, self.device)
 
     def _dedup(self, keys: Sequence[torch.Tensor],
                occurrences: Sequence[Optional[torch.Tensor]]):
@@ -134,6 +145,8 @@ class DeviceGroupPrefetch:
         self.failures.check()
         key_bounds, segments, unique, inverse, counts, given = self._dedup(keys, occurrences)
         seg = segments.table_of
+        if storage.growing:
+            self._grow_before(unique, key_bounds)
         slots, inserted, prev_keys, prev_scores = self._claim(segments, unique, counts, scores)
         batch = GroupBatch(storage, unique, inverse, counts, list(key_bounds), key_bounds, slots)
         batch.seg = seg
@@ -153,13 +166,19 @@ class DeviceGroupPrefetch:
         self._count(segments, unique, slots, inserted, prev_keys, given)
         return batch
 
+    def _grow_before(self, unique, key_bounds) -> None:
+        storage = self.storage
+        offsets = list(storage.row_offset)
+        storage.grow_before_claim(unique, key_bounds)
+        if storage.row_offset != offsets:
+            self._place_tables()
+
     def _claim(self, segments, unique, counts, scores):
         """(slots, inserted, previous keys, previous scores) of one pinning claim of every
         table's unique keys, each table at its next clock; the keys that found no slot go to
-        :attr:`failures`."""
+        :attr:`failures`. A table that grows and evicted a live key grows and the claim runs
+        again (see the module docstring)."""
         storage = self.storage
-        clocks = values_on([t.tier.hash.tick() for t in storage.tables], torch.int64,
-                           self.device)
         slots, prev_keys, prev_scores = (torch.empty_like(unique) for _ in range(3))
         inserted = torch.empty(unique.shape, dtype=torch.bool, device=self.device)
         failed = torch.empty_like(inserted)
@@ -167,10 +186,22 @@ class DeviceGroupPrefetch:
             given = values_on(list(scores), torch.int64, self.device)[segments.table_of]
         else:
             given = unique.new_zeros(1).expand(unique.shape)
-        storage.kernels.find_or_insert_group(
-            storage.arrays, storage.arrays.size, segments, self.row_offset, self.num_buckets,
-            unique, counts, given, storage.policy.code, clocks, storage.allows_eviction, slots,
-            inserted, prev_keys, prev_scores, failed)
+        stats = (torch.empty(len(storage.tables), 3, dtype=torch.int64, device=self.device)
+                 if storage.growing else None)
+        while True:
+            clocks = values_on([t.tier.hash.tick() for t in storage.tables], torch.int64,
+                               self.device)
+            storage.kernels.find_or_insert_group(
+                storage.arrays, storage.arrays.size, segments, self.row_offset,
+                self.num_buckets, unique, counts, given, storage.policy.code, clocks,
+                storage.allows_eviction, slots, inserted, prev_keys, prev_scores, failed, stats)
+            growth = [] if stats is None else storage.growth_after_claim(
+                stats, grow_on_failure=False)  # failures are reported later, as alone
+            if not growth:
+                break
+            storage.undo_claim(slots, inserted, prev_keys, prev_scores, stats[:, 0])
+            storage.grow_tables(growth)
+            self._place_tables()
         self.failures.record(torch.zeros(len(storage.tables), dtype=torch.int64,
                                          device=self.device)
                              .index_add_(0, segments.table_of, failed.to(torch.int64)))

@@ -173,12 +173,13 @@ class HostGroupPrefetch:
         the keys it misses would pass its load factor, and where the claim evicted a key or
         missed a slot (the claim is undone, the table grown in the group, and the claim runs
         again): so below its ``max_capacity`` it never evicts and never misses a slot."""
+        storage = self.storage
         bounds = unique_bounds.tolist()
-        self._grow_before(unique, bounds)
+        storage.grow_before_claim(unique, bounds)
         while True:
             slots, inserted, prev_keys, prev_scores, failed, stats = self._claim_once(
                 unique, counts, given, unique_bounds)
-            growth = self._growth(stats)
+            growth = storage.growth_after_claim(stats, grow_on_failure=True)
             if not growth and not stats[:, 2].any():
                 return (slots, inserted, prev_keys, prev_scores, stats), None
             self._rollback(slots, inserted, prev_keys, prev_scores, stats)
@@ -186,42 +187,7 @@ class HostGroupPrefetch:
                 t = int(np.flatnonzero(stats[:, 2])[0])
                 lo, hi = bounds[t], bounds[t + 1]
                 return None, (t, unique[lo:hi][failed[lo:hi]])
-            self.storage.grow_tables(growth)
-
-    def _grow_before(self, unique: torch.Tensor, bounds: List[int]) -> None:
-        """Grow the tables whose keys missing from them would pass their load factor (only a
-        table whose size and unique keys together could pass it looks its keys up)."""
-        storage = self.storage
-        if not storage.growing:
-            return
-        sizes = storage.arrays.size.numpy()
-        growth = []
-        for t in storage.growing:
-            hash_table = storage.tables[t].tier.hash
-            lo, hi = bounds[t], bounds[t + 1]
-            if sizes[t] + hi - lo > hash_table.grow_at_load_factor * hash_table.capacity:
-                capacity = hash_table.capacity_to_claim(unique[lo:hi])
-                if capacity is not None:
-                    growth.append((t, capacity))
-        if growth:
-            self.storage.grow_tables(growth)
-
-    def _growth(self, stats) -> List[tuple]:
-        """[(table, capacity)] of the tables that grow before this claim (see
-        ``ScoredHashTable.capacity_to_grow_to``); ``stats``: the claim's per-table (keys
-        added, live keys evicted, keys failed)."""
-        storage = self.storage
-        if not storage.growing:
-            return []
-        sizes = storage.arrays.size.numpy()  # after the claim
-        growth = []
-        for t in storage.growing:
-            added, evicted, failed = stats[t].tolist()
-            capacity = storage.tables[t].tier.hash.capacity_to_grow_to(
-                int(sizes[t]) + evicted + failed, evicted + failed > 0)
-            if capacity is not None:
-                growth.append((t, capacity))
-        return growth
+            storage.grow_tables(growth)
 
     def _claim_once(self, unique, counts, given, unique_bounds) -> tuple:
         """One claim of every table's keys (see :meth:`_claim`)."""
@@ -240,15 +206,8 @@ class HostGroupPrefetch:
 
     def _rollback(self, slots, inserted, prev_keys, prev_scores, stats) -> None:
         """Undo a claim: keys, scores, sizes, pins and clocks as before it."""
-        storage = self.storage
-        a = storage.arrays
-        a.keys[slots[inserted]] = prev_keys[inserted]
-        a.size.sub_(torch.from_numpy(stats[:, 0].copy()))
-        placed = slots >= 0
-        a.scores[slots[placed]] = prev_scores[placed]
-        storage.kernels.add_refcounts(a, slots, -1)
-        for table in storage.tables:
-            table.tier.hash.untick()
+        self.storage.undo_claim(slots, inserted, prev_keys, prev_scores,
+                                torch.from_numpy(stats[:, 0].copy()))
 
     def _count(self, batch: GroupBatch, inserted, prev_keys, occurrences,
                skip: Sequence[int] = ()) -> None:

@@ -19,21 +19,21 @@ GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
     """What tables of one group share, or None for a table that trains alone (another
     storage mode, rows away from the module's device (HOST_ONLY on CUDA), stashing,
-    admission on a CACHE table, or on the CUDA kernels a table that
-    grows or admits: the sync-free prefetch reads nothing back, and growing and admitting
-    are decided on the host). Tables with admission group only with each other (their
+    admission on a CACHE table, or on the CUDA kernels a table that admits: the sync-free
+    prefetch reads nothing back, and admitting is decided on the host; a table that grows
+    does group there, and its group reads back what it would alone). Tables with admission
+    group only with each other (their
     prefetch counts keys before it claims, so it cannot be taken back). A table of float16 /
     bfloat16 rows rounded with noise is a group of one: the noise is drawn per table (its
     seed and id), and the fused update takes one of each."""
     options = table.options
     hash_table = table.tier.hash
-    grows = hash_table.grow_at_load_factor is not None
     admits = table.admission is not None
     if (table.mode not in GROUPED_MODES or table.tier.device != table.device
             or table.tier.kernels.name != table.kernels.name
             or options.stash is not StashMode.NONE
             or (admits and table.mode is not StorageMode.HBM_DIRECT)
-            or ((grows or admits) and table.kernels.defers_failures)):
+            or (admits and table.kernels.defers_failures)):
         return None
     weights = table.tier.flat.weights
     alone = (table.name,) if rounds_with_noise(table) else ()

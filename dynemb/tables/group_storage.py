@@ -121,6 +121,57 @@ class GroupStorage:
         for batch in batches.values():
             batch.rows_moved(self, old_offsets)
 
+    def grow_before_claim(self, keys: torch.Tensor, bounds: Sequence[int]) -> None:
+        """Grow the tables that grow whose keys of a claim (``keys``, table ``t``'s at
+        ``bounds[t]:bounds[t + 1]``, ``EMPTY_KEY`` padding counted as a miss, as alone)
+        missing from them would pass their load factor, as each would alone before its
+        claim. Only a table whose size and keys together could pass it looks its keys up
+        (reading back from the device, as the table alone does)."""
+        if not self.growing:
+            return
+        sizes = self.arrays.size.tolist()
+        growth = []
+        for t in self.growing:
+            hash_table = self.tables[t].tier.hash
+            lo, hi = bounds[t], bounds[t + 1]
+            if sizes[t] + hi - lo > hash_table.grow_at_load_factor * hash_table.capacity:
+                capacity = hash_table.capacity_to_claim(keys[lo:hi])
+                if capacity is not None:
+                    growth.append((t, capacity))
+        if growth:
+            self.grow_tables(growth)
+
+    def growth_after_claim(self, stats, grow_on_failure: bool) -> List[Tuple[int, int]]:
+        """``[(table, capacity)]`` of the tables that grow where a claim (its per-table
+        ``stats``: keys added, live keys evicted, keys failed; read back from the device)
+        evicted a live key (or, ``grow_on_failure``, found no slot for one) below their
+        ``max_capacity``, as each table alone grows (see
+        ``ScoredHashTable.capacity_to_grow_to``)."""
+        if not self.growing:
+            return []
+        sizes, per_table = self.arrays.size.tolist(), stats.tolist()
+        growth = []
+        for t in self.growing:
+            _, evicted, failed = per_table[t]
+            displaced = evicted + (failed if grow_on_failure else 0)
+            capacity = self.tables[t].tier.hash.capacity_to_grow_to(
+                sizes[t] + evicted + failed, displaced > 0)
+            if capacity is not None:
+                growth.append((t, capacity))
+        return growth
+
+    def undo_claim(self, slots, inserted, prev_keys, prev_scores, added) -> None:
+        """Undo a pinning claim of the group: keys, scores, sizes (``added``: the keys each
+        table's claim added), pins and clocks as before it."""
+        a = self.arrays
+        a.keys[slots[inserted]] = prev_keys[inserted]
+        a.size.sub_(added)
+        placed = slots >= 0
+        a.scores[slots[placed]] = prev_scores[placed]
+        self.kernels.add_refcounts(a, slots, -1)
+        for table in self.tables:
+            table.tier.hash.untick()
+
     def batch_made(self, batch) -> None:
         """Keep (weakly) each batch of a group whose tables grow: a batch whose pins ended
         may still see a late backward, which updates the rows still at its slots, as a

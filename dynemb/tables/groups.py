@@ -1,13 +1,13 @@
 """Table groups: tables of one shape that train as one, one kernel call per phase.
 
-A module's HBM_DIRECT (or CACHE) tables that agree on everything the kernels read (mode,
-device and kernels, dtype, dim and row width, optimizer, score policy, bucket size,
-admission or not, no stashing; on the CUDA kernels no growth and no admission) form a
+A module's HBM_DIRECT (CACHE, or on the host HOST_ONLY) tables that agree on everything the
+kernels read (mode, device and kernels, dtype, dim and row width, optimizer, score policy,
+bucket size, admission or not, no stashing; on the CUDA kernels no admission) form a
 :class:`TableGroup`; such a table with no partner is a group of one, so that it trains on
 the same path. A table that grows grows in its group, where and as much as it would alone
 (:meth:`GroupStorage.grow_tables <dynemb.tables.group_storage.GroupStorage.grow_tables>`);
-tables with admission each admit their own keys before the group claims them. The group's tables live in one set of
-arrays (hash keys, scores, pins, rows, counters), each table in its own contiguous part: the
+tables with admission each admit their own keys before the group claims them. The group's
+tables live in one set of arrays (hash keys, scores, pins, rows, counters), each table in its own contiguous part: the
 record :class:`~dynemb.tables.group_storage.GroupStorage`. The tables stay whole tables:
 their hash tables, flat tables and counters are views of their parts, and everything read
 per table (``read_rows``, ``stats``, checkpoints, exports) is unchanged.
