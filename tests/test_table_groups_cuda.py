@@ -122,6 +122,32 @@ def test_grouped_tables_that_grow_grow_as_alone_on_the_cuda_kernels():
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
+def test_grouped_tables_with_admission_train_as_alone_on_the_cuda_kernels(pooled):
+    """Each table admits its keys through its own counter (t1 at the 2nd occurrence, into
+    a constant row before); keys refused read their fallback rows and take no update."""
+    from dynemb.rows.admission import FrequencyAdmission
+    options = {f"t{i}": DynamicEmbTableOptions(
+        max_capacity=64, bucket_size=16, stochastic_rounding=False,
+        admission=FrequencyAdmission(threshold, initializer=Initializer(
+            InitializerKind.CONSTANT, value=0.5) if i == 1 else None))
+        for i, threshold in enumerate((2, 2, 3))}
+    module = DynamicEmbBagCollection if pooled else DynamicEmbCollection
+    grouped, alone = (module(tables(3, pooled=pooled), table_options=options, device=DEVICE,
+                             backend=KERNELS, group_tables=g,
+                             optimizer=OptimizerConfig(OptimizerType.SGD, learning_rate=0.1))
+                      for g in (True, False))
+    assert grouped.table_groups() == [("t0", "t1", "t2")]
+    gen = torch.Generator().manual_seed(6)
+    for step in range(3):
+        kjt = batch(gen, 3, vocab=12)
+        out_g, out_a = (train(m, kjt, ["f0", "f1", "f2"]) for m in (grouped, alone))
+        for f in out_g:
+            assert torch.equal(out_g[f], out_a[f]), (step, f)
+    assert_same_tables(grouped, alone, torch.arange(12, device=DEVICE))
+    assert all(s["admission_rejects"] > 0 for s in grouped.stats().values())
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
 def test_grouped_eval_lookups_match_alone_on_the_cuda_kernels(pooled):
     """A group's eval lookup on the CUDA kernels: one find kernel, pins until the rows are
     read, unseen keys from each table's eval initializer; the same outputs and counters."""

@@ -120,8 +120,8 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         """The names of the tables of each group. An HBM_DIRECT or HOST_ONLY table that can
         group but has no partner is a group of one (tables with admission group only with
         each other); a table that cannot group (stashing, DEFAULT, CACHE with admission; on
-        the CUDA kernels admission or HOST_ONLY), and a CACHE table without a
-        partner, is in none and trains alone.
+        the CUDA kernels HOST_ONLY), and a CACHE table without a partner, is in none and
+        trains alone.
 
         Example::
 

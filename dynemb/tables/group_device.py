@@ -145,21 +145,27 @@ class DeviceGroupPrefetch:
         self.failures.check()
         key_bounds, segments, unique, inverse, counts, given = self._dedup(keys, occurrences)
         seg = segments.table_of
+        claim_keys, fallback = unique, None
+        if storage.admits:  # each table admits its keys as alone (the others: fallback rows)
+            claim_keys, fallback = storage.admit(unique, counts, segments, self.row_offset,
+                                                 self.num_buckets)
         if storage.growing:
-            self._grow_before(unique, key_bounds)
-        slots, inserted, prev_keys, prev_scores = self._claim(segments, unique, counts, scores)
+            self._grow_before(claim_keys, key_bounds)
+        slots, inserted, prev_keys, prev_scores = self._claim(segments, claim_keys, counts,
+                                                              scores)
         batch = GroupBatch(storage, unique, inverse, counts, list(key_bounds), key_bounds, slots)
-        batch.seg = seg
+        batch.seg, batch.fallback = seg, fallback
         for table in storage.tables:
             table.hold_group_batch(batch)
         try:
-            storage.track_changes((unique, slots, inserted, prev_keys, prev_scores, key_bounds))
+            storage.track_changes((claim_keys, slots, inserted, prev_keys, prev_scores,
+                                   key_bounds))
             if storage.weights.dtype == torch.float32:
                 storage.kernels.init_rows_at_group(
-                    storage.weights, slots, unique, inserted, segments, storage.dim, self.seeds,
-                    self.table_ids, self.init_kinds, *self.init_params)
+                    storage.weights, slots, claim_keys, inserted, segments, storage.dim,
+                    self.seeds, self.table_ids, self.init_kinds, *self.init_params)
             else:  # float16 / bfloat16 rows: table by table
-                storage.initialize_rows(slots, unique, inserted, key_bounds)
+                storage.initialize_rows(slots, claim_keys, inserted, key_bounds)
         except Exception:
             storage.release(batch)
             raise

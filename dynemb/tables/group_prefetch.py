@@ -22,7 +22,7 @@ from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.group_stores import GroupStores
-from dynemb.types import EMPTY_KEY, ScorePolicy
+from dynemb.types import ScorePolicy
 
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
 
@@ -53,8 +53,10 @@ class HostGroupPrefetch:
         counts, given_occurrences = given_counts(keys, occurrences, inverse, counts)
         ub = unique_bounds.tolist()
         given = self._given_scores(scores, ub, unique)
-        claim_keys, fallback = (self._admit(unique, counts, ub) if storage.admits
-                                else (unique, None))
+        claim_keys, fallback = (
+            storage.admit(unique, counts, Segments(ub), storage.row_starts,
+                          storage.bucket_counts)
+            if storage.admits else (unique, None))
         claimed, refused = self._claim(claim_keys, counts, given, unique_bounds)
         if claimed is None:
             if storage.admits:
@@ -76,24 +78,6 @@ class HostGroupPrefetch:
         """:meth:`claim_batch` then :meth:`finish_batch`, for tables with admission (whose
         claim cannot be taken back; a key without a slot raises)."""
         return self.finish_batch(self.claim_batch(keys, occurrences, scores))
-
-    def _admit(self, unique: torch.Tensor, counts: torch.Tensor, bounds: List[int]):
-        """(the keys to claim: those admitted, ``EMPTY_KEY`` for the others; every key's
-        fallback row [U, dim]), each table admitting its own keys as alone."""
-        storage = self.storage
-        present = torch.empty_like(unique)
-        storage.kernels.find_group(storage.arrays, Segments(bounds), storage.row_starts,
-                                   storage.bucket_counts, unique, present)
-        present = present >= 0
-        admitted, fallback = [], []
-        for t, table in enumerate(storage.tables):
-            lo, hi = bounds[t], bounds[t + 1]
-            yes, rows = table.admit(unique[lo:hi], counts[lo:hi], present[lo:hi])
-            admitted.append(yes)
-            fallback.append(rows)
-        if len(admitted) > 1:  # (a copy: not for a group of one)
-            admitted, fallback = [torch.cat(admitted)], [torch.cat(fallback)]
-        return torch.where(admitted[0], unique, EMPTY_KEY), fallback[0].to(torch.float32)
 
     def undo_batch(self, batch: GroupBatch) -> None:
         """Take back a :meth:`claim_batch` that :meth:`finish_batch` did not follow: keys,

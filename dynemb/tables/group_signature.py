@@ -18,11 +18,8 @@ GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
     """What tables of one group share, or None for a table that trains alone (another
-    storage mode, rows away from the module's device (HOST_ONLY on CUDA), stashing,
-    admission on a CACHE table, or on the CUDA kernels a table that admits: the sync-free
-    prefetch reads nothing back, and admitting is decided on the host; a table that grows
-    does group there, and its group reads back what it would alone). Tables with admission
-    group only with each other (their
+    storage mode, rows away from the module's device (HOST_ONLY on CUDA), stashing, or
+    admission on a CACHE table). Tables with admission group only with each other (their
     prefetch counts keys before it claims, so it cannot be taken back). A table of float16 /
     bfloat16 rows rounded with noise is a group of one: the noise is drawn per table (its
     seed and id), and the fused update takes one of each."""
@@ -32,8 +29,7 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
     if (table.mode not in GROUPED_MODES or table.tier.device != table.device
             or table.tier.kernels.name != table.kernels.name
             or options.stash is not StashMode.NONE
-            or (admits and table.mode is not StorageMode.HBM_DIRECT)
-            or (admits and table.kernels.defers_failures)):
+            or (admits and table.mode is not StorageMode.HBM_DIRECT)):
         return None
     weights = table.tier.flat.weights
     alone = (table.name,) if rounds_with_noise(table) else ()

@@ -121,6 +121,28 @@ class GroupStorage:
         for batch in batches.values():
             batch.rows_moved(self, old_offsets)
 
+    def admit(self, unique: torch.Tensor, counts: torch.Tensor, segments: Segments,
+              row_offset, num_buckets):
+        """Admission of a training batch's unique keys (each table's in its ``segments``;
+        ``row_offset`` / ``num_buckets``: each table's part as the kernels take it):
+        ``(the keys to claim, the others EMPTY_KEY; every key's fallback row [U, dim])``.
+        One find of the keys stored already, then each table admits its own keys through
+        its own counter, as alone."""
+        present = torch.empty_like(unique)
+        self.kernels.find_group(self.arrays, segments, row_offset, num_buckets, unique,
+                                present)
+        present = present >= 0
+        bounds = segments.bounds.tolist()
+        admitted, fallback = [], []
+        for t, table in enumerate(self.tables):
+            lo, hi = bounds[t], bounds[t + 1]
+            yes, rows = table.admit(unique[lo:hi], counts[lo:hi], present[lo:hi])
+            admitted.append(yes)
+            fallback.append(rows)
+        if len(admitted) > 1:  # (a copy: not for a group of one)
+            admitted, fallback = [torch.cat(admitted)], [torch.cat(fallback)]
+        return torch.where(admitted[0], unique, EMPTY_KEY), fallback[0].to(torch.float32)
+
     def grow_before_claim(self, keys: torch.Tensor, bounds: Sequence[int]) -> None:
         """Grow the tables that grow whose keys of a claim (``keys``, table ``t``'s at
         ``bounds[t]:bounds[t + 1]``, ``EMPTY_KEY`` padding counted as a miss, as alone)

@@ -2,7 +2,7 @@
 
 A module's HBM_DIRECT (CACHE, or on the host HOST_ONLY) tables that agree on everything the
 kernels read (mode, device and kernels, dtype, dim and row width, optimizer, score policy,
-bucket size, admission or not, no stashing; on the CUDA kernels no admission) form a
+bucket size, admission or not, no stashing) form a
 :class:`TableGroup`; such a table with no partner is a group of one, so that it trains on
 the same path. A table that grows grows in its group, where and as much as it would alone
 (:meth:`GroupStorage.grow_tables <dynemb.tables.group_storage.GroupStorage.grow_tables>`);
