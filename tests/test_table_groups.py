@@ -849,15 +849,27 @@ def test_a_group_of_one_works_on_its_tables_arrays_without_a_copy():
         alone.storage.arrays.keys.untyped_storage().data_ptr()
 
 
-def test_a_cache_table_without_a_partner_trains_alone_and_a_cuda_one_in_a_group_of_one():
-    """A CACHE table's own write-backs and loads are faster than a group of one's; two CACHE
-    tables still group. On the CUDA kernels (numba's simulator stands in for the GPU) a lone
-    HBM_DIRECT table is a group of one, as on the host: it launches fewer kernels so."""
+def test_a_cache_table_without_a_partner_is_a_group_of_one_and_a_cuda_one_too():
+    """A CACHE table with no partner is a group of one, as every table that can group; on
+    the CUDA kernels (numba's simulator stands in for the GPU) a lone HBM_DIRECT table is a
+    group of one, as on the host: it launches fewer kernels so."""
     cache = DynamicEmbTableOptions(caching=True, bucket_size=32, max_capacity=1024,
                                    local_hbm_for_values=64 * 24 * 4)
-    alone = DynamicEmbCollection(configs()[:1], table_options={"t0": cache},
-                                 optimizer=OptimizerConfig(OptimizerType.ADAM))
-    assert alone.storage_modes()["t0"].name == "CACHE" and alone.table_groups() == []
+    one = DynamicEmbCollection(configs()[:1], table_options={"t0": cache},
+                               optimizer=OptimizerConfig(OptimizerType.ADAM))
+    assert one.storage_modes()["t0"].name == "CACHE" and one.table_groups() == [("t0",)]
+    twin = DynamicEmbCollection(configs()[:1], table_options={"t0": cache}, group_tables=False,
+                                optimizer=OptimizerConfig(OptimizerType.ADAM))
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(6):  # 48 ids a step over 900 into 64 rows: evictions and loads
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            ["f0"], torch.randint(0, 900, (48,), generator=gen), torch.full((12,), 4))
+        outs = [m(kjt) for m in (one, twin)]
+        assert_same_outputs(*outs)
+        for out in outs:
+            (out["f0"].values() ** 2).sum().backward()
+    assert_same_module(one, twin)
+    assert one.stats()["t0"]["loads"] > 0
     pair = DynamicEmbCollection(configs()[:2], table_options={"t0": cache, "t1": cache},
                                 optimizer=OptimizerConfig(OptimizerType.ADAM))
     assert pair.table_groups() == [("t0", "t1")]

@@ -111,10 +111,7 @@ def train_alike(grouped, alone, weighted, steps, seed, device="cpu", by_key=Fals
     bit for bit. ``by_key``: the state is compared key by key (rows, optimizer state), not
     slot by slot: on a GPU, concurrent inserts into one bucket may take its slots in
     another order."""
-    # t3 has no partner: a group of one if HBM_DIRECT or HOST_ONLY, else alone
-    lone = ([("t3",)] if grouped.tables["t3"].mode.name in ("HBM_DIRECT", "HOST_ONLY")
-            else [])
-    assert grouped.table_groups() == [("t0", "t1", "t2")] + lone
+    assert grouped.table_groups() == [("t0", "t1", "t2"), ("t3",)]  # t3: a group of one
     gen = torch.Generator().manual_seed(seed)
     probe = torch.randn(BATCH, 8 * 4 + 4, generator=gen).to(device)
     for _ in range(steps):

@@ -117,11 +117,10 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         return self._core.groups_on
 
     def table_groups(self) -> List[Tuple[str, ...]]:
-        """The names of the tables of each group. An HBM_DIRECT or HOST_ONLY table that can
-        group but has no partner is a group of one (tables with admission group only with
-        each other); a table that cannot group (stashing, DEFAULT, CACHE with admission; on
-        the CUDA kernels HOST_ONLY), and a CACHE table without a partner, is in none and
-        trains alone.
+        """The names of the tables of each group. A table that can group but has no
+        partner is a group of one (tables with admission group only with each other); a
+        table that cannot group (stashing, DEFAULT, CACHE with admission; on the CUDA
+        kernels CACHE and HOST_ONLY) is in none and trains alone.
 
         Example::
 

@@ -61,24 +61,15 @@ def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
     table with no partner in a group of one; a table that cannot group (see
     :func:`group_signature`) is in none and trains alone.
 
-    A table with no partner is a group of one only where that is measured to cost no more
-    than its own path: HBM_DIRECT, on the host kernels by time (0.99-1.02x), on CUDA by
-    launches (30 against 80 per step, ``benchmarks/step_census.py``); HOST_ONLY on a module
-    on the host (0.54-0.59x: alone it updates copies of its rows and writes them back, a
-    group in place). A CACHE table alone
-    writes back and loads its rows faster than a group of one does (1.11-1.18x on
-    bench_collection's workload)."""
+    A group of one costs what the table's own path costs, or less
+    (``benchmarks/bench_group_of_one.py`` on the host kernels; on CUDA 30 launches a step
+    against 80, ``benchmarks/step_census.py``)."""
     by_signature: Dict[Hashable, List[DynamicTable]] = {}
     for table in tables.values():
         signature = group_signature(table)
         if signature is not None:
             by_signature.setdefault(signature, []).append(table)
-    return [TableGroup(members) for members in by_signature.values()
-            if len(members) > 1 or _one_is_a_group(members[0])]
-
-
-def _one_is_a_group(table: DynamicTable) -> bool:
-    return table.mode in (StorageMode.HBM_DIRECT, StorageMode.HOST_ONLY)
+    return [TableGroup(members) for members in by_signature.values()]
 
 
 class TableGroup:
