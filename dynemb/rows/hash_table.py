@@ -565,8 +565,9 @@ class ScoredHashTable:
         Example::
 
             >>> table = ScoredHashTable(256, bucket_size=32, grow_at_load_factor=0.5)
-            >>> table.capacity_to_claim(torch.arange(100)), table.capacity_to_claim(torch.arange(200))
-            (None, 512)
+            >>> table.capacity_to_claim(torch.arange(100))  # 100 keys fit below 0.5 x 256
+            >>> table.capacity_to_claim(torch.arange(200))
+            512
         """
         probe = torch.empty_like(ukeys)
         self._backend.find(self._arrays, ukeys, probe)

@@ -153,10 +153,10 @@ class HostGroupPrefetch:
         """``(claim, None)``: the (slots, inserted, previous keys, previous scores,
         per-table stats) of one pinning claim of every table's keys; or, the claim undone,
         ``(None, (table, its keys that found no slot))`` of the first table where a key
-        found none. A table that grows grows where its claim alone would: before the claim, where
-        the keys it misses would pass its load factor, and where the claim evicted a key or
-        missed a slot (the claim is undone, the table grown in the group, and the claim runs
-        again): so below its ``max_capacity`` it never evicts and never misses a slot."""
+        found none. A table that grows grows where its claim alone would: before the claim,
+        where the keys it misses would pass its load factor, and where the claim evicted a
+        key or missed a slot (the claim is undone, the table grown in the group, and the
+        claim runs again): so below its ``max_capacity`` it never evicts or misses a slot."""
         storage = self.storage
         bounds = unique_bounds.tolist()
         storage.grow_before_claim(unique, bounds)

@@ -7,10 +7,10 @@ bucket size, admission or not, no stashing) form a
 the same path. A table that grows grows in its group, where and as much as it would alone
 (:meth:`GroupStorage.grow_tables <dynemb.tables.group_storage.GroupStorage.grow_tables>`);
 tables with admission each admit their own keys before the group claims them. The group's
-tables live in one set of arrays (hash keys, scores, pins, rows, counters), each table in its own contiguous part: the
-record :class:`~dynemb.tables.group_storage.GroupStorage`. The tables stay whole tables:
-their hash tables, flat tables and counters are views of their parts, and everything read
-per table (``read_rows``, ``stats``, checkpoints, exports) is unchanged.
+tables live in one set of arrays (hash keys, scores, pins, rows, counters), each table in
+its own contiguous part: the record :class:`~dynemb.tables.group_storage.GroupStorage`.
+The tables stay whole tables: their hash tables, flat tables and counters are views of
+their parts, and everything read per table (``read_rows``, ``stats``, checkpoints, exports) is unchanged.
 
 A training batch of the group is one :class:`GroupBatch`: one dedup, one claim, one
 initialization, one gather, one fused update and one release for all its tables, each with
