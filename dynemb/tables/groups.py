@@ -2,15 +2,15 @@
 
 A module's HBM_DIRECT (CACHE, or on the host HOST_ONLY) tables that agree on everything the
 kernels read (mode, device and kernels, dtype, dim and row width, optimizer, score policy,
-bucket size, admission or not, no stashing) form a
-:class:`TableGroup`; such a table with no partner is a group of one, so that it trains on
-the same path. A table that grows grows in its group, where and as much as it would alone
-(:meth:`GroupStorage.grow_tables <dynemb.tables.group_storage.GroupStorage.grow_tables>`);
-tables with admission each admit their own keys before the group claims them. The group's
-tables live in one set of arrays (hash keys, scores, pins, rows, counters), each table in
-its own contiguous part: the record :class:`~dynemb.tables.group_storage.GroupStorage`.
-The tables stay whole tables: their hash tables, flat tables and counters are views of
-their parts, and everything read per table (``read_rows``, ``stats``, checkpoints, exports) is unchanged.
+bucket size, admission or not, no stashing) form a :class:`TableGroup`; such a table with no
+partner is a group of one, so that it trains on the same path. A table that grows grows in
+its group, where and as much as it would alone (:meth:`GroupStorage.grow_tables
+<dynemb.tables.group_storage.GroupStorage.grow_tables>`); tables with admission each admit
+their own keys before the group claims them. The group's tables live in one set of arrays
+(hash keys, scores, pins, rows, counters), each table in its own contiguous part: the record
+:class:`~dynemb.tables.group_storage.GroupStorage`. The tables stay whole tables: their hash
+tables, flat tables and counters are views of their parts, and everything read per table
+(``read_rows``, ``stats``, checkpoints, exports) is unchanged.
 
 A training batch of the group is one :class:`GroupBatch`: one dedup, one claim, one
 initialization, one gather, one fused update and one release for all its tables, each with
