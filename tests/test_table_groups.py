@@ -88,6 +88,17 @@ def train_both(grouped, alone, gen: torch.Generator, steps: int) -> None:
         step(grouped, kjt), step(alone, kjt)
 
 
+def refusal_messages(modules, kjt, match):
+    """The ``TableFullError`` message each module raises for a training forward of ``kjt``
+    (it must raise one matching ``match``)."""
+    messages = []
+    for module in modules:
+        with pytest.raises(TableFullError, match=match) as err:
+            module(kjt)
+        messages.append(str(err.value))
+    return messages
+
+
 def grouped_names(module):
     return module.table_groups()
 
@@ -285,11 +296,7 @@ def test_a_full_table_with_admission_undoes_its_groups_claim_and_raises_its_erro
     assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
     kjt = batch(torch.Generator().manual_seed(0))
     rows_before = {n: t.stats()["rows_device"] for n, t in grouped.tables.items()}
-    messages = []
-    for module in (grouped, alone):
-        with pytest.raises(TableFullError, match="table 't1'") as err:
-            module(kjt)
-        messages.append(str(err.value))
+    messages = refusal_messages((grouped, alone), kjt, "table 't1'")
     assert messages[0] == messages[1]
     assert {n: t.stats()["rows_device"] for n, t in grouped.tables.items()} == rows_before
     assert alone.stats()["t0"]["rows_device"] > 0  # alone, t0 claimed before t1 refused
@@ -525,11 +532,7 @@ def test_a_table_with_no_free_row_raises_as_it_does_alone():
                                            optimizer=OptimizerConfig(OptimizerType.SGD))
                       for g in (True, False))
     kjt = batch(torch.Generator().manual_seed(0))
-    messages = []
-    for module in (grouped, alone):
-        with pytest.raises(TableFullError, match="table 't2'") as err:
-            module(kjt)
-        messages.append(str(err.value))
+    messages = refusal_messages((grouped, alone), kjt, "table 't2'")
     # the group undid its claim and handed the batch to its tables one by one: the same
     # error, and the same tables as a module of lone tables leaves them
     assert messages[0] == messages[1]

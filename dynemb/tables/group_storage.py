@@ -167,17 +167,16 @@ class GroupStorage:
         """``[(table, capacity)]`` of the tables that grow where a claim (its per-table
         ``stats``: keys added, live keys evicted, keys failed; read back from the device)
         evicted a live key (or, ``grow_on_failure``, found no slot for one) below their
-        ``max_capacity``, as each table alone grows (see
-        ``ScoredHashTable.capacity_to_grow_to``)."""
+        ``max_capacity``: one doubling, as each table alone grows (the load factor was
+        settled before the claim, :meth:`grow_before_claim`)."""
         if not self.growing:
             return []
-        sizes, per_table = self.arrays.size.tolist(), stats.tolist()
+        per_table = stats.tolist()
         growth = []
         for t in self.growing:
             _, evicted, failed = per_table[t]
             displaced = evicted + (failed if grow_on_failure else 0)
-            capacity = self.tables[t].tier.hash.capacity_to_grow_to(
-                sizes[t] + evicted + failed, displaced > 0)
+            capacity = self.tables[t].tier.hash.capacity_to_grow_to(0, displaced > 0)
             if capacity is not None:
                 growth.append((t, capacity))
         return growth
