@@ -104,18 +104,30 @@ class Dynemb:
     name = "dynemb"
 
     def __init__(self, spec: Spec, wl, args, device):
+        """HBM_DIRECT tables that hold every id; with ``args.cache`` (step_census) CACHE
+        tables whose device rows are below the ids seen (bench_tables' ``cache``), and with
+        ``args.alone`` each table on its own path (``group_tables=False``)."""
         import torch
-        from benchmarks.bench_tables import FIT_LOAD, table_configs, whole_buckets
+        from benchmarks.bench_tables import FIT_LOAD, capacities, table_configs, whole_buckets
         from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig,
                             OptimizerType, StorageMode)
         fit = whole_buckets(wl.rows / FIT_LOAD, DynamicEmbTableOptions().bucket_size)
-        kind = {"sgd": OptimizerType.SGD, "adam": OptimizerType.ADAM}[spec.optimizer]
+        config = OptimizerConfig({"sgd": OptimizerType.SGD, "adam": OptimizerType.ADAM}
+                                 [spec.optimizer], learning_rate=LEARNING_RATE)
+        if getattr(args, "cache", False):
+            _, small = capacities(wl, DynamicEmbTableOptions().bucket_size)
+            width = spec.dim + config.state_dim(spec.dim)
+            options = DynamicEmbTableOptions(max_capacity=fit, caching=True,
+                                             local_hbm_for_values=small * width * 4)
+            mode = StorageMode.CACHE
+        else:
+            options = DynamicEmbTableOptions(max_capacity=fit, init_capacity=fit)
+            mode = StorageMode.HBM_DIRECT
         self.module = DynamicEmbCollection(
-            table_configs(wl, spec.dim, fit),
-            table_options=DynamicEmbTableOptions(max_capacity=fit, init_capacity=fit),
-            optimizer=OptimizerConfig(kind, learning_rate=LEARNING_RATE),
-            device=torch.device(device), validate_inputs=False, backend=args.backend)
-        assert set(self.module.storage_modes().values()) == {StorageMode.HBM_DIRECT}
+            table_configs(wl, spec.dim, fit), table_options=options, optimizer=config,
+            device=torch.device(device), validate_inputs=False, backend=args.backend,
+            group_tables=not getattr(args, "alone", False))
+        assert set(self.module.storage_modes().values()) == {mode}
         self.features = wl.features
         self.batches = [device_kjt(wl, wl.raw[i], device) for i in range(args.batches)]
 

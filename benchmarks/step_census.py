@@ -124,6 +124,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--batches", type=int, default=4, help="distinct batches cycled through")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache", action="store_true",
+                        help="CACHE tables with device rows below the ids seen (evicting to "
+                             "their host stores) instead of HBM_DIRECT tables holding every id")
+    parser.add_argument("--alone", action="store_true",
+                        help="every table on its own path (group_tables=False)")
     parser.add_argument("--json", help="also write the census to this JSON file")
     args = parser.parse_args(argv)
     args.backend = "cuda"

@@ -50,12 +50,13 @@ def test_the_group_operations_are_in_the_protocol():
 
 
 def test_the_cuda_kernels_say_they_have_no_group_stores():
-    """CACHE tables on the CUDA kernels do not group (``group_signature``): the host-store
-    group operations refuse clearly instead of failing on a missing attribute."""
+    """A CACHE group on the CUDA kernels runs each table's store by its own calls (the
+    stores are in host memory): the host-store group operations refuse clearly instead of
+    failing on a missing attribute."""
     cuda = CudaBackend.__new__(CudaBackend)  # no kernels loaded: the refusal comes first
-    with pytest.raises(NotImplementedError, match="CACHE tables on them train alone"):
+    with pytest.raises(NotImplementedError, match="runs each table.s store by its own calls"):
         cuda.store_find_group(*[None] * 10)
-    with pytest.raises(NotImplementedError, match="CACHE tables on them train alone"):
+    with pytest.raises(NotImplementedError, match="runs each table.s store by its own calls"):
         cuda.store_moves_group(*[None] * 26)
 
 

@@ -16,6 +16,7 @@ from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTab
                     Initializer, InitializerKind, OptimizerConfig, OptimizerType)
 from dynemb.backends.numba_backends import CudaBackend
 from dynemb.backends.protocol import Segments
+from dynemb.stores.backing_store import HostBackingStore
 from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
 
 KERNELS, DEVICE = BACKENDS[1][0], torch.device(BACKENDS[1][1])
@@ -65,6 +66,13 @@ def assert_same_tables(a, b, keys):
     """Rows (with optimizer state) of ``keys`` and every counter, table by table: the slots
     the two chose may differ (concurrent claims), what they hold may not."""
     assert a.stats() == b.stats()
+    assert_same_rows(a, b, keys)
+
+
+def assert_same_rows(a, b, keys):
+    """Rows (with optimizer state) of ``keys``, table by table, cached or stored: which
+    rows a cache evicts may differ (concurrent claims choose among equal scores), what each
+    key holds may not."""
     for name in a.tables:
         rows_a, found_a = a.read_rows(name, keys, with_state=True)
         rows_b, found_b = b.read_rows(name, keys, with_state=True)
@@ -145,6 +153,97 @@ def test_grouped_tables_with_admission_train_as_alone_on_the_cuda_kernels(pooled
             assert torch.equal(out_g[f], out_a[f]), (step, f)
     assert_same_tables(grouped, alone, torch.arange(12, device=DEVICE))
     assert all(s["admission_rejects"] > 0 for s in grouped.stats().values())
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
+def test_grouped_cache_tables_train_as_alone_on_the_cuda_kernels(pooled):
+    """CACHE tables on the CUDA kernels group: one claim for all of them, then each writes
+    its evicted rows back to its store and loads its new keys from there, as alone. 32
+    cached rows per table under 60 ids: the steps evict and load back. What each key
+    reads and holds (cached or stored) equals the tables' alone; eval reads a key missing
+    from the cache from its store."""
+    width = DIM + OptimizerConfig(OptimizerType.ADAM).state_dim(DIM)
+    options = DynamicEmbTableOptions(caching=True, bucket_size=16, max_capacity=1024,
+                                     local_hbm_for_values=32 * width * 4,
+                                     stochastic_rounding=False)
+    module = DynamicEmbBagCollection if pooled else DynamicEmbCollection
+    grouped, alone = (module(tables(3, pooled=pooled), table_options=options, device=DEVICE,
+                             backend=KERNELS, group_tables=g,
+                             optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05))
+                      for g in (True, False))
+    assert grouped.storage_modes()["t0"].name == "CACHE"
+    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == []
+    gen = torch.Generator().manual_seed(5)
+    for step in range(8):
+        kjt = batch(gen, 3, per_table=9, vocab=60)
+        out_g, out_a = (train(m, kjt, ["f0", "f2"]) for m in (grouped, alone))
+        for f in out_g:
+            assert torch.equal(out_g[f], out_a[f]), (step, f)
+    keys = torch.arange(100, device=DEVICE)
+    assert_same_rows(grouped, alone, keys)
+    stats = grouped.stats()
+    assert all(s["write_backs"] > 0 and s["loads"] > 0 for s in stats.values())
+    assert grouped.flush() == alone.flush()
+    grouped.eval(), alone.eval()
+    with torch.no_grad():
+        kjt = batch(gen, 3, per_table=9, vocab=100)  # cached, only stored, never seen
+        state = grouped.prefetch(kjt)
+        assert state.batches["t0"] is state.batches["t2"]
+        out_g, out_a = grouped(kjt), alone(kjt)
+    dense_g = out_g.to_dict() if pooled else {f: jt.values() for f, jt in out_g.items()}
+    dense_a = out_a.to_dict() if pooled else {f: jt.values() for f, jt in out_a.items()}
+    for f in dense_g:
+        assert torch.equal(dense_g[f].cpu(), dense_a[f].cpu()), f
+    assert_same_rows(grouped, alone, keys)
+    assert sum(int(t.tier.hash.pinned_count()) for t in grouped.tables.values()) == 0
+
+
+class _FailingStore(HostBackingStore):
+    """A host store whose writes fail while ``failing`` is set (a full disk, say)."""
+
+    failing = False
+
+    def insert(self, keys, rows, scores):
+        if _FailingStore.failing:
+            raise OSError("the store's disk is full")
+        return super().insert(keys, rows, scores)
+
+
+def test_a_cache_store_that_raises_undoes_its_table_and_those_after_it_as_alone():
+    """t1's store fails a write-back: t0 keeps its claim (filled, counted), t1's claim and
+    t2's are taken back, as alone t1 undoes its claim and t2 never claims; no pins stay,
+    and training goes on equal."""
+    width = DIM + OptimizerConfig(OptimizerType.SGD).state_dim(DIM)
+    cache = dict(caching=True, bucket_size=16, max_capacity=1024, stochastic_rounding=False,
+                 local_hbm_for_values=32 * width * 4)
+    options = {"t0": DynamicEmbTableOptions(**cache), "t2": DynamicEmbTableOptions(**cache),
+               "t1": DynamicEmbTableOptions(**cache, backing_store=_FailingStore)}
+    grouped, alone = (DynamicEmbCollection(
+        tables(3), table_options=options, device=DEVICE, backend=KERNELS, group_tables=g,
+        optimizer=OptimizerConfig(OptimizerType.SGD, learning_rate=0.1)) for g in (True, False))
+    assert grouped.table_groups() == [("t0", "t1", "t2")]
+    gen = torch.Generator().manual_seed(11)
+    used = ["f0", "f1", "f2"]
+    for _ in range(4):  # the caches fill up: the next batches write back
+        kjt = batch(gen, 3, per_table=9, vocab=60)
+        train(grouped, kjt, used), train(alone, kjt, used)
+    kjt = batch(gen, 3, per_table=12, vocab=1000)  # new keys: every table evicts
+    _FailingStore.failing = True
+    try:
+        for module in (grouped, alone):
+            with pytest.raises(OSError, match="disk is full"):
+                module(kjt)
+            assert not any(t.has_batches_in_flight() for t in module.tables.values())
+            assert all(t.tier.hash.pinned_count() == 0 for t in module.tables.values())
+    finally:
+        _FailingStore.failing = False
+    assert_same_tables(grouped, alone, torch.arange(1000, device=DEVICE))
+    for _ in range(2):
+        kjt = batch(gen, 3, per_table=9, vocab=60)
+        out_g, out_a = train(grouped, kjt, used), train(alone, kjt, used)
+        for f in out_g:
+            assert torch.equal(out_g[f], out_a[f]), f
+    assert_same_tables(grouped, alone, torch.arange(1000, device=DEVICE))
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])

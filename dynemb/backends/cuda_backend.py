@@ -329,7 +329,8 @@ class CudaBackend:
 
     def store_find_group(self, store_keys, store_rows, store_buckets, bucket_sizes, movable,
                          ukeys, segments, want, out_rows, out_found):
-        """Not on the CUDA kernels: their CACHE tables do not group (each runs its store)."""
+        """Not on the CUDA kernels: a CACHE group on them runs each table's store by its
+        own calls (the stores are in host memory)."""
         raise NotImplementedError(_NO_GROUP_STORES)
 
     def store_moves_group(self, weights, wb_keys, wb_scores, wb_rows, write_backs, ld_keys,
@@ -337,7 +338,8 @@ class CudaBackend:
                           store_rows, store_buckets, bucket_sizes, max_capacities, grow_at,
                           clocks, out_slots, out_inserted, out_prev_keys, out_prev_scores,
                           out_failed, out_found, out_scores, out_stats):
-        """Not on the CUDA kernels: their CACHE tables do not group (each runs its store)."""
+        """Not on the CUDA kernels: a CACHE group on them runs each table's store by its
+        own calls (the stores are in host memory)."""
         raise NotImplementedError(_NO_GROUP_STORES)
 
     def occurrence_csr(self, inverse, num_rows):
@@ -364,5 +366,5 @@ class CudaBackend:
         return bool(((keys == EMPTY_KEY) | (keys == TOMBSTONE_KEY)).any())
 
 
-_NO_GROUP_STORES = ("the CUDA kernels have no group store kernels: CACHE tables on them train "
-                    "alone (group_signature), each with its own store")
+_NO_GROUP_STORES = ("the CUDA kernels have no group store kernels: a CACHE group on them runs "
+                    "each table's store by its own calls (moves_in_group is False on CUDA)")

@@ -120,7 +120,7 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         """The names of the tables of each group. A table that can group but has no
         partner is a group of one (tables with admission group only with each other); a
         table that cannot group (stashing, DEFAULT, CACHE with admission; on the CUDA
-        kernels CACHE and HOST_ONLY) is in none and trains alone.
+        kernels HOST_ONLY) is in none and trains alone.
 
         Example::
 

@@ -23,7 +23,7 @@ from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.checkpoint_tiers import TierParts
 from dynemb.tables.hbm_direct import HbmDirectTable
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows
-from dynemb.types import TableFullError
+from dynemb.types import EMPTY_KEY, TableFullError
 
 
 #: Rows :meth:`CacheTable.flush` gathers and writes at a time.
@@ -75,9 +75,20 @@ class CacheTable(HbmDirectTable):
 
     def _store_find(self, keys: torch.Tensor):
         """The store's ``find``, answered on the table's device: a user store may keep its
-        rows, and answer, on the host."""
-        rows, found, scores = self.store.find(keys)
-        return rows.to(self.device), found.to(self.device), scores.to(self.device)
+        rows, and answer, on the host. Padding (``EMPTY_KEY``, the CUDA kernels pad a
+        batch's unique keys) is not asked for, and not found."""
+        real = keys != EMPTY_KEY
+        if bool(real.all()):  # (the store's find reads back anyway)
+            rows, found, scores = self.store.find(keys)
+            return rows.to(self.device), found.to(self.device), scores.to(self.device)
+        some_rows, some_found, some_scores = self.store.find(keys[real])
+        rows = torch.zeros(keys.numel(), self.width, dtype=some_rows.dtype, device=self.device)
+        found = torch.zeros(keys.numel(), dtype=torch.bool, device=self.device)
+        scores = torch.zeros(keys.numel(), dtype=some_scores.dtype, device=self.device)
+        real = real.to(self.device)
+        rows[real], found[real] = some_rows.to(self.device), some_found.to(self.device)
+        scores[real] = some_scores.to(self.device)
+        return rows, found, scores
 
     def _fill_new_rows(self, keys: torch.Tensor, result) -> None:
         """Write the evicted rows back, then load the new keys' rows. A store other than the

@@ -16,7 +16,11 @@ What the host cannot know without waiting, it does not need:
 A group with a table that grows reads back what that table alone reads back: its size and,
 where its keys could pass its load factor, how many of them it misses, before the claim; and
 whether the claim evicted a live key below its ``max_capacity`` after it (then the claim is
-undone, the table grown in the group, and the claim runs again).
+undone, the table grown in the group, and the claim runs again). A CACHE group's stores are
+in host memory: after the group's one claim each table writes back the rows it evicted and
+loads the keys it inserted by its own calls (:class:`~dynemb.tables.group_stores.GroupStores`),
+reading back what the table alone reads back; an eval lookup reads the keys missing from
+the cache from the stores the same way.
 
 Within a table, the unique keys come sorted (as ``dedup.padded_unique`` sorts a table's own),
 each at its table's position in the key bounds.
@@ -32,6 +36,7 @@ from dynemb.foundations.device_values import values_on
 from dynemb.backends.protocol import Segments
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
 from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.group_stores import GroupStores
 from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
 
 #: The counters a prefetch adds to (``add_claim_counts``), in its order: the first columns of
@@ -75,10 +80,12 @@ class GroupFailures:
 
 class DeviceGroupPrefetch:
     """A group's training prefetch and eval lookup without host reads, over its
-    ``storage``, for a group on the CUDA kernels."""
+    ``storage``, for a group on the CUDA kernels; ``stores``: a CACHE group's stores (None
+    in the other modes)."""
 
-    def __init__(self, storage: GroupStorage):
+    def __init__(self, storage: GroupStorage, stores: Optional[GroupStores] = None):
         self.storage = storage
+        self.stores = stores
         device = storage.device
         self.device = device
         self._place_tables()
@@ -134,6 +141,12 @@ class DeviceGroupPrefetch:
             batch.fallback, torch.arange(unique.numel(), device=self.device), unique,
             real & ~found, segments, storage.dim, self.seeds, self.table_ids, self.eval_kinds,
             *self.eval_params)
+        if self.stores is not None:
+            try:
+                self.stores.read_into(unique, key_bounds, real & ~found, batch.fallback)
+            except BaseException:  # a store failed (a disk): the pins end, nothing counted
+                storage.release(batch)
+                raise
         nothing = torch.zeros_like(found)  # an eval lookup inserts nothing: hits are finds
         self._count(segments, unique, slots, nothing, unique, given)
         return batch
@@ -157,16 +170,25 @@ class DeviceGroupPrefetch:
         batch.seg, batch.fallback = seg, fallback
         for table in storage.tables:
             table.hold_group_batch(batch)
+        claim = (claim_keys, slots, inserted, prev_keys, prev_scores, key_bounds)
+        undone = []
+
+        def undo(tables) -> None:  # their rows could not be filled (a store raised)
+            storage.undo_table_claims(batch, claim, tables)
+            undone.extend(tables)
         try:
-            storage.track_changes((claim_keys, slots, inserted, prev_keys, prev_scores,
-                                   key_bounds))
-            if storage.weights.dtype == torch.float32:
+            storage.track_changes(claim)
+            if self.stores is not None:  # each table writes back and loads, as alone
+                self.stores.fill(claim, range(len(storage.tables)), undo)
+            elif storage.weights.dtype == torch.float32:
                 storage.kernels.init_rows_at_group(
                     storage.weights, slots, claim_keys, inserted, segments, storage.dim,
                     self.seeds, self.table_ids, self.init_kinds, *self.init_params)
             else:  # float16 / bfloat16 rows: table by table
                 storage.initialize_rows(slots, claim_keys, inserted, key_bounds)
         except Exception:
+            if undone:  # the other tables' claims stand, filled: they count
+                self._count(segments, unique, slots, inserted, prev_keys, given, undone)
             storage.release(batch)
             raise
         self._count(segments, unique, slots, inserted, prev_keys, given)
@@ -213,8 +235,15 @@ class DeviceGroupPrefetch:
                              .index_add_(0, segments.table_of, failed.to(torch.int64)))
         return slots, inserted, prev_keys, prev_scores
 
-    def _count(self, segments, unique, slots, inserted, prev_keys, given) -> None:
-        """Every table's lookups, unique keys, hits, misses, inserts and evictions, added to
-        its counters on the device in one launch."""
+    def _count(self, segments, unique, slots, inserted, prev_keys, given,
+               skip: Sequence[int] = ()) -> None:
+        """Every table's (but ``skip``'s) lookups, unique keys, hits, misses, inserts and
+        evictions, added to its counters on the device in one launch."""
+        counters = self.storage.counters
+        if skip:
+            counters = torch.zeros_like(counters)
         self.storage.kernels.add_claim_counts(segments, unique, slots, inserted, prev_keys,
-                                              given, self.storage.counters)
+                                              given, counters)
+        if skip:
+            counters[list(skip)] = 0
+            self.storage.counters += counters

@@ -20,7 +20,6 @@ import torch
 
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.backends.protocol import Segments
-from dynemb.options import StorageMode
 from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.group_stores import GroupStores
@@ -63,33 +62,15 @@ class GroupEvalLookup:
         storage.kernels.init_rows_at_group(
             batch.fallback, torch.arange(unique.numel()), unique, ~found, segments, storage.dim,
             storage.seeds, storage.table_ids, self.kinds, *self.params)
-        if storage.mode is StorageMode.CACHE:
+        if self.stores is not None:
             try:
-                self._read_stores(batch, found)
+                self.stores.read_into(batch.keys, batch.unique_bounds, ~found,
+                                      batch.fallback)
             except BaseException:  # a store failed (a disk): the pins end, nothing counted
                 storage.release(batch)
                 raise
         self._count(batch, found, given)
         return batch
-
-    def _read_stores(self, batch: GroupBatch, found: torch.Tensor) -> None:
-        """The stored rows of the keys missing from the cache, into ``batch.fallback``
-        (where a table's store has them; the others keep their eval rows): the default
-        stores in one kernel call, a user's store by its own ``find``."""
-        storage = self.storage
-        bounds = np.asarray(batch.unique_bounds, dtype=np.int64)
-        rows, stored, alone = self.stores.read(batch.keys, bounds, ~found, storage.dim)
-        batch.fallback[stored] = rows[stored]
-        missing = (~found).numpy()
-        before = np.concatenate([[0], np.cumsum(missing)])
-        for t in alone:
-            lo = bounds[t]
-            if before[bounds[t + 1]] == before[lo]:
-                continue
-            where = torch.from_numpy(lo + np.flatnonzero(missing[lo:bounds[t + 1]]))
-            rows, stored, _ = storage.tables[t].store.find(batch.keys[where])
-            stored = stored.to(storage.device)
-            batch.fallback[where[stored]] = rows.to(storage.device)[stored, :storage.dim].float()
 
     def _count(self, batch: GroupBatch, found: torch.Tensor,
                occurrences: Optional[torch.Tensor]) -> None:

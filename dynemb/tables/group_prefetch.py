@@ -105,7 +105,7 @@ class HostGroupPrefetch:
         undone: List[int] = []
 
         def undo(tables: List[int]) -> None:  # their rows could not be filled
-            self._undo_tables(batch, claim, stats, tables)
+            storage.undo_table_claims(batch, claim, tables)
             undone.extend(tables)
         try:
             storage.track_changes(claim)
@@ -121,27 +121,6 @@ class HostGroupPrefetch:
             raise
         self._count(batch, inserted, prev_keys, occurrences)
         return batch
-
-    def _undo_tables(self, batch: GroupBatch, claim, stats, tables: List[int]) -> None:
-        """Undo the claim of ``tables`` (whose rows were not filled: the keys it evicted are
-        back with their rows, which nothing overwrote); their pins end."""
-        storage = self.storage
-        keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
-        chosen = np.zeros(len(storage.tables), dtype=np.bool_)
-        chosen[tables] = True
-        mine = torch.from_numpy(np.repeat(chosen, np.diff(np.asarray(unique_bounds))))
-        a = storage.arrays
-        back = inserted & mine
-        a.keys[slots[back]] = prev_keys[back]
-        placed = (slots >= 0) & mine
-        a.scores[slots[placed]] = prev_scores[placed]
-        a.size.sub_(torch.from_numpy(np.where(chosen, stats[:, 0], 0)))
-        storage.kernels.add_refcounts(a, torch.where(mine, slots, -1), -1)
-        for t in tables:
-            storage.tables[t].tier.hash.untick()
-            storage.tables[t].drop_group_batch(batch)
-        batch.unreleased -= set(tables)
-        batch.pinned = bool(batch.unreleased)
 
     def _given_scores(self, scores, bounds: List[int], unique: torch.Tensor) -> torch.Tensor:
         if self.storage.policy is not ScorePolicy.CUSTOMIZED:

@@ -33,8 +33,6 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
         return None
     weights = table.tier.flat.weights
     alone = (table.name,) if rounds_with_noise(table) else ()
-    if table.kernels.defers_failures and table.mode is not StorageMode.HBM_DIRECT:
-        return None  # the sync-free path (group_device) has no CACHE stores
     return (table.mode, table.tier.device, table.kernels.name, weights.dtype, table.dim,
             weights.shape[1], table.optimizer, hash_table.policy, hash_table.bucket_size,
             admits, *alone)

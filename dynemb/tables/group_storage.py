@@ -42,7 +42,7 @@ from dynemb.backends.protocol import Segments, TableArrays
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_signature import rounds_with_noise
-from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, FindOrInsertResult, ScorePolicy
 
 #: The fields of the record, as a group pickled before the record existed held them itself.
 FIELDS = ("tables", "names", "index", "mode", "kernels", "device", "dim", "optimizer", "policy",
@@ -192,6 +192,33 @@ class GroupStorage:
         self.kernels.add_refcounts(a, slots, -1)
         for table in self.tables:
             table.tier.hash.untick()
+
+    def undo_table_claims(self, batch, claim, tables: Sequence[int]) -> None:
+        """Undo the part of a pinning ``claim`` (``(keys, slots, inserted, previous keys,
+        previous scores, unique bounds)``, as :meth:`table_claim` reads it) of ``tables``
+        (indices), whose rows were not filled: the keys it evicted are back with their rows,
+        which nothing overwrote; sizes, scores and clocks as before it, and ``batch``'s pins
+        of those tables end. The other tables keep their claims."""
+        keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
+        sizes = np.diff(np.asarray(unique_bounds, dtype=np.int64))
+        chosen = torch.zeros(len(self.tables), dtype=torch.bool)
+        chosen[list(tables)] = True
+        table_of = torch.repeat_interleave(torch.arange(len(self.tables)),
+                                           torch.from_numpy(sizes)).to(slots.device)
+        mine = chosen.to(slots.device)[table_of]
+        a = self.arrays
+        back = inserted & mine
+        a.keys[slots[back]] = prev_keys[back]
+        placed = (slots >= 0) & mine
+        a.scores[slots[placed]] = prev_scores[placed]
+        added = back & ((prev_keys == EMPTY_KEY) | (prev_keys == TOMBSTONE_KEY))
+        a.size.sub_(torch.zeros_like(a.size).index_add_(0, table_of, added.to(a.size.dtype)))
+        self.kernels.add_refcounts(a, torch.where(mine, slots, -1), -1)
+        for t in tables:
+            self.tables[t].tier.hash.untick()
+            self.tables[t].drop_group_batch(batch)
+        batch.unreleased -= set(tables)
+        batch.pinned = bool(batch.unreleased)
 
     def batch_made(self, batch) -> None:
         """Keep (weakly) each batch of a group whose tables grow: a batch whose pins ended

@@ -4,13 +4,14 @@ After a group's claim (:mod:`dynemb.tables.groups`), each CACHE table writes the
 evicted back to its backing store and loads the keys it inserted from there
 (:class:`~dynemb.tables.cache.CacheTable`). Alone, that is a dozen small calls per table per
 step. Here the tables whose store is a plain :class:`~dynemb.stores.backing_store.HostBackingStore`
-on the CPU run in one call (``kernels/group_stores_cpu.py``), each exactly as alone: same
-store slots, scores, clocks, evictions, counters and rows. The host runs a table alone when
-the kernel cannot: its store must grow first, or it is a user's store.
+behind a cache on the CPU kernels run in one call (``kernels/group_stores_cpu.py``), each
+exactly as alone: same store slots, scores, clocks, evictions, counters and rows. The host
+runs a table alone when the kernel cannot: its store must grow first, it is a user's store,
+or the cache is on the CUDA kernels (its rows on the device, its store in host memory).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -30,9 +31,10 @@ _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
 def moves_in_group(table) -> bool:
     """Whether the group kernel can move ``table``'s rows: its store is a CPU
     :class:`HostBackingStore` (no method changed by a subclass) of the table's row dtype,
-    behind a CPU cache."""
+    behind a cache on the CPU kernels."""
     store = getattr(table, "store", None)
-    return (type(store) is HostBackingStore and table.device.type == "cpu"
+    return (type(store) is HostBackingStore and table.kernels.name == "cpu"
+            and table.device.type == "cpu"
             and store.row_table.weights.dtype == table.tier.flat.weights.dtype)
 
 
@@ -160,21 +162,37 @@ class GroupStores:
                 changes.written_back(wb_keys[wb_seg[t]:wb_seg[t + 1]])
         return np.flatnonzero(left).tolist()
 
-    def read(self, keys: torch.Tensor, unique_bounds: np.ndarray, want: torch.Tensor,
-             dim: int) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
-        """(rows [U, dim] float32, found [U]) of the ``want``-ed keys in their tables'
-        stores, read without changing them, in one kernel call; and the tables it left
-        to the host (a user's store: their ``found`` is False here)."""
+    def read_into(self, keys: torch.Tensor, unique_bounds: Sequence[int],
+                  missing: torch.Tensor, fallback: torch.Tensor) -> None:
+        """The stored rows of the ``missing`` keys (of ``keys``, table ``t``'s at
+        ``unique_bounds[t]:unique_bounds[t + 1]``) into ``fallback`` [U, dim] float32, where
+        their table's store has them (the other rows stay), without changing the stores: the
+        default stores of CPU tables in one kernel call, the others (a user's store, a
+        store behind CUDA rows) by their own ``find``."""
         storage = self.storage
-        store_keys, _, _, _, store_rows, buckets, bucket_sizes, _, _ = self._store_arrays()
-        bits = _BITS[storage.weights.element_size()]
-        out = torch.zeros(keys.numel(), storage.weights.shape[1], dtype=bits)
-        found = torch.zeros(keys.numel(), dtype=torch.bool)  # the kernel skips a user's store
-        storage.kernels.store_find_group(store_keys, store_rows, buckets, bucket_sizes,
-                                         self._movable, keys, Segments(unique_bounds), want,
-                                         out, found)
-        rows = out.view(storage.weights.dtype)[:, :dim].float()
-        return rows, found, np.flatnonzero(~self._movable).tolist()
+        bounds = np.asarray(unique_bounds, dtype=np.int64)
+        if self._movable.any():
+            store_keys, _, _, _, store_rows, buckets, bucket_sizes, _, _ = self._store_arrays()
+            bits = _BITS[storage.weights.element_size()]
+            out = torch.zeros(keys.numel(), storage.weights.shape[1], dtype=bits)
+            found = torch.zeros(keys.numel(), dtype=torch.bool)  # the kernel skips the others
+            storage.kernels.store_find_group(store_keys, store_rows, buckets, bucket_sizes,
+                                             self._movable, keys, Segments(bounds), missing,
+                                             out, found)
+            rows = out.view(storage.weights.dtype)[:, :storage.dim].float()
+            fallback[found] = rows[found]
+        if self._movable.all():
+            return
+        on_host = missing.cpu().numpy()
+        before = np.concatenate([[0], np.cumsum(on_host)])
+        for t in np.flatnonzero(~self._movable).tolist():
+            lo, hi = bounds[t], bounds[t + 1]
+            if before[hi] == before[lo]:
+                continue
+            where = torch.from_numpy(lo + np.flatnonzero(on_host[lo:hi])).to(keys.device)
+            rows, stored, _ = storage.tables[t].store.find(keys[where])
+            stored = stored.to(fallback.device)
+            fallback[where[stored]] = rows.to(fallback.device)[stored, :storage.dim].float()
 
     @staticmethod
     def _entries_of(mask: torch.Tensor, bounds: np.ndarray, run: np.ndarray) -> torch.Tensor:

@@ -18,7 +18,7 @@ the results its table alone would give. The group is organised by phase, each an
 functions over the record: the training prefetch on the host kernels
 (:mod:`dynemb.tables.group_prefetch`; CACHE tables write their evicted rows back and load
 their new rows through :mod:`dynemb.tables.group_stores`) or on CUDA, with nothing read
-back (:mod:`dynemb.tables.group_device`); the eval lookup (:mod:`dynemb.tables.group_eval`);
+back but what a table alone reads back (:mod:`dynemb.tables.group_device`); the eval lookup (:mod:`dynemb.tables.group_eval`);
 the update (:mod:`dynemb.tables.group_update`); the gather and the release (the record's
 own). Which tables group: :func:`~dynemb.tables.group_signature.group_signature`.
 
@@ -89,7 +89,7 @@ class TableGroup:
         storage = self.storage
         stores = GroupStores(storage) if storage.mode is StorageMode.CACHE else None
         if storage.kernels.defers_failures:
-            self._prefetch = self._eval = DeviceGroupPrefetch(storage)
+            self._prefetch = self._eval = DeviceGroupPrefetch(storage, stores)
             if failures is not None:  # keys that found no slot, not raised yet
                 self._prefetch.failures = failures
         else:
