@@ -129,6 +129,22 @@ def test_grouped_tables_that_grow_grow_as_alone_on_the_cuda_kernels():
     assert_same_tables(grouped, alone, torch.arange(40, device=DEVICE))
 
 
+def test_padding_does_not_make_a_table_grow_grouped_or_alone():
+    """On the CUDA kernels a table's unique keys are padded to its input count; the padding
+    claims nothing, so it does not count towards the load factor: 4 ids repeated 15 times
+    each leave a 16-row table at 16 rows (it grew to 64 when the padding counted)."""
+    options = DynamicEmbTableOptions(init_capacity=16, max_capacity=64, bucket_size=16)
+    ids = torch.arange(4).repeat(15)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.cat([ids, ids + 10]),
+                                              torch.tensor([60, 60])).to(DEVICE)
+    for grouped in (True, False):
+        module = DynamicEmbCollection(tables(2), table_options=options, device=DEVICE,
+                                      backend=KERNELS, group_tables=grouped)
+        train(module, kjt, ["f0", "f1"])
+        assert [t.tier.hash.capacity for t in module.tables.values()] == [16, 16], grouped
+        assert module.stats()["t0"]["rows_device"] == 4
+
+
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
 def test_grouped_tables_with_admission_train_as_alone_on_the_cuda_kernels(pooled):
     """Each table admits its keys through its own counter (t1 at the 2nd occurrence, into

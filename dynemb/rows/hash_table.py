@@ -560,7 +560,8 @@ class ScoredHashTable:
     def capacity_to_claim(self, ukeys: torch.Tensor) -> Optional[int]:
         """The capacity :meth:`find_or_insert` grows to before it claims ``ukeys`` (distinct
         keys): where the keys it misses would pass ``grow_at_load_factor`` (see
-        :meth:`capacity_to_grow_to`); None: no growth. Nothing changes.
+        :meth:`capacity_to_grow_to`); None: no growth. Nothing changes. ``EMPTY_KEY``
+        entries (padding on CUDA, keys refused by admission) claim nothing: not counted.
 
         Example::
 
@@ -568,10 +569,12 @@ class ScoredHashTable:
             >>> table.capacity_to_claim(torch.arange(100))  # 100 keys fit below 0.5 x 256
             >>> table.capacity_to_claim(torch.arange(200))
             512
+            >>> table.capacity_to_claim(torch.full((200,), EMPTY_KEY))  # padding only
         """
         probe = torch.empty_like(ukeys)
         self._backend.find(self._arrays, ukeys, probe)
-        return self.capacity_to_grow_to(self.size() + int((probe < 0).sum()), False)
+        missing = int(((probe < 0) & (ukeys != EMPTY_KEY)).sum())
+        return self.capacity_to_grow_to(self.size() + missing, False)
 
     def _grow_for(self, ukeys) -> Optional[torch.Tensor]:
         """Grow before inserting if the missing keys would pass ``grow_at_load_factor``."""

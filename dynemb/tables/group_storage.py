@@ -145,7 +145,7 @@ class GroupStorage:
 
     def grow_before_claim(self, keys: torch.Tensor, bounds: Sequence[int]) -> None:
         """Grow the tables that grow whose keys of a claim (``keys``, table ``t``'s at
-        ``bounds[t]:bounds[t + 1]``, ``EMPTY_KEY`` padding counted as a miss, as alone)
+        ``bounds[t]:bounds[t + 1]``; ``EMPTY_KEY`` padding claims nothing)
         missing from them would pass their load factor, as each would alone before its
         claim. Only a table whose size and keys together could pass it looks its keys up
         (reading back from the device, as the table alone does)."""
