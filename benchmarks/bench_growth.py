@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
-import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -33,11 +31,10 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.bench_tables import (FIT_LOAD, PROBE_ATOL, PROBE_RTOL, DynembMethod,
-                                     TorchSparseMethod, Workload, machine_record, set_threads,
+                                     TorchSparseMethod, Workload, run_table_counts, set_threads,
                                      threads_option, timed_step, whole_buckets)
-from benchmarks.common import (add_run_options, check, config_of, fill_defaults, git_state,
-                               load_before_run, new_parser, paired_ratios, peak_rss_gib,
-                               pyplot, report_stem, run_command, save_figure, write_report)
+from benchmarks.common import (add_run_options, check, fill_defaults, new_parser,
+                               paired_ratios, pyplot, run_command, save_figure)
 from dynemb import DynamicEmbTableOptions, StorageMode
 
 FILE_STEM = "growth_cpu"
@@ -184,19 +181,9 @@ def prime_kernels(dim: int) -> None:
 def main(argv: Optional[List[str]] = None) -> dict:
     cfg = parse_args(argv)
     set_threads(cfg.threads)
-    start, git, load_start = time.perf_counter(), git_state(), load_before_run()
     prime_kernels(cfg.dim)
-    rows = []
-    with tqdm(total=len(cfg.tables) * cfg.steps, desc="growth bench", unit="step") as bar:
-        for tables in cfg.tables:
-            rows.append(run_config(cfg, Workload(cfg, tables), bar))
-    report = {"machine": machine_record(git, load_start), "config": config_of(cfg),
-              "labels": LABELS, "rows": rows, "runtime_s": time.perf_counter() - start,
-              "peak_rss_gib": peak_rss_gib()}
-    print(format_rows(rows))
-    write_report(report, cfg.out_dir, report_stem(FILE_STEM, cfg.quick), plot)
-    print(f"run time {report['runtime_s']:.0f} s", file=sys.stderr)
-    return report
+    return run_table_counts(cfg, "growth bench", cfg.steps, run_config, format_rows, plot,
+                            FILE_STEM, LABELS)
 
 
 if __name__ == "__main__":

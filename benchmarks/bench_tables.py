@@ -377,6 +377,26 @@ def build_methods(wl: Workload, dim: int, opt_name: str) -> List[Method]:
 
 
 # -- timing ----------------------------------------------------------------------------------
+def run_table_counts(cfg, desc: str, steps_each: int, run_config, format_rows, plot,
+                     file_stem: str, labels: Dict[str, str]) -> dict:
+    """A benchmark over table counts: ``run_config(cfg, Workload(cfg, T), bar)`` for each
+    ``T`` of ``cfg.tables`` (``steps_each`` steps each, under one progress bar), then the
+    report (machine, config, ``labels``, rows, run time, peak memory) printed with
+    ``format_rows``, drawn with ``plot`` and written as ``file_stem``."""
+    start, git, load_start = time.perf_counter(), git_state(), load_before_run()
+    rows = []
+    with tqdm(total=len(cfg.tables) * steps_each, desc=desc, unit="step") as bar:
+        for tables in cfg.tables:
+            rows.append(run_config(cfg, Workload(cfg, tables), bar))
+    report = {"machine": machine_record(git, load_start), "config": config_of(cfg),
+              "labels": labels, "rows": rows, "runtime_s": time.perf_counter() - start,
+              "peak_rss_gib": peak_rss_gib()}
+    print(format_rows(rows))
+    write_report(report, cfg.out_dir, report_stem(file_stem, cfg.quick), plot)
+    print(f"run time {report['runtime_s']:.0f} s", file=sys.stderr)
+    return report
+
+
 def timed_step(method: Method, wl: Workload, i: int, grads: List[torch.Tensor]):
     """(probe rows, forward seconds, backward seconds) of batch ``i``; KJT construction is
     not timed."""

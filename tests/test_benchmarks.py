@@ -234,3 +234,22 @@ def test_group_of_one_benchmark_quick(tmp_path):
         assert len(row["step_ms"]["group_of_one"]) == report["config"]["steps"]
     assert any(r["admission_rejects"] > 0 for r in report["rows"])
     assert (tmp_path / "group_of_one_cpu_quick.png").stat().st_size > 0
+
+
+def test_stash_groups_benchmark_quick(tmp_path):
+    """Stashing tables grouped, one by one and not stashing: identical embeddings every step
+    (the run checks it), every stashing table stashed every step, one stash for the group."""
+    from benchmarks import bench_stash_groups
+    report = bench_stash_groups.main(["--quick", "--out-dir", str(tmp_path)])
+    assert [r["tables"] for r in report["rows"]] == report["config"]["tables"]
+    for row in report["rows"]:
+        grouped = row["methods"][bench_stash_groups.GROUPED]["step_ms"]
+        alone = row["methods"][bench_stash_groups.ALONE]["step_ms"]
+        assert len(grouped) == len(alone) == report["config"]["steps"]
+        ratios = sorted(a / b for a, b in zip(grouped, alone))
+        assert row["stash_grouped_vs_stash_alone"]["median"] == pytest.approx(
+            ratios[len(ratios) // 2] if len(ratios) % 2 else
+            (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2)
+        width = 32  # SGD rows: the embedding only
+        assert row["stashed_mib"] * 2 ** 20 >= row["tables"] * row["rows_per_table"] * width * 4
+    assert (tmp_path / "stash_groups_cpu_quick.png").stat().st_size > 0

@@ -131,8 +131,9 @@ def test_a_module_pickled_by_an_earlier_version_unpickles_and_trains_on_alike():
                                               if g.storage is batch.__dict__.pop("storage")]
         table.__dict__["_held"] = list(table._held)
     for group in core.groups:  # a group held its arrays itself, with no row starts
-        fields = dict(group.__dict__.pop("storage").__dict__)
+        fields = dict(group.__dict__.pop("storage").__getstate__())
         fields["_storage"] = fields.pop("_parts")
+        fields["weights"] = fields.pop("rows").flat.weights
         fields["_offsets"] = fields.pop("row_starts")
         group.__dict__.clear()
         group.__dict__.update(fields, _stores=None, _on_device=None)

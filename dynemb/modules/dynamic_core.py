@@ -104,7 +104,8 @@ class DynamicCore:
         self._prefetch_stream = (torch.cuda.Stream(device=device)
                                  if device.type == "cuda" else None)
         # memory stashing (dynemb.stashing): None unless a table's options ask for it
-        self.memory_stash = CollectionStash.build(self.tables, device, self._prefetch_stream)
+        self.memory_stash = CollectionStash.build(self.tables, device, self._prefetch_stream,
+                                                  self.row_units)
         self.table_weights = TableWeights(configs, owner) if with_table_weights else None
         self._marks_seen: Optional[Tuple[int, ...]] = None
         if self.table_weights is not None and optimizer is not None:
@@ -177,7 +178,7 @@ class DynamicCore:
         self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
         self._regroup()
         self.memory_stash = CollectionStash.build(self.tables, self.device,
-                                                  self._prefetch_stream)
+                                                  self._prefetch_stream, self.row_units)
         self.fused_optimizer.param_groups[0]["lr"] = marked.learning_rate
         self.optimizer_notice.configured()
         self.table_weights.mark_trained_in_backward()
@@ -188,6 +189,12 @@ class DynamicCore:
         if self.groups_on:  # in config order (a reset table comes last in self.tables)
             self.groups = group_tables({c.name: self.tables[c.name] for c in self.configs
                                         if c.name in self.tables})
+
+    def row_units(self) -> List[Tuple[Tuple[str, ...], object]]:
+        """``[(table names, rows)]``: where the rows of each unit live now (a group's tables
+        share one tensor), for memory stashing."""
+        groups = [g for g in self.groups if g.intact(self.tables)]
+        return [(unit.names, unit.rows) for unit in work_units(groups, self.tables)]
 
     def _groups_for_training(self) -> List[TableGroup]:
         """The groups a training batch goes through; regrouped first if a table, or its

@@ -119,7 +119,7 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     def table_groups(self) -> List[Tuple[str, ...]]:
         """The names of the tables of each group. A table that can group but has no
         partner is a group of one (tables with admission group only with each other); a
-        table that cannot group (stashing, DEFAULT, CACHE with admission; on the CUDA
+        table that cannot group (DEFAULT, CACHE with admission; on the CUDA
         kernels HOST_ONLY) is in none and trains alone.
 
         Example::

@@ -10,7 +10,7 @@ touches a stashed table's rows brings them back first (see
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Mapping, Optional
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig
@@ -52,6 +52,11 @@ def resolve_stash_options(options: Dict[str, DynamicEmbTableOptions],
     return out
 
 
+#: Where a module's rows live, unit by unit: ``[(table names, rows)]``, ``rows`` a table's own
+#: tier or the rows of a table group (see :class:`~dynemb.stashing.table_stash.TableStash`).
+RowUnits = Callable[[], Sequence[Tuple[Tuple[str, ...], object]]]
+
+
 class CollectionStash:
     """The stashes of a collection's tables whose options ask for one.
 
@@ -60,6 +65,9 @@ class CollectionStash:
             replace its entries).
         transfers: how rows move (:func:`~dynemb.stashing.transfers.transfers_for`).
         prefetch_stream: the collection's prefetch stream (CUDA), which writes rows too.
+        units: where the rows live now (read at each step: groups change with the tables);
+            the tables of a unit share one stash, their rows go and come back as one. None:
+            each table's own tier.
 
     ``hand_restores_to_torchrec``: queue :meth:`restore` on TorchRec's
     ``MemoryStashingManager`` after each stash, so its EMS pipeline's backward hook restores
@@ -67,43 +75,62 @@ class CollectionStash:
     manager's streams are set).
     """
 
+    _units: Optional[RowUnits] = None  # (pickled by an earlier version: each table's tier)
+
     def __init__(self, tables: Mapping[str, object], transfers: HostTransfers,
-                 prefetch_stream=None):
+                 prefetch_stream=None, units: Optional[RowUnits] = None):
         self._tables = tables
         self._transfers = transfers
         self._prefetch_stream = prefetch_stream
-        self._stashes: Dict[str, TableStash] = {}
+        self._units = units
+        self._stashes: Dict[Tuple[str, ...], TableStash] = {}
         self._step = 0
         self.hand_restores_to_torchrec = False
 
     @classmethod
     def build(cls, tables: Mapping[str, object], device: torch.device,
-              prefetch_stream=None) -> Optional["CollectionStash"]:
+              prefetch_stream=None, units: Optional[RowUnits] = None
+              ) -> Optional["CollectionStash"]:
         """The collection's stash, or None when no table stashes (nothing to do then)."""
         if not any(t.options.stash is not StashMode.NONE for t in tables.values()):
             return None
-        return cls(tables, transfers_for(device), prefetch_stream)
+        return cls(tables, transfers_for(device), prefetch_stream, units)
 
     # -- what is stashed -----------------------------------------------------------------------
-    def table_stashes(self) -> Dict[str, TableStash]:
-        """The stash of each stashing table, by name."""
-        for name, table in self._tables.items():
+    def _stashing_units(self) -> Iterator[Tuple[Tuple[str, ...], object, object]]:
+        """``(names, rows, first table)`` of each unit whose tables stash (the tables of a
+        group share their stash mode)."""
+        units = (self._units() if self._units is not None else
+                 [((name,), table.tier) for name, table in self._tables.items()])
+        for names, rows in units:
+            table = self._tables[names[0]]
             if table.options.stash is not StashMode.NONE:
-                self._stash_of(name, table)
-        return dict(self._stashes)
+                yield tuple(names), rows, table
 
-    def _stash_of(self, name: str, table) -> TableStash:
-        stash = self._stashes.get(name)
-        if stash is None or stash.tier is not table.tier:  # a new table (checkpoint load)
-            stash = TableStash(name, table.tier, table.options.stash, table.row_layout,
+    def table_stashes(self) -> Dict[str, TableStash]:
+        """The stash of each stashing table, by name (the tables of a group share one: their
+        rows are one tensor)."""
+        out = {}
+        for names, rows, table in self._stashing_units():
+            stash = self._stash_of(names, rows, table)
+            out.update((name, stash) for name in names)
+        return {name: out[name] for name in self._tables if name in out}
+
+    def _stash_of(self, names: Tuple[str, ...], rows, table) -> TableStash:
+        stash = self._stashes.get(names)
+        if stash is None or stash.tier is not rows:  # new tables (checkpoint load), regrouped
+            if stash is not None:
+                stash.restore()  # (a no-op unless its rows are away)
+            stash = TableStash(", ".join(names), rows, table.options.stash, table.row_layout,
                                self._transfers, (self._prefetch_stream,))
-            self._stashes[name] = stash
+            self._stashes[names] = stash
         return stash
 
     @property
     def stashed(self) -> List[str]:
-        """Tables whose rows are away now."""
-        return [name for name, s in self._stashes.items() if s.stashed]
+        """Tables whose rows are away now, in table order."""
+        away = {name for names, s in self._stashes.items() if s.stashed for name in names}
+        return [name for name in self._tables if name in away]
 
     def stashed_bytes(self) -> int:
         """Device bytes away now."""
@@ -126,13 +153,13 @@ class CollectionStash:
         self._stash_now()
 
     def _stash_now(self) -> None:
-        for name in list(self._stashes):
-            if name not in self._tables:
-                del self._stashes[name]
+        units = list(self._stashing_units())
+        live = {names for names, _, _ in units}
+        for names in [n for n in self._stashes if n not in live]:  # tables gone or regrouped
+            self._stashes.pop(names).restore()
         stashed = False
-        for name, table in self._tables.items():
-            if table.options.stash is not StashMode.NONE:
-                stashed |= self._stash_of(name, table).stash()
+        for names, rows, table in units:
+            stashed |= self._stash_of(names, rows, table).stash()
         if stashed and (self.hand_restores_to_torchrec or memory_stashing.manager_enabled()):
             memory_stashing.queue_restore(self.restore)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -113,24 +113,62 @@ def _unshared_refs() -> int:
 _UNSHARED_REFS = _unshared_refs()
 
 
+def _refs_views_add() -> int:
+    """References a tensor gains while views of it exist (torch keeps the Python object of a
+    view's base alive from C++): measured as :func:`_unshared_refs` is."""
+    class Holder:
+        pass
+
+    def stash():
+        weights = holder.weights
+        return _other_refs(weights)
+
+    holder = Holder()
+    holder.weights = torch.empty(2, 1)
+    views = [holder.weights[:1], holder.weights[1:]]
+    with_views = stash()
+    del views
+    return with_views - stash()
+
+
 def _other_holders(weights: torch.Tensor) -> int:
     """References to the rows besides the table's: other tensors on their storage (views), and
     other references to the tensor itself (a ``state_dict`` entry, a numpy array of it)."""
     return storage_refs.other_views(weights) + max(0, _tensor_refs(weights) - _UNSHARED_REFS)
 
 
-@dataclass
-class _JournaledInit:
-    """One ``initialize_where`` call made while the rows were away."""
+def _other_refs(tensor: torch.Tensor) -> int:
+    """Other references to ``tensor`` itself than its holder's attribute (called as
+    :func:`_other_holders`, from a local of the caller)."""
+    return max(0, _tensor_refs(tensor) - _UNSHARED_REFS)
 
-    slots: torch.Tensor
-    keys: torch.Tensor
-    mask: torch.Tensor
-    initializer: object
-    seed: int
-    table_id: int
+
+_REFS_VIEWS_ADD = _refs_views_add()
+
+
+@dataclass
+class _JournaledWrite:
+    """One row initialization made while the rows were away: ``replay(flat)`` makes it on
+    the rows once they are back."""
+
+    replay: Callable[[object], None]
+    tensors: Tuple[torch.Tensor, ...]  # what it reads
     ready: object  # event on the stream that made the tensors (None on CPU)
     stream: object
+
+
+@dataclass
+class _Part:
+    """A tier whose flat table holds a stashed record's rows (a table of a group): a view of
+    its part, and where that lies, to point it at the rows again when they are back; or
+    (``view`` False, a group of one on its table's own arrays) the record's tensor itself."""
+
+    tier: object
+    flat: object
+    view: bool
+    offset: int
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
 
 
 class TableStash:
@@ -139,7 +177,9 @@ class TableStash:
 
     Args:
         name: the table, for messages.
-        tier: the table's device :class:`~dynemb.tables.tier.Tier`.
+        tier: the table's device :class:`~dynemb.tables.tier.Tier`, or the rows of a table
+            group (:class:`~dynemb.tables.group_storage.GroupRows`: one tensor for all its
+            tables, whose tiers, its ``parts()``, view it; they go and come back together).
         mode: what to stash (not ``NONE``).
         row: the table's physical :class:`RowLayout`.
         transfers: :class:`~dynemb.stashing.transfers.HostTransfers` or ``CudaTransfers``.
@@ -183,7 +223,8 @@ class TableStash:
         self._stashed_event = None          # the device-to-host copy has finished
         self._restored_event = None         # the host-to-device copy has finished
         self._forward = None                # the stream of the stashing forward
-        self._journal: List[_JournaledInit] = []
+        self._journal: List[_JournaledWrite] = []
+        self._parts: List[_Part] = []       # the group's tables while stashed
         self._warned = False
         #: how many times the rows went away / came back, how many of those returns an access
         #: other than a restore call caused, and how many row initializations waited for one
@@ -241,7 +282,7 @@ class TableStash:
             return True
         flat = self.tier.flat
         weights = flat.weights
-        others = _other_holders(weights)
+        others = _other_holders(weights) + self._holders_among_parts(weights)
         if others:
             if not self._warned:
                 self._warned = True
@@ -268,12 +309,45 @@ class TableStash:
         # event the allocator records there when the block is freed, i.e. after the copy
         t.record_stream(weights, d2h)
         self._shape = tuple(weights.shape)
+        self._parts = self._parts_of(weights)
         t.release(weights)
+        for part in self._parts:  # the tables' views of the group's rows go too
+            if part.view:
+                t.release(part.flat.weights)
+            part.tier.flat = PartStashed(part, self)
         self._flat, self._forward = flat, forward
         self._stand_in = StashedRows(flat, self)
         self.tier.flat = self._stand_in
         self.stashes += 1
         return True
+
+    def _part_tiers(self) -> List:
+        parts = getattr(self.tier, "parts", None)
+        return [] if parts is None else parts()
+
+    def _holders_among_parts(self, weights: torch.Tensor) -> int:
+        """What :func:`_other_holders` counted of ``weights`` that the record's parts hold
+        (their views of it, or the tensor itself for a group of one on its table's own
+        arrays), taken back; plus other references to those views."""
+        expected = 0
+        viewed = False
+        for tier in self._part_tiers():
+            view = tier.flat.weights
+            if view is weights:
+                expected -= 1  # the table's attribute: a second holder of the same tensor
+            else:
+                expected += _other_refs(view) - 1  # one view of the storage, counted there
+                viewed = True
+        return expected - (_REFS_VIEWS_ADD if viewed else 0)
+
+    def _parts_of(self, weights: torch.Tensor) -> List[_Part]:
+        """The record's parts, as they hold ``weights``."""
+        parts = []
+        for tier in self._part_tiers():
+            view = tier.flat.weights
+            parts.append(_Part(tier, tier.flat, view is not weights, view.storage_offset(),
+                               tuple(view.shape), tuple(view.stride())))
+        return parts
 
     def _host_buffer(self, weights: torch.Tensor) -> torch.Tensor:
         shape = (weights.shape[0], self._cols[1] - self._cols[0])
@@ -304,6 +378,13 @@ class TableStash:
             self._kept = None
         self._restored_event = t.record_event(h2d)
         t.wait_event(forward, self._restored_event)
+        storage = weights.untyped_storage()
+        for part in self._parts:  # the tables' views see the rows again
+            if part.view:
+                part.flat.weights.set_(storage, part.offset, part.shape, part.stride)
+            if isinstance(part.tier.flat, PartStashed):
+                part.tier.flat = part.flat
+        self._parts = []
         if self.tier.flat is self._stand_in:
             self.tier.flat = flat
         self._flat, self._stand_in = None, None
@@ -311,9 +392,8 @@ class TableStash:
         with t.on(forward):
             for entry in journal:
                 t.wait_event(forward, entry.ready)
-                flat.initialize_where(entry.slots, entry.keys, entry.mask, entry.initializer,
-                                      seed=entry.seed, table_id=entry.table_id)
-                for tensor in (entry.slots, entry.keys, entry.mask):
+                entry.replay(flat)
+                for tensor in entry.tensors:
                     t.record_stream(tensor, forward)
         self.replayed_inits += len(journal)
         ready = t.record_event(forward)
@@ -321,11 +401,12 @@ class TableStash:
             t.wait_event(stream, ready)
         self.restores += 1
 
-    def journal(self, slots, keys, mask, initializer, *, seed: int, table_id: int) -> None:
-        """Record an ``initialize_where`` made while the rows are away."""
+    def journal(self, replay: Callable[[object], None], tensors: Sequence[torch.Tensor]) -> None:
+        """Record a row initialization made while the rows are away: ``replay(flat)`` makes it
+        on the rows once they are back (``tensors``: what it reads)."""
         stream = self._t.current_stream()
-        self._journal.append(_JournaledInit(slots, keys, mask, initializer, seed, table_id,
-                                            self._t.record_event(stream), stream))
+        self._journal.append(_JournaledWrite(replay, tuple(tensors),
+                                             self._t.record_event(stream), stream))
 
     def real_rows(self):
         """The tier's FlatTable with its rows in place (restoring them if away)."""
@@ -353,8 +434,19 @@ class StashedRows:
     def device(self) -> torch.device:
         return self._flat.weights.device
 
+    @property
+    def stands_in_for(self):
+        """The flat table whose rows are away (read without bringing them back)."""
+        return self._flat
+
     def initialize_where(self, slots, keys, mask, initializer, *, seed, table_id) -> None:
-        self._stash.journal(slots, keys, mask, initializer, seed=seed, table_id=table_id)
+        self._stash.journal(lambda flat: flat.initialize_where(
+            slots, keys, mask, initializer, seed=seed, table_id=table_id), (slots, keys, mask))
+
+    def write_new_rows(self, write, tensors) -> None:
+        """A table group's initialization of new rows (see
+        :class:`~dynemb.tables.group_storage.GroupFlat`), made once the rows are back."""
+        self._stash.journal(write, tensors)
 
     def __getattr__(self, name):
         if name in _SHAPE_ONLY:
@@ -366,3 +458,35 @@ class StashedRows:
 
     def __repr__(self) -> str:
         return f"StashedRows({self._stash.name!r}, {self.capacity} rows away)"
+
+
+class PartStashed(StashedRows):
+    """Stands in for the flat table of a table of a group while the group's rows are
+    stashed: its sizes answer as they were, an ``initialize_where`` is recorded and made
+    once the rows are back, anything else brings the group's rows back first."""
+
+    def __init__(self, part: _Part, stash: TableStash):
+        super().__init__(part.flat, stash)
+        object.__setattr__(self, "_rows", part.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return self._rows
+
+    def initialize_where(self, slots, keys, mask, initializer, *, seed, table_id) -> None:
+        flat = self._flat
+        self._stash.journal(lambda _: flat.initialize_where(
+            slots, keys, mask, initializer, seed=seed, table_id=table_id), (slots, keys, mask))
+
+    def __getattr__(self, name):
+        if name in _SHAPE_ONLY:
+            return getattr(self._flat, name)
+        self._stash.real_rows()
+        return getattr(self._flat, name)
+
+    def __setattr__(self, name, value):
+        self._stash.real_rows()
+        setattr(self._flat, name, value)
+
+    def __repr__(self) -> str:
+        return f"PartStashed({self._stash.name!r}, {self.capacity} rows away)"

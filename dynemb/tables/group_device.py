@@ -180,10 +180,11 @@ class DeviceGroupPrefetch:
             storage.track_changes(claim)
             if self.stores is not None:  # each table writes back and loads, as alone
                 self.stores.fill(claim, range(len(storage.tables)), undo)
-            elif storage.weights.dtype == torch.float32:
-                storage.kernels.init_rows_at_group(
-                    storage.weights, slots, claim_keys, inserted, segments, storage.dim,
-                    self.seeds, self.table_ids, self.init_kinds, *self.init_params)
+            elif storage.row_dtype == torch.float32:
+                storage.write_new_rows(lambda flat: storage.kernels.init_rows_at_group(
+                    flat.weights, slots, claim_keys, inserted, segments, storage.dim,
+                    self.seeds, self.table_ids, self.init_kinds, *self.init_params),
+                    (slots, claim_keys, inserted))
             else:  # float16 / bfloat16 rows: table by table
                 storage.initialize_rows(slots, claim_keys, inserted, key_bounds)
         except Exception:

@@ -6,7 +6,7 @@ from typing import Hashable, Optional
 
 import torch
 
-from dynemb.options import StashMode, StorageMode
+from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.policies import POLICIES
 
@@ -18,8 +18,9 @@ GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
     """What tables of one group share, or None for a table that trains alone (another
-    storage mode, rows away from the module's device (HOST_ONLY on CUDA), stashing, or
-    admission on a CACHE table). Tables with admission group only with each other (their
+    storage mode, rows away from the module's device (HOST_ONLY on CUDA), or admission on a
+    CACHE table). Tables that stash their rows group with those of the same stash mode (a
+    group's rows go and come back as one). Tables with admission group only with each other (their
     prefetch counts keys before it claims, so it cannot be taken back). A table of float16 /
     bfloat16 rows rounded with noise is a group of one: the noise is drawn per table (its
     seed and id), and the fused update takes one of each."""
@@ -28,14 +29,13 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
     admits = table.admission is not None
     if (table.mode not in GROUPED_MODES or table.tier.device != table.device
             or table.tier.kernels.name != table.kernels.name
-            or options.stash is not StashMode.NONE
             or (admits and table.mode is not StorageMode.HBM_DIRECT)):
         return None
     weights = table.tier.flat.weights
     alone = (table.name,) if rounds_with_noise(table) else ()
     return (table.mode, table.tier.device, table.kernels.name, weights.dtype, table.dim,
             weights.shape[1], table.optimizer, hash_table.policy, hash_table.bucket_size,
-            admits, *alone)
+            admits, options.stash, *alone)
 
 
 def rounds_with_noise(table: DynamicTable) -> bool:

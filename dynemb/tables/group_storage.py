@@ -50,6 +50,34 @@ FIELDS = ("tables", "names", "index", "mode", "kernels", "device", "dim", "optim
           "counters", "init_kinds", "init_params", "seeds", "table_ids", "rounding")
 
 
+class GroupFlat:
+    """The group's rows, one tensor ``weights`` [rows, width] (each table's flat table is a
+    view of its part; a group of one on its table's own arrays shares the tensor itself)."""
+
+    def __init__(self, weights: torch.Tensor):
+        self.weights = weights
+
+    def write_new_rows(self, write, tensors: Sequence[torch.Tensor]) -> None:
+        """Run ``write(self)`` (it initializes new rows, reading ``tensors``) now. A stand-in
+        for rows that are away (memory stashing) records it and runs it once they are
+        back."""
+        write(self)
+
+
+class GroupRows:
+    """A group's rows as memory stashing (:mod:`dynemb.stashing`) sees a table's tier:
+    ``flat`` holds them (a :class:`GroupFlat`, or a stand-in while they are away) and
+    :meth:`parts` are the tiers of the group's tables, whose flat tables view them."""
+
+    def __init__(self, weights: torch.Tensor, tables: Sequence[DynamicTable]):
+        self.flat = GroupFlat(weights)
+        self._tables = tables
+
+    def parts(self) -> List:
+        """The tiers of the group's tables, in group order."""
+        return [table.tier for table in self._tables]
+
+
 class GroupStorage:
     """The arrays of a group's ``tables`` and each table's part of them (see the module
     docstring). Building it moves each table into its part, copying it, unless the group
@@ -88,6 +116,38 @@ class GroupStorage:
         self.rounding = (dict(stochastic_rounding=True, seed=first.options.seed,
                               table_id=first.table_id)
                          if rounds_with_noise(first) else dict(stochastic_rounding=False))
+
+    @property
+    def rows(self) -> GroupRows:
+        """The group's rows (the tensor behind :attr:`weights`) as memory stashing moves
+        them."""
+        rows = self.__dict__.get("rows")
+        if rows is None:  # pickled by an earlier version: the tensor was an attribute
+            rows = self.__dict__["rows"] = GroupRows(self.__dict__.pop("weights"), self.tables)
+        return rows
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """[rows, width]: every table's rows, each in its part (brought back first if
+        memory stashing moved them away)."""
+        return self.rows.flat.weights
+
+    @weights.setter
+    def weights(self, value: torch.Tensor) -> None:
+        if "rows" in self.__dict__ or "weights" in self.__dict__:
+            self.rows.flat.weights = value
+        else:
+            self.__dict__["rows"] = GroupRows(value, self.tables)
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        """The rows' dtype, read without bringing stashed rows back."""
+        return self.tables[0].row_layout.dtype
+
+    def write_new_rows(self, write, tensors: Sequence[torch.Tensor]) -> None:
+        """``write(flat)`` initializes new rows of the group's ``flat.weights`` now, or, while
+        memory stashing has the rows away, once they are back (``tensors``: what it reads)."""
+        self.rows.flat.write_new_rows(write, tensors)
 
     def _lay_out(self) -> None:
         """Place every table in its part of the group's arrays, by the tables' capacities."""
@@ -230,7 +290,14 @@ class GroupStorage:
     def __getstate__(self) -> Dict:
         state = dict(self.__dict__)
         state.pop("_batches", None)  # weak references do not pickle
+        if "_parts" in state:
+            state["_parts"] = [(a, _held(w), c) for a, w, c in state["_parts"]]
         return state
+
+    def __setstate__(self, state: Dict) -> None:
+        self.__dict__.update(state)
+        if "_parts" in state:
+            self._parts = [(a, _weakly(w), c) for a, w, c in self._parts]
 
     @classmethod
     def of_earlier_group(cls, state: Dict) -> "GroupStorage":
@@ -238,7 +305,7 @@ class GroupStorage:
         itself (what it lacks is derived)."""
         storage = cls.__new__(cls)
         storage.__dict__.update({name: state[name] for name in FIELDS if name in state})
-        storage._parts = state["_storage"]
+        storage._parts = [(a, _weakly(w), c) for a, w, c in state["_storage"]]
         if "rounding" not in state:  # groups held no rows rounded with noise then
             storage.rounding = dict(stochastic_rounding=False)
         storage.growing = ()  # groups held no tables that grow then
@@ -295,7 +362,7 @@ class GroupStorage:
         for name, table, (arrays, weights, counters) in zip(self.names, self.tables,
                                                              self._parts):
             if (tables.get(name) is not table or table.tier.hash.arrays is not arrays
-                    or table.tier.flat.weights is not weights
+                    or _weights_in_place(table) is not _held(weights)
                     or table.counters.values is not counters):
                 return False
         return True
@@ -333,10 +400,11 @@ class GroupStorage:
     def initialize_rows(self, slots, keys, inserted, unique_bounds) -> None:
         """Rows of the claim's keys where ``inserted`` start from their table's
         initializer."""
-        if self.weights.dtype == torch.float32:
-            self.kernels.init_rows_at_group(
-                self.weights, slots, keys, inserted, Segments(unique_bounds), self.dim,
-                self.seeds, self.table_ids, self.init_kinds, *self.init_params)
+        if self.row_dtype == torch.float32:
+            segments = Segments(unique_bounds)
+            self.write_new_rows(lambda flat: self.kernels.init_rows_at_group(
+                flat.weights, slots, keys, inserted, segments, self.dim, self.seeds,
+                self.table_ids, self.init_kinds, *self.init_params), (slots, keys, inserted))
             return
         for t, table in enumerate(self.tables):  # float16 / bfloat16 rows: table by table
             lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
@@ -406,6 +474,25 @@ def _owns_its_arrays(table: DynamicTable) -> bool:
     return all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
 
 
+def _weights_in_place(table: DynamicTable) -> torch.Tensor:
+    """The table's rows tensor, read without bringing its rows back: while memory stashing
+    has them away, its flat table is a stand-in that names the flat table it stands in for
+    (``stands_in_for``); the tensor keeps its identity while away."""
+    flat = table.tier.flat
+    return getattr(flat, "stands_in_for", flat).weights
+
+
 def _parts_of(table: DynamicTable):
-    """The table's arrays, as the group placed them (to tell whether they were replaced)."""
-    return table.tier.hash.arrays, table.tier.flat.weights, table.counters.values
+    """The table's arrays, as the group placed them (to tell whether they were replaced);
+    its rows by a weak reference: memory stashing releases the rows only where nothing but
+    their tables holds them."""
+    return table.tier.hash.arrays, weakref.ref(table.tier.flat.weights), table.counters.values
+
+
+def _weakly(tensor) -> "weakref.ref":
+    return tensor if isinstance(tensor, weakref.ref) else weakref.ref(tensor)
+
+
+def _held(tensor) -> Optional[torch.Tensor]:
+    """The tensor of a weak reference (or the tensor itself)."""
+    return tensor() if isinstance(tensor, weakref.ref) else tensor

@@ -2,7 +2,7 @@
 
 A module's HBM_DIRECT (CACHE, or on the host HOST_ONLY) tables that agree on everything the
 kernels read (mode, device and kernels, dtype, dim and row width, optimizer, score policy,
-bucket size, admission or not, no stashing) form a :class:`TableGroup`; such a table with no
+bucket size, admission or not, stash mode) form a :class:`TableGroup`; such a table with no
 partner is a group of one, so that it trains on the same path. A table that grows grows in
 its group, where and as much as it would alone (:meth:`GroupStorage.grow_tables
 <dynemb.tables.group_storage.GroupStorage.grow_tables>`); tables with admission each admit
@@ -190,6 +190,12 @@ class TableGroup:
             self._phases()[0].failures.check()
         for table in self.tables:
             table.check_failures()
+
+    @property
+    def rows(self):
+        """The group's rows, as memory stashing moves them (see
+        :class:`~dynemb.tables.group_storage.GroupRows`)."""
+        return self.storage.rows
 
     def alone(self) -> List[LoneTable]:
         """The group's tables as units of their own (a :class:`~dynemb.tables.units` unit),

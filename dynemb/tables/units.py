@@ -14,7 +14,9 @@ occurrences, scores), and answers with one
 - ``prefetch(keys, occurrences, scores)``: a training batch, claimed and filled;
 - ``lookup_batch(keys, occurrences)``: a read-only (eval) batch;
 - ``check_failures()``: raise the ``TableFullError`` of keys of earlier batches that found no
-  slot on the CUDA kernels.
+  slot on the CUDA kernels;
+- ``rows``: where the unit's rows live, as memory stashing (:mod:`dynemb.stashing`) moves
+  them: a table's own tier, or the rows of a group (its tables' in one tensor).
 
 :mod:`dynemb.modules.batch_claims` runs a batch's prefetch over them, all or nothing, without asking
 which kind of unit it holds.
@@ -64,6 +66,10 @@ class LoneTable:
 
     def alone(self) -> List["LoneTable"]:
         return [self]
+
+    @property
+    def rows(self):
+        return self.table.tier
 
 
 def work_units(groups: Sequence, tables: Mapping[str, DynamicTable]) -> List:
