@@ -105,20 +105,22 @@ class Dynemb:
 
     def __init__(self, spec: Spec, wl, args, device):
         """HBM_DIRECT tables that hold every id; with ``args.cache`` (step_census) CACHE
-        tables whose device rows are below the ids seen (bench_tables' ``cache``), and with
-        ``args.alone`` each table on its own path (``group_tables=False``)."""
+        tables of buckets of 16 whose device rows hold 3 times a step's distinct ids (below
+        the ids seen over the steps: they write back and load), and with ``args.alone`` each table on its own path
+        (``group_tables=False``)."""
         import torch
-        from benchmarks.bench_tables import FIT_LOAD, capacities, table_configs, whole_buckets
+        from benchmarks.bench_tables import FIT_LOAD, table_configs, whole_buckets
         from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig,
                             OptimizerType, StorageMode)
         fit = whole_buckets(wl.rows / FIT_LOAD, DynamicEmbTableOptions().bucket_size)
         config = OptimizerConfig({"sgd": OptimizerType.SGD, "adam": OptimizerType.ADAM}
                                  [spec.optimizer], learning_rate=LEARNING_RATE)
         if getattr(args, "cache", False):
-            _, small = capacities(wl, DynamicEmbTableOptions().bucket_size)
+            most = max(max(step) for step in wl.unique_per_step)
+            cached = whole_buckets(3 * most, 16)
             width = spec.dim + config.state_dim(spec.dim)
-            options = DynamicEmbTableOptions(max_capacity=fit, caching=True,
-                                             local_hbm_for_values=small * width * 4)
+            options = DynamicEmbTableOptions(max_capacity=fit, caching=True, bucket_size=16,
+                                             local_hbm_for_values=cached * width * 4)
             mode = StorageMode.CACHE
         else:
             options = DynamicEmbTableOptions(max_capacity=fit, init_capacity=fit)
