@@ -210,3 +210,44 @@ def test_a_view_of_one_table_kept_across_a_step_keeps_the_group_in_place():
     assert grouped.memory_stash.stashed == []
     assert grouped.memory_stash.table_stashes()["t0"].stashes == 2
     _assert_same_rows(grouped, plain)
+
+
+def test_a_backward_that_never_comes_and_a_loss_that_ignores_a_table():
+    """An exception between forward and backward: the group's rows stay away until the next
+    step's lookup brings them back. A loss that reads one table only: the others take no
+    update, as without stashing."""
+    plain, grouped = (_collection(s) for s in (StashMode.NONE, StashMode.ALL))
+    for ec in (plain, grouped):
+        for step, kjt in enumerate(_batches(5, seed=6)):
+            out = ec(kjt)
+            if step == 1:
+                continue  # the dense part raised: no backward
+            if step == 3:
+                out = {"f1": out["f1"]}
+            _loss(out).backward()
+    assert grouped.memory_stash.stashed == []
+    assert grouped.steps == plain.steps and grouped.steps["t0"] == 3
+    stash = grouped.memory_stash.table_stashes()["t0"]
+    assert (stash.stashes, stash.restores) == (5, 5)
+    _assert_same_rows(grouped, plain)
+
+
+def test_a_checkpoint_loaded_while_a_group_is_stashed():
+    """load_state_dict between forward and backward brings the rows back, replaces the
+    rows, and the backward of that forward raises (as without stashing); the next steps
+    stash the group again and train as the plain twin."""
+    plain, grouped = (_collection(s) for s in (StashMode.NONE, StashMode.ALL))
+    for ec in (plain, grouped):
+        _train(ec, _batches(2, seed=7))
+    saved = {k: v.clone() for k, v in plain.state_dict().items()}
+    for ec in (plain, grouped):
+        out = ec(_batches(1, seed=8)[0])
+        ec.load_state_dict(saved)
+        with pytest.raises(RuntimeError, match="loaded from a checkpoint"):
+            _loss(out).backward()
+    assert grouped.memory_stash.stashed == []
+    for ec in (plain, grouped):
+        _train(ec, _batches(3, seed=9))
+    assert grouped.table_groups() == [NAMES]
+    assert grouped.memory_stash.table_stashes()["t0"].stashes == 3
+    _assert_same_rows(grouped, plain)

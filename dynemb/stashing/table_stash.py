@@ -20,6 +20,14 @@ sees all of them:
   a CACHE write-back or load, ``read_rows``, ``state_dict``, an eval lookup) restores first;
 - sizes and layout (``capacity``, ``layout``, ``dim``...) answer without restoring.
 
+A table group (:mod:`dynemb.tables.groups`) keeps its tables' rows in one tensor, each
+table's flat table a view of its part; its stash is one ``TableStash`` over the group's
+:class:`~dynemb.tables.group_storage.GroupRows`. The stash copies and releases the group's
+tensor and every table's view (so no byte stays), makes each table's ``flat`` a
+:class:`PartStashed` meanwhile, and points the views at the rows again when they are back;
+the group's own row writes go through its ``flat``'s ``write_new_rows``, recorded while the
+rows are away like ``initialize_where``.
+
 CUDA ordering (see :class:`~dynemb.stashing.transfers.CudaTransfers`; no host waits):
 
 - stash: the device-to-host stream waits for the forward stream (the lookup's reads) and the
