@@ -13,7 +13,7 @@ store grow (the load factor passed, or a full bucket below ``max_capacity``), or
 no slot, is left exactly as it was and flagged, for the host to run alone.
 """
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange
 
 from .constants import EMPTY_KEY, POLICY_CUSTOMIZED
 from .hashing import probe
@@ -43,8 +43,7 @@ def store_moves_group_cpu(weights, wb_keys, wb_scores, wb_rows, wb_seg, ld_keys,
                           store_rows, store_buckets, bucket_sizes, max_capacities, grow_at,
                           clocks, out_slots, out_inserted, out_prev_keys, out_prev_scores,
                           out_failed, out_found, out_scores, out_stats):
-    """Per table ``t`` (threads split the tables), as ``CacheTable._write_back`` then
-    ``_load``:
+    """Per table ``t``, as ``CacheTable._write_back`` then ``_load``:
 
     1. write-back: insert keys ``wb_keys`` with scores ``wb_scores`` into the store at clock
        ``clocks[t]`` (assume-unique, CUSTOMIZED, evicting the lowest score when a bucket is
@@ -52,68 +51,129 @@ def store_moves_group_cpu(weights, wb_keys, wb_scores, wb_rows, wb_seg, ld_keys,
     2. load: find keys ``ld_keys`` in the store; a stored key's row is copied to
        ``weights[ld_rows]``, ``out_found`` set and ``out_scores`` given its stored score.
 
+    Threads split the tables where there are at least as many as threads (each table's
+    inserts, copies and loads on one). With fewer tables (a group of one), the stores'
+    inserts come first (one store's inserts run in order), then each table's rows, written
+    back then loaded (its loads see its store after its write-backs, as alone), threads
+    splitting its rows, as a table's own store splits them.
+
     ``out_stats[t]``: (rows written, store keys evicted, rows loaded, 1 if the table was left
-    for the host). ``out_slots`` ... ``out_failed`` are the write-back claim's scratch.
+    for the host: its ``out_found`` entries are False). ``out_slots`` ... ``out_failed`` are
+    the write-back claim's scratch.
     """
     tables = wb_seg.size - 1
+    if tables >= get_num_threads():  # threads split the tables
+        for table in prange(tables):
+            t = np.int64(table)  # typed lists take a signed index
+            _write_back_keys(t, wb_keys, wb_scores, wb_seg, store_keys[t], store_scores[t],
+                             store_refcnt[t], store_size[t], store_buckets[t],
+                             bucket_sizes[t], max_capacities[t], grow_at[t], clocks[t],
+                             out_slots, out_inserted, out_prev_keys, out_prev_scores,
+                             out_failed, out_stats)
+            _move_rows(t, wb_seg[t], wb_seg[t + 1], ld_seg[t], ld_seg[t + 1], weights,
+                       wb_rows, ld_keys, ld_rows, store_keys[t], store_scores[t],
+                       store_rows[t], store_buckets[t], bucket_sizes[t], out_slots,
+                       out_found, out_scores, out_stats)
+        return
     for table in prange(tables):
-        t = np.int64(table)  # typed lists take a signed index
-        for c in range(NUM_STATS):
-            out_stats[t, c] = 0
+        t = np.int64(table)
+        _write_back_keys(t, wb_keys, wb_scores, wb_seg, store_keys[t], store_scores[t],
+                         store_refcnt[t], store_size[t], store_buckets[t], bucket_sizes[t],
+                         max_capacities[t], grow_at[t], clocks[t], out_slots, out_inserted,
+                         out_prev_keys, out_prev_scores, out_failed, out_stats)
+    for table in range(tables):  # few tables: threads split each table's rows
+        t = np.int64(table)
+        lo, hi = ld_seg[t], ld_seg[t + 1]
+        if out_stats[t, STAT_LEFT] != 0:
+            out_found[lo:hi] = False
+            continue
         keys, scores, rows = store_keys[t], store_scores[t], store_rows[t]
         buckets, bucket_size = store_buckets[t], bucket_sizes[t]
-        capacity = buckets * bucket_size
-        lo, hi = wb_seg[t], wb_seg[t + 1]
-        if hi > lo:
-            missing = 0
-            for j in range(lo, hi):
-                if probe(keys, wb_keys[j], buckets, bucket_size) < 0:
-                    missing += 1
-            after = store_size[t][0] + missing
-            if after > grow_at[t] * capacity and next_capacity(
-                    capacity, np.int64(after / grow_at[t]) + 1, max_capacities[t],
-                    bucket_size) > 0:
-                out_stats[t, STAT_LEFT] = 1
-                continue
-            added, evicted, failed = _claim_range(
-                keys, scores, store_refcnt[t], buckets, bucket_size, wb_keys, wb_scores,
-                wb_scores, POLICY_CUSTOMIZED, clocks[t], True, False, lo, hi, out_slots,
-                out_inserted, out_prev_keys, out_prev_scores, out_failed,
-                _new_work(bucket_size))
-            if failed > 0 or (evicted > 0 and next_capacity(
-                    capacity, capacity + 1, max_capacities[t], bucket_size) > 0):
-                for j in range(lo, hi):  # undone: the host grows the store and runs it
-                    s = out_slots[j]
-                    if s < 0:
-                        continue
-                    if out_inserted[j]:
-                        keys[s] = out_prev_keys[j]
-                    scores[s] = out_prev_scores[j]
-                out_stats[t, STAT_LEFT] = 1
-                continue
-            store_size[t][0] += added
-            width = rows.shape[1]
-            for j in range(lo, hi):
-                src, dst = weights[wb_rows[j]], rows[out_slots[j]]
-                for c in range(width):
-                    dst[c] = src[c]
-            out_stats[t, STAT_WRITTEN] = hi - lo
-            out_stats[t, STAT_STORE_EVICTED] = evicted
-        loaded = 0
-        width = rows.shape[1]
-        for j in range(ld_seg[t], ld_seg[t + 1]):
-            key = ld_keys[j]
-            s = -1 if key == EMPTY_KEY else probe(keys, key, buckets, bucket_size)
-            out_found[j] = s >= 0
-            out_scores[j] = 0
+        for j in prange(wb_seg[t], wb_seg[t + 1]):
+            _copy_row(weights[wb_rows[j]], rows[out_slots[j]])
+        for j in prange(lo, hi):
+            _load_row(j, ld_keys, ld_rows, keys, scores, rows, buckets, bucket_size,
+                      weights, out_found, out_scores)
+        out_stats[t, STAT_LOADED] = np.sum(out_found[lo:hi])
+
+
+@njit(cache=True, inline="always")
+def _write_back_keys(t, wb_keys, wb_scores, wb_seg, keys, scores, refcnt, size, buckets,
+                     bucket_size, max_capacity, grow_at, clock, out_slots, out_inserted,
+                     out_prev_keys, out_prev_scores, out_failed, out_stats):
+    """Table ``t``'s write-back keys into its store (keys, scores, pins, size, buckets...),
+    one thread; a store that would grow or finds no slot is left as it was, flagged
+    ``STAT_LEFT``."""
+    for c in range(NUM_STATS):
+        out_stats[t, c] = 0
+    capacity = buckets * bucket_size
+    lo, hi = wb_seg[t], wb_seg[t + 1]
+    if hi == lo:
+        return
+    missing = 0
+    for j in range(lo, hi):
+        if probe(keys, wb_keys[j], buckets, bucket_size) < 0:
+            missing += 1
+    after = size[0] + missing
+    if after > grow_at * capacity and next_capacity(
+            capacity, np.int64(after / grow_at) + 1, max_capacity, bucket_size) > 0:
+        out_stats[t, STAT_LEFT] = 1
+        return
+    added, evicted, failed = _claim_range(
+        keys, scores, refcnt, buckets, bucket_size, wb_keys, wb_scores, wb_scores,
+        POLICY_CUSTOMIZED, clock, True, False, lo, hi, out_slots, out_inserted, out_prev_keys,
+        out_prev_scores, out_failed, _new_work(bucket_size))
+    if failed > 0 or (evicted > 0 and next_capacity(
+            capacity, capacity + 1, max_capacity, bucket_size) > 0):
+        for j in range(lo, hi):  # undone: the host grows the store and runs it
+            s = out_slots[j]
             if s < 0:
                 continue
-            out_scores[j] = scores[s]
-            src, dst = rows[s], weights[ld_rows[j]]
-            for c in range(width):
-                dst[c] = src[c]
+            if out_inserted[j]:
+                keys[s] = out_prev_keys[j]
+            scores[s] = out_prev_scores[j]
+        out_stats[t, STAT_LEFT] = 1
+        return
+    size[0] += added
+    out_stats[t, STAT_WRITTEN] = hi - lo
+    out_stats[t, STAT_STORE_EVICTED] = evicted
+
+
+@njit(cache=True, inline="always")
+def _copy_row(src, dst):
+    for c in range(src.size):
+        dst[c] = src[c]
+
+
+@njit(cache=True, inline="always")
+def _load_row(j, ld_keys, ld_rows, keys, scores, rows, buckets, bucket_size, weights,
+              out_found, out_scores):
+    """Load ``ld_keys[j]``: its stored row into ``weights[ld_rows[j]]``, where stored."""
+    key = ld_keys[j]
+    s = -1 if key == EMPTY_KEY else probe(keys, key, buckets, bucket_size)
+    out_found[j] = s >= 0
+    out_scores[j] = scores[s] if s >= 0 else 0
+    if s >= 0:
+        _copy_row(rows[s], weights[ld_rows[j]])
+
+
+@njit(cache=True, inline="always")
+def _move_rows(t, wb_lo, wb_hi, ld_lo, ld_hi, weights, wb_rows, ld_keys, ld_rows, keys,
+               scores, rows, buckets, bucket_size, out_slots, out_found, out_scores,
+               out_stats):
+    """Table ``t``'s written-back rows to its store, then its loads, one thread."""
+    if out_stats[t, STAT_LEFT] != 0:
+        out_found[ld_lo:ld_hi] = False
+        return
+    for j in range(wb_lo, wb_hi):
+        _copy_row(weights[wb_rows[j]], rows[out_slots[j]])
+    loaded = 0
+    for j in range(ld_lo, ld_hi):
+        _load_row(j, ld_keys, ld_rows, keys, scores, rows, buckets, bucket_size, weights,
+                  out_found, out_scores)
+        if out_found[j]:
             loaded += 1
-        out_stats[t, STAT_LOADED] = loaded
+    out_stats[t, STAT_LOADED] = loaded
 
 
 @njit(cache=True, parallel=True)
