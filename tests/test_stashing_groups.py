@@ -251,3 +251,34 @@ def test_a_checkpoint_loaded_while_a_group_is_stashed():
     assert grouped.table_groups() == [NAMES]
     assert grouped.memory_stash.table_stashes()["t0"].stashes == 3
     _assert_same_rows(grouped, plain)
+
+
+def test_a_module_saved_whole_while_its_group_is_stashed():
+    """torch.save(module) between forward and backward brings the group's rows back first;
+    the copy trains on, stashing its group again, as a copy of the plain twin saved at the
+    same moment does."""
+    import io
+
+    def saved(ec):
+        buffer = io.BytesIO()
+        torch.save(ec, buffer)
+        buffer.seek(0)
+        return buffer
+
+    plain, grouped = (_collection(s) for s in (StashMode.NONE, StashMode.ALL))
+    for ec in (plain, grouped):
+        _train(ec, _batches(2, seed=12))
+    buffers, outs = [], []
+    for ec in (plain, grouped):
+        outs.append(ec(_batches(1, seed=13)[0]))
+        buffers.append(saved(ec))
+    assert grouped.memory_stash.stashed == []  # the save brought the rows back
+    for out in outs:
+        _loss(out).backward()
+    plain_copy, copy = (torch.load(b, weights_only=False) for b in buffers)
+    assert copy.table_groups() == [NAMES]
+    for ec in (plain, grouped, plain_copy, copy):
+        _train(ec, _batches(2, seed=14))
+    assert copy.memory_stash.table_stashes()["t0"].stashes >= 2
+    _assert_same_rows(grouped, plain)
+    _assert_same_rows(copy, plain_copy)
