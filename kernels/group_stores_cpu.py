@@ -13,7 +13,7 @@ store grow (the load factor passed, or a full bucket below ``max_capacity``), or
 no slot, is left exactly as it was and flagged, for the host to run alone.
 """
 import numpy as np
-from numba import get_num_threads, njit, prange
+from numba import njit, prange
 
 from .constants import EMPTY_KEY, POLICY_CUSTOMIZED
 from .hashing import probe
@@ -42,7 +42,7 @@ def store_moves_group_cpu(weights, wb_keys, wb_scores, wb_rows, wb_seg, ld_keys,
                           ld_seg, store_keys, store_scores, store_refcnt, store_size,
                           store_rows, store_buckets, bucket_sizes, max_capacities, grow_at,
                           clocks, out_slots, out_inserted, out_prev_keys, out_prev_scores,
-                          out_failed, out_found, out_scores, out_stats):
+                          out_failed, out_found, out_scores, out_stats, threads):
     """Per table ``t``, as ``CacheTable._write_back`` then ``_load``:
 
     1. write-back: insert keys ``wb_keys`` with scores ``wb_scores`` into the store at clock
@@ -51,18 +51,18 @@ def store_moves_group_cpu(weights, wb_keys, wb_scores, wb_rows, wb_seg, ld_keys,
     2. load: find keys ``ld_keys`` in the store; a stored key's row is copied to
        ``weights[ld_rows]``, ``out_found`` set and ``out_scores`` given its stored score.
 
-    Threads split the tables where there are at least as many as threads (each table's
-    inserts, copies and loads on one). With fewer tables (a group of one), the stores'
-    inserts come first (one store's inserts run in order), then each table's rows, written
-    back then loaded (its loads see its store after its write-backs, as alone), threads
-    splitting its rows, as a table's own store splits them.
+    Threads (``threads``: numba's count) split the tables where there are at least as many
+    as threads (each table's inserts, copies and loads on one). With fewer tables (a group
+    of one), the stores' inserts come first (one store's inserts run in order), then each
+    table's rows, written back then loaded (its loads see its store after its write-backs,
+    as alone), threads splitting its rows, as a table's own store splits them.
 
     ``out_stats[t]``: (rows written, store keys evicted, rows loaded, 1 if the table was left
     for the host: its ``out_found`` entries are False). ``out_slots`` ... ``out_failed`` are
     the write-back claim's scratch.
     """
     tables = wb_seg.size - 1
-    if tables >= get_num_threads():  # threads split the tables
+    if tables >= threads:  # threads split the tables
         for table in prange(tables):
             t = np.int64(table)  # typed lists take a signed index
             _write_back_keys(t, wb_keys, wb_scores, wb_seg, store_keys[t], store_scores[t],

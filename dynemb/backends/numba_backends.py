@@ -269,14 +269,15 @@ class CpuBackend:
                           store_rows, store_buckets, bucket_sizes, max_capacities, grow_at,
                           clocks, out_slots, out_inserted, out_prev_keys, out_prev_scores,
                           out_failed, out_found, out_scores, out_stats):
-        """``group_stores_cpu.store_moves_group_cpu`` (the stores as numba typed lists)."""
+        """``group_stores_cpu.store_moves_group_cpu`` (the stores as numba typed lists; the
+        thread count passed in, so that the kernel stays cacheable)."""
         n = self._np
         group_stores_cpu.store_moves_group_cpu(
             n(weights), n(wb_keys), n(wb_scores), n(wb_rows), write_backs.bounds, n(ld_keys),
             n(ld_rows), loads.bounds, store_keys, store_scores, store_refcnt, store_size,
             store_rows, store_buckets, bucket_sizes, max_capacities, grow_at, clocks,
             n(out_slots), n(out_inserted), n(out_prev_keys), n(out_prev_scores),
-            n(out_failed), n(out_found), n(out_scores), out_stats)
+            n(out_failed), n(out_found), n(out_scores), out_stats, numba.get_num_threads())
 
     def occurrence_csr(self, inverse, num_rows):
         """A counting sort (``optim_cpu.occurrence_csr_cpu``)."""
