@@ -18,9 +18,10 @@ the results its table alone would give. The group is organised by phase, each an
 functions over the record: the training prefetch on the host kernels
 (:mod:`dynemb.tables.group_prefetch`; CACHE tables write their evicted rows back and load
 their new rows through :mod:`dynemb.tables.group_stores`) or on CUDA, with nothing read
-back but what a table alone reads back (:mod:`dynemb.tables.group_device`); the eval lookup (:mod:`dynemb.tables.group_eval`);
-the update (:mod:`dynemb.tables.group_update`); the gather and the release (the record's
-own). Which tables group: :func:`~dynemb.tables.group_signature.group_signature`.
+back but what a table alone reads back (:mod:`dynemb.tables.group_device`); the eval
+lookup (:mod:`dynemb.tables.group_eval`); the update (:mod:`dynemb.tables.group_update`);
+the gather and the release (the record's own). Which tables group:
+:func:`~dynemb.tables.group_signature.group_signature`.
 
 Example::
 
