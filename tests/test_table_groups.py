@@ -24,6 +24,7 @@ from dynemb.kernels.hashing import bucket_index
 from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.groups import GroupBatch
 from dynemb.types import ScorePolicy, TableFullError
+from failing_store import FailingStore
 
 FEATURES = [f"f{i}" for i in range(4)]
 
@@ -156,22 +157,11 @@ def test_grouped_cache_tables_train_bit_for_bit_as_alone(optimizer, policy):
     assert_same_module(grouped, alone)
 
 
-class _FailingStore(HostBackingStore):
-    """A host store whose writes fail while ``failing`` is set (a full disk, say)."""
-
-    failing = False
-
-    def insert(self, keys, rows, scores):
-        if _FailingStore.failing:
-            raise OSError("the store's disk is full")
-        return super().insert(keys, rows, scores)
-
-
 def test_a_store_that_raises_mid_claim_leaves_no_pins_in_either_twin():
     width = 8 + OptimizerConfig(OptimizerType.SGD).state_dim(8)
     options = {f"t{i}": DynamicEmbTableOptions(
         caching=True, bucket_size=32, local_hbm_for_values=rows * width * 4,
-        backing_store=lambda w, d, dev: _FailingStore(w, d, dev))
+        backing_store=lambda w, d, dev: FailingStore(w, d, dev))
         for i, rows in enumerate((96, 96, 64, 128))}
     grouped, alone = twins(OptimizerType.SGD, table_options=options)
     gen = torch.Generator().manual_seed(3)
@@ -179,7 +169,7 @@ def test_a_store_that_raises_mid_claim_leaves_no_pins_in_either_twin():
         kjt = batch(gen)
         step(grouped, kjt, weights=(1, 1, 1, 1)), step(alone, kjt, weights=(1, 1, 1, 1))
     kjt = batch(gen)
-    _FailingStore.failing = True
+    FailingStore.failing = True
     try:
         for module in (grouped, alone):
             with pytest.raises(OSError, match="disk is full"):
@@ -187,7 +177,7 @@ def test_a_store_that_raises_mid_claim_leaves_no_pins_in_either_twin():
             assert not any(t.has_batches_in_flight() for t in module.tables.values())
             assert all(t.tier.hash.pinned_count() == 0 for t in module.tables.values())
     finally:
-        _FailingStore.failing = False
+        FailingStore.failing = False
     step(grouped, batch(gen), weights=(1, 1, 1, 1))  # training goes on
 
 

@@ -12,11 +12,11 @@ from torchrec import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from conftest import BACKENDS
+from failing_store import FailingStore
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
                     Initializer, InitializerKind, OptimizerConfig, OptimizerType)
 from dynemb.backends.numba_backends import CudaBackend
 from dynemb.backends.protocol import Segments
-from dynemb.stores.backing_store import HostBackingStore
 from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
 
 KERNELS, DEVICE = BACKENDS[1][0], torch.device(BACKENDS[1][1])
@@ -67,6 +67,11 @@ def assert_same_tables(a, b, keys):
     the two chose may differ (concurrent claims), what they hold may not."""
     assert a.stats() == b.stats()
     assert_same_rows(a, b, keys)
+
+
+def dense(out, pooled):
+    """Each feature's output as one tensor (a pooled module's per bag)."""
+    return out.to_dict() if pooled else {f: jt.values() for f, jt in out.items()}
 
 
 def assert_same_rows(a, b, keys):
@@ -206,23 +211,11 @@ def test_grouped_cache_tables_train_as_alone_on_the_cuda_kernels(pooled):
         state = grouped.prefetch(kjt)
         assert state.batches["t0"] is state.batches["t2"]
         out_g, out_a = grouped(kjt), alone(kjt)
-    dense_g = out_g.to_dict() if pooled else {f: jt.values() for f, jt in out_g.items()}
-    dense_a = out_a.to_dict() if pooled else {f: jt.values() for f, jt in out_a.items()}
+    dense_g, dense_a = dense(out_g, pooled), dense(out_a, pooled)
     for f in dense_g:
         assert torch.equal(dense_g[f].cpu(), dense_a[f].cpu()), f
     assert_same_rows(grouped, alone, keys)
     assert sum(int(t.tier.hash.pinned_count()) for t in grouped.tables.values()) == 0
-
-
-class _FailingStore(HostBackingStore):
-    """A host store whose writes fail while ``failing`` is set (a full disk, say)."""
-
-    failing = False
-
-    def insert(self, keys, rows, scores):
-        if _FailingStore.failing:
-            raise OSError("the store's disk is full")
-        return super().insert(keys, rows, scores)
 
 
 def test_a_cache_store_that_raises_undoes_its_table_and_those_after_it_as_alone():
@@ -233,7 +226,7 @@ def test_a_cache_store_that_raises_undoes_its_table_and_those_after_it_as_alone(
     cache = dict(caching=True, bucket_size=16, max_capacity=1024, stochastic_rounding=False,
                  local_hbm_for_values=32 * width * 4)
     options = {"t0": DynamicEmbTableOptions(**cache), "t2": DynamicEmbTableOptions(**cache),
-               "t1": DynamicEmbTableOptions(**cache, backing_store=_FailingStore)}
+               "t1": DynamicEmbTableOptions(**cache, backing_store=FailingStore)}
     grouped, alone = (DynamicEmbCollection(
         tables(3), table_options=options, device=DEVICE, backend=KERNELS, group_tables=g,
         optimizer=OptimizerConfig(OptimizerType.SGD, learning_rate=0.1)) for g in (True, False))
@@ -244,7 +237,7 @@ def test_a_cache_store_that_raises_undoes_its_table_and_those_after_it_as_alone(
         kjt = batch(gen, 3, per_table=9, vocab=60)
         train(grouped, kjt, used), train(alone, kjt, used)
     kjt = batch(gen, 3, per_table=12, vocab=1000)  # new keys: every table evicts
-    _FailingStore.failing = True
+    FailingStore.failing = True
     try:
         for module in (grouped, alone):
             with pytest.raises(OSError, match="disk is full"):
@@ -252,7 +245,7 @@ def test_a_cache_store_that_raises_undoes_its_table_and_those_after_it_as_alone(
             assert not any(t.has_batches_in_flight() for t in module.tables.values())
             assert all(t.tier.hash.pinned_count() == 0 for t in module.tables.values())
     finally:
-        _FailingStore.failing = False
+        FailingStore.failing = False
     assert_same_tables(grouped, alone, torch.arange(1000, device=DEVICE))
     for _ in range(2):
         kjt = batch(gen, 3, per_table=9, vocab=60)
@@ -286,8 +279,7 @@ def test_grouped_eval_lookups_match_alone_on_the_cuda_kernels(pooled):
         state = grouped.prefetch(kjt)
         assert state.batches["t0"] is state.batches["t2"]
         out_g, out_a = grouped(kjt), alone(kjt)
-    dense_g = out_g.to_dict() if pooled else {f: jt.values() for f, jt in out_g.items()}
-    dense_a = out_a.to_dict() if pooled else {f: jt.values() for f, jt in out_a.items()}
+    dense_g, dense_a = dense(out_g, pooled), dense(out_a, pooled)
     for f in dense_g:
         assert torch.equal(dense_g[f].cpu(), dense_a[f].cpu()), f
     if not pooled:
