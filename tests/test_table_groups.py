@@ -250,6 +250,54 @@ def test_tables_with_admission_group_and_train_bit_for_bit_as_alone(policy):
         assert_same_outputs(grouped(kjt), alone(kjt))
 
 
+def store_only_keys(module, name, vocab):
+    """Keys of ``vocab`` that table ``name`` holds in its store and not in its cache."""
+    table, keys = module.tables[name], torch.arange(vocab)
+    in_store = table.store.find(keys)[1]
+    cached = table.tier.hash.find(keys) >= 0
+    return keys[in_store & ~cached]
+
+
+@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU])
+def test_cache_tables_with_admission_group_and_train_bit_for_bit_as_alone(policy):
+    """A CACHE table counts a key its store holds as stored: a key the cache evicted comes
+    back at its next occurrence (admitted keys leave the counter, threshold 3), loaded from
+    the store, in its group as alone."""
+    width = 8 + OptimizerConfig(OptimizerType.ROWWISE_ADAGRAD).state_dim(8)
+    options = {f"t{i}": DynamicEmbTableOptions(
+        caching=True, bucket_size=32, score_strategy=policy,
+        local_hbm_for_values=rows * width * 4, admission=FrequencyAdmission(3))
+        for i, rows in enumerate((64, 64, 32, 96))}
+    grouped, alone = twins(OptimizerType.ROWWISE_ADAGRAD, policy, table_options=options)
+    assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+    assert {m.name for m in grouped.storage_modes().values()} == {"CACHE"}
+    gen = torch.Generator().manual_seed(23)
+    for _ in range(20):
+        kjt = batch(gen, vocab=(300, 300, 200, 600))
+        assert_same_outputs(step(grouped, kjt, (1, 1, 1, 1)), step(alone, kjt, (1, 1, 1, 1)))
+    assert_same_module(grouped, alone)
+    stats = grouped.stats()
+    assert all(s["admission_rejects"] > 0 and s["write_backs"] > 0 for s in stats.values())
+    # one occurrence of a key only the store holds, per table: admitted, loaded, its row read
+    comeback = [store_only_keys(grouped, f"t{t}", 600)[:1] for t in range(4)]
+    assert all(k.numel() == 1 for k in comeback)
+    assert all(torch.equal(store_only_keys(alone, f"t{t}", 600)[:1], comeback[t])
+               for t in range(4))
+    stored = [grouped.tables[f"t{t}"].store.find(comeback[t])[0][:, :8] for t in range(4)]
+    kjt = KeyedJaggedTensor.from_lengths_sync(FEATURES, torch.cat(comeback),
+                                              torch.ones(4, dtype=torch.int64))
+    for module in (grouped, alone):
+        before = module.stats()
+        out = step(module, kjt, (1, 1, 1, 1))
+        after = module.stats()
+        for t, f in enumerate(FEATURES):
+            assert torch.equal(out[f].values(), stored[t])
+            name = f"t{t}"
+            assert after[name]["loads"] == before[name]["loads"] + 1
+            assert after[name]["admission_rejects"] == before[name]["admission_rejects"]
+    assert_same_module(grouped, alone)
+
+
 def test_tables_with_admission_pooled_and_prefetched_ahead_match_their_twin():
     from dynemb import DynamicEmbBagCollection
     from torchrec.modules.embedding_configs import EmbeddingBagConfig

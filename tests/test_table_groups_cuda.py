@@ -218,6 +218,34 @@ def test_grouped_cache_tables_train_as_alone_on_the_cuda_kernels(pooled):
     assert sum(int(t.tier.hash.pinned_count()) for t in grouped.tables.values()) == 0
 
 
+def test_grouped_cache_tables_with_admission_train_as_alone_on_the_cuda_kernels():
+    """CACHE tables with admission group on the CUDA kernels: each admits its keys through
+    its own counter, counting the keys its store holds as stored (a key the cache evicted
+    comes back at its next occurrence), then writes back and loads as alone."""
+    from dynemb.rows.admission import FrequencyAdmission
+    width = DIM + OptimizerConfig(OptimizerType.SGD).state_dim(DIM)
+    options = DynamicEmbTableOptions(caching=True, bucket_size=16, max_capacity=1024,
+                                     local_hbm_for_values=16 * width * 4,
+                                     stochastic_rounding=False,
+                                     admission=FrequencyAdmission(2))
+    grouped, alone = (DynamicEmbCollection(
+        tables(3), table_options=options, device=DEVICE, backend=KERNELS, group_tables=g,
+        optimizer=OptimizerConfig(OptimizerType.SGD, learning_rate=0.1)) for g in (True, False))
+    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == []
+    gen = torch.Generator().manual_seed(9)
+    for step in range(12):
+        kjt = batch(gen, 3, per_table=12, vocab=24)
+        out_g, out_a = (train(m, kjt, ["f0", "f1", "f2"]) for m in (grouped, alone))
+        for f in out_g:
+            assert torch.equal(out_g[f], out_a[f]), (step, f)
+    keys = torch.arange(24, device=DEVICE)
+    assert_same_rows(grouped, alone, keys)
+    stats = grouped.stats()
+    assert stats == alone.stats()
+    assert all(s["admission_rejects"] > 0 and s["write_backs"] > 0 and s["loads"] > 0
+               for s in stats.values())
+
+
 def test_a_cache_store_that_raises_undoes_its_table_and_those_after_it_as_alone():
     """t1's store fails a write-back: t0 keeps its claim (filled, counted), t1's claim and
     t2's are taken back, as alone t1 undoes its claim and t2 never claims; no pins stay,

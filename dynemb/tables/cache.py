@@ -70,8 +70,12 @@ class CacheTable(HbmDirectTable):
         slots = default_store_slots(layout.target_rows)
         return PlannedRows(layout.device_capacity, host_rows=slots, host_hash_slots=slots)
 
-    def _present(self, keys: torch.Tensor) -> torch.Tensor:
-        return super()._present(keys) | self._store_find(keys)[1]
+    def admit(self, keys: torch.Tensor, counts: torch.Tensor, present: torch.Tensor):
+        """As every table admits (:meth:`DynamicTable.admit
+        <dynemb.tables.base.DynamicTable.admit>`; ``present``: cached already), with the
+        keys the store holds counted as stored: a key the cache evicted keeps its row. The
+        same whether the table claims alone or in its group."""
+        return super().admit(keys, counts, present | self._store_find(keys)[1])
 
     def _store_find(self, keys: torch.Tensor):
         """The store's ``find``, answered on the table's device: a user store may keep its

@@ -6,7 +6,6 @@ from typing import Hashable, Optional
 
 import torch
 
-from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.policies import POLICIES
 
@@ -18,18 +17,18 @@ GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
     """What tables of one group share, or None for a table that trains alone (another
-    storage mode, rows away from the module's device (HOST_ONLY on CUDA), or admission on a
-    CACHE table). Tables that stash their rows group with those of the same stash mode (a
-    group's rows go and come back as one). Tables with admission group only with each other (their
-    prefetch counts keys before it claims, so it cannot be taken back). A table of float16 /
+    storage mode, or rows away from the module's device: HOST_ONLY on CUDA). Tables that
+    stash their rows group with those of the same stash mode (a group's rows go and come
+    back as one). Tables with admission group only with each other (their prefetch counts
+    keys before it claims, so it cannot be taken back; a CACHE table counts the keys its
+    store holds as stored, in its group as alone). A table of float16 /
     bfloat16 rows rounded with noise is a group of one: the noise is drawn per table (its
     seed and id), and the fused update takes one of each."""
     options = table.options
     hash_table = table.tier.hash
     admits = table.admission is not None
     if (table.mode not in GROUPED_MODES or table.tier.device != table.device
-            or table.tier.kernels.name != table.kernels.name
-            or (admits and table.mode is not StorageMode.HBM_DIRECT)):
+            or table.tier.kernels.name != table.kernels.name):
         return None
     weights = table.tier.flat.weights
     alone = (table.name,) if rounds_with_noise(table) else ()

@@ -6,7 +6,8 @@ bucket size, admission or not, stash mode) form a :class:`TableGroup`; such a ta
 partner is a group of one, so that it trains on the same path. A table that grows grows in
 its group, where and as much as it would alone (:meth:`GroupStorage.grow_tables
 <dynemb.tables.group_storage.GroupStorage.grow_tables>`); tables with admission each admit
-their own keys before the group claims them. The group's tables live in one set of arrays
+their own keys before the group claims them (a CACHE table counting its store's keys as
+stored). The group's tables live in one set of arrays
 (hash keys, scores, pins, rows, counters), each table in its own contiguous part: the record
 :class:`~dynemb.tables.group_storage.GroupStorage`. The tables stay whole tables: their hash
 tables, flat tables and counters are views of their parts, and everything read per table
