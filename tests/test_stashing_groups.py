@@ -277,8 +277,13 @@ def test_a_module_saved_whole_while_its_group_is_stashed():
         _loss(out).backward()
     plain_copy, copy = (torch.load(b, weights_only=False) for b in buffers)
     assert copy.table_groups() == [NAMES]
-    for ec in (plain, grouped, plain_copy, copy):
-        _train(ec, _batches(2, seed=14))
-    assert copy.memory_stash.table_stashes()["t0"].stashes >= 2
+    before = copy.memory_stash.table_stashes()["t0"].stashes
+    # (torch.load makes the tables' views views of the storage, without a base tensor:
+    # nothing else holds the rows, and the first step stashes them)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for ec in (plain, grouped, plain_copy, copy):
+            _train(ec, _batches(2, seed=14))
+    assert copy.memory_stash.table_stashes()["t0"].stashes == before + 2
     _assert_same_rows(grouped, plain)
     _assert_same_rows(copy, plain_copy)

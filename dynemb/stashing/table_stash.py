@@ -336,17 +336,19 @@ class TableStash:
     def _holders_among_parts(self, weights: torch.Tensor) -> int:
         """What :func:`_other_holders` counted of ``weights`` that the record's parts hold
         (their views of it, or the tensor itself for a group of one on its table's own
-        arrays), taken back; plus other references to those views."""
+        arrays), taken back; plus other references to those views. Torch keeps ``weights``
+        alive from views sliced from it (their ``_base``), not from views that only share
+        its storage (as ``torch.load`` rebuilds them)."""
         expected = 0
-        viewed = False
+        based = False
         for tier in self._part_tiers():
             view = tier.flat.weights
             if view is weights:
                 expected -= 1  # the table's attribute: a second holder of the same tensor
             else:
                 expected += _other_refs(view) - 1  # one view of the storage, counted there
-                viewed = True
-        return expected - (_REFS_VIEWS_ADD if viewed else 0)
+                based = based or view._base is weights
+        return expected - (_REFS_VIEWS_ADD if based else 0)
 
     def _parts_of(self, weights: torch.Tensor) -> List[_Part]:
         """The record's parts, as they hold ``weights``."""
