@@ -527,6 +527,27 @@ def test_a_table_whose_storage_was_replaced_is_regrouped():
     assert_same_module(grouped, alone)
 
 
+def test_a_late_backward_after_a_direct_grow_counts_its_dropped_updates_as_alone():
+    """A lookup whose pins ended (the next training lookup ended them) and whose backward
+    comes late, after a direct ``grow`` of one of its tables regrouped the module: its
+    update reaches the rows still holding its keys, the others count as dropped updates,
+    as a table alone does; nothing goes to arrays no table uses any more."""
+    grouped, alone = twins(OptimizerType.SGD)
+    gen = torch.Generator().manual_seed(21)
+    train_both(grouped, alone, gen, 3)
+    kjts = [batch(gen) for _ in range(3)]
+    late = [m(kjts[0]) for m in (grouped, alone)]  # backward below, after the grow
+    for module in (grouped, alone):
+        step(module, kjts[1])  # ends the pins of the late lookup
+        module.tables["t0"].grow(2 * module.tables["t0"].tier.hash.capacity)
+        step(module, kjts[2])  # regroups the grouped module
+    for out in late:
+        loss = sum((out[f].values() ** 2).sum() for f in FEATURES)
+        loss.backward()
+    assert_same_module(grouped, alone)
+    assert grouped.stats()["t0"]["dropped_updates"] > 0  # t0's rows moved with the grow
+
+
 def test_a_table_replaced_with_a_lookup_in_flight_ends_that_lookup():
     grouped, other = twins(OptimizerType.SGD)
     gen = torch.Generator().manual_seed(14)

@@ -199,13 +199,15 @@ class DynamicCore:
     def _groups_for_training(self) -> List[TableGroup]:
         """The groups a training batch goes through; regrouped first if a table, or its
         arrays, were replaced since (a group keeps its tables' storage, not the module's
-        names). Batches in flight move to the new groups; a batch whose group's tables
-        changed ends its pins, queued prefetches are dropped, and a backward of an earlier
+        names). Batches in flight, and those whose pins ended but whose backward may still
+        come, move to the new groups; a batch whose group's tables changed ends its pins, queued prefetches are dropped, and a backward of an earlier
         lookup raises, as after a checkpoint load."""
         if all(group.intact(self.tables) for group in self.groups):
             return self.groups
         in_flight = {id(b): b for state in self._queue for b in state.batches.values()}
         in_flight.update((id(b), b) for _, b in self._awaiting_backward)
+        # and the lookups whose pins ended but whose backward may still come
+        in_flight.update((id(b), b) for group in self.groups for b in group.live_batches())
         self._regroup()
         lost = False
         for batch in in_flight.values():

@@ -281,11 +281,16 @@ class GroupStorage:
         batch.pinned = bool(batch.unreleased)
 
     def batch_made(self, batch) -> None:
-        """Keep (weakly) each batch of a group whose tables grow: a batch whose pins ended
-        may still see a late backward, which updates the rows still at its slots, as a
-        table alone does; so its slots follow the group's new layouts too."""
-        if self.growing:
-            self.__dict__.setdefault("_batches", weakref.WeakSet()).add(batch)
+        """Keep (weakly) each batch of the group: a batch whose pins ended may still see a
+        late backward, which updates the rows still at its slots, as a table alone does; so
+        its slots follow the group's new layouts (:meth:`grow_tables`), and the module moves
+        it to the group that holds its tables next (a regroup)."""
+        self.__dict__.setdefault("_batches", weakref.WeakSet()).add(batch)
+
+    def live_batches(self) -> List:
+        """The group's batches still referenced anywhere (pinned or not), see
+        :meth:`batch_made`."""
+        return list(self.__dict__.get("_batches", ()))
 
     def __getstate__(self) -> Dict:
         state = dict(self.__dict__)

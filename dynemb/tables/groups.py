@@ -129,6 +129,11 @@ class TableGroup:
         arrays (see :meth:`GroupStorage.intact`)."""
         return self.storage.intact(tables)
 
+    def live_batches(self) -> List[GroupBatch]:
+        """The group's batches still referenced anywhere, their pins ended or not: a late
+        backward of one updates the rows still holding its keys."""
+        return self.storage.live_batches()
+
     def view_parts_again(self) -> None:
         """After unpickling (see :meth:`GroupStorage.view_parts_again`)."""
         self.storage.view_parts_again()
