@@ -200,8 +200,9 @@ class DynamicCore:
         """The groups a training batch goes through; regrouped first if a table, or its
         arrays, were replaced since (a group keeps its tables' storage, not the module's
         names). Batches in flight, and those whose pins ended but whose backward may still
-        come, move to the new groups; a batch whose group's tables changed ends its pins, queued prefetches are dropped, and a backward of an earlier
-        lookup raises, as after a checkpoint load."""
+        come, move to the new groups; a batch whose group's tables changed ends its pins,
+        queued prefetches are dropped, and a backward of an earlier lookup raises, as after a
+        checkpoint load."""
         if all(group.intact(self.tables) for group in self.groups):
             return self.groups
         in_flight = {id(b): b for state in self._queue for b in state.batches.values()}

@@ -21,9 +21,9 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
     stash their rows group with those of the same stash mode (a group's rows go and come
     back as one). Tables with admission group only with each other (their prefetch counts
     keys before it claims, so it cannot be taken back; a CACHE table counts the keys its
-    store holds as stored, in its group as alone). A table of float16 /
-    bfloat16 rows rounded with noise is a group of one: the noise is drawn per table (its
-    seed and id), and the fused update takes one of each."""
+    store holds as stored, in its group as alone). A table of float16 / bfloat16 rows
+    rounded with noise is a group of one: the noise is drawn per table (its seed and id),
+    and the fused update takes one of each."""
     options = table.options
     hash_table = table.tier.hash
     admits = table.admission is not None
