@@ -139,6 +139,21 @@ def test_views_of_a_tensor_are_counted():
     assert storage_refs.other_views(rows) == 0
 
 
+def test_a_view_sliced_from_a_tensor_is_told_from_one_rebuilt_by_torch_load():
+    import io
+    rows = torch.zeros(4, 2)
+    view = rows[1:]
+    assert storage_refs.sliced_from(view, rows) and not storage_refs.sliced_from(rows, view)
+    buffer = io.BytesIO()
+    torch.save({"rows": rows, "view": view}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    rows, view = loaded["rows"], loaded["view"]
+    # the view shares the loaded storage, not the loaded tensor
+    assert view.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+    assert not storage_refs.sliced_from(view, rows)
+
+
 # -- device_assert: torch's asynchronous assert ----------------------------------------------
 
 def test_the_device_assert_passes_true_and_fails_false():

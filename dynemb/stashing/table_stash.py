@@ -347,7 +347,7 @@ class TableStash:
                 expected -= 1  # the table's attribute: a second holder of the same tensor
             else:
                 expected += _other_refs(view) - 1  # one view of the storage, counted there
-                based = based or view._base is weights
+                based = based or storage_refs.sliced_from(view, weights)
         return expected - (_REFS_VIEWS_ADD if based else 0)
 
     def _parts_of(self, weights: torch.Tensor) -> List[_Part]:
