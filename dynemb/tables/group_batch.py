@@ -217,7 +217,8 @@ class GroupBatch(LookupBatch):
             table = storage.tables[t]
             lo, hi = self.unique_bounds[t], self.unique_bounds[t + 1]
             part = self.slots[lo:hi]
-            table.tier.hash.release(torch.where(part >= 0, part - storage.row_offset[t], -1))
+            storage.tier_of(table).hash.release(
+                torch.where(part >= 0, part - storage.row_offset[t], -1))
             table.drop_group_batch(self)
         self.unreleased = set()
         self.pinned = False

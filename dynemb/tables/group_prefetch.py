@@ -155,7 +155,8 @@ class HostGroupPrefetch:
     def _claim_once(self, unique, counts, given, unique_bounds) -> tuple:
         """One claim of every table's keys (see :meth:`_claim`)."""
         storage = self.storage
-        clocks = np.asarray([t.tier.hash.tick() for t in storage.tables], dtype=np.int64)
+        clocks = np.asarray([storage.tier_of(t).hash.tick() for t in storage.tables],
+                            dtype=np.int64)
         u = unique.numel()
         slots, prev_keys, prev_scores = (torch.empty(u, dtype=torch.int64) for _ in range(3))
         inserted = torch.empty(u, dtype=torch.bool)

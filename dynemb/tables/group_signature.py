@@ -6,18 +6,20 @@ from typing import Hashable, Optional
 
 import torch
 
+from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.policies import POLICIES
 
 #: The modes whose tables group (their policy's ``groups``): HBM_DIRECT, CACHE (the device
 #: tier grouped; each table's evicted rows go to its own store, and its new rows come from
-#: it, table by table) and HOST_ONLY (where the module is on the host too).
+#: it, table by table), HOST_ONLY (where the module is on the host too) and DEFAULT (on the
+#: host kernels: both tiers grouped, :mod:`dynemb.tables.group_tiers`).
 GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups)
 
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
-    """What tables of one group share, or None for a table that trains alone (another
-    storage mode, or rows away from the module's device: HOST_ONLY on CUDA). Tables that
+    """What tables of one group share, or None for a table that trains alone (rows away
+    from the module's device: HOST_ONLY on CUDA; DEFAULT on the CUDA kernels). Tables that
     stash their rows group with those of the same stash mode (a group's rows go and come
     back as one). Tables with admission group only with each other (their prefetch counts
     keys before it claims, so it cannot be taken back; a CACHE table counts the keys its
@@ -30,6 +32,8 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
     if (table.mode not in GROUPED_MODES or table.tier.device != table.device
             or table.tier.kernels.name != table.kernels.name):
         return None
+    if table.mode is StorageMode.DEFAULT and table.kernels.defers_failures:
+        return None  # its host tier would claim on the host kernels, its device tier on CUDA
     weights = table.tier.flat.weights
     alone = (table.name,) if rounds_with_noise(table) else ()
     return (table.mode, table.tier.device, table.kernels.name, weights.dtype, table.dim,

@@ -42,6 +42,7 @@ from dynemb.backends.protocol import Segments, TableArrays
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_signature import rounds_with_noise
+from dynemb.tables.tier import Tier
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, FindOrInsertResult, ScorePolicy
 
 #: The fields of the record, as a group pickled before the record existed held them itself.
@@ -69,39 +70,55 @@ class GroupRows:
     ``flat`` holds them (a :class:`GroupFlat`, or a stand-in while they are away) and
     :meth:`parts` are the tiers of the group's tables, whose flat tables view them."""
 
-    def __init__(self, weights: torch.Tensor, tables: Sequence[DynamicTable]):
+    tier_name = "tier"  # (rows pickled by an earlier version were those of the tables' tier)
+
+    def __init__(self, weights: torch.Tensor, tables: Sequence[DynamicTable],
+                 tier_name: str = "tier"):
         self.flat = GroupFlat(weights)
         self._tables = tables
+        self.tier_name = tier_name
 
     def parts(self) -> List:
         """The tiers of the group's tables, in group order."""
-        return [table.tier for table in self._tables]
+        return [getattr(table, self.tier_name) for table in self._tables]
 
 
 class GroupStorage:
     """The arrays of a group's ``tables`` and each table's part of them (see the module
     docstring). Building it moves each table into its part, copying it, unless the group
-    is one table that owns its arrays (then it works on them as they are)."""
+    is one table that owns its arrays (then it works on them as they are).
 
-    # (a record pickled by an earlier version has neither)
+    ``tier``: the tables' tier the record holds, by attribute (``"tier"``, each table's own;
+    ``"host_tier"``, a DEFAULT table's host tier, :mod:`dynemb.tables.group_tiers`).
+    ``keeps_counters``: the tables' counters are views of the record's :attr:`counters` (one
+    record per table keeps them; the other's ``counters`` is None)."""
+
+    # (a record pickled by an earlier version has none of these)
     growing: Tuple[int, ...] = ()
     admits = False
+    tier_name = "tier"
+    keeps_counters = True
 
-    def __init__(self, tables: Sequence[DynamicTable]):
+    def __init__(self, tables: Sequence[DynamicTable], tier: str = "tier",
+                 keeps_counters: bool = True):
         first = tables[0]
+        self.tier_name = tier
+        self.keeps_counters = keeps_counters
         self.tables: List[DynamicTable] = list(tables)
         self.names: Tuple[str, ...] = tuple(t.name for t in tables)
         self.index: Dict[str, int] = {name: t for t, name in enumerate(self.names)}
         self.mode = first.mode
-        self.kernels = first.kernels
-        self.device = first.tier.device
+        first_tier = self.tier_of(first)
+        self.kernels = first_tier.kernels
+        self.device = first_tier.device
         self.dim = first.dim
         self.optimizer = first.optimizer
-        self.policy = first.tier.hash.policy
-        self.bucket_size = first.tier.hash.bucket_size
+        self.policy = first_tier.hash.policy
+        self.bucket_size = first_tier.hash.bucket_size
         #: the tables that grow (``grow_at_load_factor``): a claim checks whether they must
         self.growing: Tuple[int, ...] = tuple(
-            t for t, table in enumerate(tables) if table.tier.hash.grow_at_load_factor is not None)
+            t for t, table in enumerate(tables)
+            if self.tier_of(table).hash.grow_at_load_factor is not None)
         #: the tables admit keys by count (all or none of a group's do, group_signature)
         self.admits = first.admission is not None
         self._lay_out()
@@ -116,6 +133,10 @@ class GroupStorage:
         self.rounding = (dict(stochastic_rounding=True, seed=first.options.seed,
                               table_id=first.table_id)
                          if rounds_with_noise(first) else dict(stochastic_rounding=False))
+
+    def tier_of(self, table: DynamicTable) -> Tier:
+        """The tier of ``table`` this record holds (see the class docstring)."""
+        return getattr(table, self.tier_name)
 
     @property
     def rows(self) -> GroupRows:
@@ -137,7 +158,7 @@ class GroupStorage:
         if "rows" in self.__dict__ or "weights" in self.__dict__:
             self.rows.flat.weights = value
         else:
-            self.__dict__["rows"] = GroupRows(value, self.tables)
+            self.__dict__["rows"] = GroupRows(value, self.tables, self.tier_name)
 
     @property
     def row_dtype(self) -> torch.dtype:
@@ -152,16 +173,18 @@ class GroupStorage:
     def _lay_out(self) -> None:
         """Place every table in its part of the group's arrays, by the tables' capacities."""
         first = self.tables[0]
-        capacities = [t.tier.hash.capacity for t in self.tables]
+        capacities = [self.tier_of(t).hash.capacity for t in self.tables]
         self.row_offset = [0]
         for capacity in capacities:
             self.row_offset.append(self.row_offset[-1] + capacity)
-        if len(self.tables) == 1 and _owns_its_arrays(first):  # works on them: no copy
-            self.arrays, self.weights = first.tier.hash.arrays, first.tier.flat.weights
-            self.counters = first.counters.values.unsqueeze(0)
+        tier = self.tier_of(first)
+        if len(self.tables) == 1 and _owns_its_arrays(tier, first.counters):  # no copy
+            self.arrays, self.weights = tier.hash.arrays, tier.flat.weights
+            self.counters = (first.counters.values.unsqueeze(0) if self.keeps_counters
+                             else None)
         else:
             self._allocate_and_move_in()
-        self._parts = [_parts_of(t) for t in self.tables]
+        self._parts = [self._parts_of(t) for t in self.tables]
         self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)  # numpy, for the kernels
         self.bucket_counts = np.asarray([c // self.bucket_size for c in capacities],
                                         dtype=np.int64)
@@ -214,7 +237,7 @@ class GroupStorage:
         sizes = self.arrays.size.tolist()
         growth = []
         for t in self.growing:
-            hash_table = self.tables[t].tier.hash
+            hash_table = self.tier_of(self.tables[t]).hash
             lo, hi = bounds[t], bounds[t + 1]
             if sizes[t] + hi - lo > hash_table.grow_at_load_factor * hash_table.capacity:
                 capacity = hash_table.capacity_to_claim(keys[lo:hi])
@@ -236,7 +259,7 @@ class GroupStorage:
         for t in self.growing:
             _, evicted, failed = per_table[t]
             displaced = evicted + (failed if grow_on_failure else 0)
-            capacity = self.tables[t].tier.hash.capacity_to_grow_to(0, displaced > 0)
+            capacity = self.tier_of(self.tables[t]).hash.capacity_to_grow_to(0, displaced > 0)
             if capacity is not None:
                 growth.append((t, capacity))
         return growth
@@ -251,7 +274,7 @@ class GroupStorage:
         a.scores[slots[placed]] = prev_scores[placed]
         self.kernels.add_refcounts(a, slots, -1)
         for table in self.tables:
-            table.tier.hash.untick()
+            self.tier_of(table).hash.untick()
 
     def undo_table_claims(self, batch, claim, tables: Sequence[int]) -> None:
         """Undo the part of a pinning ``claim`` (``(keys, slots, inserted, previous keys,
@@ -275,7 +298,7 @@ class GroupStorage:
         a.size.sub_(torch.zeros_like(a.size).index_add_(0, table_of, added.to(a.size.dtype)))
         self.kernels.add_refcounts(a, torch.where(mine, slots, -1), -1)
         for t in tables:
-            self.tables[t].tier.hash.untick()
+            self.tier_of(self.tables[t]).hash.untick()
             self.tables[t].drop_group_batch(batch)
         batch.unreleased -= set(tables)
         batch.pinned = bool(batch.unreleased)
@@ -304,6 +327,14 @@ class GroupStorage:
         if "_parts" in state:
             self._parts = [(a, _weakly(w), c) for a, w, c in self._parts]
 
+    def _parts_of(self, table: DynamicTable):
+        """The table's arrays, as the group placed them (to tell whether they were
+        replaced); its rows by a weak reference: memory stashing releases the rows only where
+        nothing but their tables holds them."""
+        tier = self.tier_of(table)
+        counters = table.counters.values if self.keeps_counters else None
+        return tier.hash.arrays, weakref.ref(tier.flat.weights), counters
+
     @classmethod
     def of_earlier_group(cls, state: Dict) -> "GroupStorage":
         """The record of a group pickled by an earlier version, which held these fields
@@ -322,7 +353,7 @@ class GroupStorage:
         """The group's arrays, each table copied into its part of them."""
         rows = self.row_offset[-1]
         first = self.tables[0]
-        weights = first.tier.flat.weights
+        weights = self.tier_of(first).flat.weights
         self.arrays = TableArrays(
             torch.full((rows,), EMPTY_KEY, dtype=torch.int64, device=self.device),
             torch.zeros(rows, dtype=torch.int64, device=self.device),
@@ -331,8 +362,9 @@ class GroupStorage:
             rows // self.bucket_size, self.bucket_size)
         self.weights = torch.zeros(rows, weights.shape[1], dtype=weights.dtype,
                                    device=self.device)
-        self.counters = torch.zeros(len(self.tables), len(COUNTER_NAMES), dtype=torch.int64,
-                                    device=first.counters.values.device)
+        self.counters = (torch.zeros(len(self.tables), len(COUNTER_NAMES), dtype=torch.int64,
+                                     device=first.counters.values.device)
+                         if self.keeps_counters else None)
         for t in range(len(self.tables)):
             self._move_into_part(t)
 
@@ -340,12 +372,14 @@ class GroupStorage:
         """Copy table ``t`` into its part of the group's arrays and make its arrays views
         of that part."""
         table = self.tables[t]
+        tier = self.tier_of(table)
         lo, hi = self.row_offset[t], self.row_offset[t + 1]
-        table.tier.hash.use_storage(TableArrays(
+        tier.hash.use_storage(TableArrays(
             self.arrays.keys[lo:hi], self.arrays.scores[lo:hi], self.arrays.refcnt[lo:hi],
             self.arrays.size[t:t + 1], (hi - lo) // self.bucket_size, self.bucket_size))
-        table.tier.flat.use_storage(self.weights[lo:hi])
-        table.counters.use_storage(self.counters[t])
+        tier.flat.use_storage(self.weights[lo:hi])
+        if self.keeps_counters:
+            table.counters.use_storage(self.counters[t])
 
     def view_parts_again(self) -> None:
         """After unpickling: plain ``pickle`` copies every tensor on its own (``torch.save``
@@ -353,12 +387,14 @@ class GroupStorage:
         group's. Such a table's arrays (equal to its part) become views of its part again."""
         for t, table in enumerate(self.tables):
             lo = self.row_offset[t]
-            apart = (table.tier.hash.arrays.keys.data_ptr() != self.arrays.keys[lo:].data_ptr()
-                     or table.tier.flat.weights.data_ptr() != self.weights[lo:].data_ptr()
-                     or table.counters.values.data_ptr() != self.counters[t].data_ptr())
+            tier = self.tier_of(table)
+            apart = (tier.hash.arrays.keys.data_ptr() != self.arrays.keys[lo:].data_ptr()
+                     or tier.flat.weights.data_ptr() != self.weights[lo:].data_ptr()
+                     or (self.keeps_counters and table.counters.values.data_ptr()
+                         != self.counters[t].data_ptr()))
             if apart:
                 self._move_into_part(t)
-                self._parts[t] = _parts_of(table)
+                self._parts[t] = self._parts_of(table)
 
     def intact(self, tables: Mapping[str, DynamicTable]) -> bool:
         """Whether ``tables`` still holds the group's tables, each still in its part of the
@@ -366,9 +402,9 @@ class GroupStorage:
         of its hash table's ``grow`` its arrays)."""
         for name, table, (arrays, weights, counters) in zip(self.names, self.tables,
                                                              self._parts):
-            if (tables.get(name) is not table or table.tier.hash.arrays is not arrays
-                    or _weights_in_place(table) is not _held(weights)
-                    or table.counters.values is not counters):
+            if (tables.get(name) is not table or self.tier_of(table).hash.arrays is not arrays
+                    or _weights_in_place(self.tier_of(table)) is not _held(weights)
+                    or (self.keeps_counters and table.counters.values is not counters)):
                 return False
         return True
 
@@ -400,7 +436,7 @@ class GroupStorage:
         """Tables tracking their changes for checkpoint deltas mark the slots claimed."""
         for t, table in enumerate(self.tables):
             if table.changes is not None:
-                table.changes.claimed(table.tier, self.table_claim(claim, t))
+                table.changes.claimed(self.tier_of(table), self.table_claim(claim, t))
 
     def initialize_rows(self, slots, keys, inserted, unique_bounds) -> None:
         """Rows of the claim's keys where ``inserted`` start from their table's
@@ -414,7 +450,7 @@ class GroupStorage:
         for t, table in enumerate(self.tables):  # float16 / bfloat16 rows: table by table
             lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
             local = torch.where(slots[lo:hi] >= 0, slots[lo:hi] - self.row_offset[t], -1)
-            table.tier.flat.initialize_where(local, keys[lo:hi], inserted[lo:hi],
+            self.tier_of(table).flat.initialize_where(local, keys[lo:hi], inserted[lo:hi],
                                              table.options.initializer, seed=table.options.seed,
                                              table_id=table.table_id)
 
@@ -472,26 +508,20 @@ class GroupStorage:
         return f"GroupStorage({list(self.names)}, rows={self.row_offset[-1]})"
 
 
-def _owns_its_arrays(table: DynamicTable) -> bool:
-    """Whether the table's arrays are whole tensors, not views into an earlier group's (a
-    group of one that kept those would keep the earlier group's memory alive)."""
-    tensors = (table.tier.hash.arrays.keys, table.tier.flat.weights, table.counters.values)
+def _owns_its_arrays(tier: Tier, counters) -> bool:
+    """Whether a tier's arrays and its table's ``counters`` are whole tensors, not views
+    into an earlier group's (a group of one that kept those would keep the earlier group's
+    memory alive)."""
+    tensors = (tier.hash.arrays.keys, tier.flat.weights, counters.values)
     return all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
 
 
-def _weights_in_place(table: DynamicTable) -> torch.Tensor:
-    """The table's rows tensor, read without bringing its rows back: while memory stashing
+def _weights_in_place(tier: Tier) -> torch.Tensor:
+    """The tier's rows tensor, read without bringing its rows back: while memory stashing
     has them away, its flat table is a stand-in that names the flat table it stands in for
     (``stands_in_for``); the tensor keeps its identity while away."""
-    flat = table.tier.flat
+    flat = tier.flat
     return getattr(flat, "stands_in_for", flat).weights
-
-
-def _parts_of(table: DynamicTable):
-    """The table's arrays, as the group placed them (to tell whether they were replaced);
-    its rows by a weak reference: memory stashing releases the rows only where nothing but
-    their tables holds them."""
-    return table.tier.hash.arrays, weakref.ref(table.tier.flat.weights), table.counters.values
 
 
 def _weakly(tensor) -> "weakref.ref":

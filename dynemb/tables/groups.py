@@ -52,6 +52,7 @@ from dynemb.tables.group_eval import GroupEvalLookup
 from dynemb.tables.group_prefetch import HostGroupPrefetch
 from dynemb.tables.group_signature import group_signature
 from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.group_tiers import TieredGroup
 from dynemb.tables.group_stores import GroupStores
 from dynemb.tables.units import LoneTable
 
@@ -71,7 +72,8 @@ def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
         signature = group_signature(table)
         if signature is not None:
             by_signature.setdefault(signature, []).append(table)
-    return [TableGroup(members) for members in by_signature.values()]
+    return [TieredGroup(members) if members[0].mode is StorageMode.DEFAULT
+            else TableGroup(members) for members in by_signature.values()]
 
 
 class TableGroup:

@@ -169,6 +169,7 @@ class TieredPolicy(StoragePolicy):
     mode = StorageMode.DEFAULT
     table_class = TieredTable
     row_reads = RowReads.CACHED
+    groups = True  # on the host kernels (group_signature)
 
     def upfront_host_rows(self, layout: TableLayout) -> int:
         return layout.host_tier_rows

@@ -1,0 +1,517 @@
+"""DEFAULT tables as one group (:mod:`dynemb.tables.groups`), on the host kernels: two records,
+one :class:`~dynemb.tables.group_storage.GroupStorage` over the tables' device tiers (it keeps
+the tables' counters) and one over their host tiers. Each table does what it does alone
+(:mod:`dynemb.tables.tiered`), every phase in one call for all the tables:
+
+- prefetch: one dedup of every table's keys (in the bucket order of the device tiers); the
+  lookups are counted, nothing is claimed;
+- forward (:meth:`TieredBatch.lookup_occurrences`, :meth:`~TieredBatch.pooling_rows`): each
+  unique key goes to the tier its table's capacities route it to
+  (:func:`~dynemb.foundations.key_mixing.routes_to_first`); tables with admission admit their
+  own keys (stored in either tier counts as stored); the host tiers claim their keys, then
+  the device tiers (a key that finds no slot undoes both claims and raises its table's
+  ``TableFullError``); new rows start from each table's initializer; the rows are gathered
+  from both records. An eval forward only finds the keys; those stored in neither tier read
+  their table's eval initializer row;
+- backward (:meth:`TieredBatch.apply_gradients`): one fused update in each record, of the
+  rows still holding the batch's keys.
+
+A DEFAULT table on the CUDA kernels trains alone (:func:`~dynemb.tables.group_signature.
+group_signature`): its host tier stays on the host kernels while its device tier is on CUDA.
+
+Example::
+
+    >>> from dynemb.options import DynamicEmbTableOptions, choose_storage_mode
+    >>> from dynemb.rows.optimizers import OptimizerConfig
+    >>> from dynemb.tables import build_table
+    >>> options = DynamicEmbTableOptions(global_hbm_for_values=128 * 16)  # 128 device rows
+    >>> def table(name):
+    ...     layout = choose_storage_mode(options, name=name, num_embeddings=1024, width=4,
+    ...                                  config_dtype=torch.float32)
+    ...     return build_table(name, 0, 4, layout, options, OptimizerConfig(),
+    ...                        torch.device("cpu"))
+    >>> group = TieredGroup([table("a"), table("b")])
+    >>> batch = group.prefetch([torch.tensor([1, 2, 1]), torch.tensor([5])], [None, None],
+    ...                        [None, None])
+    >>> [rows.shape for rows in batch.lookup_occurrences()]
+    [torch.Size([3, 4]), torch.Size([1, 4])]
+    >>> [t.stats()["rows_device"] + t.stats()["rows_backing"] for t in group.tables]
+    [2, 1]
+"""
+from __future__ import annotations
+
+from typing import List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from dynemb.backends.protocol import Segments
+from dynemb.foundations.counters import COUNTER_NAMES
+from dynemb.foundations.key_mixing import routes_to_first
+from dynemb.rows.optimizers import OccurrenceGrads, fused_update
+from dynemb.tables.base import DynamicTable
+from dynemb.tables.batch import TableBatch
+from dynemb.tables.group_batch import given_counts, key_bounds_of
+from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
+from dynemb.tables.units import LoneTable
+from dynemb.types import EMPTY_KEY, ScorePolicy
+
+_COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
+
+
+class TieredGroup:
+    """DEFAULT tables in two records (see the module docstring): ``storage`` over their device
+    tiers, ``host`` over their host tiers. A unit of :mod:`dynemb.tables.units` whose
+    prefetch claims nothing (the claim is in forward, as for a DEFAULT table alone)."""
+
+    def __init__(self, tables: Sequence[DynamicTable]):
+        self.storage = GroupStorage(tables)
+        self.host = GroupStorage(tables, tier="host_tier", keeps_counters=False)
+        params = [t.options.eval_initializer.kernel_params() for t in tables]
+        self.eval_kinds = np.asarray([p[0] for p in params], dtype=np.int64)
+        self.eval_params = [np.asarray([p[i] for p in params], dtype=np.float64)
+                            for i in range(1, 5)]
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return self.storage.names
+
+    @property
+    def tables(self) -> List[DynamicTable]:
+        return self.storage.tables
+
+    @property
+    def rows(self):
+        """The device tiers' rows, as memory stashing moves them (a DEFAULT table alone
+        stashes its device tier)."""
+        return self.storage.rows
+
+    def intact(self, tables: Mapping[str, DynamicTable]) -> bool:
+        """Whether ``tables`` still holds the group's tables, both tiers of each in their
+        parts of the records."""
+        return self.storage.intact(tables) and self.host.intact(tables)
+
+    def live_batches(self) -> List["TieredBatch"]:
+        return self.storage.live_batches()
+
+    def view_parts_again(self) -> None:
+        self.storage.view_parts_again()
+        self.host.view_parts_again()
+
+    # -- the unit interface (dynemb.tables.units) ----------------------------------------------
+    def claims_apart(self) -> bool:
+        """False: the prefetch claims nothing, so there is nothing to take back."""
+        return False
+
+    def prefetch(self, keys: Sequence[torch.Tensor],
+                 occurrences: Sequence[Optional[torch.Tensor]],
+                 scores: Sequence[Optional[int]]) -> "TieredBatch":
+        """A training batch: every table's ``keys`` deduplicated and counted; the rows are
+        claimed by its forward."""
+        return self._batch(keys, occurrences, scores, training=True)
+
+    claim_batch = prefetch
+
+    def finish_batch(self, batch: "TieredBatch") -> "TieredBatch":
+        return batch
+
+    def undo_batch(self, batch: "TieredBatch") -> None:
+        batch.release()
+
+    def lookup_batch(self, keys: Sequence[torch.Tensor],
+                     occurrences: Sequence[Optional[torch.Tensor]]) -> "TieredBatch":
+        """A read-only (eval) batch: its forward finds the keys, and ends its pins once it
+        has read the rows."""
+        return self._batch(keys, occurrences, [None] * len(keys), training=False)
+
+    def check_failures(self) -> None:
+        for table in self.tables:
+            table.check_failures()
+
+    def alone(self) -> List[LoneTable]:
+        return [LoneTable(table) for table in self.tables]
+
+    def _batch(self, keys, occurrences, scores, training: bool) -> "TieredBatch":
+        storage = self.storage
+        key_bounds = key_bounds_of(keys)
+        unique, inverse, counts, unique_bounds = storage.dedup(keys, key_bounds)
+        counts, given = given_counts(keys, occurrences, inverse, counts)
+        bounds = unique_bounds.tolist()
+        sizes = np.diff(np.asarray(bounds, dtype=np.int64))
+        if training and storage.policy is ScorePolicy.CUSTOMIZED:
+            written = torch.from_numpy(np.repeat(np.asarray(scores, dtype=np.int64), sizes))
+        else:
+            written = unique.new_zeros(1).expand(unique.shape)
+        key_ends = np.asarray(key_bounds, dtype=np.int64)
+        if given is None:
+            lookups = np.diff(key_ends)
+        else:
+            total = np.concatenate([[0], np.cumsum(given.numpy())])
+            lookups = total[key_ends[1:]] - total[key_ends[:-1]]
+        delta = np.zeros((len(self.tables), len(COUNTER_NAMES)), dtype=np.int64)
+        delta[:, _COUNTER["lookups"]] = lookups
+        delta[:, _COUNTER["unique_keys"]] = sizes
+        storage.counters += torch.from_numpy(delta)
+        return TieredBatch(self, unique, inverse, counts, written, bounds, key_bounds, training)
+
+    def __repr__(self) -> str:
+        return (f"TieredGroup({list(self.names)}, device rows={self.storage.row_offset[-1]}, "
+                f"host rows={self.host.row_offset[-1]})")
+
+
+class TieredBatch(LookupBatch):
+    """A :class:`TieredGroup`'s share of a batch. ``keys`` / ``counts`` / ``scores`` [U]: each
+    table's unique keys, table after table (table ``t``'s ``[unique_bounds[t],
+    unique_bounds[t + 1])``); ``inverse`` [N] as for every batch. From its forward on:
+    ``slots`` [U] rows of the device record, ``host_slots`` [U] rows of the host record (-1:
+    the key is in the other tier, or not stored); ``fallback`` [U, dim] the rows of keys
+    stored in neither (eval, admission), else None."""
+
+    def __init__(self, group: TieredGroup, keys, inverse, counts, scores,
+                 unique_bounds: List[int], key_bounds: List[int], training: bool):
+        self.group = group
+        self.mode = group.storage.mode
+        self.keys, self.inverse, self.counts, self.scores = keys, inverse, counts, scores
+        self.unique_bounds, self.key_bounds = unique_bounds, key_bounds
+        self.training = training
+        self.slots = self.host_slots = self.fallback = None
+        self.pinned = False
+        self.unreleased: set = set()
+        self.consumed = False
+        self.applied: set = set()
+        self.pending = None
+        group.storage.batch_made(self)
+
+    # -- members -------------------------------------------------------------------------------
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return self.group.names
+
+    @property
+    def dim(self) -> int:
+        return self.group.storage.dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.group.storage.device
+
+    @property
+    def kernels(self):
+        return self.group.storage.kernels
+
+    def tensors(self) -> List[torch.Tensor]:
+        return [t for t in (self.keys, self.inverse, self.counts, self.slots, self.host_slots,
+                            self.fallback) if t is not None]
+
+    def table_tensors(self, name: str) -> List[torch.Tensor]:
+        t = self.group.storage.index[name]
+        u0, u1 = self.unique_bounds[t], self.unique_bounds[t + 1]
+        k0, k1 = self.key_bounds[t], self.key_bounds[t + 1]
+        parts = [self.keys[u0:u1], self.inverse[k0:k1], self.counts[u0:u1]]
+        return parts + [s[u0:u1] for s in (self.slots, self.host_slots, self.fallback)
+                        if s is not None]
+
+    def member(self, name: str) -> TableBatch:
+        """Table ``name``'s part as a :class:`TableBatch` (its own slots in both tiers): a
+        copy, for reading."""
+        t = self.group.storage.index[name]
+        u0, u1 = self.unique_bounds[t], self.unique_bounds[t + 1]
+        k0, k1 = self.key_bounds[t], self.key_bounds[t + 1]
+        keys = self.keys[u0:u1]
+        batch = TableBatch(name, self.mode, self.training, keys, self.inverse[k0:k1] - u0,
+                           self.counts[u0:u1], torch.tensor([keys.numel()]))
+        if self.slots is not None:
+            batch.slots = _local(self.slots[u0:u1], self.group.storage.row_offset[t])
+            batch.host_slots = _local(self.host_slots[u0:u1], self.group.host.row_offset[t])
+        if self.fallback is not None:
+            batch.fallback = self.fallback[u0:u1]
+        batch.pinned, batch.consumed = self.pinned, self.consumed
+        batch.applied = name in self.applied
+        return batch
+
+    # -- forward -------------------------------------------------------------------------------
+    def lookup_occurrences(self, sizes: Optional[Sequence[int]] = None
+                           ) -> Tuple[torch.Tensor, ...]:
+        rows = self._looked_up_rows()
+        return rows.index_select(0, self.inverse).split(list(self._part_sizes(sizes)))
+
+    def pooling_rows(self) -> PoolingRows:
+        """The unique rows, pooled by ``embedding_bag`` as each DEFAULT table alone pools on
+        the host kernels."""
+        return PoolingRows(self._looked_up_rows(), self.inverse, by_kernel=False)
+
+    def _looked_up_rows(self) -> torch.Tensor:
+        """[U, dim] float32: each unique key's row, claimed (training) or found (eval) at the
+        first call; an eval batch ends its pins once it has read them."""
+        if self.slots is None:
+            self._claim() if self.training else self._find()
+        group = self.group
+        dim = self.dim
+        on_host = self.host_slots >= 0
+        device_rows = group.storage.weights[:, :dim].index_select(0, self.slots.clamp(min=0))
+        host_rows = group.host.weights[:, :dim].index_select(0, self.host_slots.clamp(min=0))
+        rows = torch.where(on_host[:, None], host_rows, device_rows).float()
+        if self.fallback is not None:
+            stored = on_host | (self.slots >= 0)
+            rows = torch.where(stored[:, None], rows, self.fallback)
+        if not self.training:
+            self.release()
+        return rows
+
+    def _routes(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(device keys, host keys) [U]: each key in the tier its table routes it to, EMPTY_KEY
+        in the other."""
+        group = self.group
+        sizes = torch.from_numpy(np.diff(np.asarray(self.unique_bounds, dtype=np.int64)))
+        device = torch.tensor([t.tier.hash.capacity for t in group.tables], dtype=torch.int64)
+        host = torch.tensor([t.host_tier.hash.capacity for t in group.tables], dtype=torch.int64)
+        n = self.keys.numel()
+        first = torch.repeat_interleave(device, sizes, output_size=n)
+        total = first + torch.repeat_interleave(host, sizes, output_size=n)
+        valid = self.keys != EMPTY_KEY
+        on_device = valid & routes_to_first(self.keys, first, total)
+        return (torch.where(on_device, self.keys, EMPTY_KEY),
+                torch.where(valid & ~on_device, self.keys, EMPTY_KEY))
+
+    def _find_in(self, record: GroupStorage, keys: torch.Tensor) -> torch.Tensor:
+        slots = torch.empty_like(keys)
+        record.kernels.find_group(record.arrays, Segments(self.unique_bounds), record.row_starts,
+                                  record.bucket_counts, keys, slots)
+        return slots
+
+    def _find(self) -> None:
+        """The eval forward: find each key in its tier, pin it until the rows are read; the
+        keys in neither read their table's eval initializer row."""
+        group = self.group
+        dev_keys, host_keys = self._routes()
+        slots, host_slots = self._find_in(group.storage, dev_keys), self._find_in(group.host,
+                                                                                  host_keys)
+        group.storage.kernels.add_refcounts(group.storage.arrays, slots, 1)
+        group.host.kernels.add_refcounts(group.host.arrays, host_slots, 1)
+        self.slots, self.host_slots = slots, host_slots
+        self._hold()
+        stored = (slots >= 0) | (host_slots >= 0)
+        self.fallback = torch.zeros(self.keys.numel(), self.dim)
+        storage = group.storage
+        storage.kernels.init_rows_at_group(
+            self.fallback, torch.arange(self.keys.numel()), self.keys, ~stored,
+            Segments(self.unique_bounds), self.dim, storage.seeds, storage.table_ids,
+            group.eval_kinds, *group.eval_params)
+        bounds = np.asarray(self.unique_bounds, dtype=np.int64)
+        stored_before = np.concatenate([[0], np.cumsum(stored.numpy())])
+        hits = stored_before[bounds[1:]] - stored_before[bounds[:-1]]
+        delta = np.zeros((len(group.tables), len(COUNTER_NAMES)), dtype=np.int64)
+        delta[:, _COUNTER["hits"]] = hits
+        delta[:, _COUNTER["misses"]] = np.diff(bounds) - hits
+        storage.counters += torch.from_numpy(delta)
+
+    def _claim(self) -> None:
+        """The training forward: admission, the host tiers' claim, then the device tiers'
+        (see the module docstring), new rows initialized, the claims counted."""
+        group = self.group
+        dev_keys, host_keys = self._routes()
+        if group.storage.admits:
+            present = ((self._find_in(group.storage, dev_keys) >= 0)
+                       | (self._find_in(group.host, host_keys) >= 0))
+            admitted, fallback = [], []
+            for t, table in enumerate(group.tables):
+                lo, hi = self.unique_bounds[t], self.unique_bounds[t + 1]
+                yes, rows = table.admit(self.keys[lo:hi], self.counts[lo:hi], present[lo:hi])
+                admitted.append(yes)
+                fallback.append(rows)
+            admitted = torch.cat(admitted)
+            self.fallback = torch.cat(fallback).to(torch.float32)
+            dev_keys = torch.where(admitted, dev_keys, EMPTY_KEY)
+            host_keys = torch.where(admitted, host_keys, EMPTY_KEY)
+        host, host_failed = self._claim_in(group.host, host_keys)
+        device, device_failed = self._claim_in(group.storage, dev_keys)
+        if host_failed.any() or device_failed.any():
+            self._refuse(((group.host, host, host_failed), (group.storage, device,
+                                                             device_failed)))
+        self.slots, self.host_slots = device[1], host[1]
+        self._hold()
+        per_table = np.zeros((len(group.tables), 3), dtype=np.int64)
+        for record, claim in ((group.storage, device), (group.host, host)):
+            keys, slots, inserted, prev_keys, _, bounds, _ = claim
+            record.track_changes(claim[:6])
+            record.initialize_rows(slots, keys, inserted, bounds)
+            counts = np.empty((len(group.tables), 3), dtype=np.int64)
+            record.kernels.claim_counts_group(Segments(bounds), slots, inserted, prev_keys,
+                                              counts)
+            per_table += counts
+        delta = np.zeros((len(group.tables), len(COUNTER_NAMES)), dtype=np.int64)
+        delta[:, _COUNTER["hits"]] = per_table[:, 0]
+        delta[:, _COUNTER["misses"]] = np.diff(self.unique_bounds) - per_table[:, 0]
+        delta[:, _COUNTER["inserts"]] = per_table[:, 1]
+        delta[:, _COUNTER["evictions"]] = per_table[:, 2]
+        group.storage.counters += torch.from_numpy(delta)
+
+    def _claim_in(self, record: GroupStorage, keys: torch.Tensor):
+        """One pinning claim of ``keys`` (EMPTY_KEY: nothing) in ``record``: ``((keys, slots,
+        inserted, previous keys, previous scores, unique bounds, keys added per table),
+        [U] bool: the keys that found no slot)``."""
+        u = keys.numel()
+        slots, prev_keys, prev_scores = (torch.empty(u, dtype=torch.int64) for _ in range(3))
+        inserted = torch.empty(u, dtype=torch.bool)
+        failed = torch.empty(u, dtype=torch.bool)
+        stats = np.empty((len(record.tables), 3), dtype=np.int64)
+        clocks = np.asarray([record.tier_of(t).hash.tick() for t in record.tables],
+                            dtype=np.int64)
+        bounds = torch.tensor(self.unique_bounds, dtype=torch.int64)
+        record.kernels.find_or_insert_group(
+            record.arrays, record.arrays.size, Segments(bounds), record.row_starts,
+            record.bucket_counts, keys, self.counts, self.scores, record.policy.code, clocks,
+            record.allows_eviction, slots, inserted, prev_keys, prev_scores, failed, stats)
+        added = torch.from_numpy(stats[:, 0].copy())
+        return (keys, slots, inserted, prev_keys, prev_scores, bounds, added), failed
+
+    def _refuse(self, claims) -> None:
+        """Undo both claims (``(record, claim, failed keys)``, host first) and raise the
+        ``TableFullError`` a table alone raises first: the first table with a key that found
+        no slot, in its host tier if one did there (alone, a table claims its host tier
+        first)."""
+        first = None
+        for record, claim, failed in claims:
+            keys, slots, inserted, prev_keys, prev_scores, _, added = claim
+            record.undo_claim(slots, inserted, prev_keys, prev_scores, added)
+            for t in range(len(record.tables)):
+                lo, hi = self.unique_bounds[t], self.unique_bounds[t + 1]
+                if bool(failed[lo:hi].any()) and (first is None or t < first[0]):
+                    first = (t, record, keys[lo:hi][failed[lo:hi]])
+        t, record, failed_keys = first
+        table = record.tables[t]
+        raise table.full_error(failed_keys, record.tier_of(table))
+
+    # -- backward ------------------------------------------------------------------------------
+    def applied_to(self, name: str) -> bool:
+        return name in self.applied
+
+    def apply_gradients(self, grads: OccurrenceGrads, taking: Sequence[bool], *, lr: float,
+                        steps) -> None:
+        """The fused update, in each record, of the rows of the tables ``taking`` a gradient
+        that still hold the batch's keys (a batch whose pins ended counts the others as
+        dropped updates), each table at its own step; then those tables' pins end."""
+        group = self.group
+        names = group.names
+        if self.slots is not None:
+            step_of = {steps[name] for name, takes in zip(names, taking) if takes}
+            for record, slots in ((group.storage, self.slots), (group.host, self.host_slots)):
+                slots = self._live_slots(record, slots)
+                for step in sorted(step_of):
+                    chosen = slots.clone()
+                    for t, name in enumerate(names):
+                        if not taking[t] or steps[name] != step:
+                            chosen[self.unique_bounds[t]:self.unique_bounds[t + 1]] = -1
+                    fused_update(record.weights, chosen, grads, dim=record.dim,
+                                 config=record.optimizer, lr=lr, step=step,
+                                 kernels=record.kernels, keys=self.keys, **record.rounding)
+        self.applied.update(name for name, takes in zip(names, taking) if takes)
+        for table, takes in zip(group.tables, taking):
+            if takes and table.changes is not None and self.slots is not None:
+                table.changes.updated(self.member(table.name))
+        self.release([t for t, takes in enumerate(taking) if takes])
+
+    def _live_slots(self, record: GroupStorage, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` if the batch is still pinned; else those still holding its keys, the
+        others counted as dropped updates of their tables."""
+        if self.pinned:
+            return slots
+        kept = record.arrays.keys[slots.clamp(min=0)] == self.keys
+        dropped = ((slots >= 0) & ~kept).to(torch.int64)
+        total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])
+        bounds = torch.tensor(self.unique_bounds, dtype=torch.int64)
+        self.group.storage.counters[:, _COUNTER["dropped_updates"]] += (
+            total[bounds[1:]] - total[bounds[:-1]])
+        return torch.where(kept, slots, -1)
+
+    # -- pins ----------------------------------------------------------------------------------
+    def _hold(self) -> None:
+        self.pinned = True
+        self.unreleased = set(range(len(self.group.tables)))
+        for table in self.group.tables:
+            table.hold_group_batch(self)
+
+    def release(self, tables: Optional[Sequence[int]] = None) -> None:
+        """End the pins of ``tables`` (indices; None: all) in both records, once per table."""
+        if not self.pinned:
+            return
+        ending = set(self.unreleased) if tables is None else self.unreleased.intersection(tables)
+        if not ending:
+            return
+        group = self.group
+        for record, slots in ((group.storage, self.slots), (group.host, self.host_slots)):
+            if len(ending) < len(group.tables):
+                slots = torch.cat([slots[self.unique_bounds[t]:self.unique_bounds[t + 1]]
+                                   for t in sorted(ending)])
+            record.kernels.add_refcounts(record.arrays, slots, -1)
+        self.unreleased -= ending
+        for t in ending:
+            group.tables[t].drop_group_batch(self)
+        self.pinned = bool(self.unreleased)
+
+    def end_pins_alone(self) -> None:
+        """End the pins table by table, in each table's own tiers (its group is gone)."""
+        group = self.group
+        for t in sorted(self.unreleased):
+            table = group.tables[t]
+            lo, hi = self.unique_bounds[t], self.unique_bounds[t + 1]
+            table.tier.hash.release(_local(self.slots[lo:hi], group.storage.row_offset[t]))
+            table.host_tier.hash.release(_local(self.host_slots[lo:hi],
+                                                group.host.row_offset[t]))
+            table.drop_group_batch(self)
+        self.unreleased = set()
+        self.pinned = False
+
+    def rehome(self, groups: Sequence) -> bool:
+        """Its own group, or a new one of the same tables (whose records hold the tables'
+        tiers where the old ones did, as they moved with them): the slots are renumbered."""
+        if any(group is self.group for group in groups):
+            return True
+        for group in groups:
+            if isinstance(group, TieredGroup) and group.tables == self.group.tables:
+                if self.slots is not None:
+                    self.slots = _shifted(self.slots, self.unique_bounds,
+                                          self.group.storage.row_offset,
+                                          group.storage.row_offset)
+                    self.host_slots = _shifted(self.host_slots, self.unique_bounds,
+                                               self.group.host.row_offset, group.host.row_offset)
+                self.group = group
+                return True
+        return False
+
+    def table_remapped(self, name: str, remap: torch.Tensor) -> None:
+        """A direct ``grow`` of member ``name``'s device tier moved its rows by ``remap``."""
+        if self.slots is None:
+            return
+        t = self.group.storage.index[name]
+        lo, hi = self.unique_bounds[t], self.unique_bounds[t + 1]
+        start = self.group.storage.row_offset[t]
+        part = self.slots[lo:hi]
+        moved = torch.where(part >= 0, remap[(part - start).clamp(min=0)] + start, -1)
+        self.slots = torch.cat([self.slots[:lo], moved, self.slots[hi:]])
+
+    def rows_moved(self, storage, old_offsets: Sequence[int]) -> None:
+        if self.slots is None:
+            return
+        if storage is self.group.storage:
+            self.slots = _shifted(self.slots, self.unique_bounds, old_offsets,
+                                  storage.row_offset)
+        elif storage is self.group.host:
+            self.host_slots = _shifted(self.host_slots, self.unique_bounds, old_offsets,
+                                       storage.row_offset)
+
+
+def _local(slots: torch.Tensor, start: int) -> torch.Tensor:
+    """Record slots as a table's own (its part starts at ``start``); -1 stays."""
+    return torch.where(slots >= 0, slots - start, -1)
+
+
+def _shifted(slots: torch.Tensor, unique_bounds: Sequence[int], old_offsets: Sequence[int],
+             new_offsets: Sequence[int]) -> torch.Tensor:
+    """Each table's slots renumbered from its part's old start to its new one."""
+    shift = torch.tensor([new - old for new, old in zip(new_offsets, old_offsets)][:-1],
+                         dtype=torch.int64)
+    sizes = torch.from_numpy(np.diff(np.asarray(unique_bounds, dtype=np.int64)))
+    delta = torch.repeat_interleave(shift, sizes, output_size=slots.numel())
+    return torch.where(slots >= 0, slots + delta, -1)
