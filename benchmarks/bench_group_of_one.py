@@ -1,6 +1,6 @@
 """A table with no partner: does it cost more as a group of one than on its own path? One
-table of each storage mode that groups (HBM_DIRECT, CACHE, HOST_ONLY, and HBM_DIRECT with
-admission), trained as a group of one (the default) and with ``group_tables=False`` (the
+table of each storage mode that groups on the host (HBM_DIRECT, CACHE, HOST_ONLY, DEFAULT,
+and HBM_DIRECT with admission), trained as a group of one (the default) and with ``group_tables=False`` (the
 table's own path), interleaved step by step on bench_collection's workload (Zipf ids over
 1e8, 4,096 samples x 20 ids a step, the CACHE holding a quarter of the ids seen), SGD and
 Adam. Both must end with the same counters; the run aborts otherwise.
@@ -35,13 +35,16 @@ from dynemb.rows.admission import FrequencyAdmission
 
 FILE_STEM = "group_of_one_cpu"
 FEATURE, TABLE = "f0", "t"
-MODES = ("hbm_direct", "cache", "host_only", "hbm_admission")
+MODES = ("hbm_direct", "cache", "host_only", "hbm_admission", "default")
 OPTIMIZERS = {"sgd": OptimizerType.SGD, "adam": OptimizerType.ADAM}
 
 
 def table_options(mode: str, capacity: int, cache_rows_: int, width: int):
     if mode == "cache":
         return DynamicEmbTableOptions(max_capacity=capacity, caching=True,
+                                      local_hbm_for_values=cache_rows_ * width * 4)
+    if mode == "default":  # the CACHE's device rows, the host tier the rest
+        return DynamicEmbTableOptions(max_capacity=capacity,
                                       local_hbm_for_values=cache_rows_ * width * 4)
     if mode == "host_only":
         return DynamicEmbTableOptions(max_capacity=capacity, local_hbm_for_values=0)

@@ -236,6 +236,20 @@ def test_group_of_one_benchmark_quick(tmp_path):
     assert (tmp_path / "group_of_one_cpu_quick.png").stat().st_size > 0
 
 
+def test_default_groups_benchmark_quick(tmp_path):
+    """DEFAULT tables grouped and one by one: the same rows every step and the same counters
+    (the run checks both), rows in both tiers, the ratio that of the medians."""
+    from benchmarks import bench_default_groups
+    report = bench_default_groups.main(["--quick", "--out-dir", str(tmp_path),
+                                        "--optimizers", "sgd"])
+    assert [r["tables"] for r in report["rows"]] == report["config"]["tables"]
+    for row in report["rows"]:
+        assert row["rows_device"] > 0 and row["rows_host"] > 0
+        assert row["ratio"] == pytest.approx(row["grouped_ms"] / row["alone_ms"])
+        assert len(row["step_ms"]["grouped"]) == report["config"]["steps"]
+    assert (tmp_path / "default_groups_cpu_quick.png").stat().st_size > 0
+
+
 def test_stash_groups_benchmark_quick(tmp_path):
     """Stashing tables grouped, one by one and not stashing: identical embeddings every step
     (the run checks it), every stashing table stashed every step, one stash for the group."""

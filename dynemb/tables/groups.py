@@ -13,6 +13,10 @@ stored). The group's tables live in one set of arrays
 tables, flat tables and counters are views of their parts, and everything read per table
 (``read_rows``, ``stats``, checkpoints, exports) is unchanged.
 
+DEFAULT tables on the host kernels group too, as a
+:class:`~dynemb.tables.group_tiers.TieredGroup` (two records: their device tiers and their
+host tiers; it claims in forward, as such a table alone does).
+
 A training batch of the group is one :class:`GroupBatch`: one dedup, one claim, one
 initialization, one gather, one fused update and one release for all its tables, each with
 the results its table alone would give. The group is organised by phase, each an object or

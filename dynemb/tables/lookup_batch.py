@@ -1,6 +1,7 @@
 """``LookupBatch``: a prefetched batch as the layers above the tables see it, one table's
 (:class:`~dynemb.tables.batch.TableBatch`) or a table group's
-(:class:`~dynemb.tables.group_batch.GroupBatch`) alike.
+(:class:`~dynemb.tables.group_batch.GroupBatch`; a DEFAULT group's
+:class:`~dynemb.tables.group_tiers.TieredBatch`) alike.
 
 A batch serves one or more member tables, ``names``, whose input keys lie one after the
 other in the order the module concatenated them: member ``t``'s are
