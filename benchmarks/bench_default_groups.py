@@ -11,7 +11,8 @@ Run from the repository root::
     .venv/bin/python -m benchmarks.bench_default_groups --quick    # smoke run
 
 Writes ``<out-dir>/default_groups_cpu.json`` and ``.png``: per table count and optimizer the
-median step of each path and the median of the per-step (paired) ratios grouped / alone.
+median step of each path and the median of the per-step (paired) ratios grouped / alone, with
+the tables' capacity holding every id, and below the ids seen (both tiers evict).
 """
 from __future__ import annotations
 
@@ -36,15 +37,22 @@ FILE_STEM = "default_groups_cpu"
 PATHS = ("grouped", "alone")
 
 
-def build_pair(wl: Workload, dim: int, opt_name: str) -> List[DynamicEmbCollection]:
+#: how many rows the tables hold in all: the whole vocabulary at half load ("fits"), or twice
+#: the device tier, below the ids seen ("evicts", in both tiers)
+CAPACITIES = ("fits", "evicts")
+
+
+def build_pair(wl: Workload, dim: int, opt_name: str,
+               capacity: str) -> List[DynamicEmbCollection]:
     """(the DEFAULT tables grouped, the same tables one by one): each table's device tier
     holds twice one step's distinct ids (bench_tables' evicting capacity), its host tier the
-    rest of a vocabulary that fits at half load."""
+    rest of ``capacity`` (:data:`CAPACITIES`)."""
     bucket = DynamicEmbTableOptions().bucket_size
     fit, small = capacities(wl, bucket)
+    rows = fit if capacity == "fits" else 2 * small
     width = dim + optimizer_config(opt_name).state_dim(dim)
-    options = DynamicEmbTableOptions(max_capacity=fit, local_hbm_for_values=small * width * 4)
-    pair = [DynamicEmbCollection(table_configs(wl, dim, fit), table_options=options,
+    options = DynamicEmbTableOptions(max_capacity=rows, local_hbm_for_values=small * width * 4)
+    pair = [DynamicEmbCollection(table_configs(wl, dim, rows), table_options=options,
                                  optimizer=optimizer_config(opt_name), group_tables=grouped)
             for grouped in (True, False)]
     for module in pair:
@@ -55,8 +63,8 @@ def build_pair(wl: Workload, dim: int, opt_name: str) -> List[DynamicEmbCollecti
     return pair
 
 
-def run_config(cfg, wl: Workload, opt_name: str, bar: tqdm) -> dict:
-    pair = build_pair(wl, cfg.dim, opt_name)
+def run_config(cfg, wl: Workload, opt_name: str, capacity: str, bar: tqdm) -> dict:
+    pair = build_pair(wl, cfg.dim, opt_name, capacity)
     grads = wl.gradients(cfg.seed, cfg.dim)
     times: List[List[float]] = [[], []]
     for i in range(cfg.warmup + cfg.steps):
@@ -76,7 +84,9 @@ def run_config(cfg, wl: Workload, opt_name: str, bar: tqdm) -> dict:
     check(pair[0].stats() == pair[1].stats(),
           f"T={wl.tables} {opt_name}: the two paths counted differently")
     stats = pair[0].stats().values()
-    return {"tables": wl.tables, "optimizer": opt_name,
+    if capacity == "evicts":
+        check(sum(int(s["evictions"]) for s in stats) > 0, f"T={wl.tables}: no evictions")
+    return {"tables": wl.tables, "optimizer": opt_name, "capacity": capacity,
             "grouped_ms": statistics.median(times[0]), "alone_ms": statistics.median(times[1]),
             "ratio": statistics.median(times[0]) / statistics.median(times[1]),
             "paired": paired_ratios(times[0], times[1]),
@@ -89,10 +99,10 @@ def run_config(cfg, wl: Workload, opt_name: str, bar: tqdm) -> dict:
 def plot(report: dict, path) -> None:
     rows = report["rows"]
     fig, ax = pyplot().subplots(figsize=(7, 3.6))
-    for opt_name in sorted({r["optimizer"] for r in rows}):
-        mine = [r for r in rows if r["optimizer"] == opt_name]
+    for key in sorted({(r["optimizer"], r["capacity"]) for r in rows}):
+        mine = [r for r in rows if (r["optimizer"], r["capacity"]) == key]
         ax.plot([r["tables"] for r in mine], [r["paired"]["median"] for r in mine], "o-",
-                label=opt_name)
+                label=" ".join(key))
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("DEFAULT tables (65,536 ids a step over all)")
@@ -104,7 +114,7 @@ def plot(report: dict, path) -> None:
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = new_parser(__doc__)
     parser.add_argument("--tables", type=int, nargs="+",
-                        help="table counts T (default: 1 8 26 128)")
+                        help="table counts T (default: 1 8 64 128)")
     parser.add_argument("--ids", type=int, help="ids per step over all tables (default 65536)")
     parser.add_argument("--dim", type=int, default=32, help="embedding dim (default 32)")
     parser.add_argument("--optimizers", nargs="+", choices=["sgd", "rowwise_adagrad"],
@@ -120,7 +130,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     add_run_options(parser, f"tiny smoke run; writes {FILE_STEM}_quick.*")
     cfg = parser.parse_args(argv)
     fill_defaults(cfg, {"tables": [1, 4], "ids": 2048, "batch": 16, "warmup": 3, "steps": 2},
-                  {"tables": [1, 8, 26, 128], "ids": 65536, "batch": 256, "warmup": 3,
+                  {"tables": [1, 8, 64, 128], "ids": 65536, "batch": 256, "warmup": 3,
                    "steps": 12})
     if any(cfg.ids % t for t in cfg.tables):
         parser.error(f"--ids ({cfg.ids}) must split evenly over every table count "
@@ -133,18 +143,20 @@ def main(argv: Optional[List[str]] = None) -> dict:
     set_threads(cfg.threads)
     start, git, load_start = time.perf_counter(), git_state(), load_before_run()
     rows = []
-    total = len(cfg.tables) * len(cfg.optimizers) * (cfg.warmup + cfg.steps)
+    total = (len(cfg.tables) * len(cfg.optimizers) * len(CAPACITIES)
+             * (cfg.warmup + cfg.steps))
     with tqdm(total=total, desc="DEFAULT groups", unit="step") as bar:
         for tables in cfg.tables:
             wl = Workload(cfg, tables)
             for opt_name in cfg.optimizers:
-                bar.set_postfix_str(f"T={tables} {opt_name}")
-                rows.append(run_config(cfg, wl, opt_name, bar))
+                for capacity in CAPACITIES:
+                    bar.set_postfix_str(f"T={tables} {opt_name} {capacity}")
+                    rows.append(run_config(cfg, wl, opt_name, capacity, bar))
     report = {"machine": dict(machine_info(git), loadavg_start=load_start),
               "config": config_of(cfg), "rows": rows,
               "runtime_s": time.perf_counter() - start}
     for r in rows:
-        print(f"T={r['tables']:<4} {r['optimizer']:>15}: grouped {r['grouped_ms']:8.2f} ms, "
+        print(f"T={r['tables']:<4} {r['optimizer']:>15} {r['capacity']:>6}: grouped {r['grouped_ms']:8.2f} ms, "
               f"alone {r['alone_ms']:8.2f} ms, ratio {r['ratio']:.2f} "
               f"(paired {r['paired']['median']:.2f}); rows {r['rows_device']} device, "
               f"{r['rows_host']} host, {r['evictions']} evictions")
