@@ -1,4 +1,6 @@
-"""The examples run as a user would run them: a fresh interpreter, outside the checkout."""
+"""The examples run as a user would run them: a fresh interpreter, outside the checkout. Their
+argument checks run in this process (importing an example runs nothing but its imports)."""
+import importlib.util
 import json
 import math
 import os
@@ -19,6 +21,36 @@ def run_example(name, *args, cwd, timeout=600):
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def import_example(name, monkeypatch):
+    """``examples/<name>`` imported in this process without running it; what its import
+    sets (the environment defaults a script sets before torch starts, ``sys.path``, the
+    sibling modules it imports) is undone after the test."""
+    examples = ROOT / "examples"
+    monkeypatch.syspath_prepend(str(examples))
+    environ = dict(os.environ)
+    spec = importlib.util.spec_from_file_location(f"example_{Path(name).stem}",
+                                                  examples / name)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # (its dataclasses look it up)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update(environ)
+        for key, loaded in list(sys.modules.items()):
+            if str(getattr(loaded, "__file__", "") or "").startswith(str(examples)):
+                monkeypatch.delitem(sys.modules, key)
+    return module
+
+
+def refused(example, args, capsys):
+    """(exit code, stderr) of the example's parser given ``args``."""
+    with pytest.raises(SystemExit) as exited:
+        example.parse_args(args)
+    return exited.value.code, capsys.readouterr().err
 
 
 def check_learned(m):
@@ -96,16 +128,16 @@ def test_train_sharded_quick_learns(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["train_sharded.py", "train_dlrm.py"])
-def test_the_collective_timeout_is_an_argument_and_must_be_positive(name, tmp_path):
+def test_the_collective_timeout_is_an_argument_and_must_be_positive(name, monkeypatch, capsys):
     """The spawned process group gets a finite timeout (a stalled peer fails its collective,
     tests/test_sharded_desync.py); the examples take it as --timeout and refuse nonsense."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--timeout", "0"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--timeout must be > 0" in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--help"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert "--timeout" in proc.stdout and "default 300" in proc.stdout
+    example = import_example(name, monkeypatch)
+    code, err = refused(example, ["--timeout", "0"], capsys)
+    assert code == 2 and "--timeout must be > 0" in err
+    with pytest.raises(SystemExit) as exited:
+        example.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert exited.value.code == 0 and "--timeout" in out and "default 300" in out
 
 
 #: Largest |final loss, TorchRec - dynemb| allowed in one mode of two_tower_swap.py --quick.
@@ -146,11 +178,9 @@ def test_two_tower_swap_quick_both_libraries_learn_alike(tmp_path):
 @pytest.mark.parametrize("args, message", [(["--timeout", "0"], "--timeout must be > 0"),
                                            (["--steps", "0"], "--steps must be >= 1"),
                                            (["--nproc", "0"], "--nproc must be >= 1")])
-def test_two_tower_swap_refuses_bad_arguments(args, message, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "two_tower_swap.py"), *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and message in proc.stderr
+def test_two_tower_swap_refuses_bad_arguments(args, message, monkeypatch, capsys):
+    code, err = refused(import_example("two_tower_swap.py", monkeypatch), args, capsys)
+    assert code == 2 and message in err
 
 
 def test_train_sharded_with_its_items_on_disk_learns_the_same_and_resumes(tmp_path):
