@@ -212,3 +212,28 @@ def test_default_tables_on_the_cuda_kernels_train_alone():
                                   device=torch.device(device))
     assert set(module.storage_modes().values()) == {StorageMode.DEFAULT}
     assert module.table_groups() == []
+
+
+@pytest.mark.parametrize("data_type", ["FP16", "BF16"])
+def test_half_precision_default_tables_group_as_alone(data_type):
+    """Rows of float16 / bfloat16 in both tiers: tables rounding with noise (drawn per table)
+    are groups of one, the others group; all train as alone, bit for bit."""
+    from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
+    tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=n,
+                              feature_names=[FEATURES[i]], data_type=DataType[data_type])
+              for i, n in enumerate((200, 200, 120, 300))]
+    options = {f"t{i}": DynamicEmbTableOptions(global_hbm_for_values=rows * ROW_BYTES,
+                                               bucket_size=32, seed=i,
+                                               stochastic_rounding=(i == 0))
+               for i, rows in enumerate(DEVICE_ROWS)}
+    config = OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05)
+    grouped, alone = (DynamicEmbCollection(tables, table_options=options, optimizer=config,
+                                           group_tables=g) for g in (True, False))
+    assert set(grouped.storage_modes().values()) == {StorageMode.DEFAULT}
+    assert grouped.table_groups() == [("t0",), ("t1", "t2", "t3")]
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(8):
+        kjt = batch(gen)
+        assert_same_outputs(step(grouped, kjt), step(alone, kjt))
+    assert_same_module(grouped, alone)
+    assert grouped.stats()["t3"]["rows_backing"] > 0

@@ -56,6 +56,13 @@ class CpuBackend:
         return t.numpy()
 
     @staticmethod
+    def _dense(t: torch.Tensor):
+        """An input tensor as a C-contiguous numpy array: a strided or broadcast one (a
+        score expanded over the keys) is copied, so that each kernel compiles for one
+        array layout (numba compiles a kernel once per layout it is called with)."""
+        return np.ascontiguousarray(t.numpy())
+
+    @staticmethod
     def _host(values):
         """Per-table values (numpy arrays or CPU tensors) as numpy arrays, without a copy."""
         return values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
@@ -86,15 +93,17 @@ class CpuBackend:
     def lookup_update(self, table: TableArrays, ukeys, counts, given, policy, clock, pin,
                       out_slots, out_prev_scores):
         n = self._np
-        table_cpu.lookup_update_cpu(*probe_args(table, n), n(ukeys), n(counts), n(given),
-                                    policy, clock, pin, n(out_slots), n(out_prev_scores))
+        table_cpu.lookup_update_cpu(*probe_args(table, n), n(ukeys), self._dense(counts),
+                                    self._dense(given), policy, clock, pin, n(out_slots),
+                                    n(out_prev_scores))
 
     def insert_missing(self, table: TableArrays, ukeys, counts, given, policy, clock,
                        allow_evict, slots, out_prev_keys, out_prev_scores, out_failed):
         n = self._np
-        table_cpu.insert_missing_cpu(*claim_args(table, n), n(ukeys), n(counts), n(given),
-                                     policy, clock, allow_evict, n(slots), n(out_prev_keys),
-                                     n(out_prev_scores), n(out_failed), numba.get_num_threads())
+        table_cpu.insert_missing_cpu(*claim_args(table, n), n(ukeys), self._dense(counts),
+                                     self._dense(given), policy, clock, allow_evict, n(slots),
+                                     n(out_prev_keys), n(out_prev_scores), n(out_failed),
+                                     numba.get_num_threads())
 
     def find_or_insert(self, table: TableArrays, ukeys, counts, given, policy, clock,
                        allow_evict, pin, out_slots, out_inserted, out_prev_keys, out_prev_scores,
@@ -108,8 +117,9 @@ class CpuBackend:
         if keys >= _MIN_PARTITIONED_KEYS:
             parts = min(table.num_buckets, keys)
         scratch = _SCRATCH.get(table_cpu.scratch_size(keys, parts, policy))
-        table_cpu.find_or_insert_cpu(*claim_args(table, n), n(ukeys), n(counts), n(given),
-                                     policy, clock, allow_evict, pin, parts, scratch,
+        table_cpu.find_or_insert_cpu(*claim_args(table, n), n(ukeys), self._dense(counts),
+                                     self._dense(given), policy, clock, allow_evict, pin, parts,
+                                     scratch,
                                      n(out_slots), n(out_inserted), n(out_prev_keys),
                                      n(out_prev_scores), n(out_failed), n(out_stats))
 
@@ -230,7 +240,8 @@ class CpuBackend:
             return
         groups_cpu.find_or_insert_group_cpu(
             n(table.keys), n(table.scores), n(table.refcnt), n(sizes), h(row_offset),
-            h(num_buckets), table.bucket_size, n(ukeys), segments.bounds, n(counts), n(given),
+            h(num_buckets), table.bucket_size, n(ukeys), segments.bounds, self._dense(counts),
+            self._dense(given),
             policy, h(clocks), allow_evict, True, n(out_slots), n(out_inserted),
             n(out_prev_keys), n(out_prev_scores), n(out_failed), h(out_stats))
 

@@ -80,9 +80,9 @@ class GroupStores:
             for out, array in zip(lists, (arrays.keys, arrays.scores, arrays.refcnt,
                                           arrays.size, weights.view(bits))):
                 out.append(array.numpy())
-        ints = shape[:, :3].astype(np.int64)
+        ints = np.ascontiguousarray(shape[:, :3].T, dtype=np.int64)  # one layout: one compile
         self._sources = sources
-        self._lists = (*lists, ints[:, 0], ints[:, 1], ints[:, 2], shape[:, 3].copy())
+        self._lists = (*lists, ints[0], ints[1], ints[2], shape[:, 3].copy())
         return self._lists
 
     def _placeholder(self):
