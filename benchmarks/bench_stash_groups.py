@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks.bench_tables import (FIT_LOAD, DynembMethod, Workload, run_table_counts,
-                                     set_threads, threads_option, timed_step, whole_buckets)
+from benchmarks.bench_tables import (FIT_LOAD, DynembMethod, Workload, add_workload_options,
+                                     run_table_counts, set_threads, timed_step, whole_buckets)
 from benchmarks.common import (add_run_options, check, fill_defaults, new_parser,
                                paired_ratios, pyplot, run_command, save_figure)
 from dynemb import DynamicEmbTableOptions, StorageMode
@@ -124,23 +124,12 @@ def plot(report: dict, path: Path) -> None:
 
 def parse_args(argv: Optional[List[str]]):
     parser = new_parser(__doc__)
-    parser.add_argument("--tables", type=int, nargs="+", help="table counts T "
-                        "(default: 1 26 128)")
-    parser.add_argument("--ids", type=int, help="ids per step over all tables (default 26624)")
-    parser.add_argument("--dim", type=int, default=32, help="embedding dim (default 32)")
-    parser.add_argument("--batch", type=int, help="samples per step (default 256)")
-    parser.add_argument("--vocab-factor", type=int, default=4,
-                        help="rows of each table's vocabulary / its ids per step (default 4)")
-    parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent (default 1.05)")
-    parser.add_argument("--warmup", type=int, help="untimed steps (default 3)")
-    parser.add_argument("--steps", type=int, help="timed steps (default 20)")
-    parser.add_argument("--threads", type=threads_option, default=1,
-                        help="torch and numba threads (default 1; 'library': the defaults)")
+    full = {"tables": [1, 26, 128], "ids": 26624, "batch": 256, "steps": 20, "warmup": 3}
+    add_workload_options(parser, full)
     add_run_options(parser, f"tiny smoke run; writes {FILE_STEM}_quick.*")
     cfg = parser.parse_args(argv)
     fill_defaults(cfg, {"tables": [1, 4], "ids": 2048, "batch": 16, "steps": 3, "warmup": 1},
-                  {"tables": [1, 26, 128], "ids": 26624, "batch": 256, "steps": 20,
-                   "warmup": 3})
+                  full)
     if min(cfg.dim, cfg.batch, cfg.steps, *cfg.tables) < 1 or cfg.warmup < 0 or any(
             cfg.ids % t for t in cfg.tables):
         parser.error("--dim, --batch, --steps and table counts must be positive, --warmup "

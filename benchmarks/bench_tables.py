@@ -860,25 +860,37 @@ def machine_record(git, load_start) -> dict:
 
 
 # -- command line ----------------------------------------------------------------------------
-def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    parser = new_parser(__doc__)
+def add_workload_options(parser: argparse.ArgumentParser, full: dict) -> None:
+    """The options of the :class:`Workload` and its run (table counts, ids, dim, batch,
+    vocabulary, Zipf, warm-up and timed steps, threads), for each benchmark that runs it;
+    ``full``: its full run's ``tables``, ``ids``, ``warmup`` and ``steps`` (for the help)."""
+    tables = " ".join(map(str, full["tables"]))
     parser.add_argument("--tables", type=int, nargs="+",
-                        help="table counts T (default: 1 8 64 128 256)")
-    parser.add_argument("--ids", type=int, help="ids per step over all tables (default 65536)")
+                        help=f"table counts T (default: {tables})")
+    parser.add_argument("--ids", type=int,
+                        help=f"ids per step over all tables (default {full['ids']})")
     parser.add_argument("--dim", type=int, default=32, help="embedding dim (default 32)")
-    parser.add_argument("--optimizers", nargs="+", choices=["sgd", "rowwise_adagrad"],
-                        default=["sgd", "rowwise_adagrad"])
     parser.add_argument("--batch", type=int, help="samples per step (default 256)")
     parser.add_argument("--vocab-factor", type=int, default=4,
                         help="rows of each table's vocabulary / its ids per step (default 4)")
     parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent (default 1.05)")
-    parser.add_argument("--warmup", type=int, help="untimed steps first (default 4)")
-    parser.add_argument("--steps", type=int, help="timed steps (default 30)")
+    parser.add_argument("--warmup", type=int,
+                        help=f"untimed steps first (default {full['warmup']})")
+    parser.add_argument("--steps", type=int, help=f"timed steps (default {full['steps']})")
     parser.add_argument("--threads", type=threads_option, default=1,
                         help="torch and numba threads (default 1: on a small shared machine "
                              "a parallel op waits for its slowest thread; 0: every core; "
                              "'library': as a plain script gets them, dynemb.foundations.threads' "
                              "defaults and torch's own)")
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = new_parser(__doc__)
+    full = {"tables": [1, 8, 64, 128, 256], "ids": 65536, "batch": 256, "warmup": 4,
+            "steps": 30, "profile_tables": [1, 128]}
+    add_workload_options(parser, full)
+    parser.add_argument("--optimizers", nargs="+", choices=["sgd", "rowwise_adagrad"],
+                        default=["sgd", "rowwise_adagrad"])
     parser.add_argument("--profile", action="store_true",
                         help="instead of the sweep: where one dynemb step's time goes, per "
                              "phase, at --profile-tables (HBM_DIRECT, SGD); writes "
@@ -890,8 +902,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     cfg = parser.parse_args(argv)
     quick = {"tables": [1, 4], "ids": 2048, "batch": 16, "warmup": 2, "steps": 3,
              "profile_tables": [1, 4]}
-    full = {"tables": [1, 8, 64, 128, 256], "ids": 65536, "batch": 256, "warmup": 4,
-            "steps": 30, "profile_tables": [1, 128]}
     fill_defaults(cfg, quick, full)
     counts = cfg.tables + (cfg.profile_tables if cfg.profile else [])
     refused = [

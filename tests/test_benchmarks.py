@@ -242,7 +242,8 @@ def test_default_groups_benchmark_quick(tmp_path):
     from benchmarks import bench_default_groups
     report = bench_default_groups.main(["--quick", "--out-dir", str(tmp_path),
                                         "--optimizers", "sgd"])
-    assert [r["tables"] for r in report["rows"]] == report["config"]["tables"]
+    assert [(r["tables"], r["capacity"]) for r in report["rows"]] == [
+        (t, c) for t in report["config"]["tables"] for c in bench_default_groups.CAPACITIES]
     for row in report["rows"]:
         assert row["rows_device"] > 0 and row["rows_host"] > 0
         assert row["ratio"] == pytest.approx(row["grouped_ms"] / row["alone_ms"])

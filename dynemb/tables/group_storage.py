@@ -493,16 +493,19 @@ class GroupStorage:
                   else batch.unreleased.intersection(tables))
         if not ending:
             return
-        if len(ending) == len(self.tables):
-            slots = batch.slots
-        else:
-            slots = torch.cat([batch.slots[batch.unique_bounds[t]:batch.unique_bounds[t + 1]]
-                               for t in sorted(ending)])
-        self.kernels.add_refcounts(self.arrays, slots, -1)
+        self.unpin(batch.slots, batch.unique_bounds, ending)
         batch.unreleased -= ending
         for t in ending:
             self.tables[t].drop_group_batch(batch)
         batch.pinned = bool(batch.unreleased)
+
+    def unpin(self, slots: torch.Tensor, unique_bounds: Sequence[int], tables) -> None:
+        """End one pin of each of ``slots`` [U] (-1: none) of ``tables`` (indices; each
+        table's slots at ``unique_bounds[t]:unique_bounds[t + 1]``)."""
+        if len(tables) < len(self.tables):
+            slots = torch.cat([slots[unique_bounds[t]:unique_bounds[t + 1]]
+                               for t in sorted(tables)])
+        self.kernels.add_refcounts(self.arrays, slots, -1)
 
     def __repr__(self) -> str:
         return f"GroupStorage({list(self.names)}, rows={self.row_offset[-1]})"

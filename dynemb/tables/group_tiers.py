@@ -440,11 +440,8 @@ class TieredBatch(LookupBatch):
         if not ending:
             return
         group = self.group
-        for record, slots in ((group.storage, self.slots), (group.host, self.host_slots)):
-            if len(ending) < len(group.tables):
-                slots = torch.cat([slots[self.unique_bounds[t]:self.unique_bounds[t + 1]]
-                                   for t in sorted(ending)])
-            record.kernels.add_refcounts(record.arrays, slots, -1)
+        group.storage.unpin(self.slots, self.unique_bounds, ending)
+        group.host.unpin(self.host_slots, self.unique_bounds, ending)
         self.unreleased -= ending
         for t in ending:
             group.tables[t].drop_group_batch(self)
