@@ -237,3 +237,23 @@ def test_half_precision_default_tables_group_as_alone(data_type):
         assert_same_outputs(step(grouped, kjt), step(alone, kjt))
     assert_same_module(grouped, alone)
     assert grouped.stats()["t3"]["rows_backing"] > 0
+
+
+def test_resetting_one_default_table_regroups_and_matches_the_twin():
+    """A reset table is a new table: the group is built again around it (both records), a
+    batch in flight when it happened ends its pins, and training goes on as alone."""
+    grouped, alone = tiered_twins(OptimizerType.SGD)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        kjt = batch(gen)
+        step(grouped, kjt), step(alone, kjt)
+    kjt = batch(gen)
+    for module in (grouped, alone):
+        module(kjt)  # a forward whose backward never comes
+        module.reset_parameters(tables=["t1"])
+    assert grouped.stats()["t1"]["rows_device"] == grouped.stats()["t1"]["rows_backing"] == 0
+    for _ in range(4):
+        kjt = batch(gen)
+        assert_same_outputs(step(grouped, kjt), step(alone, kjt))
+    assert_same_module(grouped, alone)
+    assert grouped.table_groups() == [("t0", "t1", "t2", "t3")]
