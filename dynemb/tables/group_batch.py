@@ -39,6 +39,37 @@ def given_counts(keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[to
     return torch.zeros_like(counts).index_add_(0, inverse, given), given
 
 
+def segment_sums(values: np.ndarray, bounds: Sequence[int]) -> np.ndarray:
+    """[T] sums of ``values`` over each table's segment ``bounds[t]:bounds[t + 1]``.
+
+    >>> segment_sums(np.array([1, 0, 1, 1, 1]), [0, 2, 2, 5]).tolist()
+    [1, 0, 3]
+    """
+    bounds = np.asarray(bounds, dtype=np.int64)
+    before = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+    return before[bounds[1:]] - before[bounds[:-1]]
+
+
+def lookups_per_table(key_bounds: Sequence[int],
+                      occurrences: Optional[torch.Tensor]) -> np.ndarray:
+    """[T] each table's lookups: its input keys, or the occurrences they stand for."""
+    if occurrences is None:
+        return np.diff(np.asarray(key_bounds, dtype=np.int64))
+    return segment_sums(occurrences.numpy(), key_bounds)
+
+
+def shifted_slots(slots: torch.Tensor, unique_bounds: Sequence[int],
+                  old_offsets: Sequence[int], new_offsets: Sequence[int]) -> torch.Tensor:
+    """Each table's ``slots`` renumbered from its part's old start to its new one (-1
+    stays)."""
+    device = slots.device
+    shift = torch.tensor([new - was for new, was in zip(new_offsets, old_offsets)][:-1],
+                         dtype=torch.int64, device=device)
+    sizes = torch.tensor(np.diff(np.asarray(unique_bounds)), dtype=torch.int64, device=device)
+    delta = torch.repeat_interleave(shift, sizes, output_size=slots.numel())
+    return torch.where(slots >= 0, slots + delta, -1)
+
+
 class GroupBatch(LookupBatch):
     """A group's share of a prefetched batch, for all its tables at once.
 
@@ -188,13 +219,7 @@ class GroupBatch(LookupBatch):
 
     def _shift(self, old_offsets: Sequence[int], new_offsets: Sequence[int]) -> None:
         """Renumber the slots of each table from its part's old start to its new one."""
-        device = self.slots.device
-        shift = torch.tensor([new - was for new, was in zip(new_offsets, old_offsets)][:-1],
-                             dtype=torch.int64, device=device)
-        sizes = torch.tensor(np.diff(np.asarray(self.unique_bounds)), dtype=torch.int64,
-                             device=device)
-        delta = torch.repeat_interleave(shift, sizes, output_size=self.slots.numel())
-        self.slots = torch.where(self.slots >= 0, self.slots + delta, -1)
+        self.slots = shifted_slots(self.slots, self.unique_bounds, old_offsets, new_offsets)
 
     def move_to(self, storage: GroupStorage) -> bool:
         """Make this batch of an earlier group of the same tables (regrouped while the batch

@@ -20,7 +20,8 @@ import torch
 
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.backends.protocol import Segments
-from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
+from dynemb.tables.group_batch import (GroupBatch, given_counts, key_bounds_of,
+                                       lookups_per_table, segment_sums)
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.group_stores import GroupStores
 
@@ -75,16 +76,9 @@ class GroupEvalLookup:
     def _count(self, batch: GroupBatch, found: torch.Tensor,
                occurrences: Optional[torch.Tensor]) -> None:
         """Each table's lookups, unique keys, hits and misses, as its eval lookup counts."""
-        bounds = np.asarray(batch.unique_bounds, dtype=np.int64)
-        found_before = np.concatenate([[0], np.cumsum(found.numpy())])
-        hits = found_before[bounds[1:]] - found_before[bounds[:-1]]
-        unique = np.diff(bounds)
-        key_bounds = np.asarray(batch.key_bounds, dtype=np.int64)
-        if occurrences is None:
-            lookups = np.diff(key_bounds)
-        else:
-            total = np.concatenate([[0], np.cumsum(occurrences.numpy())])
-            lookups = total[key_bounds[1:]] - total[key_bounds[:-1]]
+        hits = segment_sums(found.numpy(), batch.unique_bounds)
+        unique = np.diff(np.asarray(batch.unique_bounds, dtype=np.int64))
+        lookups = lookups_per_table(batch.key_bounds, occurrences)
         delta = np.zeros((len(self.storage.tables), len(COUNTER_NAMES)), dtype=np.int64)
         delta[:, _COUNTER["lookups"]] = lookups
         delta[:, _COUNTER["unique_keys"]] = unique

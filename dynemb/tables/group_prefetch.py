@@ -19,7 +19,8 @@ import torch
 
 from dynemb.backends.protocol import Segments
 from dynemb.foundations.counters import COUNTER_NAMES
-from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
+from dynemb.tables.group_batch import (GroupBatch, given_counts, key_bounds_of,
+                                       lookups_per_table)
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.group_stores import GroupStores
 from dynemb.types import ScorePolicy
@@ -181,12 +182,7 @@ class HostGroupPrefetch:
         storage.kernels.claim_counts_group(Segments(batch.unique_bounds), batch.slots, inserted,
                                            prev_keys, per_table)
         unique = np.diff(np.asarray(batch.unique_bounds, dtype=np.int64))
-        if occurrences is None:
-            lookups = np.diff(np.asarray(batch.key_bounds, dtype=np.int64))
-        else:
-            total = np.concatenate([[0], np.cumsum(occurrences.numpy())])
-            bounds = np.asarray(batch.key_bounds)
-            lookups = total[bounds[1:]] - total[bounds[:-1]]
+        lookups = lookups_per_table(batch.key_bounds, occurrences)
         delta = np.zeros((len(storage.tables), len(COUNTER_NAMES)), dtype=np.int64)
         delta[:, _COUNTER["lookups"]] = lookups
         delta[:, _COUNTER["unique_keys"]] = unique

@@ -48,11 +48,13 @@ import torch
 from dynemb.backends.protocol import Segments
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.foundations.key_mixing import routes_to_first
-from dynemb.rows.optimizers import OccurrenceGrads, fused_update
+from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.batch import TableBatch
-from dynemb.tables.group_batch import given_counts, key_bounds_of
+from dynemb.tables.group_batch import (given_counts, key_bounds_of, lookups_per_table,
+                                       segment_sums, shifted_slots)
 from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.group_update import live_slots, update_rows
 from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
 from dynemb.tables.units import LoneTable
 from dynemb.types import EMPTY_KEY, ScorePolicy
@@ -143,14 +145,8 @@ class TieredGroup:
             written = torch.from_numpy(np.repeat(np.asarray(scores, dtype=np.int64), sizes))
         else:
             written = unique.new_zeros(1).expand(unique.shape)
-        key_ends = np.asarray(key_bounds, dtype=np.int64)
-        if given is None:
-            lookups = np.diff(key_ends)
-        else:
-            total = np.concatenate([[0], np.cumsum(given.numpy())])
-            lookups = total[key_ends[1:]] - total[key_ends[:-1]]
         delta = np.zeros((len(self.tables), len(COUNTER_NAMES)), dtype=np.int64)
-        delta[:, _COUNTER["lookups"]] = lookups
+        delta[:, _COUNTER["lookups"]] = lookups_per_table(key_bounds, given)
         delta[:, _COUNTER["unique_keys"]] = sizes
         storage.counters += torch.from_numpy(delta)
         return TieredBatch(self, unique, inverse, counts, written, bounds, key_bounds, training)
@@ -181,6 +177,7 @@ class TieredBatch(LookupBatch):
         self.consumed = False
         self.applied: set = set()
         self.pending = None
+        self.seg = None  # (the CUDA path's table of each key: none on the host kernels)
         group.storage.batch_made(self)
 
     # -- members -------------------------------------------------------------------------------
@@ -298,12 +295,10 @@ class TieredBatch(LookupBatch):
             self.fallback, torch.arange(self.keys.numel()), self.keys, ~stored,
             Segments(self.unique_bounds), self.dim, storage.seeds, storage.table_ids,
             group.eval_kinds, *group.eval_params)
-        bounds = np.asarray(self.unique_bounds, dtype=np.int64)
-        stored_before = np.concatenate([[0], np.cumsum(stored.numpy())])
-        hits = stored_before[bounds[1:]] - stored_before[bounds[:-1]]
+        hits = segment_sums(stored.numpy(), self.unique_bounds)
         delta = np.zeros((len(group.tables), len(COUNTER_NAMES)), dtype=np.int64)
         delta[:, _COUNTER["hits"]] = hits
-        delta[:, _COUNTER["misses"]] = np.diff(bounds) - hits
+        delta[:, _COUNTER["misses"]] = np.diff(self.unique_bounds) - hits
         storage.counters += torch.from_numpy(delta)
 
     def _claim(self) -> None:
@@ -393,37 +388,15 @@ class TieredBatch(LookupBatch):
         that still hold the batch's keys (a batch whose pins ended counts the others as
         dropped updates), each table at its own step; then those tables' pins end."""
         group = self.group
-        names = group.names
         if self.slots is not None:
-            step_of = {steps[name] for name, takes in zip(names, taking) if takes}
             for record, slots in ((group.storage, self.slots), (group.host, self.host_slots)):
-                slots = self._live_slots(record, slots)
-                for step in sorted(step_of):
-                    chosen = slots.clone()
-                    for t, name in enumerate(names):
-                        if not taking[t] or steps[name] != step:
-                            chosen[self.unique_bounds[t]:self.unique_bounds[t + 1]] = -1
-                    fused_update(record.weights, chosen, grads, dim=record.dim,
-                                 config=record.optimizer, lr=lr, step=step,
-                                 kernels=record.kernels, keys=self.keys, **record.rounding)
-        self.applied.update(name for name, takes in zip(names, taking) if takes)
+                slots = live_slots(record, slots, self, group.storage.counters)
+                update_rows(record, slots, self, grads, taking, lr=lr, steps=steps)
+        self.applied.update(name for name, takes in zip(group.names, taking) if takes)
         for table, takes in zip(group.tables, taking):
             if takes and table.changes is not None and self.slots is not None:
                 table.changes.updated(self.member(table.name))
         self.release([t for t, takes in enumerate(taking) if takes])
-
-    def _live_slots(self, record: GroupStorage, slots: torch.Tensor) -> torch.Tensor:
-        """``slots`` if the batch is still pinned; else those still holding its keys, the
-        others counted as dropped updates of their tables."""
-        if self.pinned:
-            return slots
-        kept = record.arrays.keys[slots.clamp(min=0)] == self.keys
-        dropped = ((slots >= 0) & ~kept).to(torch.int64)
-        total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])
-        bounds = torch.tensor(self.unique_bounds, dtype=torch.int64)
-        self.group.storage.counters[:, _COUNTER["dropped_updates"]] += (
-            total[bounds[1:]] - total[bounds[:-1]])
-        return torch.where(kept, slots, -1)
 
     # -- pins ----------------------------------------------------------------------------------
     def _hold(self) -> None:
@@ -468,10 +441,10 @@ class TieredBatch(LookupBatch):
         for group in groups:
             if isinstance(group, TieredGroup) and group.tables == self.group.tables:
                 if self.slots is not None:
-                    self.slots = _shifted(self.slots, self.unique_bounds,
+                    self.slots = shifted_slots(self.slots, self.unique_bounds,
                                           self.group.storage.row_offset,
                                           group.storage.row_offset)
-                    self.host_slots = _shifted(self.host_slots, self.unique_bounds,
+                    self.host_slots = shifted_slots(self.host_slots, self.unique_bounds,
                                                self.group.host.row_offset, group.host.row_offset)
                 self.group = group
                 return True
@@ -492,10 +465,10 @@ class TieredBatch(LookupBatch):
         if self.slots is None:
             return
         if storage is self.group.storage:
-            self.slots = _shifted(self.slots, self.unique_bounds, old_offsets,
+            self.slots = shifted_slots(self.slots, self.unique_bounds, old_offsets,
                                   storage.row_offset)
         elif storage is self.group.host:
-            self.host_slots = _shifted(self.host_slots, self.unique_bounds, old_offsets,
+            self.host_slots = shifted_slots(self.host_slots, self.unique_bounds, old_offsets,
                                        storage.row_offset)
 
 
@@ -503,12 +476,3 @@ def _local(slots: torch.Tensor, start: int) -> torch.Tensor:
     """Record slots as a table's own (its part starts at ``start``); -1 stays."""
     return torch.where(slots >= 0, slots - start, -1)
 
-
-def _shifted(slots: torch.Tensor, unique_bounds: Sequence[int], old_offsets: Sequence[int],
-             new_offsets: Sequence[int]) -> torch.Tensor:
-    """Each table's slots renumbered from its part's old start to its new one."""
-    shift = torch.tensor([new - old for new, old in zip(new_offsets, old_offsets)][:-1],
-                         dtype=torch.int64)
-    sizes = torch.from_numpy(np.diff(np.asarray(unique_bounds, dtype=np.int64)))
-    delta = torch.repeat_interleave(shift, sizes, output_size=slots.numel())
-    return torch.where(slots >= 0, slots + delta, -1)

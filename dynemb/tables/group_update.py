@@ -23,7 +23,20 @@ def apply_group_gradients(storage: GroupStorage, batch, grads: OccurrenceGrads,
     ``batch``'s unique keys), each at its own ``steps``; then those tables' pins end (the
     others' at the next training lookup, as a table alone keeps them until its backward or
     that lookup)."""
-    slots = _live_slots(storage, batch)
+    slots = live_slots(storage, batch.slots, batch, storage.counters)
+    update_rows(storage, slots, batch, grads, taking, lr=lr, steps=steps)
+    batch.applied.update(name for name, takes in zip(storage.names, taking) if takes)
+    for table, takes in zip(storage.tables, taking):  # tracking began after the prefetch
+        if takes and table.changes is not None:
+            table.changes.updated(batch.member(table.name))
+    storage.release(batch, [t for t, takes in enumerate(taking) if takes])
+
+
+def update_rows(storage: GroupStorage, slots: torch.Tensor, batch, grads: OccurrenceGrads,
+                taking: Sequence[bool], *, lr: float, steps: Mapping[str, int]) -> None:
+    """The fused update of ``storage``'s rows at ``slots`` [U] (-1: none) of ``batch``'s
+    unique keys, for the tables ``taking`` a gradient, each at its own ``steps``: one update
+    per step the tables are at."""
     if not all(taking):  # tables without a gradient keep their rows as they are
         slots = slots.clone()
         for t, takes in enumerate(taking):
@@ -40,19 +53,15 @@ def apply_group_gradients(storage: GroupStorage, batch, grads: OccurrenceGrads,
         fused_update(storage.weights, chosen, grads, dim=storage.dim, config=storage.optimizer,
                      lr=lr, step=step, kernels=storage.kernels, keys=batch.keys,
                      **storage.rounding)
-    batch.applied.update(name for name, takes in zip(storage.names, taking) if takes)
-    for table, takes in zip(storage.tables, taking):  # tracking began after the prefetch
-        if takes and table.changes is not None:
-            table.changes.updated(batch.member(table.name))
-    storage.release(batch, [t for t, takes in enumerate(taking) if takes])
 
 
-def _live_slots(storage: GroupStorage, batch) -> torch.Tensor:
-    """The batch's slots if still pinned; else only those still holding its keys, the
-    others counted as dropped updates of their tables."""
+def live_slots(storage: GroupStorage, slots: torch.Tensor, batch,
+               counters: torch.Tensor) -> torch.Tensor:
+    """``slots`` [U] (rows of ``storage`` holding ``batch``'s unique keys) if the batch is
+    still pinned; else only those still holding its keys, the others counted as dropped
+    updates of their tables in ``counters`` [T, counters]."""
     if batch.pinned:
-        return batch.slots
-    slots = batch.slots
+        return slots
     kept = storage.arrays.keys[slots.clamp(min=0)] == batch.keys
     dropped = ((slots >= 0) & ~kept).to(torch.int64)
     if batch.seg is not None:  # the table of each key, on the device: no host read
@@ -62,5 +71,5 @@ def _live_slots(storage: GroupStorage, batch) -> torch.Tensor:
         total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])  # per table:
         bounds = torch.tensor(batch.unique_bounds, dtype=torch.int64)     # differences
         per_table = total[bounds[1:]] - total[bounds[:-1]]
-    storage.counters[:, _DROPPED] += per_table
+    counters[:, _DROPPED] += per_table
     return torch.where(kept, slots, -1)
