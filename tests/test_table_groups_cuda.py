@@ -17,6 +17,7 @@ from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTab
                     Initializer, InitializerKind, OptimizerConfig, OptimizerType)
 from dynemb.backends.numba_backends import CudaBackend
 from dynemb.backends.protocol import Segments
+from dynemb.options import StorageMode
 from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
 
 KERNELS, DEVICE = BACKENDS[1][0], torch.device(BACKENDS[1][1])
@@ -416,3 +417,59 @@ def test_a_failure_after_the_claim_leaves_no_pins(monkeypatch):
     assert all(t.tier.hash.pinned_count() == 0 for t in grouped.tables.values())
     train(grouped, batch(gen, 2), ["f0", "f1"])  # the next step goes on
     assert grouped.steps == {"t0": 2, "t1": 2}
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
+@pytest.mark.parametrize("admits", [False, True], ids=["plain", "admission"])
+def test_host_only_tables_group_on_the_cuda_kernels_as_alone(admits, pooled):
+    """HOST_ONLY tables of a module on the CUDA kernels: one record in host memory, claimed by
+    the host kernels, the rows read and updated by the CUDA kernels where the module is (as
+    each table alone). 64 rows for 120 ids per table (with admission 32 for 60): evictions; an output left out of the
+    loss at times; batches prefetched ahead; then an eval step with per-table eval rows.
+    Outputs, rows with their optimizer state, counters and steps equal the tables' alone:
+    the group claims each table's keys in the order the table alone claims them (so among
+    rows of equal scores it evicts the same)."""
+    from dynemb.rows.admission import FrequencyAdmission
+    options = {f"t{i}": DynamicEmbTableOptions(
+        local_hbm_for_values=0, max_capacity=32 if admits else 64, bucket_size=16,
+        stochastic_rounding=False, score_strategy=ScorePolicy.LFU,
+        eval_initializer=Initializer(InitializerKind.CONSTANT, value=float(i + 2)),
+        admission=FrequencyAdmission(2) if admits else None) for i in range(3)}
+    module = DynamicEmbBagCollection if pooled else DynamicEmbCollection
+    grouped, alone = [module(tables(3, pooled=pooled), table_options=options,
+                             optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05),
+                             device=DEVICE, backend=KERNELS, group_tables=g)
+                      for g in (True, False)]
+    assert set(grouped.storage_modes().values()) == {StorageMode.HOST_ONLY}
+    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == []
+    storage = grouped._core.groups[0].storage
+    assert storage.serves_elsewhere and storage.kernels.name == "cpu"
+    assert storage.serve_kernels.name == "cuda"
+    gen = torch.Generator().manual_seed(8)
+    vocab = 60 if admits else 120  # with admission, ids seen twice take rows
+    kjts = [batch(gen, 3, per_table=12, vocab=vocab) for _ in range(9)]
+    for module_ in (grouped, alone):
+        module_.prefetch(kjts[0])
+    for step in range(8):
+        outs = []
+        for module_ in (grouped, alone):
+            module_.prefetch(kjts[step + 1])
+            used = ["f0", "f2"] if step % 2 else ["f0", "f1", "f2"]
+            outs.append(train(module_, kjts[step], used))
+        for f in outs[0]:
+            assert torch.equal(outs[0][f], outs[1][f]), (step, f)
+    grouped.clear_prefetched(), alone.clear_prefetched()
+    stats = grouped.stats()
+    assert all(s["evictions"] > 0 for s in stats.values())
+    if admits:
+        assert all(s["admission_rejects"] > 0 for s in stats.values())
+    assert_same_tables(grouped, alone, torch.arange(vocab, device=DEVICE))
+    assert grouped.steps == alone.steps
+    grouped.eval(), alone.eval()
+    with torch.no_grad():
+        kjt = batch(gen, 3, vocab=200)  # ids never trained, too: their eval rows
+        dense_g, dense_a = dense(grouped(kjt), pooled), dense(alone(kjt), pooled)
+    for f in dense_g:
+        assert torch.equal(dense_g[f].cpu(), dense_a[f].cpu()), f
+    assert_same_tables(grouped, alone, torch.arange(200, device=DEVICE))
+    assert sum(int(t.tier.hash.pinned_count()) for t in grouped.tables.values()) == 0

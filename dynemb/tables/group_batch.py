@@ -10,7 +10,7 @@ import torch
 
 from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.batch import TableBatch
-from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.group_storage import GroupStorage, segment_sums
 from dynemb.tables.group_update import apply_group_gradients
 from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
 
@@ -25,29 +25,6 @@ def key_bounds_of(keys: Sequence[torch.Tensor]) -> List[int]:
     for part in keys:
         bounds.append(bounds[-1] + part.numel())
     return bounds
-
-
-def given_counts(keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
-                 inverse: torch.Tensor, counts: torch.Tensor):
-    """(counts, the occurrences concatenated): where ids were deduplicated upstream, each
-    stands for its given number of occurrences (None for a table: 1 each); with no
-    occurrences at all, ``(counts, None)`` unchanged."""
-    if all(o is None for o in occurrences):
-        return counts, None
-    given = torch.cat([o if o is not None else torch.ones_like(k)
-                       for o, k in zip(occurrences, keys)])
-    return torch.zeros_like(counts).index_add_(0, inverse, given), given
-
-
-def segment_sums(values: np.ndarray, bounds: Sequence[int]) -> np.ndarray:
-    """[T] sums of ``values`` over each table's segment ``bounds[t]:bounds[t + 1]``.
-
-    >>> segment_sums(np.array([1, 0, 1, 1, 1]), [0, 2, 2, 5]).tolist()
-    [1, 0, 3]
-    """
-    bounds = np.asarray(bounds, dtype=np.int64)
-    before = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
-    return before[bounds[1:]] - before[bounds[:-1]]
 
 
 def lookups_per_table(key_bounds: Sequence[int],
@@ -88,7 +65,8 @@ class GroupBatch(LookupBatch):
                  slots):
         self.storage = storage
         self.mode = storage.mode
-        self.keys, self.inverse, self.counts, self.slots = keys, inverse, counts, slots
+        self.keys, self.counts, self.slots = keys, counts, slots
+        self.inverse = inverse.to(storage.serve_device)  # where the module reads the rows
         self.unique_bounds: List[int] = unique_bounds
         self.key_bounds: List[int] = key_bounds
         self.pinned = True
@@ -120,7 +98,9 @@ class GroupBatch(LookupBatch):
         return self.storage.names
 
     def tensors(self) -> List[torch.Tensor]:
-        return [self.keys, self.inverse, self.counts, self.slots]
+        """The tensors the module's device reads (the others stay with the record)."""
+        return [t for t in (self.keys, self.inverse, self.counts, self.slots)
+                if t.device == self.device]
 
     # -- LookupBatch ---------------------------------------------------------------------------
     @property
@@ -129,11 +109,13 @@ class GroupBatch(LookupBatch):
 
     @property
     def device(self) -> torch.device:
-        return self.storage.device
+        return self.storage.serve_device
 
     @property
     def kernels(self):
-        return self.storage.kernels
+        """The kernels of the gradients and the update (``serve_kernels``; a record in host
+        memory served on CUDA claims by the host kernels)."""
+        return self.storage.serve_kernels
 
     def key_range(self, name: str) -> Tuple[int, int]:
         t = self.storage.index[name]
@@ -149,6 +131,9 @@ class GroupBatch(LookupBatch):
         alone pools its eval lookups. On the CUDA path a key without a slot pools zeros, and
         an eval batch's key not stored its eval row."""
         storage = self.storage
+        if storage.serves_elsewhere:  # the unique rows cross to the module's device, pooled
+            rows = storage.unique_rows(self).contiguous()  # as a HOST_ONLY table alone pools
+            return PoolingRows(rows, self.inverse, by_kernel=self.kernels.name == "cuda")
         if self.fallback is not None and storage.kernels.name != "cuda":
             return PoolingRows(storage.unique_rows(self), self.inverse, by_kernel=False)
         occ_slots = self.slots.index_select(0, self.inverse)
@@ -162,7 +147,8 @@ class GroupBatch(LookupBatch):
 
     @property
     def reads_strided_grads(self) -> bool:
-        return self.seg is None  # the CUDA path's batches carry their keys' tables
+        # the CUDA path's batches carry their keys' tables; the CUDA update takes contiguous
+        return self.seg is None and self.kernels.name == "cpu"
 
     def applied_to(self, name: str) -> bool:
         return name in self.applied

@@ -34,8 +34,8 @@ import torch
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.foundations.device_values import values_on
 from dynemb.backends.protocol import Segments
-from dynemb.tables.group_batch import GroupBatch, given_counts, key_bounds_of
-from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.group_batch import GroupBatch, key_bounds_of
+from dynemb.tables.group_storage import GroupStorage, given_counts
 from dynemb.tables.group_stores import GroupStores
 from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
 

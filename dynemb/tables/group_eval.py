@@ -20,9 +20,8 @@ import torch
 
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.backends.protocol import Segments
-from dynemb.tables.group_batch import (GroupBatch, given_counts, key_bounds_of,
-                                       lookups_per_table, segment_sums)
-from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.group_batch import GroupBatch, key_bounds_of, lookups_per_table
+from dynemb.tables.group_storage import GroupStorage, segment_sums
 from dynemb.tables.group_stores import GroupStores
 
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
@@ -46,8 +45,8 @@ class GroupEvalLookup:
         not stored get their eval rows in ``batch.fallback`` [U, dim]."""
         storage = self.storage
         key_bounds = key_bounds_of(keys)
-        unique, inverse, counts, unique_bounds = storage.dedup(keys, key_bounds)
-        counts, given = given_counts(keys, occurrences, inverse, counts)
+        unique, inverse, counts, unique_bounds, given = storage.dedup(keys, key_bounds,
+                                                                      occurrences)
         slots = torch.empty_like(unique)
         segments = Segments(unique_bounds)
         storage.kernels.find_group(storage.arrays, segments, storage.row_starts,
@@ -77,11 +76,11 @@ class GroupEvalLookup:
                occurrences: Optional[torch.Tensor]) -> None:
         """Each table's lookups, unique keys, hits and misses, as its eval lookup counts."""
         hits = segment_sums(found.numpy(), batch.unique_bounds)
-        unique = np.diff(np.asarray(batch.unique_bounds, dtype=np.int64))
+        unique = self.storage.unique_per_table(batch.keys, batch.unique_bounds)
         lookups = lookups_per_table(batch.key_bounds, occurrences)
         delta = np.zeros((len(self.storage.tables), len(COUNTER_NAMES)), dtype=np.int64)
         delta[:, _COUNTER["lookups"]] = lookups
         delta[:, _COUNTER["unique_keys"]] = unique
         delta[:, _COUNTER["hits"]] = hits
         delta[:, _COUNTER["misses"]] = unique - hits
-        self.storage.counters += torch.from_numpy(delta)
+        self.storage.add_counts(delta)

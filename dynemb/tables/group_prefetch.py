@@ -19,8 +19,7 @@ import torch
 
 from dynemb.backends.protocol import Segments
 from dynemb.foundations.counters import COUNTER_NAMES
-from dynemb.tables.group_batch import (GroupBatch, given_counts, key_bounds_of,
-                                       lookups_per_table)
+from dynemb.tables.group_batch import GroupBatch, key_bounds_of, lookups_per_table
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.group_stores import GroupStores
 from dynemb.types import ScorePolicy
@@ -50,8 +49,8 @@ class HostGroupPrefetch:
         their claims)."""
         storage = self.storage
         key_bounds = key_bounds_of(keys)
-        unique, inverse, counts, unique_bounds = storage.dedup(keys, key_bounds)
-        counts, given_occurrences = given_counts(keys, occurrences, inverse, counts)
+        unique, inverse, counts, unique_bounds, given_occurrences = storage.dedup(
+            keys, key_bounds, occurrences)
         ub = unique_bounds.tolist()
         given = self._given_scores(scores, ub, unique)
         claim_keys, fallback = (
@@ -181,7 +180,7 @@ class HostGroupPrefetch:
         per_table = np.empty((len(storage.tables), 3), dtype=np.int64)
         storage.kernels.claim_counts_group(Segments(batch.unique_bounds), batch.slots, inserted,
                                            prev_keys, per_table)
-        unique = np.diff(np.asarray(batch.unique_bounds, dtype=np.int64))
+        unique = storage.unique_per_table(batch.keys, batch.unique_bounds)
         lookups = lookups_per_table(batch.key_bounds, occurrences)
         delta = np.zeros((len(storage.tables), len(COUNTER_NAMES)), dtype=np.int64)
         delta[:, _COUNTER["lookups"]] = lookups
@@ -191,4 +190,4 @@ class HostGroupPrefetch:
         delta[:, _COUNTER["inserts"]] = per_table[:, 1]
         delta[:, _COUNTER["evictions"]] = per_table[:, 2]
         delta[list(skip)] = 0
-        storage.counters += torch.from_numpy(delta)
+        storage.add_counts(delta)

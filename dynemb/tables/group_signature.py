@@ -12,16 +12,16 @@ from dynemb.tables.policies import POLICIES
 
 #: The modes whose tables group (their policy's ``groups``): HBM_DIRECT, CACHE (the device
 #: tier grouped; each table's evicted rows go to its own store, and its new rows come from
-#: it, table by table), HOST_ONLY (where the module is on the host too) and DEFAULT (on the
-#: host kernels: both tiers grouped, :mod:`dynemb.tables.group_tiers`).
+#: it, table by table), HOST_ONLY (a record in host memory, by the host kernels; a module on
+#: CUDA reads the rows and updates them there, as alone) and DEFAULT (on the host kernels:
+#: both tiers grouped, :mod:`dynemb.tables.group_tiers`).
 GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups)
 
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
-    """What tables of one group share, or None for a table that trains alone (rows away
-    from the module's device: HOST_ONLY on CUDA; DEFAULT on the CUDA kernels). Tables that
-    stash their rows group with those of the same stash mode (a group's rows go and come
-    back as one). Tables with admission group only with each other (their prefetch counts
+    """What tables of one group share, or None for a table that trains alone (DEFAULT on
+    the CUDA kernels). Tables that stash their rows group with those of the same stash mode
+    (a group's rows go and come back as one). Tables with admission group only with each other (their prefetch counts
     keys before it claims, so it cannot be taken back; a CACHE table counts the keys its
     store holds as stored, in its group as alone). A table of float16 / bfloat16 rows
     rounded with noise is a group of one: the noise is drawn per table (its seed and id),
@@ -29,14 +29,14 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
     options = table.options
     hash_table = table.tier.hash
     admits = table.admission is not None
-    if (table.mode not in GROUPED_MODES or table.tier.device != table.device
-            or table.tier.kernels.name != table.kernels.name):
+    if table.mode not in GROUPED_MODES:
         return None
     if table.mode is StorageMode.DEFAULT and table.kernels.defers_failures:
         return None  # its host tier would claim on the host kernels, its device tier on CUDA
     weights = table.tier.flat.weights
     alone = (table.name,) if rounds_with_noise(table) else ()
-    return (table.mode, table.tier.device, table.kernels.name, weights.dtype, table.dim,
+    return (table.mode, table.tier.device, table.tier.kernels.name, table.device,
+            table.kernels.name, weights.dtype, table.dim,
             weights.shape[1], table.optimizer, hash_table.policy, hash_table.bucket_size,
             admits, options.stash, *alone)
 

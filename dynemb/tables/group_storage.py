@@ -40,6 +40,7 @@ import torch
 
 from dynemb.backends.protocol import Segments, TableArrays
 from dynemb.foundations.counters import COUNTER_NAMES
+from dynemb.rows.optimizers import fused_update
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_signature import rounds_with_noise
 from dynemb.tables.tier import Tier
@@ -49,6 +50,29 @@ from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, FindOrInsertResult, ScorePoli
 FIELDS = ("tables", "names", "index", "mode", "kernels", "device", "dim", "optimizer", "policy",
           "bucket_size", "row_offset", "row_starts", "bucket_counts", "arrays", "weights",
           "counters", "init_kinds", "init_params", "seeds", "table_ids", "rounding")
+
+
+def given_counts(keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
+                 inverse: torch.Tensor, counts: torch.Tensor):
+    """(counts, the occurrences concatenated): where ids were deduplicated upstream, each
+    stands for its given number of occurrences (None for a table: 1 each); with no
+    occurrences at all, ``(counts, None)`` unchanged."""
+    if all(o is None for o in occurrences):
+        return counts, None
+    given = torch.cat([o if o is not None else torch.ones_like(k)
+                       for o, k in zip(occurrences, keys)])
+    return torch.zeros_like(counts).index_add_(0, inverse, given), given
+
+
+def segment_sums(values: np.ndarray, bounds: Sequence[int]) -> np.ndarray:
+    """[T] sums of ``values`` over each table's segment ``bounds[t]:bounds[t + 1]``.
+
+    >>> segment_sums(np.array([1, 0, 1, 1, 1]), [0, 2, 2, 5]).tolist()
+    [1, 0, 3]
+    """
+    bounds = np.asarray(bounds, dtype=np.int64)
+    before = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+    return before[bounds[1:]] - before[bounds[:-1]]
 
 
 class GroupFlat:
@@ -111,6 +135,11 @@ class GroupStorage:
         first_tier = self.tier_of(first)
         self.kernels = first_tier.kernels
         self.device = first_tier.device
+        #: where the module reads the rows and the optimizer updates them, by which kernels:
+        #: the record's own device and kernels, but for HOST_ONLY tables of a module on CUDA
+        #: (their record in host memory, by the host kernels; see :attr:`serves_elsewhere`)
+        self.serve_device = first.device
+        self.serve_kernels = first.kernels
         self.dim = first.dim
         self.optimizer = first.optimizer
         self.policy = first_tier.hash.policy
@@ -133,6 +162,14 @@ class GroupStorage:
         self.rounding = (dict(stochastic_rounding=True, seed=first.options.seed,
                               table_id=first.table_id)
                          if rounds_with_noise(first) else dict(stochastic_rounding=False))
+
+    @property
+    def serves_elsewhere(self) -> bool:
+        """Whether the module reads the rows on another device, or updates them by other
+        kernels, than the record's: each gather copies the rows to :attr:`serve_device`, and
+        the update runs there (:meth:`fused_update`)."""
+        return (self.serve_device != self.device
+                or self.serve_kernels.name != self.kernels.name)
 
     def tier_of(self, table: DynamicTable) -> Tier:
         """The tier of ``table`` this record holds (see the class docstring)."""
@@ -217,10 +254,11 @@ class GroupStorage:
         present = present >= 0
         bounds = segments.bounds.tolist()
         admitted, fallback = [], []
-        for t, table in enumerate(self.tables):
+        for t, table in enumerate(self.tables):  # on the table's device, as alone
             lo, hi = bounds[t], bounds[t + 1]
-            yes, rows = table.admit(unique[lo:hi], counts[lo:hi], present[lo:hi])
-            admitted.append(yes)
+            yes, rows = table.admit(*(x[lo:hi].to(table.device) for x in (unique, counts,
+                                                                           present)))
+            admitted.append(yes.to(self.device))
             fallback.append(rows)
         if len(admitted) > 1:  # (a copy: not for a group of one)
             admitted, fallback = [torch.cat(admitted)], [torch.cat(fallback)]
@@ -324,6 +362,7 @@ class GroupStorage:
 
     def __setstate__(self, state: Dict) -> None:
         self.__dict__.update(state)
+        self._serve_where_stored()
         if "_parts" in state:
             self._parts = [(a, _weakly(w), c) for a, w, c in self._parts]
 
@@ -347,7 +386,13 @@ class GroupStorage:
         storage.growing = ()  # groups held no tables that grow then
         if "row_starts" not in state:
             storage.row_starts = np.asarray(storage.row_offset[:-1], dtype=np.int64)
+        storage._serve_where_stored()
         return storage
+
+    def _serve_where_stored(self) -> None:
+        """A record pickled by an earlier version served its rows where it stored them."""
+        self.__dict__.setdefault("serve_device", self.device)
+        self.__dict__.setdefault("serve_kernels", self.kernels)
 
     def _allocate_and_move_in(self) -> None:
         """The group's arrays, each table copied into its part of them."""
@@ -361,7 +406,9 @@ class GroupStorage:
             torch.zeros(len(self.tables), dtype=torch.int64, device=self.device),
             rows // self.bucket_size, self.bucket_size)
         self.weights = torch.zeros(rows, weights.shape[1], dtype=weights.dtype,
-                                   device=self.device)
+                                   device=self.device,
+                                   pin_memory=weights.is_pinned() if self.device.type == "cpu"
+                                   else False)
         self.counters = (torch.zeros(len(self.tables), len(COUNTER_NAMES), dtype=torch.int64,
                                      device=first.counters.values.device)
                          if self.keeps_counters else None)
@@ -413,14 +460,36 @@ class GroupStorage:
         return self.policy is not ScorePolicy.NO_EVICTION
 
     # -- what the phases share -----------------------------------------------------------------
-    def dedup(self, keys: Sequence[torch.Tensor], key_bounds: List[int]):
-        """(unique keys, inverse, counts, unique bounds [T + 1]) of every table's keys."""
+    def dedup(self, keys: Sequence[torch.Tensor], key_bounds: List[int],
+              occurrences: Sequence[Optional[torch.Tensor]]):
+        """(unique keys, inverse, counts, unique bounds [T + 1], the occurrences given or
+        None, see :func:`given_counts`) of every table's keys; the inverse on
+        :attr:`serve_device`, the rest on the record's device.
+
+        Rows served elsewhere dedup where the module is, as each table alone there does
+        (:attr:`serve_kernels`; on CUDA each table's keys sorted and padded with
+        ``EMPTY_KEY`` to its input count, so that the claim takes a bucket's keys in the
+        order the table alone takes them), and cross to the record once."""
         all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
+        if self.serves_elsewhere:
+            unique, inverse, counts, segments = self.serve_kernels.dedup_segments(
+                all_keys, Segments(key_bounds, self.serve_device), self.bucket_counts)
+            counts, given = given_counts(keys, occurrences, inverse, counts)
+            return (unique.to(self.device), inverse, counts.to(self.device), segments.bounds,
+                    None if given is None else given.to(self.device))
         # in bucket order, the order of the slots: the claim and the update walk each
         # table's rows front to back
         unique, inverse, counts, segments = self.kernels.dedup_segments(
             all_keys, Segments(key_bounds), self.bucket_counts)
-        return unique, inverse, counts, segments.bounds
+        counts, given = given_counts(keys, occurrences, inverse, counts)
+        return unique, inverse, counts, segments.bounds, given
+
+    def unique_per_table(self, keys: torch.Tensor, unique_bounds: Sequence[int]) -> np.ndarray:
+        """[T] each table's unique keys among ``keys`` [U] (``EMPTY_KEY`` pads, see
+        :meth:`dedup`)."""
+        if not self.serves_elsewhere:  # exact keys: the segments' sizes
+            return np.diff(np.asarray(unique_bounds, dtype=np.int64))
+        return segment_sums((keys != EMPTY_KEY).numpy(), unique_bounds)
 
     def table_claim(self, claim, t: int) -> FindOrInsertResult:
         """Table ``t``'s part of a group claim ``(keys, slots, inserted, previous keys,
@@ -462,7 +531,9 @@ class GroupStorage:
         each table)."""
         if sizes is None:
             sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
-        if batch.fallback is not None:  # eval, admission: a key not stored reads its fallback row
+        if batch.fallback is not None or self.serves_elsewhere:
+            # eval, admission: a key not stored reads its fallback row; rows served on
+            # another device cross there once per unique key
             return self.unique_rows(batch).index_select(0, batch.inverse).split(sizes)
         if not self.kernels.defers_failures:  # every key has its row
             slots = batch.slots.index_select(0, batch.inverse)
@@ -477,13 +548,40 @@ class GroupStorage:
         return rows.split(sizes)
 
     def unique_rows(self, batch) -> torch.Tensor:
-        """[U, dim] float32: each unique key's row of ``batch``; an eval batch's keys not
-        stored read their eval initializer's row."""
+        """[U, dim] float32 on :attr:`serve_device`: each unique key's row of ``batch``; an
+        eval batch's keys not stored read their eval initializer's row."""
         slots = batch.slots
-        rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0)).float()
+        rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0))
+        if self.serves_elsewhere:
+            rows = rows.to(self.serve_device, non_blocking=self.serve_device.type == "cuda")
+        rows = rows.float()
         if batch.fallback is not None:
-            rows = torch.where((slots >= 0)[:, None], rows, batch.fallback)
+            stored = (slots >= 0).to(rows.device)
+            rows = torch.where(stored[:, None], rows, batch.fallback.to(rows.device))
         return rows
+
+    def fused_update(self, slots: torch.Tensor, grads, keys: torch.Tensor, *, lr: float,
+                     step: int) -> None:
+        """The optimizer step of the rows at ``slots`` [U] (-1: none), ``grads`` of ``keys``
+        [U]. Rows served elsewhere (:attr:`serves_elsewhere`) are gathered to
+        :attr:`serve_device`, updated there by :attr:`serve_kernels` and written back, as a
+        HOST_ONLY table alone updates its rows."""
+        config = dict(dim=self.dim, config=self.optimizer, lr=lr, step=step, **self.rounding)
+        if not self.serves_elsewhere:
+            fused_update(self.weights, slots, grads, kernels=self.kernels, keys=keys, **config)
+            return
+        device = self.serve_device
+        stored = slots >= 0
+        rows = self.weights.index_select(0, slots.clamp(min=0)).to(device)
+        local = torch.where(stored.to(device), torch.arange(slots.numel(), device=device), -1)
+        fused_update(rows, local, grads, kernels=self.serve_kernels, keys=keys.to(device),
+                     **config)
+        self.weights.index_copy_(0, slots[stored], rows[stored.to(device)].to(self.device))
+
+    def add_counts(self, delta: np.ndarray) -> None:
+        """Add ``delta`` [T, counters] (host numbers) to the tables' counters, wherever they
+        live."""
+        self.counters += torch.from_numpy(delta).to(self.counters.device)
 
     def release(self, batch, tables: Optional[Sequence[int]] = None) -> None:
         """End ``batch``'s pins of ``tables`` (indices; None: all), once per table."""

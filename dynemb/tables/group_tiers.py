@@ -51,9 +51,8 @@ from dynemb.foundations.key_mixing import routes_to_first
 from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.batch import TableBatch
-from dynemb.tables.group_batch import (given_counts, key_bounds_of, lookups_per_table,
-                                       segment_sums, shifted_slots)
-from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.group_batch import key_bounds_of, lookups_per_table, shifted_slots
+from dynemb.tables.group_storage import GroupStorage, segment_sums
 from dynemb.tables.group_update import live_slots, update_rows
 from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
 from dynemb.tables.units import LoneTable
@@ -137,8 +136,8 @@ class TieredGroup:
     def _batch(self, keys, occurrences, scores, training: bool) -> "TieredBatch":
         storage = self.storage
         key_bounds = key_bounds_of(keys)
-        unique, inverse, counts, unique_bounds = storage.dedup(keys, key_bounds)
-        counts, given = given_counts(keys, occurrences, inverse, counts)
+        unique, inverse, counts, unique_bounds, given = storage.dedup(keys, key_bounds,
+                                                                      occurrences)
         bounds = unique_bounds.tolist()
         sizes = np.diff(np.asarray(bounds, dtype=np.int64))
         if training and storage.policy is ScorePolicy.CUSTOMIZED:
@@ -148,7 +147,7 @@ class TieredGroup:
         delta = np.zeros((len(self.tables), len(COUNTER_NAMES)), dtype=np.int64)
         delta[:, _COUNTER["lookups"]] = lookups_per_table(key_bounds, given)
         delta[:, _COUNTER["unique_keys"]] = sizes
-        storage.counters += torch.from_numpy(delta)
+        storage.add_counts(delta)
         return TieredBatch(self, unique, inverse, counts, written, bounds, key_bounds, training)
 
     def __repr__(self) -> str:
@@ -299,7 +298,7 @@ class TieredBatch(LookupBatch):
         delta = np.zeros((len(group.tables), len(COUNTER_NAMES)), dtype=np.int64)
         delta[:, _COUNTER["hits"]] = hits
         delta[:, _COUNTER["misses"]] = np.diff(self.unique_bounds) - hits
-        storage.counters += torch.from_numpy(delta)
+        storage.add_counts(delta)
 
     def _claim(self) -> None:
         """The training forward: admission, the host tiers' claim, then the device tiers'
@@ -340,7 +339,7 @@ class TieredBatch(LookupBatch):
         delta[:, _COUNTER["misses"]] = np.diff(self.unique_bounds) - per_table[:, 0]
         delta[:, _COUNTER["inserts"]] = per_table[:, 1]
         delta[:, _COUNTER["evictions"]] = per_table[:, 2]
-        group.storage.counters += torch.from_numpy(delta)
+        group.storage.add_counts(delta)
 
     def _claim_in(self, record: GroupStorage, keys: torch.Tensor):
         """One pinning claim of ``keys`` (EMPTY_KEY: nothing) in ``record``: ``((keys, slots,

@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 import torch
 
 from dynemb.foundations.counters import COUNTER_NAMES
-from dynemb.rows.optimizers import OccurrenceGrads, fused_update
+from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.group_storage import GroupStorage
 
 _DROPPED = COUNTER_NAMES.index("dropped_updates")
@@ -50,9 +50,7 @@ def update_rows(storage: GroupStorage, slots: torch.Tensor, batch, grads: Occurr
             for t, name in enumerate(storage.names):
                 if not taking[t] or steps[name] != step:
                     chosen[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
-        fused_update(storage.weights, chosen, grads, dim=storage.dim, config=storage.optimizer,
-                     lr=lr, step=step, kernels=storage.kernels, keys=batch.keys,
-                     **storage.rounding)
+        storage.fused_update(chosen, grads, batch.keys, lr=lr, step=step)
 
 
 def live_slots(storage: GroupStorage, slots: torch.Tensor, batch,
@@ -71,5 +69,5 @@ def live_slots(storage: GroupStorage, slots: torch.Tensor, batch,
         total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])  # per table:
         bounds = torch.tensor(batch.unique_bounds, dtype=torch.int64)     # differences
         per_table = total[bounds[1:]] - total[bounds[:-1]]
-    counters[:, _DROPPED] += per_table
+    counters[:, _DROPPED] += per_table.to(counters.device)
     return torch.where(kept, slots, -1)

@@ -8,14 +8,14 @@ the table trains in a group. Code outside the tables layer and :mod:`dynemb.opti
 ``storage_policy(layout.mode)`` and never tests the mode itself, so a new mode is one new
 policy here (and its table class), not a search through the package.
 
-=============  ===============  ===============  ===============  ==========  ======
+=============  ===============  ===============  ===============  ==========  ============
 policy         table class      new rows         evicted rows     row reads   groups
-=============  ===============  ===============  ===============  ==========  ======
+=============  ===============  ===============  ===============  ==========  ============
 HBM_DIRECT     HbmDirectTable   initializer      dropped          device      yes
 CACHE          CacheTable       store load       written back     cached      yes
-DEFAULT        TieredTable      initializer      dropped          cached      no
-HOST_ONLY      HostOnlyTable    initializer      dropped          host        on CPU
-=============  ===============  ===============  ===============  ==========  ======
+DEFAULT        TieredTable      initializer      dropped          cached      host kernels
+HOST_ONLY      HostOnlyTable    initializer      dropped          host        yes
+=============  ===============  ===============  ===============  ==========  ============
 
 Example::
 
@@ -191,7 +191,7 @@ class HostOnlyPolicy(StoragePolicy):
     mode = StorageMode.HOST_ONLY
     table_class = HostOnlyTable
     row_reads = RowReads.HOST
-    groups = True  # where the module is on the host too (group_signature)
+    groups = True  # its record by the host kernels, its update where the module is
 
     def upfront_device_rows(self, layout: TableLayout) -> int:
         return 0
