@@ -203,15 +203,16 @@ def test_late_backwards_state_dicts_and_pickles_of_default_groups_match_their_tw
         assert_same_module(grouped, module)
 
 
-def test_default_tables_on_the_cuda_kernels_train_alone():
-    """On the CUDA kernels (numba's simulator stands in for the GPU) a DEFAULT table's host
-    tier claims on the host kernels and its device tier on CUDA: it trains alone."""
+def test_default_tables_on_the_cuda_kernels_group_too():
+    """On the CUDA kernels (numba's simulator stands in for the GPU) the DEFAULT tables group
+    as on the host kernels: the device record on CUDA, the host record by the host kernels
+    (tests/test_table_groups_cuda.py trains them)."""
     from conftest import BACKENDS
     name, device = BACKENDS[1]
     module = DynamicEmbCollection(configs(), table_options=tiered_options(), backend=name,
                                   device=torch.device(device))
     assert set(module.storage_modes().values()) == {StorageMode.DEFAULT}
-    assert module.table_groups() == []
+    assert module.table_groups() == [("t0", "t1", "t2", "t3")]
 
 
 @pytest.mark.parametrize("data_type", ["FP16", "BF16"])

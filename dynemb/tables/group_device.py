@@ -166,8 +166,8 @@ class DeviceGroupPrefetch:
                                                  self.num_buckets)
         if storage.growing:
             self._grow_before(claim_keys, key_bounds)
-        slots, inserted, prev_keys, prev_scores = self._claim(segments, claim_keys, counts,
-                                                              scores)
+        slots, inserted, prev_keys, prev_scores = self.claim(segments, claim_keys, counts,
+                                                             scores)
         batch = GroupBatch(storage, unique, inverse, counts, list(key_bounds), key_bounds, slots)
         batch.seg, batch.fallback = seg, fallback
         for table in storage.tables:
@@ -182,13 +182,8 @@ class DeviceGroupPrefetch:
             storage.track_changes(claim)
             if self.stores is not None:  # each table writes back and loads, as alone
                 self.stores.fill(claim, range(len(storage.tables)), undo)
-            elif storage.row_dtype == torch.float32:
-                storage.write_new_rows(lambda flat: storage.kernels.init_rows_at_group(
-                    flat.weights, slots, claim_keys, inserted, segments, storage.dim,
-                    self.seeds, self.table_ids, self.init_kinds, *self.init_params),
-                    (slots, claim_keys, inserted))
-            else:  # float16 / bfloat16 rows: table by table
-                storage.initialize_rows(slots, claim_keys, inserted, key_bounds)
+            else:
+                self.initialize(slots, claim_keys, inserted, segments)
         except Exception:
             if undone:  # the other tables' claims stand, filled: they count
                 self._count(segments, unique, slots, inserted, prev_keys, given, undone)
@@ -197,6 +192,17 @@ class DeviceGroupPrefetch:
         self._count(segments, unique, slots, inserted, prev_keys, given)
         return batch
 
+    def initialize(self, slots, keys, inserted, segments: Segments) -> None:
+        """Rows of the claimed ``keys`` where ``inserted`` start from their table's
+        initializer (one launch; float16 / bfloat16 rows table by table)."""
+        storage = self.storage
+        if storage.row_dtype == torch.float32:
+            storage.write_new_rows(lambda flat: storage.kernels.init_rows_at_group(
+                flat.weights, slots, keys, inserted, segments, storage.dim, self.seeds,
+                self.table_ids, self.init_kinds, *self.init_params), (slots, keys, inserted))
+        else:
+            storage.initialize_rows(slots, keys, inserted, segments.bounds)
+
     def _grow_before(self, unique, key_bounds) -> None:
         storage = self.storage
         offsets = list(storage.row_offset)
@@ -204,9 +210,10 @@ class DeviceGroupPrefetch:
         if storage.row_offset != offsets:
             self._place_tables()
 
-    def _claim(self, segments, unique, counts, scores):
+    def claim(self, segments, unique, counts, scores):
         """(slots, inserted, previous keys, previous scores) of one pinning claim of every
-        table's unique keys, each table at its next clock; the keys that found no slot go to
+        table's ``unique`` keys (``EMPTY_KEY``: none; ``scores``: per table, the CUSTOMIZED
+        score), each table at its next clock; the keys that found no slot go to
         :attr:`failures`. A table that grows and evicted a live key grows and the claim runs
         again (see the module docstring)."""
         storage = self.storage

@@ -76,7 +76,7 @@ class GroupEvalLookup:
                occurrences: Optional[torch.Tensor]) -> None:
         """Each table's lookups, unique keys, hits and misses, as its eval lookup counts."""
         hits = segment_sums(found.numpy(), batch.unique_bounds)
-        unique = self.storage.unique_per_table(batch.keys, batch.unique_bounds)
+        unique = self.storage.unique_per_table(batch.keys, batch.unique_bounds).numpy()
         lookups = lookups_per_table(batch.key_bounds, occurrences)
         delta = np.zeros((len(self.storage.tables), len(COUNTER_NAMES)), dtype=np.int64)
         delta[:, _COUNTER["lookups"]] = lookups

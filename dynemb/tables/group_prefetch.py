@@ -180,7 +180,7 @@ class HostGroupPrefetch:
         per_table = np.empty((len(storage.tables), 3), dtype=np.int64)
         storage.kernels.claim_counts_group(Segments(batch.unique_bounds), batch.slots, inserted,
                                            prev_keys, per_table)
-        unique = storage.unique_per_table(batch.keys, batch.unique_bounds)
+        unique = storage.unique_per_table(batch.keys, batch.unique_bounds).numpy()
         lookups = lookups_per_table(batch.key_bounds, occurrences)
         delta = np.zeros((len(storage.tables), len(COUNTER_NAMES)), dtype=np.int64)
         delta[:, _COUNTER["lookups"]] = lookups

@@ -6,24 +6,24 @@ from typing import Hashable, Optional
 
 import torch
 
-from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.policies import POLICIES
 
 #: The modes whose tables group (their policy's ``groups``): HBM_DIRECT, CACHE (the device
 #: tier grouped; each table's evicted rows go to its own store, and its new rows come from
 #: it, table by table), HOST_ONLY (a record in host memory, by the host kernels; a module on
-#: CUDA reads the rows and updates them there, as alone) and DEFAULT (on the host kernels:
-#: both tiers grouped, :mod:`dynemb.tables.group_tiers`).
+#: CUDA reads the rows and updates them there, as alone) and DEFAULT (both tiers grouped,
+#: :mod:`dynemb.tables.group_tiers`).
 GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups)
 
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
-    """What tables of one group share, or None for a table that trains alone (DEFAULT on
-    the CUDA kernels). Tables that stash their rows group with those of the same stash mode
-    (a group's rows go and come back as one). Tables with admission group only with each other (their prefetch counts
-    keys before it claims, so it cannot be taken back; a CACHE table counts the keys its
-    store holds as stored, in its group as alone). A table of float16 / bfloat16 rows
+    """What tables of one group share, or None for a table that trains alone (a table of a
+    mode whose policy does not group: none today). Tables that stash their rows group with
+    those of the same stash mode (a group's rows go and come back as one). Tables with
+    admission group only with each other (their prefetch counts keys before it claims, so it
+    cannot be taken back; a CACHE table counts the keys its store holds as stored, in its
+    group as alone). A table of float16 / bfloat16 rows
     rounded with noise is a group of one: the noise is drawn per table (its seed and id),
     and the fused update takes one of each."""
     options = table.options
@@ -31,8 +31,6 @@ def group_signature(table: DynamicTable) -> Optional[Hashable]:
     admits = table.admission is not None
     if table.mode not in GROUPED_MODES:
         return None
-    if table.mode is StorageMode.DEFAULT and table.kernels.defers_failures:
-        return None  # its host tier would claim on the host kernels, its device tier on CUDA
     weights = table.tier.flat.weights
     alone = (table.name,) if rounds_with_noise(table) else ()
     return (table.mode, table.tier.device, table.tier.kernels.name, table.device,

@@ -480,16 +480,22 @@ class GroupStorage:
         # in bucket order, the order of the slots: the claim and the update walk each
         # table's rows front to back
         unique, inverse, counts, segments = self.kernels.dedup_segments(
-            all_keys, Segments(key_bounds), self.bucket_counts)
+            all_keys, Segments(key_bounds, self.device), self.bucket_counts)
         counts, given = given_counts(keys, occurrences, inverse, counts)
         return unique, inverse, counts, segments.bounds, given
 
-    def unique_per_table(self, keys: torch.Tensor, unique_bounds: Sequence[int]) -> np.ndarray:
-        """[T] each table's unique keys among ``keys`` [U] (``EMPTY_KEY`` pads, see
-        :meth:`dedup`)."""
-        if not self.serves_elsewhere:  # exact keys: the segments' sizes
-            return np.diff(np.asarray(unique_bounds, dtype=np.int64))
-        return segment_sums((keys != EMPTY_KEY).numpy(), unique_bounds)
+    def unique_per_table(self, keys: torch.Tensor, unique_bounds: Sequence[int]) -> torch.Tensor:
+        """[T] int64, on ``keys``' device: each table's unique keys among ``keys`` [U] of
+        :meth:`dedup` (where it pads, ``EMPTY_KEY`` is none)."""
+        dedup_kernels = self.serve_kernels if self.serves_elsewhere else self.kernels
+        if not dedup_kernels.defers_failures:  # exact keys: the segments' sizes
+            return torch.from_numpy(np.diff(np.asarray(unique_bounds, dtype=np.int64))).to(
+                keys.device)
+        real = (keys != EMPTY_KEY).to(torch.int64)
+        if keys.device.type == "cpu":
+            return torch.from_numpy(segment_sums(real.numpy(), unique_bounds))
+        return torch.zeros(len(self.tables), dtype=torch.int64, device=keys.device).index_add_(
+            0, Segments(unique_bounds, keys.device).table_of, real)
 
     def table_claim(self, claim, t: int) -> FindOrInsertResult:
         """Table ``t``'s part of a group claim ``(keys, slots, inserted, previous keys,

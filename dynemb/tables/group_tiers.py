@@ -16,8 +16,14 @@ the tables' counters) and one over their host tiers. Each table does what it doe
 - backward (:meth:`TieredBatch.apply_gradients`): one fused update in each record, of the
   rows still holding the batch's keys.
 
-A DEFAULT table on the CUDA kernels trains alone (:func:`~dynemb.tables.group_signature.
-group_signature`): its host tier stays on the host kernels while its device tier is on CUDA.
+On the CUDA kernels, the device record claims, finds and fills as a group of HBM_DIRECT
+tables does there (:class:`~dynemb.tables.group_device.DeviceGroupPrefetch`: each table's
+keys sorted and padded, a key without a slot served zeros and reported at a later prefetch),
+the host record by the host kernels, as each table alone claims its host tier: the forward
+copies the keys routed to the host tiers to the host once for the group (each table alone
+copies its own), and a key the host tiers refuse raises there. The host rows are read and
+updated on the module's device (the host record serves its rows there,
+:attr:`~dynemb.tables.group_storage.GroupStorage.serves_elsewhere`).
 
 Example::
 
@@ -47,11 +53,13 @@ import torch
 
 from dynemb.backends.protocol import Segments
 from dynemb.foundations.counters import COUNTER_NAMES
+from dynemb.foundations.device_values import values_on
 from dynemb.foundations.key_mixing import routes_to_first
 from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.batch import TableBatch
-from dynemb.tables.group_batch import key_bounds_of, lookups_per_table, shifted_slots
+from dynemb.tables.group_batch import key_bounds_of, shifted_slots
+from dynemb.tables.group_device import DeviceGroupPrefetch
 from dynemb.tables.group_storage import GroupStorage, segment_sums
 from dynemb.tables.group_update import live_slots, update_rows
 from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
@@ -66,6 +74,8 @@ class TieredGroup:
     tiers, ``host`` over their host tiers. A unit of :mod:`dynemb.tables.units` whose
     prefetch claims nothing (the claim is in forward, as for a DEFAULT table alone)."""
 
+    on_device = None  # (a group pickled by an earlier version: on the host kernels)
+
     def __init__(self, tables: Sequence[DynamicTable]):
         self.storage = GroupStorage(tables)
         self.host = GroupStorage(tables, tier="host_tier", keeps_counters=False)
@@ -73,6 +83,16 @@ class TieredGroup:
         self.eval_kinds = np.asarray([p[0] for p in params], dtype=np.int64)
         self.eval_params = [np.asarray([p[i] for p in params], dtype=np.float64)
                             for i in range(1, 5)]
+        #: on the CUDA kernels, the device record's claim, fill and per-table values there
+        self.on_device = (DeviceGroupPrefetch(self.storage)
+                          if self.storage.kernels.defers_failures else None)
+
+    def placement(self, record: GroupStorage):
+        """(where each table's part starts, its buckets) of ``record``, as its kernels take
+        them."""
+        if record is self.storage and self.on_device is not None:
+            return self.on_device.row_offset, self.on_device.num_buckets
+        return record.row_starts, record.bucket_counts
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -127,6 +147,11 @@ class TieredGroup:
         return self._batch(keys, occurrences, [None] * len(keys), training=False)
 
     def check_failures(self) -> None:
+        """Raise the ``TableFullError`` of keys of earlier batches that found no slot in the
+        device tiers on the CUDA kernels, then those of the tables from before they were
+        grouped."""
+        if self.on_device is not None:
+            self.on_device.failures.check()
         for table in self.tables:
             table.check_failures()
 
@@ -141,14 +166,20 @@ class TieredGroup:
         bounds = unique_bounds.tolist()
         sizes = np.diff(np.asarray(bounds, dtype=np.int64))
         if training and storage.policy is ScorePolicy.CUSTOMIZED:
-            written = torch.from_numpy(np.repeat(np.asarray(scores, dtype=np.int64), sizes))
+            written = torch.from_numpy(np.repeat(np.asarray(scores, dtype=np.int64),
+                                                 sizes)).to(unique.device)
         else:
             written = unique.new_zeros(1).expand(unique.shape)
-        delta = np.zeros((len(self.tables), len(COUNTER_NAMES)), dtype=np.int64)
-        delta[:, _COUNTER["lookups"]] = lookups_per_table(key_bounds, given)
-        delta[:, _COUNTER["unique_keys"]] = sizes
-        storage.add_counts(delta)
-        return TieredBatch(self, unique, inverse, counts, written, bounds, key_bounds, training)
+        batch = TieredBatch(self, unique, inverse, counts, written, bounds, key_bounds,
+                            training)
+        batch.table_scores = list(scores)
+        batch.unique_counts = storage.unique_per_table(unique, bounds)
+        counted = torch.zeros(len(self.tables), len(COUNTER_NAMES), dtype=torch.int64,
+                              device=unique.device)
+        counted[:, _COUNTER["lookups"]] = _per_table(given, key_bounds, unique.device)
+        counted[:, _COUNTER["unique_keys"]] = batch.unique_counts
+        storage.counters += counted
+        return batch
 
     def __repr__(self) -> str:
         return (f"TieredGroup({list(self.names)}, device rows={self.storage.row_offset[-1]}, "
@@ -170,6 +201,8 @@ class TieredBatch(LookupBatch):
         self.keys, self.inverse, self.counts, self.scores = keys, inverse, counts, scores
         self.unique_bounds, self.key_bounds = unique_bounds, key_bounds
         self.training = training
+        self.table_scores: List[Optional[int]] = [None] * len(group.tables)
+        self.unique_counts: Optional[torch.Tensor] = None  # [T] each table's unique keys
         self.slots = self.host_slots = self.fallback = None
         self.pinned = False
         self.unreleased: set = set()
@@ -197,8 +230,9 @@ class TieredBatch(LookupBatch):
         return self.group.storage.kernels
 
     def tensors(self) -> List[torch.Tensor]:
+        """The tensors the module's device reads (the host slots stay on the host)."""
         return [t for t in (self.keys, self.inverse, self.counts, self.slots, self.host_slots,
-                            self.fallback) if t is not None]
+                            self.fallback) if t is not None and t.device == self.device]
 
     def table_tensors(self, name: str) -> List[torch.Tensor]:
         t = self.group.storage.index[name]
@@ -233,8 +267,11 @@ class TieredBatch(LookupBatch):
         return rows.index_select(0, self.inverse).split(list(self._part_sizes(sizes)))
 
     def pooling_rows(self) -> PoolingRows:
-        """The unique rows, pooled by ``embedding_bag`` as each DEFAULT table alone pools on
-        the host kernels."""
+        """The unique rows, pooled as each DEFAULT table alone pools them: by
+        ``embedding_bag`` on the host kernels, by the pooling kernel on CUDA."""
+        if self.kernels.name == "cuda":
+            return PoolingRows(self._looked_up_rows().contiguous(), self.inverse,
+                               by_kernel=True)
         return PoolingRows(self._looked_up_rows(), self.inverse, by_kernel=False)
 
     def _looked_up_rows(self) -> torch.Tensor:
@@ -244,70 +281,88 @@ class TieredBatch(LookupBatch):
             self._claim() if self.training else self._find()
         group = self.group
         dim = self.dim
-        on_host = self.host_slots >= 0
+        on_host = (self.host_slots >= 0).to(self.device)
         device_rows = group.storage.weights[:, :dim].index_select(0, self.slots.clamp(min=0))
         host_rows = group.host.weights[:, :dim].index_select(0, self.host_slots.clamp(min=0))
+        host_rows = host_rows.to(self.device, non_blocking=self.device.type == "cuda")
         rows = torch.where(on_host[:, None], host_rows, device_rows).float()
+        stored = on_host | (self.slots >= 0)
         if self.fallback is not None:
-            stored = on_host | (self.slots >= 0)
             rows = torch.where(stored[:, None], rows, self.fallback)
+        elif self.kernels.defers_failures:  # padding and keys without a slot read zeros
+            rows = rows * stored[:, None]
         if not self.training:
             self.release()
         return rows
 
     def _routes(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(device keys, host keys) [U]: each key in the tier its table routes it to, EMPTY_KEY
-        in the other."""
+        """(device keys [U], host keys [U] in host memory): each key in the tier its table
+        routes it to, EMPTY_KEY in the other (on CUDA the host keys' copy waits for the
+        device: one per group and forward)."""
         group = self.group
+        device = self.keys.device
         sizes = torch.from_numpy(np.diff(np.asarray(self.unique_bounds, dtype=np.int64)))
-        device = torch.tensor([t.tier.hash.capacity for t in group.tables], dtype=torch.int64)
-        host = torch.tensor([t.host_tier.hash.capacity for t in group.tables], dtype=torch.int64)
+        capacities = torch.tensor([[t.tier.hash.capacity, t.host_tier.hash.capacity]
+                                   for t in group.tables], dtype=torch.int64)
         n = self.keys.numel()
-        first = torch.repeat_interleave(device, sizes, output_size=n)
-        total = first + torch.repeat_interleave(host, sizes, output_size=n)
+        per_key = torch.repeat_interleave(capacities, sizes, dim=0, output_size=n).to(device)
+        first, total = per_key[:, 0], per_key[:, 0] + per_key[:, 1]
         valid = self.keys != EMPTY_KEY
         on_device = valid & routes_to_first(self.keys, first, total)
         return (torch.where(on_device, self.keys, EMPTY_KEY),
-                torch.where(valid & ~on_device, self.keys, EMPTY_KEY))
+                torch.where(valid & ~on_device, self.keys, EMPTY_KEY).to(group.host.device))
+
+    def _segments(self, record: GroupStorage) -> Segments:
+        return Segments(self.unique_bounds, record.device)
 
     def _find_in(self, record: GroupStorage, keys: torch.Tensor) -> torch.Tensor:
+        """[U] the slots of ``keys`` (on ``record``'s device) in ``record``, or -1."""
         slots = torch.empty_like(keys)
-        record.kernels.find_group(record.arrays, Segments(self.unique_bounds), record.row_starts,
-                                  record.bucket_counts, keys, slots)
+        record.kernels.find_group(record.arrays, self._segments(record),
+                                  *self.group.placement(record), keys, slots)
         return slots
+
+    def _per_table(self, values: torch.Tensor) -> torch.Tensor:
+        """[T] ``values`` [U] summed per table, on the counters' device."""
+        return _per_table(values.to(torch.int64), self.unique_bounds, values.device)
 
     def _find(self) -> None:
         """The eval forward: find each key in its tier, pin it until the rows are read; the
         keys in neither read their table's eval initializer row."""
         group = self.group
+        storage = group.storage
         dev_keys, host_keys = self._routes()
-        slots, host_slots = self._find_in(group.storage, dev_keys), self._find_in(group.host,
-                                                                                  host_keys)
-        group.storage.kernels.add_refcounts(group.storage.arrays, slots, 1)
+        slots, host_slots = self._find_in(storage, dev_keys), self._find_in(group.host,
+                                                                            host_keys)
+        storage.kernels.add_refcounts(storage.arrays, slots, 1)
         group.host.kernels.add_refcounts(group.host.arrays, host_slots, 1)
         self.slots, self.host_slots = slots, host_slots
         self._hold()
-        stored = (slots >= 0) | (host_slots >= 0)
-        self.fallback = torch.zeros(self.keys.numel(), self.dim)
-        storage = group.storage
+        stored = (slots >= 0) | (host_slots >= 0).to(self.device)
+        n = self.keys.numel()
+        self.fallback = torch.zeros(n, self.dim, device=self.device)
+        on_device = group.on_device
+        args = ((on_device.seeds, on_device.table_ids, on_device.eval_kinds,
+                 *on_device.eval_params) if on_device is not None else
+                (storage.seeds, storage.table_ids, group.eval_kinds, *group.eval_params))
         storage.kernels.init_rows_at_group(
-            self.fallback, torch.arange(self.keys.numel()), self.keys, ~stored,
-            Segments(self.unique_bounds), self.dim, storage.seeds, storage.table_ids,
-            group.eval_kinds, *group.eval_params)
-        hits = segment_sums(stored.numpy(), self.unique_bounds)
-        delta = np.zeros((len(group.tables), len(COUNTER_NAMES)), dtype=np.int64)
-        delta[:, _COUNTER["hits"]] = hits
-        delta[:, _COUNTER["misses"]] = np.diff(self.unique_bounds) - hits
-        storage.add_counts(delta)
+            self.fallback, torch.arange(n, device=self.device), self.keys, ~stored,
+            self._segments(storage), self.dim, *args)
+        hits = self._per_table(stored & (self.keys != EMPTY_KEY))
+        counted = torch.zeros_like(storage.counters)
+        counted[:, _COUNTER["hits"]] = hits
+        counted[:, _COUNTER["misses"]] = self.unique_counts - hits
+        storage.counters += counted
 
     def _claim(self) -> None:
         """The training forward: admission, the host tiers' claim, then the device tiers'
         (see the module docstring), new rows initialized, the claims counted."""
         group = self.group
+        storage, host = group.storage, group.host
         dev_keys, host_keys = self._routes()
-        if group.storage.admits:
-            present = ((self._find_in(group.storage, dev_keys) >= 0)
-                       | (self._find_in(group.host, host_keys) >= 0))
+        if storage.admits:
+            present = ((self._find_in(storage, dev_keys) >= 0)
+                       | (self._find_in(host, host_keys) >= 0).to(self.device))
             admitted, fallback = [], []
             for t, table in enumerate(group.tables):
                 lo, hi = self.unique_bounds[t], self.unique_bounds[t + 1]
@@ -317,34 +372,49 @@ class TieredBatch(LookupBatch):
             admitted = torch.cat(admitted)
             self.fallback = torch.cat(fallback).to(torch.float32)
             dev_keys = torch.where(admitted, dev_keys, EMPTY_KEY)
-            host_keys = torch.where(admitted, host_keys, EMPTY_KEY)
-        host, host_failed = self._claim_in(group.host, host_keys)
-        device, device_failed = self._claim_in(group.storage, dev_keys)
-        if host_failed.any() or device_failed.any():
-            self._refuse(((group.host, host, host_failed), (group.storage, device,
-                                                             device_failed)))
-        self.slots, self.host_slots = device[1], host[1]
+            host_keys = torch.where(admitted.to(host.device), host_keys, EMPTY_KEY)
+        host_claim, host_failed = self._claim_in(host, host_keys)
+        if group.on_device is not None:  # a key the device tiers refuse is reported later
+            if host_failed.any():
+                self._refuse(((host, host_claim, host_failed),))
+            segments = self._segments(storage)
+            claimed = group.on_device.claim(segments, dev_keys, self.counts, self.table_scores)
+            device_claim = (dev_keys, *claimed, self.unique_bounds, None)
+        else:
+            device_claim, device_failed = self._claim_in(storage, dev_keys)
+            if host_failed.any() or device_failed.any():
+                self._refuse(((host, host_claim, host_failed),
+                              (storage, device_claim, device_failed)))
+        self.slots, self.host_slots = device_claim[1], host_claim[1]
         self._hold()
-        per_table = np.zeros((len(group.tables), 3), dtype=np.int64)
-        for record, claim in ((group.storage, device), (group.host, host)):
+        hits_inserts_evictions = torch.zeros(len(group.tables), 3, dtype=torch.int64,
+                                             device=self.device)
+        for record, claim in ((storage, device_claim), (host, host_claim)):
             keys, slots, inserted, prev_keys, _, bounds, _ = claim
             record.track_changes(claim[:6])
-            record.initialize_rows(slots, keys, inserted, bounds)
-            counts = np.empty((len(group.tables), 3), dtype=np.int64)
-            record.kernels.claim_counts_group(Segments(bounds), slots, inserted, prev_keys,
+            if record is storage and group.on_device is not None:
+                group.on_device.initialize(slots, keys, inserted, self._segments(storage))
+            else:
+                record.initialize_rows(slots, keys, inserted, bounds)
+            on_host = record.kernels.name == "cpu"
+            counts = (np.empty((len(group.tables), 3), dtype=np.int64) if on_host else
+                      torch.empty(len(group.tables), 3, dtype=torch.int64, device=record.device))
+            record.kernels.claim_counts_group(self._segments(record), slots, inserted, prev_keys,
                                               counts)
-            per_table += counts
-        delta = np.zeros((len(group.tables), len(COUNTER_NAMES)), dtype=np.int64)
-        delta[:, _COUNTER["hits"]] = per_table[:, 0]
-        delta[:, _COUNTER["misses"]] = np.diff(self.unique_bounds) - per_table[:, 0]
-        delta[:, _COUNTER["inserts"]] = per_table[:, 1]
-        delta[:, _COUNTER["evictions"]] = per_table[:, 2]
-        group.storage.add_counts(delta)
+            hits_inserts_evictions += torch.as_tensor(counts).to(self.device)
+        hits = hits_inserts_evictions[:, 0]
+        counted = torch.zeros_like(storage.counters)
+        counted[:, _COUNTER["hits"]] = hits
+        counted[:, _COUNTER["misses"]] = self.unique_counts - hits
+        counted[:, _COUNTER["inserts"]] = hits_inserts_evictions[:, 1]
+        counted[:, _COUNTER["evictions"]] = hits_inserts_evictions[:, 2]
+        storage.counters += counted
 
     def _claim_in(self, record: GroupStorage, keys: torch.Tensor):
-        """One pinning claim of ``keys`` (EMPTY_KEY: nothing) in ``record``: ``((keys, slots,
-        inserted, previous keys, previous scores, unique bounds, keys added per table),
-        [U] bool: the keys that found no slot)``."""
+        """One pinning claim of ``keys`` (on ``record``'s device; EMPTY_KEY: nothing) in
+        ``record``, by the host kernels: ``((keys, slots, inserted, previous keys, previous
+        scores, unique bounds, keys added per table), [U] bool: the keys that found no
+        slot)``."""
         u = keys.numel()
         slots, prev_keys, prev_scores = (torch.empty(u, dtype=torch.int64) for _ in range(3))
         inserted = torch.empty(u, dtype=torch.bool)
@@ -355,13 +425,14 @@ class TieredBatch(LookupBatch):
         bounds = torch.tensor(self.unique_bounds, dtype=torch.int64)
         record.kernels.find_or_insert_group(
             record.arrays, record.arrays.size, Segments(bounds), record.row_starts,
-            record.bucket_counts, keys, self.counts, self.scores, record.policy.code, clocks,
+            record.bucket_counts, keys, self.counts.to(record.device),
+            self.scores.to(record.device), record.policy.code, clocks,
             record.allows_eviction, slots, inserted, prev_keys, prev_scores, failed, stats)
         added = torch.from_numpy(stats[:, 0].copy())
         return (keys, slots, inserted, prev_keys, prev_scores, bounds, added), failed
 
     def _refuse(self, claims) -> None:
-        """Undo both claims (``(record, claim, failed keys)``, host first) and raise the
+        """Undo the claims (``(record, claim, failed keys)``, host first) and raise the
         ``TableFullError`` a table alone raises first: the first table with a key that found
         no slot, in its host tier if one did there (alone, a table claims its host tier
         first)."""
@@ -475,3 +546,14 @@ def _local(slots: torch.Tensor, start: int) -> torch.Tensor:
     """Record slots as a table's own (its part starts at ``start``); -1 stays."""
     return torch.where(slots >= 0, slots - start, -1)
 
+
+def _per_table(values: Optional[torch.Tensor], bounds: Sequence[int],
+               device: torch.device) -> torch.Tensor:
+    """[T] int64 on ``device``: ``values`` [N] summed over each table's segment
+    ``bounds[t]:bounds[t + 1]`` (None: the segments' sizes)."""
+    if values is None:
+        return torch.from_numpy(np.diff(np.asarray(bounds, dtype=np.int64))).to(device)
+    if values.device.type == "cpu":
+        return torch.from_numpy(segment_sums(values.numpy(), bounds)).to(device)
+    return torch.zeros(len(bounds) - 1, dtype=torch.int64, device=values.device).index_add_(
+        0, Segments(bounds, values.device).table_of, values.to(torch.int64))

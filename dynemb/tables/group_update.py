@@ -60,14 +60,15 @@ def live_slots(storage: GroupStorage, slots: torch.Tensor, batch,
     updates of their tables in ``counters`` [T, counters]."""
     if batch.pinned:
         return slots
-    kept = storage.arrays.keys[slots.clamp(min=0)] == batch.keys
+    kept = storage.arrays.keys[slots.clamp(min=0)] == batch.keys.to(slots.device)
     dropped = ((slots >= 0) & ~kept).to(torch.int64)
-    if batch.seg is not None:  # the table of each key, on the device: no host read
+    if batch.seg is not None and batch.seg.device == dropped.device:  # no host read
         per_table = torch.zeros(len(storage.tables), dtype=torch.int64,
                                 device=dropped.device).index_add_(0, batch.seg, dropped)
     else:
         total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])  # per table:
-        bounds = torch.tensor(batch.unique_bounds, dtype=torch.int64)     # differences
+        bounds = torch.tensor(batch.unique_bounds, dtype=torch.int64,     # differences
+                              device=total.device)
         per_table = total[bounds[1:]] - total[bounds[:-1]]
     counters[:, _DROPPED] += per_table.to(counters.device)
     return torch.where(kept, slots, -1)

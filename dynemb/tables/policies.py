@@ -8,14 +8,14 @@ the table trains in a group. Code outside the tables layer and :mod:`dynemb.opti
 ``storage_policy(layout.mode)`` and never tests the mode itself, so a new mode is one new
 policy here (and its table class), not a search through the package.
 
-=============  ===============  ===============  ===============  ==========  ============
+=============  ===============  ===============  ===============  ==========  ======
 policy         table class      new rows         evicted rows     row reads   groups
-=============  ===============  ===============  ===============  ==========  ============
+=============  ===============  ===============  ===============  ==========  ======
 HBM_DIRECT     HbmDirectTable   initializer      dropped          device      yes
 CACHE          CacheTable       store load       written back     cached      yes
-DEFAULT        TieredTable      initializer      dropped          cached      host kernels
+DEFAULT        TieredTable      initializer      dropped          cached      yes
 HOST_ONLY      HostOnlyTable    initializer      dropped          host        yes
-=============  ===============  ===============  ===============  ==========  ============
+=============  ===============  ===============  ===============  ==========  ======
 
 Example::
 
@@ -169,7 +169,7 @@ class TieredPolicy(StoragePolicy):
     mode = StorageMode.DEFAULT
     table_class = TieredTable
     row_reads = RowReads.CACHED
-    groups = True  # on the host kernels (group_signature)
+    groups = True  # both tiers (dynemb.tables.group_tiers)
 
     def upfront_host_rows(self, layout: TableLayout) -> int:
         return layout.host_tier_rows
