@@ -118,9 +118,8 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
 
     def table_groups(self) -> List[Tuple[str, ...]]:
         """The names of the tables of each group. A table that can group but has no
-        partner is a group of one (tables with admission group only with each other); a
-        table that cannot group (DEFAULT, CACHE with admission; on the CUDA
-        kernels HOST_ONLY) is in none and trains alone.
+        partner is a group of one (tables with admission group only with each other).
+        ``group_tables=False``: every table trains on its own path, in no group.
 
         Example::
 
