@@ -41,7 +41,7 @@ import dynemb.modules.collection
 import dynemb.modules.dynamic_core
 import dynemb.rows.occurrence_grads
 import dynemb.tables.base
-import dynemb.tables.group_update
+import dynemb.tables.group_storage
 import dynemb.tables.groups
 from benchmarks.common import (ROOT, add_run_options, check, config_of, fill_defaults,
                                git_state, load_before_run, machine_info, new_parser,
@@ -717,7 +717,7 @@ def profile_phases():
          ("dynemb/tables/group_storage.py", "initialize_rows")),
         ("gather (rows per occurrence)", GroupStorage, "lookup_occurrences",
          ("dynemb/tables/group_storage.py", "lookup_occurrences")),
-        ("fused update (kernel)", dynemb.tables.group_update, "fused_update",
+        ("fused update (kernel)", dynemb.tables.group_storage, "fused_update",
          ("dynemb/rows/optimizers.py", "fused_update")),
         ("release pins", GroupStorage, "release",
          ("dynemb/tables/group_storage.py", "release")),

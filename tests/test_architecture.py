@@ -520,8 +520,8 @@ def test_the_private_state_check_tells_a_mixin_from_a_subclass():
 
 
 #: What tells a group from a table: the layers above the tables see neither (they see a
-#: ``tables.lookup_batch.LookupBatch`` and the units of ``tables.units``).
-_KINDS = ("GroupBatch", "TableBatch", "TableGroup", "LoneTable")
+#: ``tables.lookup_batch.LookupBatch`` and the groups ``tables.groups`` makes).
+_KINDS = ("GroupBatch", "TableBatch", "TieredBatch", "TableGroup", "TieredGroup")
 
 
 def test_above_the_tables_nothing_tells_a_group_from_a_table():
@@ -541,5 +541,5 @@ def test_above_the_tables_nothing_tells_a_group_from_a_table():
             elif isinstance(node, ast.ImportFrom) and node.module and \
                     node.module.startswith("dynemb"):
                 telling.extend(f"{where}: imports {alias.name}" for alias in node.names
-                               if alias.name in ("GroupBatch", "LoneTable"))
+                               if alias.name in ("GroupBatch", "TieredBatch"))
     assert not telling, "\n".join(telling)

@@ -1,6 +1,7 @@
 """The interfaces the layers above the tables see: a table's batch and a group's batch both
-implement every operation of ``LookupBatch`` with its parameters, and a table alone
-(``LoneTable``) offers a prefetch every operation of a group, with the same parameters."""
+implement every operation of ``LookupBatch`` with its parameters, and both kinds of group
+(``TableGroup``, the DEFAULT ``TieredGroup``) offer a prefetch every operation, with the same
+parameters."""
 from __future__ import annotations
 
 import inspect
@@ -11,7 +12,7 @@ from dynemb.tables.batch import TableBatch
 from dynemb.tables.group_batch import GroupBatch
 from dynemb.tables.groups import TableGroup
 from dynemb.tables.lookup_batch import LookupBatch
-from dynemb.tables.units import LoneTable
+from dynemb.tables.group_tiers import TieredGroup
 
 
 def _abstract(cls):
@@ -38,11 +39,11 @@ def test_both_batch_kinds_implement_every_operation_of_the_batch_interface(kind)
 
 
 UNIT_OPERATIONS = ("claims_apart", "claim_batch", "finish_batch", "undo_batch", "prefetch",
-                   "lookup_batch", "check_failures", "alone")
+                   "lookup_batch", "check_failures")
 
 
 @pytest.mark.parametrize("operation", UNIT_OPERATIONS)
-def test_a_table_alone_is_a_unit_as_a_group_is(operation):
-    group, lone = getattr(TableGroup, operation), getattr(LoneTable, operation)
+def test_a_default_group_offers_what_a_group_offers(operation):
+    group, tiered = getattr(TableGroup, operation), getattr(TieredGroup, operation)
     assert (list(inspect.signature(group).parameters)
-            == list(inspect.signature(lone).parameters))
+            == list(inspect.signature(tiered).parameters))

@@ -94,7 +94,7 @@ def test_a_stashing_group_trains_as_its_tables_alone_and_as_without_stashing(mod
     plain = _collection(mode=mode)
     grouped = _collection(stash, mode)
     alone = _collection(stash, mode, group_tables=False)
-    assert grouped.table_groups() == [NAMES] and alone.table_groups() == []
+    assert grouped.table_groups() == [NAMES] and alone.table_groups() == [(n,) for n in NAMES]
     stashes = grouped.memory_stash.table_stashes()
     assert stashes["t0"] is stashes["t1"] is stashes["t2"]  # one stash for the group
     seen = []

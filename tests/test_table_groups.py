@@ -110,7 +110,7 @@ def grouped_names(module):
 def test_a_grouped_module_trains_bit_for_bit_as_its_tables_one_by_one(optimizer, policy):
     grouped, alone = twins(optimizer, policy)
     assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
-    assert grouped_names(alone) == []
+    assert grouped_names(alone) == [("t0",), ("t1",), ("t2",), ("t3",)]  # groups of one
     gen = torch.Generator().manual_seed(7)
     for i in range(25):
         kjt = batch(gen)

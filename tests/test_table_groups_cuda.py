@@ -92,7 +92,7 @@ def test_grouped_tables_train_as_alone_on_the_cuda_kernels(optimizer, pooled):
     # 40 ids in 8 buckets of 16 per table: nothing evicted, so concurrent claims (which may
     # pick other slots, or among equal scores other victims, on a GPU) change nothing read
     grouped, alone = twins(3, optimizer, capacity=128, pooled=pooled)
-    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == []
+    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == [("t0",), ("t1",), ("t2",)]
     gen = torch.Generator().manual_seed(1)
     for step in range(3):
         kjt = batch(gen, 3)
@@ -194,7 +194,7 @@ def test_grouped_cache_tables_train_as_alone_on_the_cuda_kernels(pooled):
                              optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05))
                       for g in (True, False))
     assert grouped.storage_modes()["t0"].name == "CACHE"
-    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == []
+    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == [("t0",), ("t1",), ("t2",)]
     gen = torch.Generator().manual_seed(5)
     for step in range(8):
         kjt = batch(gen, 3, per_table=9, vocab=60)
@@ -232,7 +232,7 @@ def test_grouped_cache_tables_with_admission_train_as_alone_on_the_cuda_kernels(
     grouped, alone = (DynamicEmbCollection(
         tables(3), table_options=options, device=DEVICE, backend=KERNELS, group_tables=g,
         optimizer=OptimizerConfig(OptimizerType.SGD, learning_rate=0.1)) for g in (True, False))
-    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == []
+    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == [("t0",), ("t1",), ("t2",)]
     gen = torch.Generator().manual_seed(9)
     for step in range(12):
         kjt = batch(gen, 3, per_table=12, vocab=24)
@@ -441,7 +441,7 @@ def test_host_only_tables_group_on_the_cuda_kernels_as_alone(admits, pooled):
                              device=DEVICE, backend=KERNELS, group_tables=g)
                       for g in (True, False)]
     assert set(grouped.storage_modes().values()) == {StorageMode.HOST_ONLY}
-    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == []
+    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == [("t0",), ("t1",), ("t2",)]
     storage = grouped._core.groups[0].storage
     assert storage.serves_elsewhere and storage.kernels.name == "cpu"
     assert storage.serve_kernels.name == "cuda"
@@ -502,7 +502,7 @@ def test_default_tables_group_on_the_cuda_kernels_as_alone(policy, admits, poole
                              optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05),
                              group_tables=g) for g in (True, False)]
     assert set(grouped.storage_modes().values()) == {StorageMode.DEFAULT}
-    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == []
+    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == [("t0",), ("t1",), ("t2",)]
     gen = torch.Generator().manual_seed(12)
     vocab, per_table = (60, 18) if admits else (300, 12)
     kjts = [batch(gen, 3, per_table=per_table, vocab=vocab) for _ in range(9)]

@@ -63,7 +63,7 @@ def scores_at(i, policy):
 def test_default_tables_group_and_train_bit_for_bit_as_alone(optimizer, policy):
     grouped, alone = tiered_twins(optimizer, policy)
     assert grouped.table_groups() == [("t0", "t1", "t2", "t3")]
-    assert alone.table_groups() == []
+    assert alone.table_groups() == [("t0",), ("t1",), ("t2",), ("t3",)]  # groups of one
     gen = torch.Generator().manual_seed(7)
     for i in range(20):
         kjt = batch(gen)

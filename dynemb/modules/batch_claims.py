@@ -9,8 +9,24 @@ whose prefetch is more than a claim (DEFAULT, which claims in forward, and admis
 counts keys before it claims). Filling the rows comes last; a store that fails there takes
 back its own table's claim and those not yet filled.
 
-The prefetch runs over units (:mod:`dynemb.tables.units`): a group, or a table alone as a
-unit of one; nothing here tells them apart.
+The prefetch runs over the module's groups (:mod:`dynemb.tables.groups`: every table is in
+one, a group of one where it has no partner), a :class:`~dynemb.tables.groups.TableGroup` or
+a DEFAULT :class:`~dynemb.tables.group_tiers.TieredGroup`, through what both offer, without
+asking which it holds. A group serves the tables ``names``, with one input per table, in
+that order (keys, occurrences, scores), and answers with one
+:class:`~dynemb.tables.lookup_batch.LookupBatch` for all of them:
+
+- ``claims_apart()``: whether ``claim_batch`` of a training batch only claims (then
+  ``finish_batch`` fills and counts, or ``undo_batch`` takes the claim back exactly); else
+  ``prefetch`` does all of the prefetch at once, and nothing can be taken back;
+- ``claim_batch(keys, occurrences, scores)``: the claimed batch; a key that finds no slot
+  raises the ``TableFullError`` its table alone raises, the group unchanged;
+- ``prefetch(keys, occurrences, scores)``: a training batch, claimed and filled;
+- ``lookup_batch(keys, occurrences)``: a read-only (eval) batch;
+- ``check_failures()``: raise the ``TableFullError`` of keys of earlier batches that found no
+  slot on the CUDA kernels;
+- ``rows``: where the group's rows live, as memory stashing (:mod:`dynemb.stashing`) moves
+  them.
 """
 from __future__ import annotations
 
@@ -24,28 +40,18 @@ def prefetch_all(units: Sequence, inputs: Inputs, training: bool, scores: Mappin
                  release: Callable[[Iterable[Tuple[str, Any]]], None]) -> Dict[str, Any]:
     """Each table's batch (the tables of a unit share theirs) of ``inputs``; on any error
     the claims are taken back, every pin taken ends (``release``) and the error propagates.
-    ``units``: the module's groups and lone tables (:mod:`dynemb.tables.units`); for a
-    training batch, those that claim as one, else those that look up as one."""
+    ``units``: the module's groups (see the module docstring)."""
     if not training:
         return _look_up_all(units, inputs, release)
     batches: Dict[str, Any] = {}
     claimed: List[Tuple[Any, Any]] = []  # (unit, batch) not yet filled
-    apart = [unit for unit in units if unit.claims_apart()]
     try:
-        split = []  # the tables of units that found no slot for a key: they claim alone
-        for unit in apart:
-            batch = unit.claim_batch(*_unit_inputs(unit, inputs, scores))
-            if batch is None:  # a key found no slot; alone, the tables say where
-                split.extend(unit.alone())
-                continue
-            batches.update((name, batch) for name in unit.names)
-            claimed.append((unit, batch))
-        for unit in split:
-            if unit.claims_apart():
+        for unit in units:
+            if unit.claims_apart():  # a key without a slot raises, its unit unchanged
                 batch = unit.claim_batch(*_unit_inputs(unit, inputs, scores))
                 batches.update((name, batch) for name in unit.names)
                 claimed.append((unit, batch))
-        for unit in [*units, *split]:  # the rest: all of their prefetch
+        for unit in units:  # the rest: all of their prefetch
             if not unit.claims_apart():
                 batch = unit.prefetch(*_unit_inputs(unit, inputs, scores))
                 batches.update((name, batch) for name in unit.names)

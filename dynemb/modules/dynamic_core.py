@@ -39,7 +39,6 @@ from dynemb.tables import DynamicTable
 from dynemb.tables.batch import check_batch_score, check_score
 from dynemb.tables.groups import TableGroup, group_tables
 from dynemb.tables.lookup_batch import LookupBatch
-from dynemb.tables.units import work_units
 from dynemb.modules.table_weights import TableWeights
 from dynemb.types import ScorePolicy
 
@@ -184,26 +183,32 @@ class DynamicCore:
         self.table_weights.mark_trained_in_backward()
 
     def _regroup(self) -> None:
-        """Group the current tables (each group copies its tables into its own arrays)."""
+        """Group the current tables (each group copies its tables into its own arrays):
+        with ``group_tables=False``, each table in a group of one."""
         self.groups = []  # the old groups' arrays go with the last table that views them
-        if self.groups_on:  # in config order (a reset table comes last in self.tables)
-            self.groups = group_tables({c.name: self.tables[c.name] for c in self.configs
-                                        if c.name in self.tables})
+        # in config order (a reset table comes last in self.tables)
+        self.groups = group_tables({c.name: self.tables[c.name] for c in self.configs
+                                    if c.name in self.tables}, apart=not self.groups_on)
 
     def row_units(self) -> List[Tuple[Tuple[str, ...], object]]:
-        """``[(table names, rows)]``: where the rows of each unit live now (a group's tables
-        share one tensor), for memory stashing."""
+        """``[(table names, rows)]``: where the rows of each group live now (its tables
+        share one tensor), for memory stashing; a table whose group was replaced since (a
+        checkpoint load, a reset) its own rows until the next batch regroups it."""
         groups = [g for g in self.groups if g.intact(self.tables)]
-        return [(unit.names, unit.rows) for unit in work_units(groups, self.tables)]
+        grouped = {name for group in groups for name in group.names}
+        return ([(group.names, group.rows) for group in groups]
+                + [((name,), table.tier) for name, table in self.tables.items()
+                   if name not in grouped])
 
-    def _groups_for_training(self) -> List[TableGroup]:
-        """The groups a training batch goes through; regrouped first if a table, or its
+    def _current_groups(self) -> List[TableGroup]:
+        """The groups a batch goes through; regrouped first if a table, or its
         arrays, were replaced since (a group keeps its tables' storage, not the module's
         names). Batches in flight, and those whose pins ended but whose backward may still
         come, move to the new groups; a batch whose group's tables changed ends its pins,
         queued prefetches are dropped, and a backward of an earlier lookup raises, as after a
         checkpoint load."""
-        if all(group.intact(self.tables) for group in self.groups):
+        grouped = sum(len(group.names) for group in self.groups)
+        if grouped == len(self.tables) and all(g.intact(self.tables) for g in self.groups):
             return self.groups
         in_flight = {id(b): b for state in self._queue for b in state.batches.values()}
         in_flight.update((id(b), b) for _, b in self._awaiting_backward)
@@ -326,12 +331,10 @@ class DynamicCore:
                                    variable_batch=self._variable_batch)
         for name in self._scored:  # before any table changes (no other policy can fail)
             check_batch_score(name, ScorePolicy.CUSTOMIZED, training, self._scores.get(name))
-        groups = (self._groups_for_training() if training else
-                  [g for g in self.groups if g.intact(self.tables)])
-        units = work_units(groups, self.tables)  # the groups, and each other table alone
+        groups = self._current_groups()
         if training and self._defers_failures:  # earlier batches' keys without a slot (CUDA)
-            check_failures(units)
-        batches = prefetch_all(units, per_table, training, self._scores, self._release)
+            check_failures(groups)
+        batches = prefetch_all(groups, per_table, training, self._scores, self._release)
         batches = {name: batches[name] for name in self.tables}
         features = {name: per_table[name][1] for name in self.tables}
         lengths = per_table["__lengths__"]

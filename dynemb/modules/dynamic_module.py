@@ -118,8 +118,8 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
 
     def table_groups(self) -> List[Tuple[str, ...]]:
         """The names of the tables of each group. A table that can group but has no
-        partner is a group of one (tables with admission group only with each other).
-        ``group_tables=False``: every table trains on its own path, in no group.
+        partner is a group of one (tables with admission group only with each other);
+        ``group_tables=False`` puts every table in a group of one.
 
         Example::
 
@@ -128,7 +128,7 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
             >>> DynamicEmbCollection(configs).table_groups()
             [('a', 'b', 'c')]
             >>> DynamicEmbCollection(configs, group_tables=False).table_groups()
-            []
+            [('a',), ('b',), ('c',)]
         """
         return [group.names for group in self._core.groups]
 

@@ -1,7 +1,9 @@
 """Tables filled to a load factor with synthetic keys, for benchmarks and capacity tests.
 
 :func:`fill_to_load_factor` inserts distinct random keys in batches through the path a
-training step takes (``prefetch(keys, training=True)``, ``lookup``, ``release``): new rows
+training step takes, each table as a group of one over its arrays
+(:func:`~dynemb.tables.groups.group_of_one`: its prefetch, its forward's lookup, then the
+pins end): new rows
 start from the table's initializer, scores and evictions follow the table's policy, a CACHE
 table writes evicted rows to its store, and the counters count the fill as lookups and
 inserts (``table.counters.reset()`` starts them over). So a full table can be measured
@@ -29,6 +31,7 @@ import torch
 
 from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
+from dynemb.tables.groups import group_of_one
 from dynemb.types import ScorePolicy
 
 #: Keys inserted per batch at most (and at most a quarter of the slots).
@@ -137,6 +140,7 @@ def _fill(table: DynamicTable, load_factor: float, seed: int, batch_size: int,
     generator = torch.Generator().manual_seed(seed)
     threshold = 1 if table.admission is None else table.admission.threshold
     start, _ = occupancy(table)
+    group = group_of_one(table)
     fed, stalled = [], 0
     while stalled < STALLED_BATCHES:
         rows, slots = occupancy(table)
@@ -147,13 +151,17 @@ def _fill(table: DynamicTable, load_factor: float, seed: int, batch_size: int,
         keys = torch.unique(torch.randint(0, KEY_RANGE, (n,), generator=generator))
         keys = keys.to(table.device)
         occurrences = torch.full_like(keys, threshold)
-        batch = table.prefetch(keys, training=True, occurrences=occurrences, score=score)
+        group.check_failures()  # (CUDA) keys of the batch before that found no slot
+        batch = group.prefetch([keys], [occurrences], [score])
         try:
-            table.lookup(batch)
+            batch.lookup_occurrences()  # a DEFAULT table claims in its forward
         finally:
-            table.release(batch)
+            batch.release()
         fed.append(keys)
         stalled = stalled + 1 if occupancy(table)[0] <= rows else 0
+    if table.device.type == "cuda":  # the last batch's failures have reached the host
+        torch.cuda.synchronize(table.device)
+    group.check_failures()
     rows, slots = occupancy(table)
     keys = torch.cat(fed) if fed else torch.empty(0, dtype=torch.int64, device=table.device)
     held = table.read_rows(keys)[1] if keys.numel() else keys.bool()

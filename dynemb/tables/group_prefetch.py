@@ -37,16 +37,15 @@ class HostGroupPrefetch:
 
     def claim_batch(self, keys: Sequence[torch.Tensor],
                     occurrences: Sequence[Optional[torch.Tensor]],
-                    scores: Sequence[Optional[int]]) -> Optional[GroupBatch]:
+                    scores: Sequence[Optional[int]]) -> GroupBatch:
         """Claim and pin the rows of every table's ``keys`` (see
-        ``TableGroup.claim_batch``); the rows are neither filled nor counted yet. None, the
-        claim undone, when a key finds no slot.
+        ``TableGroup.claim_batch``); the rows are neither filled nor counted yet. Where a
+        key finds no slot the claim of every table is undone and the ``TableFullError`` the
+        first table that refused it raises alone is raised (its message reads the table as
+        it is after the undo, as alone).
 
         Tables with admission claim only the keys they admit (the others read their
-        ``fallback`` row, as alone); their admission counts cannot be taken back, so where a
-        key finds no slot the claim of every table is undone and the ``TableFullError`` of
-        the first table that refused it raised (alone, the tables before it would keep
-        their claims)."""
+        ``fallback`` row, as alone); their admission counts stay."""
         storage = self.storage
         key_bounds = key_bounds_of(keys)
         unique, inverse, counts, unique_bounds, given_occurrences = storage.dedup(
@@ -59,10 +58,8 @@ class HostGroupPrefetch:
             if storage.admits else (unique, None))
         claimed, refused = self._claim(claim_keys, counts, given, unique_bounds)
         if claimed is None:
-            if storage.admits:
-                t, failed_keys = refused
-                raise storage.tables[t].full_error(failed_keys)
-            return None
+            t, failed_keys = refused
+            raise storage.tables[t].full_error(failed_keys)
         slots, inserted, prev_keys, prev_scores, stats = claimed
         batch = GroupBatch(storage, unique, inverse, counts, ub, key_bounds, slots)
         batch.fallback = fallback

@@ -18,8 +18,8 @@ GROUPED_MODES = tuple(mode for mode, policy in POLICIES.items() if policy.groups
 
 
 def group_signature(table: DynamicTable) -> Optional[Hashable]:
-    """What tables of one group share, or None for a table that trains alone (a table of a
-    mode whose policy does not group: none today). Tables that stash their rows group with
+    """What tables of one group share, or None for a table that is a group of one whatever
+    its partners (a table of a mode whose policy does not group: none today). Tables that stash their rows group with
     those of the same stash mode (a group's rows go and come back as one). Tables with
     admission group only with each other (their prefetch counts keys before it claims, so it
     cannot be taken back; a CACHE table counts the keys its store holds as stored, in its

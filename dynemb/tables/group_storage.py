@@ -115,7 +115,9 @@ class GroupStorage:
     ``tier``: the tables' tier the record holds, by attribute (``"tier"``, each table's own;
     ``"host_tier"``, a DEFAULT table's host tier, :mod:`dynemb.tables.group_tiers`).
     ``keeps_counters``: the tables' counters are views of the record's :attr:`counters` (one
-    record per table keeps them; the other's ``counters`` is None)."""
+    record per table keeps them; the other's ``counters`` is None). ``in_place``: a group of
+    one works on its table's arrays as they are, even where they are views of another
+    group's (:func:`~dynemb.tables.groups.group_of_one`)."""
 
     # (a record pickled by an earlier version has none of these)
     growing: Tuple[int, ...] = ()
@@ -124,8 +126,9 @@ class GroupStorage:
     keeps_counters = True
 
     def __init__(self, tables: Sequence[DynamicTable], tier: str = "tier",
-                 keeps_counters: bool = True):
+                 keeps_counters: bool = True, in_place: bool = False):
         first = tables[0]
+        self._in_place = in_place
         self.tier_name = tier
         self.keeps_counters = keeps_counters
         self.tables: List[DynamicTable] = list(tables)
@@ -215,7 +218,8 @@ class GroupStorage:
         for capacity in capacities:
             self.row_offset.append(self.row_offset[-1] + capacity)
         tier = self.tier_of(first)
-        if len(self.tables) == 1 and _owns_its_arrays(tier, first.counters):  # no copy
+        if len(self.tables) == 1 and (self.__dict__.get("_in_place")
+                                      or _owns_its_arrays(tier, first.counters)):  # no copy
             self.arrays, self.weights = tier.hash.arrays, tier.flat.weights
             self.counters = (first.counters.values.unsqueeze(0) if self.keeps_counters
                              else None)

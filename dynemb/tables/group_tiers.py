@@ -63,7 +63,6 @@ from dynemb.tables.group_device import DeviceGroupPrefetch
 from dynemb.tables.group_storage import GroupStorage, segment_sums
 from dynemb.tables.group_update import live_slots, update_rows
 from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
-from dynemb.tables.units import LoneTable
 from dynemb.types import EMPTY_KEY, ScorePolicy
 
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
@@ -71,14 +70,15 @@ _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
 
 class TieredGroup:
     """DEFAULT tables in two records (see the module docstring): ``storage`` over their device
-    tiers, ``host`` over their host tiers. A unit of :mod:`dynemb.tables.units` whose
-    prefetch claims nothing (the claim is in forward, as for a DEFAULT table alone)."""
+    tiers, ``host`` over their host tiers. A group as :mod:`dynemb.modules.batch_claims`
+    runs it, whose prefetch claims nothing (the claim is in forward, as for a DEFAULT table alone)."""
 
     on_device = None  # (a group pickled by an earlier version: on the host kernels)
 
-    def __init__(self, tables: Sequence[DynamicTable]):
-        self.storage = GroupStorage(tables)
-        self.host = GroupStorage(tables, tier="host_tier", keeps_counters=False)
+    def __init__(self, tables: Sequence[DynamicTable], *, in_place: bool = False):
+        self.storage = GroupStorage(tables, in_place=in_place)
+        self.host = GroupStorage(tables, tier="host_tier", keeps_counters=False,
+                                 in_place=in_place)
         params = [t.options.eval_initializer.kernel_params() for t in tables]
         self.eval_kinds = np.asarray([p[0] for p in params], dtype=np.int64)
         self.eval_params = [np.asarray([p[i] for p in params], dtype=np.float64)
@@ -120,7 +120,7 @@ class TieredGroup:
         self.storage.view_parts_again()
         self.host.view_parts_again()
 
-    # -- the unit interface (dynemb.tables.units) ----------------------------------------------
+    # -- what a module's prefetch runs over (dynemb.modules.batch_claims) ---------------------
     def claims_apart(self) -> bool:
         """False: the prefetch claims nothing, so there is nothing to take back."""
         return False
@@ -154,9 +154,6 @@ class TieredGroup:
             self.on_device.failures.check()
         for table in self.tables:
             table.check_failures()
-
-    def alone(self) -> List[LoneTable]:
-        return [LoneTable(table) for table in self.tables]
 
     def _batch(self, keys, occurrences, scores, training: bool) -> "TieredBatch":
         storage = self.storage

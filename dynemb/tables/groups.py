@@ -58,26 +58,34 @@ from dynemb.tables.group_signature import group_signature
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.group_tiers import TieredGroup
 from dynemb.tables.group_stores import GroupStores
-from dynemb.tables.units import LoneTable
 
-__all__ = ["GroupBatch", "TableGroup", "group_signature", "group_tables"]
+__all__ = ["GroupBatch", "TableGroup", "group_of_one", "group_signature", "group_tables"]
 
 
-def group_tables(tables: Mapping[str, DynamicTable]) -> List["TableGroup"]:
-    """The groups of ``tables``, in table order: every table that can group is in one, a
-    table with no partner in a group of one; a table that cannot group (see
-    :func:`group_signature`) is in none and trains alone.
+def group_tables(tables: Mapping[str, DynamicTable], *, apart: bool = False
+                 ) -> List["TableGroup"]:
+    """The groups of ``tables``, in table order: every table is in one, a table with no
+    partner in a group of one (``apart``: every table; so is a table whose
+    :func:`group_signature` is None).
 
     A group of one costs what the table's own path costs, or less
     (``benchmarks/bench_group_of_one.py`` on the host kernels; on CUDA 30 launches a step
     against 80, ``benchmarks/step_census.py``)."""
     by_signature: Dict[Hashable, List[DynamicTable]] = {}
-    for table in tables.values():
+    for name, table in tables.items():
         signature = group_signature(table)
-        if signature is not None:
-            by_signature.setdefault(signature, []).append(table)
+        alone = apart or signature is None
+        by_signature.setdefault((signature, name) if alone else signature, []).append(table)
     return [TieredGroup(members) if members[0].mode is StorageMode.DEFAULT
             else TableGroup(members) for members in by_signature.values()]
+
+
+def group_of_one(table: DynamicTable):
+    """``table`` as a group of one over its arrays as they are (views of its module's group
+    included: nothing is copied and the module's group stays whole), for work on one table
+    outside its module's steps (:func:`~dynemb.tables.fill.fill_to_load_factor`)."""
+    kind = TieredGroup if table.mode is StorageMode.DEFAULT else TableGroup
+    return kind([table], in_place=True)
 
 
 class TableGroup:
@@ -88,8 +96,8 @@ class TableGroup:
     :class:`~dynemb.tables.group_device.DeviceGroupPrefetch`), the eval lookup, and, through
     the batches it makes, the update and the release."""
 
-    def __init__(self, tables: Sequence[DynamicTable]):
-        self.storage = GroupStorage(tables)
+    def __init__(self, tables: Sequence[DynamicTable], *, in_place: bool = False):
+        self.storage = GroupStorage(tables, in_place=in_place)
         self._prefetch = self._eval = None
         self._build_phases()
 
@@ -144,7 +152,7 @@ class TableGroup:
         """After unpickling (see :meth:`GroupStorage.view_parts_again`)."""
         self.storage.view_parts_again()
 
-    # -- the unit interface (dynemb.tables.units) ----------------------------------------------
+    # -- what a module's prefetch runs over (dynemb.modules.batch_claims) ---------------------
     def claims_apart(self) -> bool:
         """Whether :meth:`claim_batch` only claims (:meth:`undo_batch` takes it back
         exactly): on the host kernels, for tables without admission (which counts keys
@@ -153,15 +161,14 @@ class TableGroup:
 
     def claim_batch(self, keys: Sequence[torch.Tensor],
                     occurrences: Sequence[Optional[torch.Tensor]],
-                    scores: Sequence[Optional[int]]) -> Optional[GroupBatch]:
+                    scores: Sequence[Optional[int]]) -> GroupBatch:
         """Claim and pin the rows of every table's ``keys`` (one tensor per table, group
         order) for training. ``occurrences``: per table, what each id stands for (None: 1);
         ``scores``: per table, the CUSTOMIZED score (None for other policies).
 
-        None when a key finds no slot (its bucket full of pinned rows): the whole claim is
-        undone, the group unchanged, and the caller runs the tables one by one (which
-        raises the error a table alone raises, where a table alone raises it). On the CUDA
-        kernels nothing is read back (:mod:`dynemb.tables.group_device`): a key without a
+        Where a key finds no slot (its bucket full of pinned rows) the whole claim is
+        undone, the group unchanged, and the ``TableFullError`` the first refusing table
+        raises alone is raised. On the CUDA kernels nothing is read back (:mod:`dynemb.tables.group_device`): a key without a
         slot is served zeros and its table raises at a later prefetch, as alone.
 
         On the host kernels the rows are claimed but neither filled nor counted yet:
@@ -184,10 +191,9 @@ class TableGroup:
             self.storage.release(batch)
 
     def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
-                 scores: Sequence[Optional[int]]) -> Optional[GroupBatch]:
+                 scores: Sequence[Optional[int]]) -> GroupBatch:
         """:meth:`claim_batch` then :meth:`finish_batch`."""
-        batch = self.claim_batch(keys, occurrences, scores)
-        return None if batch is None else self.finish_batch(batch)
+        return self.finish_batch(self.claim_batch(keys, occurrences, scores))
 
     def lookup_batch(self, keys: Sequence[torch.Tensor],
                      occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
@@ -209,11 +215,6 @@ class TableGroup:
         """The group's rows, as memory stashing moves them (see
         :class:`~dynemb.tables.group_storage.GroupRows`)."""
         return self.storage.rows
-
-    def alone(self) -> List[LoneTable]:
-        """The group's tables as units of their own (a :class:`~dynemb.tables.units` unit),
-        for a batch the group could not claim as one."""
-        return [LoneTable(table) for table in self.tables]
 
     def __repr__(self) -> str:
         return f"TableGroup({list(self.names)}, rows={self.storage.row_offset[-1]})"
