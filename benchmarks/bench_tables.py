@@ -40,7 +40,6 @@ from tqdm import tqdm
 import dynemb.modules.collection
 import dynemb.modules.dynamic_core
 import dynemb.rows.occurrence_grads
-import dynemb.tables.base
 import dynemb.tables.group_storage
 import dynemb.tables.groups
 from benchmarks.common import (ROOT, add_run_options, check, config_of, fill_defaults,
@@ -53,7 +52,6 @@ from benchmarks.side_by_side import PhaseTimers
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig,
                     OptimizerType, StorageMode)
 from dynemb.foundations.counters import COUNTER_NAMES
-from dynemb.tables import DynamicTable, HbmDirectTable
 from dynemb.tables.group_prefetch import HostGroupPrefetch
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.groups import TableGroup
@@ -690,24 +688,12 @@ def profile_phases():
     return [
         ("input split by table (KJT -> per-table ids)", dynemb.modules.dynamic_core, "split_by_table",
          ("dynemb/modules/table_inputs.py", "split_by_table")),
-        ("dedup", dynemb.tables.base, "unique_keys", ("dynemb/rows/dedup.py", "unique_keys")),
-        ("find_or_insert (claim, pin)", DynamicTable, "_claim",
-         ("dynemb/tables/base.py", "_claim")),
-        ("counters of the claim", DynamicTable, "_count_claim",
-         ("dynemb/tables/base.py", "_count_claim")),
-        ("new rows' initializer", HbmDirectTable, "_fill_new_rows",
-         ("dynemb/tables/hbm_direct.py", "_fill_new_rows")),
-        ("gather (rows per occurrence)", HbmDirectTable, "lookup_occurrences",
-         ("dynemb/tables/hbm_direct.py", "lookup_occurrences")),
         # the outputs are made in a dict comprehension of DynamicEmbCollection._outputs
         ("output cut (JaggedTensor per feature)", dynemb.modules.collection, "JaggedTensor",
          ("dynemb/modules/collection.py", "<dictcomp>")),
         ("backward grads (occurrence CSR per row)", dynemb.rows.occurrence_grads, "occurrence_csr",
          ("dynemb/rows/occurrence_grads.py", "occurrence_csr")),
-        ("fused update (kernel)", dynemb.tables.base, "fused_update",
-         ("dynemb/rows/optimizers.py", "fused_update")),
-        ("release pins", DynamicTable, "release", ("dynemb/tables/base.py", "release")),
-        # a group's phases (dynemb.tables.groups), under the same labels
+        # a group's phases (dynemb.tables.groups): every table is in one
         ("dedup", GroupStorage, "dedup", ("dynemb/tables/group_storage.py", "dedup")),
         ("find_or_insert (claim, pin)", HostGroupPrefetch, "_claim",
          ("dynemb/tables/group_prefetch.py", "_claim")),
@@ -755,7 +741,6 @@ def profile_run(cfg, tables: int, bar: tqdm) -> dict:
     timers, phases = PhaseTimers(), profile_phases()
     for label, owner, attr, _ in phases:
         timers.wrap(owner, attr, label)
-    timers.wrap(DynamicTable, "prefetch", PREFETCH)
     timers.wrap(TableGroup, "prefetch", PREFETCH)
     try:
         wrapped = steps(cfg.warmup + n)
@@ -771,10 +756,9 @@ def profile_run(cfg, tables: int, bar: tqdm) -> dict:
                          timers.seconds.get(PREFETCH, 0.0) / n * 1e3, sum(wrapped) / n)
     cum = cprofile_cumulative(prof, n)
     named: Dict[str, float] = {}
-    for label, _, _, key in phases:  # a label may name a table's and a group's function
+    for label, _, _, key in phases:
         named[label] = named.get(label, 0.0) + cum.get(key, 0.0)
-    by_name = with_rest(named, cum.get(("dynemb/tables/base.py", "prefetch"), 0.0)
-                        + cum.get(("dynemb/tables/groups.py", "prefetch"), 0.0),
+    by_name = with_rest(named, cum.get(("dynemb/tables/groups.py", "prefetch"), 0.0),
                         sum(profiled) / n)
     return {"tables": tables, "ids_per_table": wl.per_table, "steps": n,
             "step_ms": statistics.median(plain), "step_ms_all": plain,

@@ -1,5 +1,8 @@
 """One dynamic table built directly (no collection), or in a one-table collection, for the
-tests of dynemb/tables/."""
+tests of dynemb/tables/; a bare table runs its batches as a group of one
+(:func:`dynemb.tables.groups.group_of_one`), as a module runs it."""
+import weakref
+
 import torch
 from torchrec import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -7,7 +10,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
                     OptimizerConfig, OptimizerType)
 from dynemb.options import choose_storage_mode
+from dynemb.rows.occurrence_grads import OccurrenceGrads
 from dynemb.tables import build_table
+from dynemb.tables.groups import group_of_one
 from key_reference import initial_rows
 
 DIM = 4
@@ -46,3 +51,36 @@ def train_step(ec, ids):
     out = ec(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()])))
     out["f"].values().sum().backward()
     return out["f"].values()
+
+
+_GROUPS = weakref.WeakKeyDictionary()
+
+
+def group_of(table):
+    """The table's group of one, the same one for every batch (as a module keeps its groups:
+    a growth moves the batches of the group that grows)."""
+    group = _GROUPS.get(table)
+    if group is None or not group.intact({table.name: table}):
+        group = _GROUPS[table] = group_of_one(table)
+    return group
+
+
+def prefetch(table, keys, training=True, occurrences=None, score=None):
+    """``table``'s batch of ``keys`` through its group of one: a training prefetch (claimed,
+    filled and pinned) or a read-only lookup."""
+    group = group_of(table)
+    if training:
+        return group.prefetch([keys], [occurrences], [score])
+    return group.lookup_batch([keys], [occurrences])
+
+
+def rows_of(batch):
+    """[N, dim] the row each input key of ``batch`` reads (a forward's lookup)."""
+    return batch.lookup_occurrences()[0]
+
+
+def update(table, batch, unique_grads, *, lr, step):
+    """The backward of ``batch``: ``unique_grads`` [U, dim], one per unique key in the
+    batch's order (``batch.keys``), at ``lr`` and ``step``; then its pins end."""
+    batch.apply_gradients(OccurrenceGrads.of_rows(unique_grads), [True], lr=lr,
+                          steps={table.name: step})

@@ -15,6 +15,7 @@ from dynemb.rows.initializers import initializer_from_config
 from dynemb.options import choose_storage_mode, resolve_initializer
 from dynemb.tables import build_table
 from key_reference import initial_rows
+from table_builder import prefetch, rows_of
 
 DIM = 8
 ROWS = 4000
@@ -39,7 +40,7 @@ def dynemb_rows(cfg, options=None, ids=None) -> torch.Tensor:
     table = build_table("t", 99, DIM, layout, options, OptimizerConfig(OptimizerType.SGD),
                         torch.device("cpu"))
     ids = torch.arange(ROWS) * 7919 + 3 if ids is None else ids
-    return table.lookup_occurrences(table.prefetch(ids, training=True))
+    return rows_of(prefetch(table, ids))
 
 
 def assert_same_distribution(ours, theirs, *, low=None, high=None):
@@ -171,6 +172,6 @@ def test_a_table_built_from_unsettled_options_starts_from_the_default_initialize
     table = build_table("t", 5, DIM, layout, options, OptimizerConfig(OptimizerType.SGD),
                         torch.device("cpu"))
     assert table.options.initializer == Initializer()
-    rows = table.lookup(table.prefetch(torch.tensor([11, 12]), training=True))
+    rows = rows_of(prefetch(table, torch.tensor([11, 12])))
     want = initial_rows(Initializer(), [11, 12], DIM, seed=0, table_id=5)
     torch.testing.assert_close(rows, torch.tensor(want), rtol=2e-7, atol=1e-7)

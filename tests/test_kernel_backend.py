@@ -18,6 +18,7 @@ from dynemb.options import (DynamicEmbTableOptions, FrequencyAdmission, Sharding
 from dynemb.sharding.routing import route_unique
 from dynemb.tables import build_table
 from dynemb.types import EMPTY_KEY
+from table_builder import prefetch, rows_of, update
 
 PROTOCOL_METHODS = [name for name, member in vars(KernelBackend).items()
                     if inspect.isfunction(member) and not name.startswith("_")]
@@ -103,9 +104,10 @@ def test_a_table_resolves_its_kernels_once_and_hands_them_down(backend, resoluti
         assert user.kernels is kernels
     # a training step and an eval lookup of an unseen key: dedup, admission, claims,
     # initial rows, the optimizer (and rounding for float16) all run on the table's kernels
-    batch = table.prefetch(torch.tensor([3, 5, 3], device=device), training=True)
-    table.apply_gradients(batch, torch.ones_like(table.lookup(batch)), lr=0.5, step=1)
-    table.lookup(table.prefetch(torch.tensor([5, 8], device=device), training=False))
+    batch = prefetch(table, torch.tensor([3, 5, 3], device=device))
+    rows_of(batch)
+    update(table, batch, torch.ones(batch.keys.numel(), 4, device=device), lr=0.5, step=1)
+    rows_of(prefetch(table, torch.tensor([5, 8], device=device), training=False))
     assert resolutions == [name]
 
 

@@ -1,34 +1,33 @@
-"""What every storage mode shares (DynamicTable), through the simplest one (HBM_DIRECT):
-prefetch counts, one update per batch, held batches across growth, what a table holds."""
-import pytest
+"""What every storage mode shares (DynamicTable), through the simplest one (HBM_DIRECT), a
+bare table running its batches as a group of one: prefetch counts, an update then its pins
+end, held batches across growth, what a table holds."""
 import torch
 
 from dynemb.tables import DynamicTable
-from table_builder import DIM, build, start_rows
+from table_builder import DIM, build, prefetch, rows_of, start_rows, update
 
 
 def test_prefetch_dedups_and_counts_occurrences():
     table = build()
-    batch = table.prefetch(torch.tensor([5, 7, 5]), training=True,
-                           occurrences=torch.tensor([2, 1, 3]))
-    assert batch.keys.tolist() == [5, 7] and batch.inverse.tolist() == [0, 1, 0]
-    assert batch.counts.tolist() == [5, 1]
-    table.prefetch(torch.tensor([7, 7]), training=True)
+    batch = prefetch(table, torch.tensor([5, 7, 5]), occurrences=torch.tensor([2, 1, 3]))
+    assert sorted(batch.keys.tolist()) == [5, 7]
+    assert batch.keys[batch.inverse].tolist() == [5, 7, 5]
+    assert dict(zip(batch.keys.tolist(), batch.counts.tolist())) == {5: 5, 7: 1}
+    prefetch(table, torch.tensor([7, 7]))
     stats = table.stats()
     assert (stats["lookups"], stats["unique_keys"], stats["inserts"], stats["hits"]) == (
         8, 3, 2, 1)
 
 
-def test_a_batch_updates_its_rows_once_then_lets_them_go():
+def test_a_batch_updates_its_rows_then_lets_them_go():
     table = build()
-    batch = table.prefetch(torch.tensor([1, 2, 1]), training=True)
-    torch.testing.assert_close(table.lookup(batch), start_rows([1, 2]))
+    batch = prefetch(table, torch.tensor([1, 2, 1]))
+    torch.testing.assert_close(rows_of(batch), start_rows([1, 2, 1]))
     assert table.tier.hash.pinned_count() == 2
-    table.apply_gradients(batch, torch.tensor([[2.0] * DIM, [1.0] * DIM]), lr=0.5, step=1)
+    grads = torch.tensor([[2.0] * DIM if k == 1 else [1.0] * DIM for k in batch.keys.tolist()])
+    update(table, batch, grads, lr=0.5, step=1)
     assert table.tier.hash.pinned_count() == 0
     expected = start_rows([1, 2]) - 0.5 * torch.tensor([[2.0], [1.0]])
-    with pytest.raises(RuntimeError, match="already ran"):
-        table.apply_gradients(batch, torch.ones(2, DIM), lr=0.5, step=2)
     rows, found = table.read_rows(torch.tensor([1, 2, 3]))
     assert found.tolist() == [True, True, False]
     torch.testing.assert_close(rows[:2], expected)
@@ -36,11 +35,11 @@ def test_a_batch_updates_its_rows_once_then_lets_them_go():
 
 def test_a_held_batch_follows_its_rows_when_a_later_prefetch_grows_the_table():
     table = build(init_capacity=8, max_capacity=128, bucket_size=8)
-    first = table.prefetch(torch.tensor([100, 101, 102]), training=True)
-    table.prefetch(torch.arange(40), training=True)      # grows the table under ``first``
+    first = prefetch(table, torch.tensor([100, 101, 102]))
+    prefetch(table, torch.arange(40))      # grows the table under ``first``
     assert table.tier.hash.capacity > 8
-    torch.testing.assert_close(table.lookup(first), start_rows([100, 101, 102]))
-    table.apply_gradients(first, torch.ones(3, DIM), lr=0.5, step=1)
+    torch.testing.assert_close(rows_of(first), start_rows([100, 101, 102]))
+    update(table, first, torch.ones(3, DIM), lr=0.5, step=1)
     rows, _ = table.read_rows(torch.tensor([100, 101, 102, 0]))
     torch.testing.assert_close(rows, torch.cat([start_rows([100, 101, 102]) - 0.5,
                                                 start_rows([0])]))

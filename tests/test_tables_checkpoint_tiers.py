@@ -8,7 +8,7 @@ import torch
 from dynemb import FrequencyAdmission, StorageMode, TableFullError
 from dynemb.stores.backing_store import HostBackingStore
 from key_reference import routes_to_first
-from table_builder import DIM, build
+from table_builder import DIM, build, prefetch
 
 WIDTH = DIM  # SGD keeps no optimizer state
 
@@ -112,13 +112,13 @@ def test_cache_store_rows_of_cached_keys_are_not_current():
     table = cache()
     keys, scores, rows = saved([1, 2, 3])
     table.insert_saved_entries("host", keys, scores, rows)
-    batch = table.prefetch(torch.tensor([2]), training=True)  # 2 is cached now
+    batch = prefetch(table, torch.tensor([2]))  # 2 is cached now
     kept, kept_scores, kept_rows = table.current_entries("host", keys, scores, rows)
     assert kept.tolist() == [1, 3] and kept_scores.tolist() == [101, 103]
     assert torch.equal(kept_rows, rows[[0, 2]])
     assert table.current_entries("device", keys, scores, rows)[0] is keys
     assert table.has_batches_in_flight()
-    table.release(batch)
+    batch.release()
     assert not table.has_batches_in_flight()
 
 

@@ -8,7 +8,7 @@ from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfi
                     OptimizerType, StashMode, StorageMode)
 from dynemb.options import choose_storage_mode
 from dynemb.tables import build_table
-from table_builder import DIM, INIT
+from table_builder import DIM, INIT, prefetch, rows_of, update
 from torchrec import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -68,12 +68,14 @@ def cache_table(backend, store=None, cache_rows=8, bucket_size=4):
 
 
 def train(table, keys, step):
+    """One step of ``keys`` through the table's group of one."""
     keys = torch.tensor(keys, dtype=torch.int64, device=table.device)
-    batch = table.prefetch(keys, training=True)
-    rows = table.lookup(batch)
-    grads = torch.arange(rows.numel(), dtype=torch.float32,
-                         device=rows.device).reshape(rows.shape) / 10 + step
-    table.apply_gradients(batch, grads, lr=0.5, step=step)
+    batch = prefetch(table, keys)
+    rows_of(batch)
+    unique = batch.keys.numel()
+    grads = torch.arange(unique * DIM, dtype=torch.float32,
+                         device=table.device).reshape(unique, DIM) / 10 + step
+    update(table, batch, grads, lr=0.5, step=step)
 
 
 def store_rows(store, keys):

@@ -120,12 +120,30 @@ class DynamicCore:
         self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
         for group in self.groups:
             group.view_parts_again()
-        # a table's batch pickled by an earlier version does not name its table
+        self._end_batches_of_tables_alone()
+
+    def _end_batches_of_tables_alone(self) -> None:
+        """A module pickled by an earlier version may hold batches its tables ran alone
+        (outside any group): their pins end in the tables' tiers, the queued prefetches are
+        dropped and a backward of those lookups raises, as after a checkpoint load."""
         held = list(self._awaiting_backward)
         held += [item for state in self._queue for item in state.batches.items()]
-        for name, batch in held:
-            if getattr(batch, "table", False) is None and name in self.tables:
-                batch.table = self.tables[name]
+        alone = [(name, batch) for name, batch in held if not hasattr(batch, "rehome")]
+        if not alone:
+            return
+        for name, batch in {id(b): (n, b) for n, b in alone}.values():
+            table = self.tables.get(name)
+            if table is not None and batch.pinned:
+                for tier, slots in ((table.tier, batch.slots),
+                                    (getattr(table, "host_tier", None), batch.host_slots)):
+                    if tier is not None and slots is not None:
+                        tier.hash.release(slots)
+                table.drop_group_batch(batch)
+            batch.pinned = False
+        self._queue.clear()
+        self._awaiting_backward = [(n, b) for n, b in self._awaiting_backward
+                                   if hasattr(b, "rehome")]
+        self._generation += 1
 
     # -- the optimizer marked by apply_optimizer_in_backward ---------------------------------
     def settle_marked_optimizer(self) -> None:

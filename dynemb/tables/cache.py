@@ -1,6 +1,7 @@
 """CACHE: the device tier caches the hot rows of a backing store that holds every row.
 
-Where rows move (all in prefetch, so forward and backward are those of HBM_DIRECT):
+Where rows move (all in its group's prefetch, so forward and backward are those of
+HBM_DIRECT):
 
 - **write-back**: a key inserted into a full bucket evicts the lowest-score unpinned slot;
   the evicted row (embedding + optimizer state) and its score go to the store
@@ -156,8 +157,9 @@ class CacheTable(HbmDirectTable):
             ...                              config_dtype=torch.float32)
             >>> table = CacheTable("t", 0, 4, layout, options, OptimizerConfig(),
             ...                    torch.device("cpu"))
+            >>> from dynemb.tables.groups import group_of_one
             >>> keys = torch.tensor([3, 5, 8])
-            >>> table.release(table.prefetch(keys, training=True))  # three rows cached
+            >>> group_of_one(table).prefetch([keys], [None], [None]).release()  # 3 rows cached
             >>> table.store.size(), table.flush(), table.store.size()
             (0, 3, 3)
             >>> rows, found, _ = table.store.find(keys)
@@ -212,10 +214,6 @@ class CacheTable(HbmDirectTable):
             self.counters.add("loads", found.sum())
         self.tier.flat.initialize_where(new_slots, new_keys, ~found, self.options.initializer,
                                         seed=self.options.seed, table_id=self.table_id)
-
-    def _eval_fallback(self, keys: torch.Tensor) -> torch.Tensor:
-        rows, stored, _ = self._store_find(keys)
-        return torch.where(stored[:, None], rows[:, :self.dim].float(), self._eval_rows(keys))
 
     def _row_sources(self):
         return (("store", self.store),)

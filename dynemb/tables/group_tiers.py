@@ -53,7 +53,6 @@ import torch
 
 from dynemb.backends.protocol import Segments
 from dynemb.foundations.counters import COUNTER_NAMES
-from dynemb.foundations.device_values import values_on
 from dynemb.foundations.key_mixing import routes_to_first
 from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.base import DynamicTable
@@ -463,7 +462,7 @@ class TieredBatch(LookupBatch):
         for table, takes in zip(group.tables, taking):
             if takes and table.changes is not None and self.slots is not None:
                 table.changes.updated(self.member(table.name))
-        self.release([t for t, takes in enumerate(taking) if takes])
+        self.end_pins([t for t, takes in enumerate(taking) if takes])
 
     # -- pins ----------------------------------------------------------------------------------
     def _hold(self) -> None:
@@ -472,7 +471,11 @@ class TieredBatch(LookupBatch):
         for table in self.group.tables:
             table.hold_group_batch(self)
 
-    def release(self, tables: Optional[Sequence[int]] = None) -> None:
+    def release(self) -> None:
+        """End the batch's pins, for every member (once)."""
+        self.end_pins()
+
+    def end_pins(self, tables: Optional[Sequence[int]] = None) -> None:
         """End the pins of ``tables`` (indices; None: all) in both records, once per table."""
         if not self.pinned:
             return

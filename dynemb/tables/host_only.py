@@ -1,16 +1,14 @@
 """HOST_ONLY: the table's one tier (hash table + flat table) lives in host memory, pinned when
 the module is on CUDA; nothing of it on the device (a device budget of 0 bytes).
 
-- prefetch: HBM_DIRECT's (:class:`~dynemb.tables.hbm_direct.HbmDirectTable`: admission
-  first, find or insert, evict by score, new rows from the initializer, pins; eval: find
-  only), by the CPU kernels on the host tier.
-- forward: gather the embedding columns on the host, copy them to the module's device.
-- backward: gather the rows as they are now, copy them to the module's device, run the
-  fused optimizer update there (the kernels of HBM_DIRECT, so both train the same rows),
-  write them back to host memory.
-The batch (unique keys, inverse, counts, fallback rows) stays on the module's device, as the
-module reads it; only the slots are host tensors. Counters and the admission counter stay
-on the device, as in every mode. The tier allocates ``max_capacity`` rows up front and does
+Its group (:mod:`dynemb.tables.groups`; the record in host memory) claims as HBM_DIRECT's
+does (admission first, find or insert, evict by score, new rows from the initializer, pins),
+by the CPU kernels; on a module on CUDA the keys are deduplicated there, the rows are
+gathered on the host and copied to the module's device, and the backward gathers the rows
+as they are now, updates them there (the kernels of HBM_DIRECT, so both train the same
+rows) and writes them back to host memory (:attr:`~dynemb.tables.group_storage.GroupStorage.
+serves_elsewhere`). Counters and the admission counter stay on the module's device, as in
+every mode. The tier allocates ``max_capacity`` rows up front and does
 not grow. Checkpoints save it as the ``device`` tier of the other modes: the table's own
 tier, wherever it lives, so a checkpoint moves between HOST_ONLY and HBM_DIRECT tables.
 """
@@ -21,8 +19,6 @@ from typing import Dict
 import torch
 
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
-from dynemb.tables.base import DynamicTable
-from dynemb.tables.batch import TableBatch
 from dynemb.tables.hbm_direct import HbmDirectTable
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows
 from dynemb.tables.tier import Tier
@@ -44,9 +40,8 @@ class HostOnlyTable(HbmDirectTable):
         ...                     torch.device("cpu"))
         >>> table.mode.name, table.tier.device.type, table.stats()["rows_device"]
         ('HOST_ONLY', 'cpu', 0)
-        >>> batch = table.prefetch(torch.tensor([7, 9, 7]), training=True)
-        >>> table.lookup(batch).shape, table.stats()["rows_backing"]
-        (torch.Size([2, 8]), 2)
+        >>> table.stats()["rows_backing"], table.tier.hash.capacity
+        (0, 256)
     """
 
     mode = StorageMode.HOST_ONLY
@@ -74,33 +69,6 @@ class HostOnlyTable(HbmDirectTable):
             PlannedRows(device_rows=0, host_rows=512, host_hash_slots=512, host_exact=True)
         """
         return PlannedRows(0, host_rows=layout.max_capacity, host_hash_slots=layout.max_capacity)
-
-    # -- forward and backward ------------------------------------------------------------------
-    def lookup(self, batch: TableBatch) -> torch.Tensor:
-        embeddings = self.tier.flat.weights[:, :self.dim]
-        rows = embeddings.index_select(0, batch.slots.clamp(min=0))
-        rows = rows.to(self.device, non_blocking=self.device.type == "cuda").float()
-        return self._with_fallback(rows, (batch.slots >= 0).to(self.device), batch.fallback)
-
-    lookup_occurrences = DynamicTable.lookup_occurrences
-
-    def rows_in_place(self, batch: TableBatch):
-        """As HBM_DIRECT's where the module is on the host too (its rows are where it
-        pools); None on another device."""
-        if self.device != self.tier.device:
-            return None
-        return super().rows_in_place(batch)
-
-    def _update(self, batch: TableBatch, grads, lr: float, step: int) -> None:
-        """Gather the rows as they are now to the module's device, update them there, write
-        them back to the host tier."""
-        slots = self._live_slots(self.tier, batch.slots, batch)
-        stored = slots >= 0
-        rows = self.tier.gather(slots).to(self.device)
-        local = torch.where(stored.to(self.device),
-                            torch.arange(slots.numel(), device=self.device), -1)
-        self._fused_update(rows, local, grads, batch.keys, lr, step)
-        self.tier.flat.weights.index_copy_(0, slots[stored], rows[stored.to(self.device)].to(HOST))
 
     # -- sizes ---------------------------------------------------------------------------------
     def stats(self) -> Dict[str, object]:

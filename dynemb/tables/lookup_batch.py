@@ -1,12 +1,11 @@
-"""``LookupBatch``: a prefetched batch as the layers above the tables see it, one table's
-(:class:`~dynemb.tables.batch.TableBatch`) or a table group's
-(:class:`~dynemb.tables.group_batch.GroupBatch`; a DEFAULT group's
-:class:`~dynemb.tables.group_tiers.TieredBatch`) alike.
+"""``LookupBatch``: a prefetched batch as the layers above the tables see it, a table
+group's (:class:`~dynemb.tables.group_batch.GroupBatch`; a DEFAULT group's
+:class:`~dynemb.tables.group_tiers.TieredBatch`), whatever the number of its tables.
 
 A batch serves one or more member tables, ``names``, whose input keys lie one after the
 other in the order the module concatenated them: member ``t``'s are
 ``[key_bounds[t], key_bounds[t + 1])`` of ``inverse`` [N], the unique index of each input
-key into ``keys`` [U]. A table that runs alone is the batch of one member. The modules above
+key into ``keys`` [U]. A group of one is the batch of one member. The modules above
 (:mod:`dynemb.modules.dynamic_core`, :mod:`dynemb.modules.collection`,
 :mod:`dynemb.modules.pooling`,
 :mod:`dynemb.modules.occurrence_lookup`) run one path over this interface and never ask which kind
@@ -27,7 +26,8 @@ of batch they hold:
   :meth:`tensors` (every tensor held, for CUDA stream bookkeeping).
 
 What each kind does underneath (claims, fills, kernels, the storage mode) stays in its
-owner: :class:`~dynemb.tables.base.DynamicTable` or :class:`~dynemb.tables.groups.TableGroup`.
+group: :class:`~dynemb.tables.groups.TableGroup` or
+:class:`~dynemb.tables.group_tiers.TieredGroup`.
 """
 from __future__ import annotations
 
@@ -155,13 +155,12 @@ class LookupBatch:
 
     def rehome(self, groups: Sequence) -> bool:
         """After the module regrouped its tables: make the batch one of ``groups`` if its own
-        group is gone. False where it cannot (its group had other tables); a lone table's
-        batch needs nothing."""
-        return True
+        group is gone. False where it cannot (its group had other tables)."""
+        raise NotImplementedError
 
     def end_pins_alone(self) -> None:
         """End the batch's pins table by table, in each member's own arrays."""
-        self.release()
+        raise NotImplementedError
 
     def _part_sizes(self, sizes: Optional[Sequence[int]]) -> Sequence[int]:
         """``sizes``, or one part per member when None."""

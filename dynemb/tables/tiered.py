@@ -1,12 +1,11 @@
 """DEFAULT: device + host tiers side by side; each key lives in one of them, chosen by a hash
-of the key, with no cache management.
+of the key (:func:`~dynemb.foundations.key_mixing.routes_to_first` over the tiers'
+capacities), with no cache management.
 
-- prefetch: dedup only;
-- forward: route each key to its tier, find or insert it there (evicting by score inside
-  that tier when its bucket is full: the row is dropped), initialize new rows, gather the
-  rows from both tiers (:meth:`TieredTable.lookup`);
-- backward: re-read the rows from their tiers, update them, **write them back to their
-  tier** (:meth:`TieredTable._update`; the host tier's rows cross to host memory there).
+Its group (:mod:`dynemb.tables.group_tiers`) dedups in prefetch; the forward routes each key
+to its tier, finds or inserts it there (evicting by score inside that tier when its bucket
+is full: the row is dropped), initializes new rows and gathers the rows from both tiers; the
+backward updates each row in its tier.
 """
 from __future__ import annotations
 
@@ -17,11 +16,11 @@ import torch
 from dynemb.foundations.key_mixing import routes_to_first
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.base import DynamicTable, tier_row_bytes
-from dynemb.tables.batch import TableBatch
 from dynemb.tables.checkpoint_tiers import TierParts
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows
 from dynemb.tables.tier import Tier
-from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, TableFullError
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
+
 
 class TieredTable(DynamicTable):
     """See the module docstring. ``host_tier`` holds the rows the hash sends to the host."""
@@ -50,91 +49,8 @@ class TieredTable(DynamicTable):
         host = layout.host_tier_rows
         return PlannedRows(layout.device_capacity, host_rows=host, host_hash_slots=host)
 
-    def _resolve(self, batch: TableBatch) -> None:
-        """Nothing at prefetch: the tiers are looked up in forward."""
-
     def _tier_name(self, tier: Tier) -> str:
         return "the host tier" if tier is self.host_tier else "the device tier"
-
-    # -- forward -------------------------------------------------------------------------------
-    def lookup(self, batch: TableBatch) -> torch.Tensor:
-        keys = batch.keys
-        valid = keys != EMPTY_KEY
-        on_device = valid & routes_to_first(
-            keys, self.tier.hash.capacity, self.tier.hash.capacity + self.host_tier.hash.capacity)
-        dev_keys = torch.where(on_device, keys, EMPTY_KEY)
-        host_keys = torch.where(valid & ~on_device, keys, EMPTY_KEY).cpu()
-        if batch.training:
-            self._claim_tiers(batch, dev_keys, host_keys)
-        else:
-            self._find_tiers(batch, dev_keys, host_keys)
-        rows, stored = self._gather_tiers(batch.slots, batch.host_slots)
-        out = self._with_fallback(rows[:, :self.dim].float(), stored, batch.fallback)
-        if not batch.training:
-            self.release(batch)
-        return out
-
-    def _gather_tiers(self, dev_slots, host_slots):
-        """Whole rows of each key from its tier, and which keys have one."""
-        on_host = (host_slots >= 0).to(self.device)
-        rows = torch.where(on_host[:, None], self.host_tier.gather(host_slots).to(self.device),
-                           self.tier.gather(dev_slots))
-        return rows, on_host | (dev_slots >= 0)
-
-    def _find_tiers(self, batch: TableBatch, dev_keys, host_keys) -> None:
-        batch.slots = self.tier.hash.find(dev_keys, allow_padding=True)
-        batch.host_slots = self.host_tier.hash.find(host_keys, allow_padding=True)
-        self.tier.hash.retain(batch.slots)
-        self.host_tier.hash.retain(batch.host_slots)
-        self._hold(batch)
-        stored = (batch.slots >= 0) | (batch.host_slots >= 0).to(self.device)
-        self.counters.add("hits", stored.sum())
-        self.counters.add("misses", batch.num_unique.sum() - stored.sum())
-        batch.fallback = self._eval_rows(batch.keys)
-
-    def _claim_tiers(self, batch: TableBatch, dev_keys, host_keys) -> None:
-        if self.admission is not None:
-            present = (self.tier.hash.find(dev_keys, allow_padding=True) >= 0) | (
-                self.host_tier.hash.find(host_keys, allow_padding=True) >= 0).to(self.device)
-            admitted = self._admit(batch, present)
-            dev_keys = torch.where(admitted, dev_keys, EMPTY_KEY)
-            host_keys = torch.where(admitted.cpu(), host_keys, EMPTY_KEY)
-        # The host tier first: a failure there leaves nothing to undo, while a failure on the
-        # device (which, on CUDA, records its failures instead of raising) undoes the host
-        # claim. Rows are initialized only once both claims stand.
-        host = self._claim(self.host_tier, host_keys, batch.counts, batch.score)
-        try:
-            dev = self._claim(self.tier, dev_keys, batch.counts, batch.score)
-        except TableFullError:
-            self.host_tier.hash.undo(host)
-            raise
-        self._initialize(self.tier, dev, dev_keys)
-        self._initialize(self.host_tier, host, host_keys)
-        batch.slots, batch.host_slots = dev.slots, host.slots
-        self._hold(batch)
-        hits = (self._count_claim(self.tier, batch, dev, misses=False)
-                + self._count_claim(self.host_tier, batch, host, misses=False))
-        self.counters.add("misses", self._unique_count(batch) - hits)
-
-    # -- backward ------------------------------------------------------------------------------
-    def _update(self, batch: TableBatch, grads, lr: float, step: int) -> None:
-        """Gather the rows as they are now (another lookup's backward may have updated them
-        since this forward), update them, write them back to their tiers."""
-        dev_slots = self._live_slots(self.tier, batch.slots, batch)
-        host_slots = self._live_slots(self.host_tier, batch.host_slots, batch)
-        rows, stored = self._gather_tiers(dev_slots, host_slots)
-        rows = rows.contiguous()
-        local = torch.where(stored, torch.arange(stored.numel(), device=self.device), -1)
-        self._fused_update(rows, local, grads, batch.keys, lr, step)
-        on_dev = dev_slots >= 0
-        self.tier.flat.weights.index_copy_(0, dev_slots[on_dev], rows[on_dev])
-        on_host = host_slots >= 0
-        self.host_tier.flat.weights.index_copy_(0, host_slots[on_host],
-                                                rows[on_host.to(self.device)].cpu())
-
-    def _release_more(self, batch: TableBatch) -> None:
-        if batch.host_slots is not None:
-            self.host_tier.hash.release(batch.host_slots)
 
     # -- reads and sizes -----------------------------------------------------------------------
     def _row_sources(self):
