@@ -107,7 +107,7 @@ class Dynemb:
         """HBM_DIRECT tables that hold every id; with ``args.cache`` (step_census) CACHE
         tables of buckets of 16 whose device rows hold 3 times a step's distinct ids (below
         the ids seen over the steps: they write back and load), and with ``args.alone``
-        each table on its own path (``group_tables=False``)."""
+        each table in a group of one (``group_tables=False``)."""
         import torch
         from benchmarks.bench_tables import FIT_LOAD, table_configs, whole_buckets
         from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig,

@@ -128,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="CACHE tables with device rows below the ids seen (evicting to "
                              "their host stores) instead of HBM_DIRECT tables holding every id")
     parser.add_argument("--alone", action="store_true",
-                        help="every table on its own path (group_tables=False)")
+                        help="every table in a group of one (group_tables=False)")
     parser.add_argument("--json", help="also write the census to this JSON file")
     args = parser.parse_args(argv)
     args.backend = "cuda"

@@ -223,19 +223,6 @@ def test_growth_benchmark_quick(tmp_path):
     assert (tmp_path / "growth_cpu_quick.png").stat().st_size > 0
 
 
-def test_group_of_one_benchmark_quick(tmp_path):
-    """Every mode that groups, as a group of one and on its own path: both counted alike
-    (the run checks it), the ratio is that of the medians."""
-    from benchmarks import bench_group_of_one
-    report = bench_group_of_one.main(["--quick", "--out-dir", str(tmp_path)])
-    assert {r["mode"] for r in report["rows"]} == set(bench_group_of_one.MODES)
-    for row in report["rows"]:
-        assert row["ratio"] == pytest.approx(row["group_of_one_ms"] / row["own_path_ms"])
-        assert len(row["step_ms"]["group_of_one"]) == report["config"]["steps"]
-    assert any(r["admission_rejects"] > 0 for r in report["rows"])
-    assert (tmp_path / "group_of_one_cpu_quick.png").stat().st_size > 0
-
-
 def test_default_groups_benchmark_quick(tmp_path):
     """DEFAULT tables grouped and one by one: the same rows every step and the same counters
     (the run checks both), rows in both tiers, the ratio that of the medians."""

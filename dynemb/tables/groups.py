@@ -68,9 +68,9 @@ def group_tables(tables: Mapping[str, DynamicTable], *, apart: bool = False
     partner in a group of one (``apart``: every table; so is a table whose
     :func:`group_signature` is None).
 
-    A group of one costs what the table's own path costs, or less
-    (``benchmarks/bench_group_of_one.py`` on the host kernels; on CUDA 30 launches a step
-    against 80, ``benchmarks/step_census.py``)."""
+    A group of one cost what the table's own path cost, or less, while tables had one
+    (``benchmarks/README.md``, ``bench_group_of_one``; on CUDA 30 launches a step against 80,
+    ``benchmarks/step_census.py``)."""
     by_signature: Dict[Hashable, List[DynamicTable]] = {}
     for name, table in tables.items():
         signature = group_signature(table)
