@@ -1,4 +1,5 @@
-"""One dynamic table on one rank, one class per storage mode.
+"""One dynamic table on one rank, one class per storage mode; the groups that run its
+batches (:mod:`dynemb.tables.groups`: every table is in one).
 
 =============  ==================================  =========================================
 mode           class                               where rows are written back
@@ -6,10 +7,10 @@ mode           class                               where rows are written back
 HBM_DIRECT     :class:`HbmDirectTable`             nowhere: the device tier is the table
 CACHE          :class:`CacheTable`                 ``cache.py``: evicted rows go to the
                                                    backing store in prefetch
-DEFAULT        :class:`TieredTable`                ``tiered.py``: updated rows go back to
-                                                   their (device or host) tier in backward
-HOST_ONLY      :class:`HostOnlyTable`              ``host_only.py``: rows updated on the
-                                                   device go back to host memory in backward
+DEFAULT        :class:`TieredTable`                ``group_tiers.py``: each row is updated
+                                                   in its (device or host) tier
+HOST_ONLY      :class:`HostOnlyTable`              ``group_storage.py``: rows updated on the
+                                                   module's device go back to host memory
 =============  ==================================  =========================================
 
 What each mode means to the code around its table (new rows, evicted rows, rows per memory,
