@@ -227,10 +227,13 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
                   (sharded, "output_dist", "forward.reduce-scatter: start"),
                   (_PooledOutputAwaitable, "_wait_impl",
                    "forward.reduce-scatter: wait (+ MEAN divide)")]
-        for table in local.tables.values():
-            parts += [(table, "prefetch", f"{compute}.resolve ids (table prefetch)"),
-                      (table, "lookup", f"{compute}.gather rows (table lookup)"),
-                      (table, "apply_gradients", "backward.fused optimizer update")]
+        from dynemb.tables.group_batch import GroupBatch
+        from dynemb.tables.group_prefetch import HostGroupPrefetch
+        from dynemb.tables.group_storage import GroupStorage
+        parts += [(HostGroupPrefetch, "claim_batch", f"{compute}.resolve ids (group prefetch)"),
+                  (HostGroupPrefetch, "finish_batch", f"{compute}.resolve ids (group prefetch)"),
+                  (GroupBatch, "pooling_rows", f"{compute}.gather rows (group lookup)"),
+                  (GroupStorage, "fused_update", "backward.fused optimizer update")]
     else:
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable
         parts += [(sharded, "input_dist", f"{send}.bucketize+send"),
