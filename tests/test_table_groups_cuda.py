@@ -92,7 +92,8 @@ def test_grouped_tables_train_as_alone_on_the_cuda_kernels(optimizer, pooled):
     # 40 ids in 8 buckets of 16 per table: nothing evicted, so concurrent claims (which may
     # pick other slots, or among equal scores other victims, on a GPU) change nothing read
     grouped, alone = twins(3, optimizer, capacity=128, pooled=pooled)
-    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == [("t0",), ("t1",), ("t2",)]
+    assert grouped.table_groups() == [("t0", "t1", "t2")]
+    assert alone.table_groups() == [("t0",), ("t1",), ("t2",)]
     gen = torch.Generator().manual_seed(1)
     for step in range(3):
         kjt = batch(gen, 3)
@@ -194,7 +195,8 @@ def test_grouped_cache_tables_train_as_alone_on_the_cuda_kernels(pooled):
                              optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05))
                       for g in (True, False))
     assert grouped.storage_modes()["t0"].name == "CACHE"
-    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == [("t0",), ("t1",), ("t2",)]
+    assert grouped.table_groups() == [("t0", "t1", "t2")]
+    assert alone.table_groups() == [("t0",), ("t1",), ("t2",)]
     gen = torch.Generator().manual_seed(5)
     for step in range(8):
         kjt = batch(gen, 3, per_table=9, vocab=60)
@@ -232,7 +234,8 @@ def test_grouped_cache_tables_with_admission_train_as_alone_on_the_cuda_kernels(
     grouped, alone = (DynamicEmbCollection(
         tables(3), table_options=options, device=DEVICE, backend=KERNELS, group_tables=g,
         optimizer=OptimizerConfig(OptimizerType.SGD, learning_rate=0.1)) for g in (True, False))
-    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == [("t0",), ("t1",), ("t2",)]
+    assert grouped.table_groups() == [("t0", "t1", "t2")]
+    assert alone.table_groups() == [("t0",), ("t1",), ("t2",)]
     gen = torch.Generator().manual_seed(9)
     for step in range(12):
         kjt = batch(gen, 3, per_table=12, vocab=24)
@@ -419,13 +422,47 @@ def test_a_failure_after_the_claim_leaves_no_pins(monkeypatch):
     assert grouped.steps == {"t0": 2, "t1": 2}
 
 
+def train_ahead(grouped, alone, kjts, scores=None):
+    """Both modules train on ``kjts[:-1]``, each step's batch prefetched one step ahead, an
+    output left out of the loss at odd steps (``scores(step)``: a CUSTOMIZED score per table,
+    -1 for the first prefetch); the outputs of every step are equal."""
+    for module in (grouped, alone):
+        if scores is not None:
+            module.set_scores(scores(-1))
+        module.prefetch(kjts[0])
+    for step in range(len(kjts) - 1):
+        outs = []
+        for module in (grouped, alone):
+            if scores is not None:
+                module.set_scores(scores(step))
+            module.prefetch(kjts[step + 1])
+            used = ["f0", "f2"] if step % 2 else ["f0", "f1", "f2"]
+            outs.append(train(module, kjts[step], used))
+        for f in outs[0]:
+            assert torch.equal(outs[0][f], outs[1][f]), (step, f)
+    grouped.clear_prefetched(), alone.clear_prefetched()
+
+
+def eval_alike(grouped, alone, kjt, pooled):
+    """An eval forward of ``kjt`` gives the same outputs, changes the tables alike (counters,
+    rows of its ids) and leaves no pins."""
+    grouped.eval(), alone.eval()
+    with torch.no_grad():
+        dense_g, dense_a = dense(grouped(kjt), pooled), dense(alone(kjt), pooled)
+    for f in dense_g:
+        assert torch.equal(dense_g[f].cpu(), dense_a[f].cpu()), f
+    assert_same_tables(grouped, alone, kjt.values().unique())
+    assert sum(int(t.tier.hash.pinned_count()) for t in grouped.tables.values()) == 0
+
+
 @pytest.mark.parametrize("pooled", [False, True], ids=["sequence", "pooled"])
 @pytest.mark.parametrize("admits", [False, True], ids=["plain", "admission"])
 def test_host_only_tables_group_on_the_cuda_kernels_as_alone(admits, pooled):
     """HOST_ONLY tables of a module on the CUDA kernels: one record in host memory, claimed by
     the host kernels, the rows read and updated by the CUDA kernels where the module is (as
-    each table alone). 64 rows for 120 ids per table (with admission 32 for 60): evictions; an output left out of the
-    loss at times; batches prefetched ahead; then an eval step with per-table eval rows.
+    each table alone). 64 rows for 120 ids per table (with admission 32 for 60): evictions;
+    an output left out of the loss at times; batches prefetched ahead; then an eval step with
+    per-table eval rows.
     Outputs, rows with their optimizer state, counters and steps equal the tables' alone:
     the group claims each table's keys in the order the table alone claims them (so among
     rows of equal scores it evicts the same)."""
@@ -441,38 +478,21 @@ def test_host_only_tables_group_on_the_cuda_kernels_as_alone(admits, pooled):
                              device=DEVICE, backend=KERNELS, group_tables=g)
                       for g in (True, False)]
     assert set(grouped.storage_modes().values()) == {StorageMode.HOST_ONLY}
-    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == [("t0",), ("t1",), ("t2",)]
+    assert grouped.table_groups() == [("t0", "t1", "t2")]
+    assert alone.table_groups() == [("t0",), ("t1",), ("t2",)]
     storage = grouped._core.groups[0].storage
     assert storage.serves_elsewhere and storage.kernels.name == "cpu"
     assert storage.serve_kernels.name == "cuda"
     gen = torch.Generator().manual_seed(8)
     vocab = 60 if admits else 120  # with admission, ids seen twice take rows
-    kjts = [batch(gen, 3, per_table=12, vocab=vocab) for _ in range(9)]
-    for module_ in (grouped, alone):
-        module_.prefetch(kjts[0])
-    for step in range(8):
-        outs = []
-        for module_ in (grouped, alone):
-            module_.prefetch(kjts[step + 1])
-            used = ["f0", "f2"] if step % 2 else ["f0", "f1", "f2"]
-            outs.append(train(module_, kjts[step], used))
-        for f in outs[0]:
-            assert torch.equal(outs[0][f], outs[1][f]), (step, f)
-    grouped.clear_prefetched(), alone.clear_prefetched()
+    train_ahead(grouped, alone, [batch(gen, 3, per_table=12, vocab=vocab) for _ in range(9)])
     stats = grouped.stats()
     assert all(s["evictions"] > 0 for s in stats.values())
     if admits:
         assert all(s["admission_rejects"] > 0 for s in stats.values())
     assert_same_tables(grouped, alone, torch.arange(vocab, device=DEVICE))
     assert grouped.steps == alone.steps
-    grouped.eval(), alone.eval()
-    with torch.no_grad():
-        kjt = batch(gen, 3, vocab=200)  # ids never trained, too: their eval rows
-        dense_g, dense_a = dense(grouped(kjt), pooled), dense(alone(kjt), pooled)
-    for f in dense_g:
-        assert torch.equal(dense_g[f].cpu(), dense_a[f].cpu()), f
-    assert_same_tables(grouped, alone, torch.arange(200, device=DEVICE))
-    assert sum(int(t.tier.hash.pinned_count()) for t in grouped.tables.values()) == 0
+    eval_alike(grouped, alone, batch(gen, 3, vocab=200), pooled)  # unseen ids too
 
 
 @pytest.mark.parametrize("policy, admits, pooled", [(ScorePolicy.LRU, False, False),
@@ -502,25 +522,14 @@ def test_default_tables_group_on_the_cuda_kernels_as_alone(policy, admits, poole
                              optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05),
                              group_tables=g) for g in (True, False)]
     assert set(grouped.storage_modes().values()) == {StorageMode.DEFAULT}
-    assert grouped.table_groups() == [("t0", "t1", "t2")] and alone.table_groups() == [("t0",), ("t1",), ("t2",)]
+    assert grouped.table_groups() == [("t0", "t1", "t2")]
+    assert alone.table_groups() == [("t0",), ("t1",), ("t2",)]
     gen = torch.Generator().manual_seed(12)
     vocab, per_table = (60, 18) if admits else (300, 12)
-    kjts = [batch(gen, 3, per_table=per_table, vocab=vocab) for _ in range(9)]
-    for module_ in (grouped, alone):
-        if policy is ScorePolicy.CUSTOMIZED:
-            module_.set_scores({f"t{i}": 90 + i for i in range(3)})
-        module_.prefetch(kjts[0])
-    for step in range(8):
-        outs = []
-        for module_ in (grouped, alone):
-            if policy is ScorePolicy.CUSTOMIZED:
-                module_.set_scores({f"t{i}": 100 + 3 * step + i for i in range(3)})
-            module_.prefetch(kjts[step + 1])
-            used = ["f0", "f2"] if step % 2 else ["f0", "f1", "f2"]
-            outs.append(train(module_, kjts[step], used))
-        for f in outs[0]:
-            assert torch.equal(outs[0][f], outs[1][f]), (step, f)
-    grouped.clear_prefetched(), alone.clear_prefetched()
+    scores = ((lambda step: {f"t{i}": 100 + 3 * step + i for i in range(3)})
+              if policy is ScorePolicy.CUSTOMIZED else None)
+    train_ahead(grouped, alone, [batch(gen, 3, per_table=per_table, vocab=vocab)
+                                 for _ in range(9)], scores)
     stats = grouped.stats()
     assert all(s["rows_device"] > 0 and s["rows_backing"] > 0 for s in stats.values())
     if admits:
@@ -530,15 +539,8 @@ def test_default_tables_group_on_the_cuda_kernels_as_alone(policy, admits, poole
         assert all(s["evictions"] > 0 for s in stats.values())
     assert_same_tables(grouped, alone, torch.arange(vocab, device=DEVICE))
     assert grouped.steps == alone.steps
-    grouped.eval(), alone.eval()
-    with torch.no_grad():
-        kjt = batch(gen, 3, vocab=500)  # ids never trained, too: their eval rows
-        dense_g, dense_a = dense(grouped(kjt), pooled), dense(alone(kjt), pooled)
-    for f in dense_g:
-        assert torch.equal(dense_g[f].cpu(), dense_a[f].cpu()), f
-    assert_same_tables(grouped, alone, torch.arange(500, device=DEVICE))
-    for table in grouped.tables.values():
-        assert int(table.tier.hash.pinned_count()) == int(table.host_tier.hash.pinned_count()) == 0
+    eval_alike(grouped, alone, batch(gen, 3, vocab=500), pooled)  # unseen ids too
+    assert all(int(t.host_tier.hash.pinned_count()) == 0 for t in grouped.tables.values())
 
 
 @pytest.mark.parametrize("full_tier", ["host", "device"])
