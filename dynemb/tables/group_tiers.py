@@ -1,7 +1,8 @@
-"""DEFAULT tables as one group (:mod:`dynemb.tables.groups`), on the host kernels: two records,
-one :class:`~dynemb.tables.group_storage.GroupStorage` over the tables' device tiers (it keeps
-the tables' counters) and one over their host tiers. Each table does what it does alone
-(:mod:`dynemb.tables.tiered`), every phase in one call for all the tables:
+"""DEFAULT tables as one group (:mod:`dynemb.tables.groups`) in two records, one
+:class:`~dynemb.tables.group_storage.GroupStorage` over the tables' device tiers (it keeps the
+tables' counters) and one over their host tiers. Each table does what a DEFAULT table does
+(:mod:`dynemb.tables.tiered`), every phase in one call for all the tables (as below on the
+host kernels; the CUDA kernels' differences follow the list):
 
 - prefetch: one dedup of every table's keys (in the bucket order of the device tiers); the
   lookups are counted, nothing is claimed;
