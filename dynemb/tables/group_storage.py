@@ -75,6 +75,19 @@ def segment_sums(values: np.ndarray, bounds: Sequence[int]) -> np.ndarray:
     return before[bounds[1:]] - before[bounds[:-1]]
 
 
+def per_table_sums(values: Optional[torch.Tensor], bounds: Sequence[int],
+                   device: torch.device) -> torch.Tensor:
+    """[T] int64 on ``device``: ``values`` [N] summed over each table's segment
+    ``bounds[t]:bounds[t + 1]`` (None: the segments' sizes); on the host by
+    :func:`segment_sums`, on a GPU in one ``index_add_`` (no host read)."""
+    if values is None:
+        return torch.from_numpy(np.diff(np.asarray(bounds, dtype=np.int64))).to(device)
+    if values.device.type == "cpu":
+        return torch.from_numpy(segment_sums(values.numpy(), bounds)).to(device)
+    return torch.zeros(len(bounds) - 1, dtype=torch.int64, device=values.device).index_add_(
+        0, Segments(bounds, values.device).table_of, values.to(torch.int64))
+
+
 class GroupFlat:
     """The group's rows, one tensor ``weights`` [rows, width] (each table's flat table is a
     view of its part; a group of one on its table's own arrays shares the tensor itself)."""
@@ -492,14 +505,8 @@ class GroupStorage:
         """[T] int64, on ``keys``' device: each table's unique keys among ``keys`` [U] of
         :meth:`dedup` (where it pads, ``EMPTY_KEY`` is none)."""
         dedup_kernels = self.serve_kernels if self.serves_elsewhere else self.kernels
-        if not dedup_kernels.defers_failures:  # exact keys: the segments' sizes
-            return torch.from_numpy(np.diff(np.asarray(unique_bounds, dtype=np.int64))).to(
-                keys.device)
-        real = (keys != EMPTY_KEY).to(torch.int64)
-        if keys.device.type == "cpu":
-            return torch.from_numpy(segment_sums(real.numpy(), unique_bounds))
-        return torch.zeros(len(self.tables), dtype=torch.int64, device=keys.device).index_add_(
-            0, Segments(unique_bounds, keys.device).table_of, real)
+        real = (keys != EMPTY_KEY).to(torch.int64) if dedup_kernels.defers_failures else None
+        return per_table_sums(real, unique_bounds, keys.device)  # None: exact, the sizes
 
     def table_claim(self, claim, t: int) -> FindOrInsertResult:
         """Table ``t``'s part of a group claim ``(keys, slots, inserted, previous keys,

@@ -60,7 +60,7 @@ from dynemb.tables.base import DynamicTable
 from dynemb.tables.batch import TableBatch
 from dynemb.tables.group_batch import key_bounds_of, shifted_slots
 from dynemb.tables.group_device import DeviceGroupPrefetch
-from dynemb.tables.group_storage import GroupStorage, segment_sums
+from dynemb.tables.group_storage import GroupStorage, per_table_sums
 from dynemb.tables.group_update import live_slots, update_rows
 from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
 from dynemb.types import EMPTY_KEY, ScorePolicy
@@ -173,7 +173,7 @@ class TieredGroup:
         batch.unique_counts = storage.unique_per_table(unique, bounds)
         counted = torch.zeros(len(self.tables), len(COUNTER_NAMES), dtype=torch.int64,
                               device=unique.device)
-        counted[:, _COUNTER["lookups"]] = _per_table(given, key_bounds, unique.device)
+        counted[:, _COUNTER["lookups"]] = per_table_sums(given, key_bounds, unique.device)
         counted[:, _COUNTER["unique_keys"]] = batch.unique_counts
         storage.counters += counted
         return batch
@@ -321,7 +321,7 @@ class TieredBatch(LookupBatch):
 
     def _per_table(self, values: torch.Tensor) -> torch.Tensor:
         """[T] ``values`` [U] summed per table, on the counters' device."""
-        return _per_table(values.to(torch.int64), self.unique_bounds, values.device)
+        return per_table_sums(values.to(torch.int64), self.unique_bounds, values.device)
 
     def _find(self) -> None:
         """The eval forward: find each key in its tier, pin it until the rows are read; the
@@ -546,15 +546,3 @@ class TieredBatch(LookupBatch):
 def _local(slots: torch.Tensor, start: int) -> torch.Tensor:
     """Record slots as a table's own (its part starts at ``start``); -1 stays."""
     return torch.where(slots >= 0, slots - start, -1)
-
-
-def _per_table(values: Optional[torch.Tensor], bounds: Sequence[int],
-               device: torch.device) -> torch.Tensor:
-    """[T] int64 on ``device``: ``values`` [N] summed over each table's segment
-    ``bounds[t]:bounds[t + 1]`` (None: the segments' sizes)."""
-    if values is None:
-        return torch.from_numpy(np.diff(np.asarray(bounds, dtype=np.int64))).to(device)
-    if values.device.type == "cpu":
-        return torch.from_numpy(segment_sums(values.numpy(), bounds)).to(device)
-    return torch.zeros(len(bounds) - 1, dtype=torch.int64, device=values.device).index_add_(
-        0, Segments(bounds, values.device).table_of, values.to(torch.int64))
