@@ -6,20 +6,29 @@ would have imported anyway (``torch``, the public names of :mod:`dynemb`, and To
 its own setup.
 
 The CUDA backend runs under numba's simulator where torch sees no GPU, exactly as in
-``tests/conftest.py`` (which repeats this, harmlessly, for runs started inside ``tests/``);
-it has to be chosen before anything imports ``numba.cuda``, hence before :mod:`dynemb`.
+``tests/conftest.py`` describes; it has to be chosen before anything imports ``numba.cuda``,
+hence before :mod:`dynemb`. This file is the one place that chooses it: pytest loads it first
+for every test path under the repository (its rootdir), with or without xdist.
 """
 import os
+import sys
 
 import pytest
 import torch
 
 if os.environ.get("DYNEMB_REAL_CUDA") == "1":
+    # a run meant to prove the kernels on a GPU must not pass on the simulator instead
     if not torch.cuda.is_available():
         raise pytest.UsageError("DYNEMB_REAL_CUDA=1 but torch sees no GPU")
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 elif not torch.cuda.is_available():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+if "numba.core.config" in sys.modules:
+    # pytest imports numba before any conftest (the ini's filterwarnings names a numba warning
+    # class), so numba has already read its environment: make it read the choice above
+    if "numba.cuda" in sys.modules:
+        raise pytest.UsageError("numba.cuda was imported before conftest.py chose its backend")
+    sys.modules["numba.core.config"].reload_config()
 # the suite runs the parallel CPU kernels on every thread numba has; the library's default
 # (one core less than the process has, dynemb.foundations.threads) is tested in fresh processes by
 # tests/test_threads.py

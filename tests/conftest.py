@@ -4,19 +4,11 @@ otherwise under numba's CUDA simulator (set before anything imports numba.cuda).
 ``DYNEMB_REAL_CUDA=1`` demands the GPU: the simulator stays off even if the environment asks
 for it, and a machine where torch sees no GPU stops the run instead of falling back to it.
 """
-import os
-
 import pytest
 import torch
 
+# the root conftest.py has chosen the simulator (or demanded a GPU) before this file runs
 ON_GPU = torch.cuda.is_available()
-if os.environ.get("DYNEMB_REAL_CUDA") == "1":
-    # a run meant to prove the kernels on a GPU must not pass on the simulator instead
-    if not ON_GPU:
-        raise pytest.UsageError("DYNEMB_REAL_CUDA=1 but torch sees no GPU")
-    os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
-elif not ON_GPU:
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 #: (backend name, device its tensors live on)
 BACKENDS = [("cpu", "cpu"), ("cuda", "cuda" if ON_GPU else "cpu")]
