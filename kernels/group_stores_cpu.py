@@ -182,7 +182,8 @@ def store_find_group_cpu(store_keys, store_rows, store_buckets, bucket_sizes, mo
     """Each wanted key ``ukeys[i]`` of table ``t`` (``i`` in ``useg[t]:useg[t + 1]``, for the
     tables ``movable``) looked up in its store: ``out_found[i]`` and, where found, its row's
     bits in ``out_rows[i]``. Nothing is written to the stores (``HostBackingStore.find``)."""
-    for t in prange(useg.size - 1):
+    for table in prange(useg.size - 1):
+        t = np.int64(table)  # typed lists take a signed index
         if not movable[t]:
             continue
         keys, rows = store_keys[t], store_rows[t]
