@@ -12,6 +12,7 @@ Both partition the keys so each partition's hash set stays in cache:
 import numpy as np
 from numba import njit, prange
 
+from .cpu_compile import prange_loops
 from .hashing import (bucket_index, bucket_of_hash, mix64, partition_first_bucket,
                       partition_multiplier, partition_of_bucket)
 
@@ -113,7 +114,7 @@ def bucket_dedup_scratch_size(n, parts):
     return 7 * n + 3 * parts + 2
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def dedup_bucket_order_cpu(keys, num_buckets, parts, chunks, scratch, out_unique, out_inverse,
                            out_counts):
     """Unique keys sorted by bucket of a table of ``num_buckets`` buckets (ties in

@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from .constants import EMPTY_KEY, POLICY_CUSTOMIZED
+from .cpu_compile import prange_loops
 from .hashing import probe
 from .table_cpu import _claim_range, _new_work
 
@@ -24,7 +25,7 @@ STAT_WRITTEN, STAT_STORE_EVICTED, STAT_LOADED, STAT_LEFT = 0, 1, 2, 3
 NUM_STATS = 4
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def next_capacity(capacity, needed, max_capacity, bucket_size):
     """The smallest doubling of ``capacity`` that reaches ``needed``, capped at
     ``max_capacity`` (-1: none) in whole buckets; 0 when that is no growth
@@ -37,7 +38,7 @@ def next_capacity(capacity, needed, max_capacity, bucket_size):
     return cap if cap > capacity else 0
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def store_moves_group_cpu(weights, wb_keys, wb_scores, wb_rows, wb_seg, ld_keys, ld_rows,
                           ld_seg, store_keys, store_scores, store_refcnt, store_size,
                           store_rows, store_buckets, bucket_sizes, max_capacities, grow_at,
@@ -97,7 +98,7 @@ def store_moves_group_cpu(weights, wb_keys, wb_scores, wb_rows, wb_seg, ld_keys,
         out_stats[t, STAT_LOADED] = np.sum(out_found[lo:hi])
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _write_back_keys(t, wb_keys, wb_scores, wb_seg, keys, scores, refcnt, size, buckets,
                      bucket_size, max_capacity, grow_at, clock, out_slots, out_inserted,
                      out_prev_keys, out_prev_scores, out_failed, out_stats):
@@ -139,13 +140,13 @@ def _write_back_keys(t, wb_keys, wb_scores, wb_seg, keys, scores, refcnt, size, 
     out_stats[t, STAT_STORE_EVICTED] = evicted
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _copy_row(src, dst):
     for c in range(src.size):
         dst[c] = src[c]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _load_row(j, ld_keys, ld_rows, keys, scores, rows, buckets, bucket_size, weights,
               out_found, out_scores):
     """Load ``ld_keys[j]``: its stored row into ``weights[ld_rows[j]]``, where stored."""
@@ -157,7 +158,7 @@ def _load_row(j, ld_keys, ld_rows, keys, scores, rows, buckets, bucket_size, wei
         _copy_row(rows[s], weights[ld_rows[j]])
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _move_rows(t, wb_lo, wb_hi, ld_lo, ld_hi, weights, wb_rows, ld_keys, ld_rows, keys,
                scores, rows, buckets, bucket_size, out_slots, out_found, out_scores,
                out_stats):
@@ -176,7 +177,7 @@ def _move_rows(t, wb_lo, wb_hi, ld_lo, ld_hi, weights, wb_rows, ld_keys, ld_rows
     out_stats[t, STAT_LOADED] = loaded
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def store_find_group_cpu(store_keys, store_rows, store_buckets, bucket_sizes, movable, ukeys,
                          useg, want, out_rows, out_found):
     """Each wanted key ``ukeys[i]`` of table ``t`` (``i`` in ``useg[t]:useg[t + 1]``, for the

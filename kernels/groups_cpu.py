@@ -13,13 +13,14 @@ import numpy as np
 from numba import njit, prange
 
 from .constants import EMPTY_KEY
+from .cpu_compile import prange_loops
 from .hashing import bucket_index, is_live_key, mix64, probe
 from .init_common import fill_row
 from .rng import row_stream
 from .table_cpu import _claim_range, _new_work
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def dedup_segments_cpu(keys, seg, num_buckets, out_unique, out_inverse, out_counts, out_useg):
     """Each segment's unique keys, segment after segment, with counts and the inverse (an
     index into the whole unique array); returns the number of unique keys. ``out_useg``
@@ -98,7 +99,7 @@ def dedup_segments_cpu(keys, seg, num_buckets, out_unique, out_inverse, out_coun
     return out_useg[tables]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def find_or_insert_group_cpu(tbl_keys, tbl_scores, refcnt, sizes, row_offset, num_buckets,
                              bucket_size, ukeys, useg, counts, given, policy, clocks,
                              allow_evict, pin, out_slots, out_inserted, out_prev_keys,
@@ -133,7 +134,7 @@ def find_or_insert_group_cpu(tbl_keys, tbl_scores, refcnt, sizes, row_offset, nu
         out_stats[t, 2] = failed
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def find_group_cpu(tbl_keys, row_offset, num_buckets, bucket_size, ukeys, useg, out_slots):
     """``table_cpu.find_cpu`` of every table of a group: ``out_slots[i]`` is the group slot
     of ``ukeys[i]`` in its table ``t`` (``i`` in ``useg[t]:useg[t + 1]``), or -1. Nothing is
@@ -147,7 +148,7 @@ def find_group_cpu(tbl_keys, row_offset, num_buckets, bucket_size, ukeys, useg, 
             out_slots[i] = s + first if s >= 0 else -1
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def claim_counts_group_cpu(useg, slots, inserted, prev_keys, out):
     """Per table ``t`` of a group's claim: ``out[t] = (hits, inserts, live keys evicted)``."""
     for t in prange(useg.size - 1):
@@ -167,7 +168,7 @@ def claim_counts_group_cpu(useg, slots, inserted, prev_keys, out):
         out[t, 2] = evicted
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def add_claim_counts_cpu(useg, ukeys, slots, inserted, prev_keys, lookups, out):
     """Per table ``t`` of a group's claim, added to ``out[t, :6]``: (lookups, unique keys,
     hits, misses, inserts, live keys evicted). Key ``i`` stands for ``lookups[i]`` lookups
@@ -200,7 +201,7 @@ def add_claim_counts_cpu(useg, ukeys, slots, inserted, prev_keys, lookups, out):
         out[t, 5] += evicted
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def init_rows_at_group_cpu(weights, slots, keys, mask, useg, dim, seeds, table_ids, kinds, p0,
                            p1, low, high):
     """``init_cpu.init_rows_at_cpu`` for a group: the key at ``i`` in table ``t``'s segment

@@ -1,11 +1,12 @@
 """CPU initializer kernel: fill ``out[i, :]`` with the initial row of ``keys[i]``."""
 from numba import njit, prange
 
+from .cpu_compile import prange_loops
 from .init_common import fill_row
 from .rng import row_stream
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def init_rows_cpu(out, keys, seed, table_id, kind, p0, p1, low, high):
     """``out`` [N, D] float32; rows depend only on (seed, table_id, key)."""
     for i in prange(keys.size):
@@ -13,7 +14,7 @@ def init_rows_cpu(out, keys, seed, table_id, kind, p0, p1, low, high):
                  out.shape[1])
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def init_rows_at_cpu(weights, slots, keys, mask, dim, seed, table_id, kind, p0, p1, low, high):
     """Start row ``weights[slots[i]]`` of every ``mask[i]`` (and ``slots[i] >= 0``) from
     ``keys[i]``: columns ``[0, dim)`` the initial value, the rest (optimizer state) zero."""

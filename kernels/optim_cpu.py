@@ -12,6 +12,7 @@ cores); only the summation order changes."""
 import numpy as np
 from numba import float32, njit, prange
 
+from .cpu_compile import prange_loops
 from .optim_common import (OPT_ADAGRAD, OPT_ADAM, OPT_ROWWISE_ADAGRAD, OPT_SGD, adagrad_element,
                            adam_element, rowwise_adagrad_scale, rowwise_element, rowwise_grad,
                            sgd_element)
@@ -75,7 +76,7 @@ def _update_row(weights, s, g, kind, dim, lr, eps, beta1, beta2, weight_decay, b
             r[j] = rowwise_element(r[j], g[j], multiplier, correction)
 
 
-@njit(cache=True, parallel=True, fastmath={"reassoc"})
+@njit(cache=True, parallel=prange_loops(), fastmath={"reassoc"})
 def fused_update_cpu(weights, slots, src, offsets, order, scale, clip, chunks, kind, dim, lr,
                      eps, beta1, beta2, weight_decay, bias1, bias2, acc0):
     """Update ``weights[slots[i]]`` [W] float32 with the gradient of row ``i``: the sum over

@@ -8,13 +8,14 @@ length, as ``torch.nn.functional.embedding_bag`` and the CUDA kernel do: the fla
 ``arcp``, which would let LLVM multiply by the reciprocal instead (a last-bit difference)."""
 from numba import float32, njit, prange
 
+from .cpu_compile import prange_loops
 from .prefetch_cpu import PREFETCH_DISTANCE, prefetch_row
 
 
 _FASTMATH_EXACT_DIVISION = {"nnan", "ninf", "nsz", "contract", "afn", "reassoc"}
 
 
-@njit(cache=True, parallel=True, fastmath=_FASTMATH_EXACT_DIVISION)
+@njit(cache=True, parallel=prange_loops(), fastmath=_FASTMATH_EXACT_DIVISION)
 def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, out):
     """Bag ``q = i * batch + b`` (feature ``i`` of the table, sample ``b``) holds ids
     ``offsets[q]:offsets[q + 1]``; ``out[b, cols[i]:cols[i] + dim]`` becomes the sum of
@@ -46,7 +47,7 @@ def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, ou
                 cell[j] /= length
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def gather_rows_cpu(weights, slots, index, dim, out):
     """``out[i, :dim] = weights[slots[index[i]], :dim]``, zeros where the slot is -1."""
     for i in prange(index.size):

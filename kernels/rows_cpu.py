@@ -9,10 +9,11 @@ bits, so one kernel serves every dtype: callers view 2-byte rows as int16, 4-byt
 import numpy as np
 from numba import njit, prange
 
+from .cpu_compile import prange_loops
 from .prefetch_cpu import PREFETCH_DISTANCE, prefetch_row
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def copy_rows_cpu(src, src_slots, dst, dst_slots):
     """``dst[dst_slots[i]] = src[src_slots[i]]`` for every ``i`` with both slots >= 0 (the
     destination slots distinct)."""
@@ -30,7 +31,7 @@ def copy_rows_cpu(src, src_slots, dst, dst_slots):
             out[j] = row[j]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def remap_rows_cpu(old, remap, new):
     """``new[remap[s]] = old[s]`` for every old row with ``remap[s] >= 0`` (distinct targets);
     every other row of ``new`` becomes zeros. ``new`` may start uninitialised."""

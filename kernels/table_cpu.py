@@ -15,12 +15,13 @@ from numba import njit, prange
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .constants import EMPTY_KEY, POLICY_CUSTOMIZED, TOMBSTONE_KEY
+from .cpu_compile import prange_loops
 from .hashing import (bucket_base_and_start, bucket_index, is_live_key, partition_multiplier,
                       partition_of_bucket, probe)
 from .scoring import INT64_MAX, reads_counts, score_on_hit, score_on_insert
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def find_cpu(tbl_keys, num_buckets, bucket_size, keys, out_slots):
     """``out_slots[i]`` = slot of ``keys[i]`` or -1. Duplicates allowed; nothing is written."""
     for i in prange(keys.size):
@@ -36,7 +37,7 @@ def find_serial_cpu(tbl_keys, num_buckets, bucket_size, keys, out_slots):
         out_slots[i] = -1 if key == EMPTY_KEY else probe(tbl_keys, key, num_buckets, bucket_size)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def lookup_update_cpu(tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, ukeys, counts,
                       given, policy, clock, pin, out_slots, out_prev_scores):
     """Find unique keys; for hits, update the score by policy and optionally add one pin.
@@ -57,7 +58,7 @@ def lookup_update_cpu(tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, uk
                 refcnt[s] += 1
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def insert_missing_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, ukeys,
                        counts, given, policy, clock, allow_evict, slots, prev_keys, prev_scores,
                        failed, threads):
@@ -104,7 +105,7 @@ def insert_missing_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_s
     size[0] += added.sum()
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _claim_slot(tbl_keys, tbl_scores, refcnt, base, start, bucket_size, allow_evict):
     """First free slot of the probe, else the lowest-score unpinned live slot, else -1.
 
@@ -245,7 +246,7 @@ ALL_BITS = np.uint64(0xFFFFFFFFFFFFFFFF)
 FILTER_MULTIPLIER = np.int64(-7046029254386353131)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _locate(tbl_keys, key, base, start, bucket_size):
     """(slot holding ``key`` or -1, first free slot of its probe or -1). One compare per slot
     on the common path: the two reserved keys are the two smallest int64."""
@@ -264,7 +265,7 @@ def _locate(tbl_keys, key, base, start, bucket_size):
     return -1, free
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _find_in_full_bucket(tbl_keys, key, base, start, bucket_size):
     """Slot holding ``key`` in a bucket without free slots, or -1."""
     hits = 0
@@ -280,7 +281,7 @@ def _find_in_full_bucket(tbl_keys, key, base, start, bucket_size):
     return -1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _lowest_candidates(cand_scores, cand_ok, bucket_size):
     """Lowest candidate score and the positions holding it, a 128-bit mask (two words)."""
     lowest = INT64_MAX
@@ -297,7 +298,7 @@ def _lowest_candidates(cand_scores, cand_ok, bucket_size):
     return lowest, low_bits, high_bits
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _first_bit_from(low_bits, high_bits, start):
     """First set position of the 128-bit mask in probe order from ``start`` (circular over the
     bucket; bits past the bucket are clear), or -1."""
@@ -319,13 +320,13 @@ def _first_bit_from(low_bits, high_bits, start):
     return np.int64(-1)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _filter_bit(key):
     """Position of ``key`` in a bucket's 1024-bit membership filter."""
     return ((key * FILTER_MULTIPLIER) >> 54) & 1023
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _take_slot(tbl_keys, tbl_scores, s, j, key, score, out_slots, out_inserted, out_prev_keys,
                out_prev_scores):
     out_prev_keys[j] = tbl_keys[s]
@@ -344,13 +345,13 @@ class _Work(NamedTuple):
     cand_ok: np.ndarray  # [bucket_size] bool: which slots are candidates
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _new_work(bucket_size):
     return _Work(np.zeros(16, dtype=np.uint64), np.empty(bucket_size, dtype=np.int64),
                  np.empty(bucket_size, dtype=np.bool_))
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _claim_range(tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, keys, counts, given,
                  policy, clock, allow_evict, pin, lo, hi, out_slots, out_inserted, out_prev_keys,
                  out_prev_scores, out_failed, work):
@@ -484,7 +485,7 @@ def scratch_size(n, parts, policy):
     return 6 * n + extra + 5 * parts + 1  # bounds, rank, stats; cursor, keys, side, records
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _count_by_partition(ukeys, num_buckets, parts, bounds, part_of):
     """``part_of[i]``: the partition of key ``i`` (``parts`` contiguous ranges of buckets, see
     ``partition_multiplier``); ``bounds[p]``: where partition ``p`` starts in
@@ -504,7 +505,7 @@ def _count_by_partition(ukeys, num_buckets, parts, bounds, part_of):
     return in_order
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _sort_by_partition(ukeys, counts, given, policy, parts, bounds, rank, scratch):
     """Copies of the keys (and of what the policy reads of counts / given) ordered by
     partition, stably: partition ``p``'s keys are ``[bounds[p], bounds[p + 1])``. ``rank[i]``
@@ -531,7 +532,7 @@ def _sort_by_partition(ukeys, counts, given, policy, parts, bounds, rank, scratc
     return keys, sorted_side, rest
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=prange_loops())
 def find_or_insert_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, ukeys,
                        counts, given, policy, clock, allow_evict, pin, parts, scratch,
                        out_slots, out_inserted, out_prev_keys, out_prev_scores, out_failed,
