@@ -118,9 +118,9 @@ def tables_to_load(state_dict: Mapping[str, torch.Tensor], prefix: str, table_na
 def check_saved_tables(tables: Mapping[str, object],
                        saved: Mapping[str, List[SavedTable]]) -> set:
     """Check every saved image against the table it would replace (a table this module
-    lacks, another dim, optimizer, dtype, storage mode or score policy, a damaged slot image:
-    ``ValueError`` naming it) before anything changes; return the names of the tables that
-    can be restored in place (one image of the same layout), which cannot fail."""
+    lacks, another dim, optimizer, dtype or score policy, a damaged slot image: ``ValueError``
+    naming it) before anything changes; return the names of the tables that can be restored
+    in place (one image of the same layout and storage mode), which cannot fail."""
     for name, parts in saved.items():
         if name not in tables:
             raise ValueError(f"the checkpoint has table {name!r}, this module has "
