@@ -23,7 +23,7 @@ NUM_IDS = 192
 IDS = torch.arange(NUM_IDS) * 1009 - 77   # every id the batches draw
 DIM = 4
 GLOBAL_BATCH = 8
-BUDGET_ROWS = 640  # per rank: above the slots of a 2-rank share (464), below the whole table's (1024)
+BUDGET_ROWS = 640  # per rank: above a 2-rank share's 464 slots, below the whole 1024
 
 
 # -- entries of a saved image and of a loaded table ---------------------------------------------
@@ -154,7 +154,7 @@ def renamed(state: Mapping[str, Any], old: str, new: str) -> Dict[str, Any]:
 
 
 def tables_in(keys: List[str]) -> List[str]:
-    """The table names ``keys`` belong to (``...dynamic_tables.<t>...``, ``...embeddings.<t>...``)."""
+    """The tables ``keys`` belong to (``...dynamic_tables.<t>...``, ``...embeddings.<t>...``)."""
     names = set()
     for key in keys:
         parts = key.split(".")

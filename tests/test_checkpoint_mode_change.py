@@ -12,6 +12,7 @@ import torch
 from torchrec import EmbeddingConfig
 
 from checkpoint_models import DIM, OPTIMIZERS, batches, options, roundtrip, train
+from checkpoint_reload_worker import loaded_entries, saved_entries
 from dynemb import DynamicEmbCollection, ScorePolicy, StorageMode, TableFullError
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 
@@ -30,43 +31,10 @@ def build(mode, backend, optimizer="adam", **changes):
     return ec
 
 
-def saved_entries(state, table):
-    """``{key: (row with optimizer state, score)}`` of the saved image of ``table``, read from
-    the saved tensors: the host tier's entries (CACHE: its backing store, which may keep an
-    older copy of a cached row), then the device tier's over them."""
-    group = f"dynamic_tables.{table}.rank0_of_1"
-    out = {}
-    for tier in ("host", "device"):
-        if f"{group}.{tier}.keys" not in state:
-            continue
-        keys, scores, rows = (state[f"{group}.{tier}.{f}"] for f in ("keys", "scores", "rows"))
-        for key, score, row in zip(keys.tolist(), scores.tolist(), rows):
-            if key not in (EMPTY_KEY, TOMBSTONE_KEY):
-                out[key] = (row, score)
-    return out
-
-
-def loaded_entries(ec, table):
-    """``{key: (row with optimizer state, score)}`` of what ``ec`` holds for ``table`` now:
-    rows as a lookup reads them, scores where the mode keeps them (the cached one over the
-    store's)."""
-    rows, found = ec.read_rows(table, IDS, with_state=True)
-    t = ec.tables[table]
-    scores = torch.zeros(IDS.numel(), dtype=torch.int64)
-    store = getattr(t, "store", None)
-    if store is not None:
-        _, in_store, stored = store.find(IDS)
-        scores = torch.where(in_store, stored, scores)
-    for tier in (t.tier, getattr(t, "host_tier", None)):
-        if tier is not None:
-            slots = tier.hash.find(IDS)
-            scores = torch.where(slots >= 0, tier.hash.scores_at(slots), scores)
-    return {int(k): (r, int(s)) for k, r, s, f in zip(IDS, rows, scores, found) if f}
-
-
 def assert_holds(ec, state):
+    """Every entry of ``ec``'s tables is the saved one (row, optimizer state, score)."""
     for table in ec.tables:
-        expected, got = saved_entries(state, table), loaded_entries(ec, table)
+        expected, got = saved_entries(state, "", table), loaded_entries(ec, table, IDS)
         assert len(expected) > 20 and sorted(got) == sorted(expected), table
         for key, (row, score) in expected.items():
             assert torch.equal(got[key][0], row), (table, key)
@@ -112,11 +80,11 @@ def test_a_table_too_small_for_the_saved_rows_fails_naming_it_and_nothing_change
     state = roundtrip(source.state_dict())
     target = build("hbm_direct", "cpu", init_capacity=64, max_capacity=64)
     train(target, batches(1, seed=4))
-    before = {t: loaded_entries(target, t) for t in target.tables}
+    before = {t: loaded_entries(target, t, IDS) for t in target.tables}
     with pytest.raises(TableFullError, match="table 't0'.*found no free slot"):
         target.load_state_dict(state)
     for table, entries in before.items():
-        after = loaded_entries(target, table)
+        after = loaded_entries(target, table, IDS)
         assert sorted(after) == sorted(entries)
         assert all(torch.equal(after[k][0], entries[k][0]) for k in entries)
 

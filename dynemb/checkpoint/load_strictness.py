@@ -11,7 +11,7 @@ the ``strict`` the user gave to the innermost ``nn.Module.load_state_dict`` runn
 """
 from __future__ import annotations
 
-import sys
+import inspect
 
 import torch
 
@@ -40,7 +40,7 @@ def load_is_strict(passed: bool) -> bool:
     """
     if not passed:
         return False
-    frame = sys._getframe(1)
+    frame = inspect.currentframe().f_back
     while frame is not None:
         if frame.f_code is _LOAD_STATE_DICT:
             return bool(frame.f_locals.get("strict", True))

@@ -47,6 +47,7 @@ from dynemb.rows.optimizers import OptimizerType
 from dynemb.options import ShardingScheme, StorageMode
 from dynemb.tables import DynamicTable
 from dynemb.tables.checkpoint_tiers import TIER_NAMES
+from dynemb.tables.policies import storage_policy
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy
 
 #: Bumped when the meaning of saved tensors changes.
@@ -292,8 +293,9 @@ def check_placement(table: DynamicTable, saved: SavedTable) -> None:
     images = {name: tier for name, tier in saved.tiers.items() if name != "admission"}
     if not same_mode(table, saved):
         # the saved mode's routing is not this table's; a key is in one row tier of it,
-        # but for CACHE, whose store may keep an older copy of a cached row
-        if saved_mode(saved.signature) is not StorageMode.CACHE and len(images) > 1:
+        # but where the device caches a backing store, which may keep an older copy
+        cached = storage_policy(saved_mode(saved.signature)).backing_store
+        if not cached and len(images) > 1:
             check_distinct(torch.cat([tier.live()[0].cpu() for tier in images.values()]),
                            f"table {table.name!r}, tiers {sorted(images)}")
         return
