@@ -126,3 +126,25 @@ def test_with_strict_the_load_raises_as_torchrecs_and_no_table_changes(backend, 
     for name in dyn.tables:  # TorchRec copies t0 before it raises; the dynamic t0 stays
         assert torch.equal(before[name][0], after[name][0])
         assert torch.equal(before[name][2], after[name][2])
+
+
+def test_a_state_dict_of_no_dynamic_table_leaves_the_tables_and_a_pending_backward_alone():
+    dyn, ref = pair("cpu", seed=1)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.tensor([3, 5, 7]),
+                                              torch.tensor([1, 1, 1, 0]))
+    results, losses = [], []
+    for module in (dyn, ref):
+        model = torch.nn.ModuleDict({"emb": module, "dense": torch.nn.Linear(2, 1)})
+        losses.append(sum(jt.values().sum() for jt in module(kjt).values()))  # not backward yet
+        results.append(model.load_state_dict({"dense.weight": torch.ones(1, 2),
+                                              "dense.bias": torch.zeros(1)}, strict=False))
+        assert torch.equal(model["dense"].weight, torch.ones(1, 2))
+    assert tables_in([k[len("emb."):] for k in results[0].missing_keys]) == \
+        tables_in([k[len("emb."):] for k in results[1].missing_keys]) == ["t0", "t1"]
+    for loss in losses:  # the lookup made before the load still trains its rows
+        loss.backward()
+    with torch.no_grad():
+        for param in ref.parameters():
+            param -= LR * param.grad
+    for rows, ref_rows, found in rows_of(dyn, ref).values():
+        assert found.sum() > 0 and torch.equal(rows, ref_rows)

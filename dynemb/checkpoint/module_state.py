@@ -91,17 +91,19 @@ def tables_to_load(state_dict: Mapping[str, torch.Tensor], prefix: str, table_na
                    unexpected_keys: List[str]) -> Optional[Dict[str, List[SavedTable]]]:
     """A dynamic module's ``_load_from_state_dict`` part before any table changes: the saved
     images of the tables ``state_dict`` holds (see :func:`collect_saved`), with the tables
-    it lacks added to ``missing_keys`` (one key each, ``<prefix>dynamic_tables.<table>.signature``)
-    and the keys of tables the module lacks to ``unexpected_keys``. None (load nothing) when
-    the load is strict (:func:`~dynemb.checkpoint.load_strictness.load_is_strict` of
-    ``strict``) and a key is missing or unexpected: ``load_state_dict`` then raises naming
-    them, every table as it was. Damaged entries raise ``RuntimeError``.
+    it lacks added to ``missing_keys`` (one key each,
+    ``<prefix>dynamic_tables.<table>.signature``) and the keys of tables the module lacks to
+    ``unexpected_keys``. None (load nothing, leave the module as it is: queued prefetches,
+    lookups awaiting backward) when it holds no table of the module, or when the load is
+    strict (:func:`~dynemb.checkpoint.load_strictness.load_is_strict` of ``strict``) and a
+    key is missing or unexpected: ``load_state_dict`` then raises naming them, every table
+    as it was. Damaged entries raise ``RuntimeError``.
 
     Example::
 
-        >>> saved, missing, unexpected = {}, [], []
-        >>> tables_to_load({}, "ec.", ["t0"], False, missing, unexpected), missing
-        ({}, ['ec.dynamic_tables.t0.signature'])
+        >>> missing, unexpected = [], []
+        >>> print(tables_to_load({}, "ec.", ["t0"], False, missing, unexpected), missing)
+        None ['ec.dynamic_tables.t0.signature']
     """
     try:
         saved, unexpected = collect_saved(state_dict, prefix, table_names)
@@ -110,7 +112,7 @@ def tables_to_load(state_dict: Mapping[str, torch.Tensor], prefix: str, table_na
     unexpected_keys.extend(unexpected)
     absent = [n for n in table_names if n not in saved]
     missing_keys.extend(f"{prefix}{NAMESPACE}.{n}.signature" for n in absent)
-    if (absent or unexpected) and load_is_strict(strict):
+    if not saved or ((absent or unexpected) and load_is_strict(strict)):
         return None
     return saved
 

@@ -478,7 +478,7 @@ class DynamicCore:
         saved = tables_to_load(state_dict, prefix, list(self.tables), strict, missing_keys,
                                unexpected_keys)
         if saved is None:
-            return  # strict: load_state_dict raises on the missing keys; nothing changed
+            return  # no table here, or strict: load_state_dict raises on the missing keys
         try:
             self.load_tables(saved)
         except ValueError as err:

@@ -99,7 +99,7 @@ class ShardedTables(ShardedDynamicModuleInterface):
         saved = tables_to_load(state_dict, prefix, list(self.local.tables), strict,
                                missing_keys, unexpected_keys)
         if saved is None:
-            return  # strict: load_state_dict raises on the missing keys; nothing changed
+            return  # no table here, or strict: load_state_dict raises on the missing keys
         try:
             saved = self._on_owners(saved)
             self.local.load_tables(saved)
