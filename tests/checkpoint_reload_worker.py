@@ -8,7 +8,7 @@ The model: one ``DynamicEmbCollection`` of two tables under ``DistributedModelPa
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -113,6 +113,12 @@ def shard(module: Model, world_size: int):
 
 def trained(budget: bool, rank: int, world_size: int, steps: int, seed: int):
     dmp = shard(Model(budget), world_size)
+    train_steps(dmp, rank, world_size, steps, seed)
+    return dmp
+
+
+def train_steps(dmp, rank: int, world_size: int, steps: int, seed: int) -> None:
+    """``steps`` steps of global batches drawn from ``seed``, this rank's slice of each."""
     g = torch.Generator().manual_seed(seed)
     per = GLOBAL_BATCH // world_size
     for _ in range(steps):
@@ -126,7 +132,6 @@ def trained(budget: bool, rank: int, world_size: int, steps: int, seed: int):
             mine_v.append(vs[offsets[rank * per]:offsets[(rank + 1) * per]])
         dmp(KeyedJaggedTensor.from_lengths_sync(FEATURES, torch.cat(mine_v),
                                                 torch.cat(mine_l))).backward()
-    return dmp
 
 
 def gathered_rows(dmp) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
@@ -195,8 +200,11 @@ def partial_load(rank: int, world_size: int) -> Dict[str, Any]:
 def save_in_own_mode(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     """Train under the per-rank budget and save with DCP; the entries each rank saved,
     gathered."""
+    return _save(trained(True, rank, world_size, steps=4, seed=3), rank, world_size, path)
+
+
+def _save(dmp, rank: int, world_size: int, path: str) -> Dict[str, Any]:
     import torch.distributed.checkpoint as dcp
-    dmp = trained(True, rank, world_size, steps=4, seed=3)
     state = dmp.state_dict()
     dcp.save({"model": state}, checkpoint_id=path)
     group = f"rank{rank}_of_{world_size}"
@@ -204,13 +212,17 @@ def save_in_own_mode(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     every: List[Any] = [None] * world_size
     dist.all_gather_object(every, mine)
     merged = {t: {k: v for part in every for k, v in part[t].items()} for t in TABLES}
+    stats = dmp.module.dyn.local.stats()["t0"]
     return {"modes": {t: m.value for t, m in dmp.module.dyn.storage_modes().items()},
-            "entries": merged, "steps": dict(dmp.module.dyn.local.steps)}
+            "entries": merged, "steps": dict(dmp.module.dyn.local.steps),
+            "rows": (stats["rows_device"], stats["rows_backing"])}
 
 
-def load_in_own_mode(rank: int, world_size: int, path: str) -> Dict[str, Any]:
+def load_in_own_mode(rank: int, world_size: int, path: str,
+                     save_to: Optional[str] = None) -> Dict[str, Any]:
     """A fresh model under the same budget on this world size, loaded from ``path`` with
-    DCP and ``DynamicEmbLoadPlanner``; what each rank holds."""
+    DCP and ``DynamicEmbLoadPlanner``; what each rank holds. With ``save_to``, one more step
+    (CACHE: its rows now cached, the others in the store) saved there (``"saved"``)."""
     import torch.distributed.checkpoint as dcp
 
     from dynemb.checkpoint import DynamicEmbLoadPlanner
@@ -219,9 +231,13 @@ def load_in_own_mode(rank: int, world_size: int, path: str) -> Dict[str, Any]:
     dcp.load(state, checkpoint_id=path, planner=DynamicEmbLoadPlanner())
     dmp.load_state_dict(state["model"])
     local = dmp.module.dyn.local
-    return {"modes": {t: m.value for t, m in dmp.module.dyn.storage_modes().items()},
-            "entries": {t: loaded_entries(local, t, IDS) for t in TABLES},
-            "steps": dict(local.steps), "rows_backing": local.stats()["t0"]["rows_backing"]}
+    out = {"modes": {t: m.value for t, m in dmp.module.dyn.storage_modes().items()},
+           "entries": {t: loaded_entries(local, t, IDS) for t in TABLES},
+           "steps": dict(local.steps), "rows_backing": local.stats()["t0"]["rows_backing"]}
+    if save_to is not None:
+        train_steps(dmp, rank, world_size, steps=1, seed=5)
+        out["saved"] = _save(dmp, rank, world_size, save_to)
+    return out
 
 
 def run(rank: int, world_size: int, jobs: List[Tuple[str, tuple]]) -> List[Any]:

@@ -7,8 +7,9 @@
   unexpected; with ``strict=True`` it raises as TorchRec's does, and no dynamic table
   changes;
 - a DCP checkpoint of 2 ranks whose per-rank budget made its tables HBM_DIRECT loads on 1
-  rank, where the same budget makes them CACHE, with ``DynamicEmbLoadPlanner``: every saved
-  row, optimizer state and score comes back.
+  rank, where the same budget makes them CACHE, with ``DynamicEmbLoadPlanner``, and back
+  (rows cached and rows only in the store onto 2 HBM_DIRECT shares): every saved row,
+  optimizer state and score comes back, on its owner.
 """
 import sys
 from pathlib import Path
@@ -32,8 +33,25 @@ def two_ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_rank(two_ranks):
-    (loaded,), = run_on_ranks(1, run, [("load_in_own_mode", (two_ranks[0],))], timeout=600)
-    return loaded
+    path = str(Path(two_ranks[0]).parent / "world1")
+    (loaded,), = run_on_ranks(1, run, [("load_in_own_mode", (two_ranks[0], path))],
+                              timeout=600)
+    return path, loaded
+
+
+@pytest.fixture(scope="module")
+def two_ranks_again(one_rank):
+    return [loaded for (loaded,) in run_on_ranks(2, run, [("load_in_own_mode", (one_rank[0],))],
+                                                 timeout=600)]
+
+
+def _check_entries(expected, got):
+    for table in TABLES:
+        assert len(expected[table]) > 30 and sorted(got[table]) == sorted(expected[table])
+        assert set(got[table]) <= set(IDS.tolist())
+        for key, (row, score) in expected[table].items():
+            assert torch.equal(got[table][key][0], row), (table, key)
+            assert got[table][key][1] == score, (table, key)
 
 
 def _no_error(*results):
@@ -68,16 +86,27 @@ def test_with_strict_the_load_raises_as_torchrecs_and_no_table_changes(two_ranks
 
 
 def test_a_checkpoint_of_hbm_direct_shares_loads_into_one_cache_table(two_ranks, one_rank):
-    saved = two_ranks[2]
-    _no_error(*saved, one_rank)
+    saved, loaded = two_ranks[2], one_rank[1]
+    _no_error(*saved, loaded)
     assert set(saved[0]["modes"].values()) == {"hbm_direct"}
-    assert set(one_rank["modes"].values()) == {"cache"}
-    assert one_rank["rows_backing"] > 0
-    assert one_rank["steps"] == saved[0]["steps"]
-    for table in TABLES:
-        expected, got = saved[0]["entries"][table], one_rank["entries"][table]
-        assert len(expected) > 30 and sorted(got) == sorted(expected), table
-        assert set(got) <= set(IDS.tolist())
-        for key, (row, score) in expected.items():
-            assert torch.equal(got[key][0], row), (table, key)
-            assert got[key][1] == score, (table, key)
+    assert set(loaded["modes"].values()) == {"cache"}
+    assert loaded["rows_backing"] > 0
+    assert loaded["steps"] == saved[0]["steps"]
+    _check_entries(saved[0]["entries"], loaded["entries"])
+
+
+def test_a_checkpoint_of_one_cache_table_loads_into_hbm_direct_shares(one_rank,
+                                                                      two_ranks_again):
+    saved = one_rank[1]["saved"]
+    _no_error(saved, *two_ranks_again)
+    assert set(saved["modes"].values()) == {"cache"}
+    cached, stored = saved["rows"]
+    assert cached > 0 and stored > cached  # rows only in the store, rows cached over it
+    got = {}
+    for rank in two_ranks_again:
+        assert set(rank["modes"].values()) == {"hbm_direct"}
+        assert rank["steps"] == saved["steps"]
+        for table, entries in rank["entries"].items():
+            assert not set(entries) & set(got.get(table, {}))  # each key on one owner
+            got.setdefault(table, {}).update(entries)
+    _check_entries(saved["entries"], got)
