@@ -115,7 +115,8 @@ def test_loading_into_a_table_of_another_dim_or_optimizer_names_it_and_changes_n
     state = roundtrip(source.state_dict())
     for target, what in [(model("hbm_direct", "adam"), "dim 16 in the checkpoint, 8 here"),
                          (model("hbm_direct", "sgd", dims=(DIM, 2 * DIM)), "optimizer adam"),
-                         (model("default", "adam", dims=(DIM, 2 * DIM)), "storage mode")]:
+                         (model("hbm_direct", "adam", dims=(DIM, 2 * DIM), admission=True),
+                          r"tiers \['device'\] in the checkpoint, \['admission', 'device'\]")]:
         train(target, batches(2, seed=5))
         before = {n: all_rows(target, n, ALL_IDS) for n in target.tables}
         with pytest.raises(RuntimeError, match=what):

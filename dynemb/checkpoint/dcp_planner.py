@@ -11,6 +11,9 @@ reads whatever was saved:
 - another world size: every rank reads ``1 / world_size`` of every saved share (contiguous
   slot ranges) and the module's ``load_state_dict`` sends each row to its new owner.
 
+Either way the shares load into whichever storage mode each table has now (a per-rank budget
+may make a table HBM_DIRECT on 2 ranks and CACHE on 1): the tiers read are the saved ones.
+
 A checkpoint saved before fused optimizers saved their learning rate loads too: the
 optimizer keeps its current one. It never loads into the live tables: what it reads goes to new host tensors, put into the
 state dict in place of the module's own entries, and ``load_state_dict`` checks them before

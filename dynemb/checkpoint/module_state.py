@@ -13,14 +13,21 @@ An unsharded module is ``rank0_of_1``; rank ``r`` of a sharded module saves its 
 so the names of one rank never collide with another's and ``torch.distributed.checkpoint``
 writes each share once. Loading accepts any set of images (one, several, or parts of them,
 as :class:`~dynemb.checkpoint.DynamicEmbLoadPlanner` reads them for another world size).
+
+A table absent from the state dict is reported in ``missing_keys`` (its ``signature``), the
+entries of a table the module lacks in ``unexpected_keys``, as ``nn.Module`` reports
+parameters. ``load_state_dict(sd, strict=False)`` then loads the tables that are there;
+with ``strict=True`` no table changes and ``load_state_dict`` raises naming the keys (see
+:func:`tables_to_load`).
 """
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from dynemb.checkpoint.load_strictness import load_is_strict
 from dynemb.checkpoint.table_state import (SavedTable, can_restore_exactly, capture,
                                           check_compatible, parse)
 
@@ -79,12 +86,43 @@ def collect_saved(state_dict: Mapping[str, torch.Tensor], prefix: str,
     return saved, unexpected
 
 
+def tables_to_load(state_dict: Mapping[str, torch.Tensor], prefix: str, table_names: List[str],
+                   strict: bool, missing_keys: List[str],
+                   unexpected_keys: List[str]) -> Optional[Dict[str, List[SavedTable]]]:
+    """A dynamic module's ``_load_from_state_dict`` part before any table changes: the saved
+    images of the tables ``state_dict`` holds (see :func:`collect_saved`), with the tables
+    it lacks added to ``missing_keys`` (one key each,
+    ``<prefix>dynamic_tables.<table>.signature``) and the keys of tables the module lacks to
+    ``unexpected_keys``. None (load nothing, leave the module as it is: queued prefetches,
+    lookups awaiting backward) when it holds no table of the module, or when the load is
+    strict (:func:`~dynemb.checkpoint.load_strictness.load_is_strict` of ``strict``) and a
+    key is missing or unexpected: ``load_state_dict`` then raises naming them, every table
+    as it was. Damaged entries raise ``RuntimeError``.
+
+    Example::
+
+        >>> missing, unexpected = [], []
+        >>> print(tables_to_load({}, "ec.", ["t0"], False, missing, unexpected), missing)
+        None ['ec.dynamic_tables.t0.signature']
+    """
+    try:
+        saved, unexpected = collect_saved(state_dict, prefix, table_names)
+    except ValueError as err:
+        raise RuntimeError(str(err)) from None
+    unexpected_keys.extend(unexpected)
+    absent = [n for n in table_names if n not in saved]
+    missing_keys.extend(f"{prefix}{NAMESPACE}.{n}.signature" for n in absent)
+    if not saved or ((absent or unexpected) and load_is_strict(strict)):
+        return None
+    return saved
+
+
 def check_saved_tables(tables: Mapping[str, object],
                        saved: Mapping[str, List[SavedTable]]) -> set:
     """Check every saved image against the table it would replace (a table this module
-    lacks, another dim, optimizer, dtype, storage mode or score policy, a damaged slot image:
-    ``ValueError`` naming it) before anything changes; return the names of the tables that
-    can be restored in place (one image of the same layout), which cannot fail."""
+    lacks, another dim, optimizer, dtype or score policy, a damaged slot image: ``ValueError``
+    naming it) before anything changes; return the names of the tables that can be restored
+    in place (one image of the same layout and storage mode), which cannot fail."""
     for name, parts in saved.items():
         if name not in tables:
             raise ValueError(f"the checkpoint has table {name!r}, this module has "

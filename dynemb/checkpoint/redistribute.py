@@ -17,7 +17,10 @@ import torch.distributed as dist
 
 from dynemb.checkpoint.table_state import SavedTable, SavedTier, saved_scheme
 from dynemb.options import ShardingScheme
+from dynemb.tables.checkpoint_tiers import TIER_NAMES
 
+#: The tiers of a checkpoint that hold rows, in the order they are saved.
+_ROW_TIERS = tuple(name for name in TIER_NAMES if name != "admission")
 #: Entries a rank sends per round (bounds the buffers of each exchange).
 CHUNK_ROWS = 1 << 18
 
@@ -48,13 +51,18 @@ def redistribute(parts: List[SavedTable], tiers: List[str],
     """The entries of ``parts`` (held by this rank) that each rank owns, gathered on it.
 
     Collective: every rank of ``group`` calls it with the same ``tiers`` (the tiers the
-    table has, in a fixed order). The step is the largest saved one; the counters of saved
+    table has, in a fixed order); the row tiers the checkpoint has on any rank come too
+    (a table saved in another storage mode: CACHE's ``host`` tier, the backing store, into
+    an HBM_DIRECT table). The step is the largest saved one; the counters of saved
     rank ``k`` land on rank ``k % world_size`` (totals are kept); each tier's clock is the
     largest saved one. Duplicate entries (parts read by several ranks) are kept once."""
     signature = parts[0].signature if parts else None
     step = max((p.step for p in parts), default=0)
     step = int(_all_reduce_max(torch.tensor([step]), group))
     counters = [p.counters for p in parts if p.rank % world_size == rank]
+    tiers = _with_saved_row_tiers(tiers, parts, group)
+    # a tier the checkpoint lacks (another storage mode) still gets rows of the table's width
+    row_spec = _row_spec([t for p in parts for t in p.tiers.values()])
     out_tiers: Dict[str, SavedTier] = {}
     for name in tiers:
         present = [p.tiers[name] for p in parts if name in p.tiers]
@@ -68,14 +76,23 @@ def redistribute(parts: List[SavedTable], tiers: List[str],
         rows = torch.cat([r for _, _, r in live]) if live and has_rows else None
         keys, scores, rows = _exchange(keys.cpu(), scores.cpu(),
                                        None if rows is None else rows.cpu(), has_rows,
-                                       owner_of, world_size, group, chunk_rows,
-                                       _row_spec(present))
+                                       owner_of, world_size, group, chunk_rows, row_spec)
         keys, scores, rows = _first_of_each_key(keys, scores, rows)
         out_tiers[name] = SavedTier(-1, 0, clock, keys, scores, rows)
     if signature is None:
         raise ValueError("no part of the checkpoint reached this rank")
     total = torch.stack(counters).sum(0) if counters else torch.zeros_like(parts[0].counters)
     return SavedTable(signature, step, total, out_tiers, rank, world_size)
+
+
+def _with_saved_row_tiers(tiers: List[str], parts: List[SavedTable], group) -> List[str]:
+    """``tiers`` and the row tiers any rank's ``parts`` have, in checkpoint order (the same
+    on every rank)."""
+    held = torch.tensor([int(name in tiers or any(name in p.tiers for p in parts))
+                         for name in _ROW_TIERS])
+    held = _all_reduce_max(held, group)
+    row_tiers = [name for name, h in zip(_ROW_TIERS, held.tolist()) if h]
+    return row_tiers + [name for name in tiers if name not in _ROW_TIERS]
 
 
 def _row_spec(present: List[SavedTier]) -> Tuple[int, torch.dtype]:

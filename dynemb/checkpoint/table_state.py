@@ -3,8 +3,10 @@
 A table's state is a set of named tensors (see :func:`capture`):
 
 - ``signature``: int64 codes of what must match to load (dim, row width, dtype, optimizer,
-  storage mode, score policy), then the table's sharding scheme (where its keys sit on a
-  sharded module; it need not match: see :func:`saved_scheme`);
+  score policy; the storage mode too for checkpoint files, which load slot for slot: a
+  state dict of another mode loads by key, see :func:`restore`), then the table's sharding
+  scheme (where its keys sit on a sharded module; it need not match:
+  see :func:`saved_scheme`);
 - ``state``: the optimizer's step, then the table's counters (:data:`COUNTER_NAMES`);
 - per tier (``device``; ``host``: the DEFAULT host tier or the CACHE backing store;
   ``admission``: the admission counter), ``layout`` = (capacity, bucket size, clock) and the
@@ -20,10 +22,13 @@ Putting it back (:func:`restore`):
 - **exactly**, slot for slot, when one full image of the same layout is given (same rank
   and world size): every key in its saved slot with its score, the clock as saved. Training
   then continues bit for bit as if never stopped, evictions included;
-- **by key** otherwise (other world size, other capacity, or parts of several images):
-  every live entry is inserted with its saved score, never evicting (a key that finds no
-  slot is an error, nothing is lost silently), where the table's mode keeps rows (see
-  :meth:`~dynemb.tables.checkpoint_tiers.CheckpointTiers.insert_saved_entries`).
+- **by key** otherwise (other world size, other capacity, parts of several images, or
+  another storage mode: a per-rank budget may make a table HBM_DIRECT on 2 ranks and CACHE
+  on 1): every live entry is inserted with its saved score, never evicting (a key that
+  finds no slot is an error naming the table, nothing is lost silently), where the table's
+  mode keeps rows (see
+  :meth:`~dynemb.tables.checkpoint_tiers.CheckpointTiers.insert_saved_entries`), whichever
+  mode wrote them.
 
 Which tiers a table has and where each keeps its keys and rows is the table's to say
 (:meth:`~dynemb.tables.checkpoint_tiers.CheckpointTiers.checkpoint_tiers`, overridden per
@@ -42,6 +47,7 @@ from dynemb.rows.optimizers import OptimizerType
 from dynemb.options import ShardingScheme, StorageMode
 from dynemb.tables import DynamicTable
 from dynemb.tables.checkpoint_tiers import TIER_NAMES
+from dynemb.tables.policies import storage_policy
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy
 
 #: Bumped when the meaning of saved tensors changes.
@@ -58,6 +64,7 @@ _SIGNATURE_FIELDS = ("format version", "dim", "row width", "optimizer state widt
 #: Where the sharding scheme's code sits in a signature; signatures written before it was
 #: recorded end just before it.
 SCHEME_FIELD = len(_SIGNATURE_FIELDS)
+_MODE_FIELD = _SIGNATURE_FIELDS.index("storage mode")
 #: Entries inserted per step when loading by key (bounds the temporaries).
 LOAD_CHUNK_ROWS = 1 << 20
 
@@ -89,9 +96,19 @@ def saved_scheme(saved: torch.Tensor) -> Optional[ShardingScheme]:
     return _SCHEMES[code]
 
 
-def describe_mismatch(table: DynamicTable, saved: torch.Tensor) -> Optional[str]:
+def saved_mode(saved: torch.Tensor) -> Optional[StorageMode]:
+    """The storage mode of the table that wrote a checkpoint of signature ``saved`` (None
+    for a code this version does not know)."""
+    code = int(saved[_MODE_FIELD]) if saved.numel() > _MODE_FIELD else -1
+    return _MODES[code] if 0 <= code < len(_MODES) else None
+
+
+def describe_mismatch(table: DynamicTable, saved: torch.Tensor, *,
+                      mode_may_differ: bool = False) -> Optional[str]:
     """None if a checkpoint of signature ``saved`` loads into ``table``, else what differs,
-    in words (the sharding scheme may differ, see :func:`saved_scheme`)."""
+    in words (the sharding scheme may differ, see :func:`saved_scheme`; the storage mode
+    too where ``mode_may_differ``: a load by key puts every row where the table's mode
+    keeps it, see :func:`restore`)."""
     mine = signature(table).tolist()[:SCHEME_FIELD]
     saved = [int(v) for v in saved.tolist()]
     if not saved or saved[0] != FORMAT_VERSION:
@@ -103,6 +120,8 @@ def describe_mismatch(table: DynamicTable, saved: torch.Tensor) -> Optional[str]
         return (f"sharding scheme code {saved[SCHEME_FIELD]} is none of "
                 f"{[s.name for s in _SCHEMES]}")
     saved = saved[:SCHEME_FIELD]
+    if mode_may_differ and 0 <= saved[_MODE_FIELD] < len(_MODES):
+        saved[_MODE_FIELD] = mine[_MODE_FIELD]
     diffs = []
     for i, (s, m) in enumerate(zip(saved, mine)):
         if s != m:
@@ -220,10 +239,15 @@ def parse(entries: Dict[str, torch.Tensor], *, rank: int = 0, world_size: int = 
 def check_compatible(table: DynamicTable, saved: SavedTable) -> None:
     """Raise ``ValueError`` naming the table and what differs if ``saved`` cannot load into
     ``table``."""
-    problem = describe_mismatch(table, saved.signature)
+    problem = describe_mismatch(table, saved.signature, mode_may_differ=True)
     if problem is None:
         expected = set(table.checkpoint_tiers())
-        if set(saved.tiers) != expected:
+        if same_mode(table, saved):
+            differs = set(saved.tiers) != expected
+        else:  # loaded by key: the row tiers may differ, the admission counter may not
+            differs = ("device" not in saved.tiers
+                       or ("admission" in saved.tiers) != ("admission" in expected))
+        if differs:
             problem = (f"tiers {sorted(saved.tiers)} in the checkpoint, {sorted(expected)} "
                        f"here (admission on in one and off in the other?)")
     if problem is None:
@@ -267,6 +291,14 @@ def check_placement(table: DynamicTable, saved: SavedTable) -> None:
         else:
             check_distinct(tier.live()[0], where)
     images = {name: tier for name, tier in saved.tiers.items() if name != "admission"}
+    if not same_mode(table, saved):
+        # the saved mode's routing is not this table's; a key is in one row tier of it,
+        # but where the device caches a backing store, which may keep an older copy
+        cached = storage_policy(saved_mode(saved.signature)).backing_store
+        if not cached and len(images) > 1:
+            check_distinct(torch.cat([tier.live()[0].cpu() for tier in images.values()]),
+                           f"table {table.name!r}, tiers {sorted(images)}")
+        return
     if all(tier.full_image for tier in images.values()):
         capacities = {name: tier.capacity for name, tier in images.items()}
         for name, tier in images.items():
@@ -274,10 +306,17 @@ def check_placement(table: DynamicTable, saved: SavedTable) -> None:
                                 capacities)
 
 
+def same_mode(table: DynamicTable, saved: SavedTable) -> bool:
+    """Whether ``saved`` was written by a table of ``table``'s storage mode."""
+    return saved_mode(saved.signature) is table.mode
+
+
 def can_restore_exactly(table: DynamicTable, saved: SavedTable) -> bool:
-    """One full image whose tiers have this table's bucket sizes and a capacity each tier
-    has or can grow to."""
+    """One full image of this table's storage mode whose tiers have its bucket sizes and a
+    capacity each tier has or can grow to."""
     parts = table.checkpoint_tiers()
+    if not same_mode(table, saved) or set(saved.tiers) != set(parts):
+        return False
     for name, tier in saved.tiers.items():
         part = parts[name]
         if part.hash is None or not tier.full_image:
@@ -294,9 +333,10 @@ def can_restore_exactly(table: DynamicTable, saved: SavedTable) -> bool:
 
 def restore(table: DynamicTable, saved: List[SavedTable]) -> DynamicTable:
     """The table holding what ``saved`` holds: ``table`` itself, updated in place, when one
-    full image of its exact layout is given; else a new table of the same configuration
-    filled by key (``table`` untouched). Every part of ``saved`` must have passed
-    :func:`check_compatible`. Raises :class:`TableFullError` if the entries do not fit."""
+    full image of its exact layout (and storage mode) is given; else a new table of the same
+    configuration filled by key (``table`` untouched), whatever mode wrote ``saved``. Every
+    part of ``saved`` must have passed :func:`check_compatible`. Raises
+    :class:`TableFullError` naming the table if the entries do not fit."""
     if len(saved) == 1 and can_restore_exactly(table, saved[0]):
         parts = table.checkpoint_tiers()
         same = all(parts[n].hash.capacity == t.capacity for n, t in saved[0].tiers.items())

@@ -22,8 +22,7 @@ import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dynemb.checkpoint.module_state import (NAMESPACE, check_saved_tables, collect_saved,
-                                           save_tables)
+from dynemb.checkpoint.module_state import check_saved_tables, save_tables, tables_to_load
 from dynemb.checkpoint.table_state import SavedTable, restore
 from dynemb.modules.batch_claims import check_failures, prefetch_all
 from dynemb.modules.collection_config import build_configured_tables, settle_table_options
@@ -476,15 +475,10 @@ class DynamicCore:
                    missing_keys: List[str], unexpected_keys: List[str]) -> None:
         """``nn.Module._load_from_state_dict``'s part for the tables; errors raise
         (DistributedModelParallel's loader drops ``error_msgs``)."""
-        try:
-            saved, unexpected = collect_saved(state_dict, prefix, list(self.tables))
-        except ValueError as err:
-            raise RuntimeError(str(err)) from None
-        unexpected_keys.extend(unexpected)
-        absent = [n for n in self.tables if n not in saved]
-        missing_keys.extend(f"{prefix}{NAMESPACE}.{n}.signature" for n in absent)
-        if absent and strict:
-            return  # load_state_dict raises on the missing keys; nothing changed
+        saved = tables_to_load(state_dict, prefix, list(self.tables), strict, missing_keys,
+                               unexpected_keys)
+        if saved is None:
+            return  # no table here, or strict: load_state_dict raises on the missing keys
         try:
             self.load_tables(saved)
         except ValueError as err:

@@ -344,8 +344,9 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     def load_tables(self, saved: Dict[str, List[SavedTable]]) -> None:
         """Replace the named tables' contents with their saved images, all or nothing.
 
-        Every image is checked first (a table of another dim, optimizer, dtype, storage mode
-        or score policy raises ``ValueError`` naming it, and nothing changes). Then queued
+        Every image is checked first (a table of another dim, optimizer, dtype or score
+        policy raises ``ValueError`` naming it, and nothing changes; another storage mode
+        loads by key). Then queued
         prefetches are dropped and pins of lookups awaiting backward end: a backward of a
         forward run before the load raises instead of updating the loaded rows."""
         self._core.load_tables(saved)

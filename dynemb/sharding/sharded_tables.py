@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardingType
 
-from dynemb.checkpoint.module_state import NAMESPACE, collect_saved, save_tables
+from dynemb.checkpoint.module_state import save_tables, tables_to_load
 from dynemb.checkpoint.redistribute import on_their_owners, redistribute
 from dynemb.checkpoint.table_state import SavedTable
 from dynemb.modules.collection import DynamicEmbCollection
@@ -96,16 +96,10 @@ class ShardedTables(ShardedDynamicModuleInterface):
         """Load this rank's own saved share slot for slot when that is what it was given;
         anything else (another world size, an unsharded checkpoint, parts of several ranks'
         shares) is sent key by key to the keys' owners (collective: every rank loads)."""
-        names = list(self.local.tables)
-        try:
-            saved, unexpected = collect_saved(state_dict, prefix, names)
-        except ValueError as err:
-            raise RuntimeError(str(err)) from None
-        unexpected_keys.extend(unexpected)
-        absent = [n for n in names if n not in saved]
-        missing_keys.extend(f"{prefix}{NAMESPACE}.{n}.signature" for n in absent)
-        if absent and strict:
-            return
+        saved = tables_to_load(state_dict, prefix, list(self.local.tables), strict,
+                               missing_keys, unexpected_keys)
+        if saved is None:
+            return  # no table here, or strict: load_state_dict raises on the missing keys
         try:
             saved = self._on_owners(saved)
             self.local.load_tables(saved)
