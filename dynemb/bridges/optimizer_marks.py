@@ -61,6 +61,13 @@ def watched_kwargs(name: str, value: Any, on_mark: Callable[[], None]) -> Any:
     return value
 
 
+def watch_existing_marks(param: torch.Tensor) -> None:
+    """Set ``param``'s ``_optimizer_kwargs`` again, if it has them, so that a watched
+    parameter (one whose ``__setattr__`` applies :func:`watched_kwargs`) watches them too."""
+    if hasattr(param, _KWARGS):
+        setattr(param, _KWARGS, list(getattr(param, _KWARGS)))
+
+
 def marks_of(param: torch.Tensor) -> List[Tuple[type, Dict[str, Any]]]:
     """``(optimizer class, kwargs)`` of each ``apply_optimizer_in_backward`` call that marked
     ``param``, oldest first (kwargs copied: TorchRec's sharders edit the stored dict)."""

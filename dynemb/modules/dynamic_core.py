@@ -170,7 +170,7 @@ class DynamicCore:
         loop would leave its marks half made)."""
         try:
             self.settle_marked_optimizer()
-        except ValueError:
+        except (TypeError, ValueError):
             pass
 
     def settle_optimizer(self, training: bool = False) -> None:

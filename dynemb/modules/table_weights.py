@@ -44,7 +44,8 @@ from dynemb.bridges.dense_optimizers import HeldBy, optimizers_holding
 from dynemb.bridges.optimizer_marks import (add_step_pre_hook, in_backward_optimizers,
                                             is_trained_in_backward, mark_count,
                                             mark_optimizers, mark_trained_by_fused_optimizer,
-                                            marks_of, watched_kwargs)
+                                            marks_of, watch_existing_marks,
+                                            watched_kwargs)
 from dynemb.foundations.marked_optimizer import fused_params_of_group, fused_params_of_mark
 from dynemb.modules.learning_rates import FollowedGroup
 
@@ -113,8 +114,7 @@ class TableWeights(torch.nn.Module):
 
     def _watched(self, handle: TableWeight) -> TableWeight:
         handle.on_mark = self._handle_marked
-        if hasattr(handle, "_optimizer_kwargs"):  # watch the list it has
-            handle._optimizer_kwargs = list(handle._optimizer_kwargs)
+        watch_existing_marks(handle)
         return handle
 
     def _handle_marked(self) -> None:
