@@ -234,3 +234,15 @@ def test_a_mark_wins_over_a_dense_optimizer_holding_the_tables():
     adam.step()
     assert model.embeddings.optimizer_config == OptimizerConfig(
         OptimizerType.ADAGRAD, learning_rate=0.2, eps=1e-10)
+
+
+def test_torchrecs_keyed_optimizer_wrapper_over_every_parameter_configures_the_tables():
+    """TorchRec's DLRM example wraps its dense optimizer; the wrapper shares the inner
+    optimizer's param groups, which configure the tables."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    model, _ = models(pooled=False)
+    optimizer = CombinedOptimizer([KeyedOptimizerWrapper(  # noqa: F841 (held: found)
+        dict(model.named_parameters()), lambda params: torch.optim.Adagrad(params, lr=0.2))])
+    model(batches(False)[0]).backward()
+    assert model.embeddings.optimizer_config == OptimizerConfig(
+        OptimizerType.ADAGRAD, learning_rate=0.2, eps=1e-10)
