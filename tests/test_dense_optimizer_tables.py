@@ -246,3 +246,26 @@ def test_torchrecs_keyed_optimizer_wrapper_over_every_parameter_configures_the_t
     model(batches(False)[0]).backward()
     assert model.embeddings.optimizer_config == OptimizerConfig(
         OptimizerType.ADAGRAD, learning_rate=0.2, eps=1e-10)
+
+
+def test_a_checkpoint_loads_into_a_fresh_model_whose_dense_optimizer_holds_the_tables():
+    """Resuming: the model, its optimizer over every parameter, then the checkpoint; the
+    load finds the tables built for that optimizer, and training goes on alike."""
+    model, _ = models(pooled=False)
+    adam = torch.optim.Adam(model.parameters(), lr=0.05)
+    steps = batches(True)
+    adam.zero_grad()
+    model(steps[0]).backward()
+    adam.step()
+    resumed, _ = models(pooled=False)
+    resumed_adam = torch.optim.Adam(resumed.parameters(), lr=0.05)
+    resumed.load_state_dict(model.state_dict())
+    resumed_adam.load_state_dict(adam.state_dict())
+    for m, optimizer in ((model, adam), (resumed, resumed_adam)):
+        optimizer.zero_grad()
+        m(steps[1]).backward()
+        optimizer.step()
+    ids = torch.arange(NUM_IDS)
+    for table in ("t1", "t2"):
+        assert torch.equal(resumed.embeddings.read_rows(table, ids, with_state=True)[0],
+                           model.embeddings.read_rows(table, ids, with_state=True)[0])
