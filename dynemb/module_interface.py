@@ -60,6 +60,11 @@ class DynamicModuleInterface(abc.ABC):
     def table_configs(self) -> List[BaseEmbeddingConfig]:
         """The TorchRec configs of the tables, in order."""
 
+    def settle_optimizer(self) -> None:
+        """Adopt what configures the tables' optimizer before their rows are replaced (a
+        checkpoint's rows and optimizer state load into tables built for it); nothing to do
+        where nothing but the constructor configures it."""
+
     @abc.abstractmethod
     def load_tables(self, saved) -> None:
         """Replace the named tables' contents with saved images, all or nothing."""

@@ -174,8 +174,9 @@ class DefaultOptimizerNotice:
     ``fused_params`` when DistributedModelParallel shards it, so construction says nothing;
     the module calls :meth:`at_training` on each training forward, and the first one warns
     (``UserWarning``) naming the default it trains with. ``torchrec.optim.
-    apply_optimizer_in_backward`` on the module's table parameters configures it too (see
-    :mod:`dynemb.modules.table_weights`); the warning names the three places.
+    apply_optimizer_in_backward`` on the module's table parameters configures it too, as does
+    a torch optimizer built over them (see :mod:`dynemb.modules.table_weights`); the warning
+    names these places.
 
     Example::
 
@@ -214,7 +215,8 @@ def default_optimizer_message(owner: str, config: OptimizerConfig) -> str:
             f"to the module, fused_params={{'optimizer': EmbOptimType..., "
             f"'learning_rate': ...}} to its sharder, or mark the tables' parameters with "
             f"torchrec.optim.apply_optimizer_in_backward(RowWiseAdagrad, "
-            f"module.parameters(), {{'lr': ...}}) before the first training step")
+            f"module.parameters(), {{'lr': ...}}) or build a torch.optim SGD / Adagrad / "
+            f"Adam / AdamW over them (model.parameters()) before the first training step")
 
 
 def check_number(value, name: str) -> float:

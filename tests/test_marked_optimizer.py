@@ -1,8 +1,8 @@
 """The tables' optimizer chosen the TorchRec way, ``apply_optimizer_in_backward(cls,
 module.parameters(), kwargs)``: a dynamic module trains as TorchRec's EmbeddingCollection
 marked alike (unsharded, and sharded against TorchRec's fbgemm twin); what the fused optimizer
-cannot follow is refused, with every table unchanged; a dense optimizer holding the tables'
-parameters is refused while it could not train them."""
+cannot follow is refused, with every table unchanged; a mark is adopted when it is made, and
+a scheduler on the marks' optimizers or on fused_optimizer drives the tables' rate."""
 import copy
 import io
 import pickle
@@ -285,6 +285,99 @@ def test_a_mark_before_a_checkpoint_load_lets_that_checkpoint_load():
                        trained.read_rows("t1", ids, with_state=True)[0])
 
 
+# -- marks adopted when made -------------------------------------------------------------------
+def _train_twins(dyn, reference, schedulers=()):
+    device = dyn.device
+    for kjt in batches(False):
+        loss, ref_loss = seq_loss(dyn(kjt.to(device))), seq_loss(reference(kjt))
+        torch.testing.assert_close(loss.cpu(), ref_loss)
+        loss.backward()
+        ref_loss.backward()
+        for scheduler in schedulers:
+            scheduler.step()
+    assert_rows_match(dyn, reference)
+
+
+def _marked_twins(backend, kwargs, ref_kwargs=None):
+    name, device = backend
+    dyn = DynamicEmbCollection(seq_tables(), table_options=OPTIONS, device=device,
+                               backend=name)
+    reference = twin_of(dyn, EmbeddingCollection(seq_tables()))
+    apply_optimizer_in_backward(torch.optim.Adagrad, dyn.parameters(), dict(kwargs))
+    apply_optimizer_in_backward(torch.optim.Adagrad, reference.parameters(),
+                                dict(ref_kwargs or kwargs))
+    return dyn, reference
+
+
+def test_a_mark_is_adopted_when_made():
+    ec = DynamicEmbCollection(seq_tables(), table_options=OPTIONS)
+    apply_optimizer_in_backward(torch.optim.Adagrad, ec.parameters(), {"lr": 0.4})
+    # nothing read or trained yet (optimizer_config reads no mark)
+    assert ec.optimizer_config == OptimizerConfig(OptimizerType.ADAGRAD, learning_rate=0.4,
+                                                  eps=1e-10)
+    assert ec.optimizer_source == "marks"
+
+
+@pytest.mark.parametrize("where", ["fused_optimizer", "the marks' optimizers"])
+def test_an_lr_scheduler_built_after_the_marks_drives_the_marked_rate(backend, where):
+    """TorchRec's tables follow a scheduler on their marks' own optimizers; the dynamic
+    tables follow one on those or on fused_optimizer, from the marked rate."""
+    dyn, reference = _marked_twins(backend, {"lr": 0.4})
+    schedulers = [torch.optim.lr_scheduler.StepLR(p._in_backward_optimizers[0], 1, 0.5)
+                  for p in reference.parameters()]
+    if where == "fused_optimizer":
+        schedulers.append(torch.optim.lr_scheduler.StepLR(dyn.fused_optimizer, 1, 0.5))
+        assert dyn.fused_optimizer.param_groups[0]["initial_lr"] == 0.4
+    else:
+        schedulers += [torch.optim.lr_scheduler.StepLR(p._in_backward_optimizers[0], 1, 0.5)
+                       for p in dyn.parameters()]
+    _train_twins(dyn, reference, schedulers)
+    assert dyn.fused_optimizer.lr == pytest.approx(0.4 / 8)
+
+
+def test_a_learning_rate_set_by_hand_after_the_mark_is_kept(backend):
+    dyn, reference = _marked_twins(backend, {"lr": 0.4}, {"lr": 0.1})
+    dyn.fused_optimizer.param_groups[0]["lr"] = 0.1
+    _train_twins(dyn, reference)
+    assert dyn.fused_optimizer.lr == 0.1
+
+
+def test_two_marks_optimizers_driven_apart_are_refused_with_the_tables_unchanged():
+    ec = DynamicEmbCollection(seq_tables(), table_options=OPTIONS)
+    apply_optimizer_in_backward(torch.optim.Adagrad, ec.parameters(), {"lr": 0.4})
+    ec.table_weights.t1._in_backward_optimizers[0].param_groups[0]["lr"] = 0.2
+    ec.table_weights.t2._in_backward_optimizers[0].param_groups[0]["lr"] = 0.3
+    with pytest.raises(ValueError, match=r"one learning rate.*changed it to 0.2 and .*"
+                                         r"changed it to 0.3.*nothing was updated"):
+        ec(batches(False)[0])
+    assert all(t.stats()["rows_device"] == 0 for t in ec.tables.values())
+
+
+@pytest.mark.parametrize("fresh_on", ["device", "meta, then to_empty"])
+def test_a_dump_loads_into_a_fresh_module_marked_with_its_optimizer(backend, fresh_on,
+                                                                    tmp_path):
+    from dynemb.checkpoint import dump, load
+    name, device = backend
+    mark = (torch.optim.Adam, {"lr": 0.05})
+    trained = DynamicEmbCollection(seq_tables(), table_options=OPTIONS, device=device,
+                                   backend=name)
+    apply_optimizer_in_backward(mark[0], trained.parameters(), dict(mark[1]))
+    seq_loss(trained(batches(False)[0].to(device))).backward()
+    dump(trained, str(tmp_path))
+    fresh = DynamicEmbCollection(seq_tables(), table_options=OPTIONS, backend=name,
+                                 device="meta" if fresh_on != "device" else device)
+    apply_optimizer_in_backward(mark[0], fresh.parameters(), dict(mark[1]))
+    if fresh_on != "device":
+        fresh.to_empty(device=device)
+    assert load(fresh, str(tmp_path)).rows > 0
+    for module in (trained, fresh):  # and they train on alike
+        seq_loss(module(batches(False)[1].to(device))).backward()
+    ids = torch.arange(NUM_IDS, device=device)
+    for table in ("t1", "t2"):
+        assert torch.equal(fresh.read_rows(table, ids, with_state=True)[0],
+                           trained.read_rows(table, ids, with_state=True)[0])
+
+
 # -- dense optimizers ---------------------------------------------------------------------------
 class _Model(torch.nn.Module):
     def __init__(self, optimizer=None, device=None):
@@ -297,17 +390,13 @@ class _Model(torch.nn.Module):
         return sum(self.dense(jt.values()).sum() for jt in self.ec(kjt).values())
 
 
-def test_one_dense_adam_over_every_parameter_is_refused_while_the_tables_have_no_optimizer():
+def test_one_dense_adam_over_every_parameter_gives_the_tables_adam():
+    """(tests/test_dense_optimizer_tables.py trains such models against TorchRec's.)"""
     model = _Model()
     adam = torch.optim.Adam(model.parameters(), lr=0.01)
-    dense_before = model.dense.weight.detach().clone()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model(batches(False)[0]).backward()
-    with pytest.raises(ValueError, match=r"Adam holds the parameter of dynamic table 't1', "
-                                         r"which it cannot train"):
-        adam.step()
-    assert torch.equal(model.dense.weight, dense_before)  # refused before any step
+    model(batches(False)[0]).backward()
+    adam.step()
+    assert model.ec.optimizer_config == OptimizerConfig(OptimizerType.ADAM, learning_rate=0.01)
 
 
 @pytest.mark.parametrize("configured", ["marked", "optimizer="])

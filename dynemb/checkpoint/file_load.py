@@ -70,6 +70,8 @@ def load(module: torch.nn.Module, paths: Paths) -> DumpInfo:
     if not paths:
         raise ValueError("load needs at least one checkpoint directory")
     scan = module_tables(module)
+    for collection in scan.collections.values():  # tables built for their optimizer first
+        collection.settle_optimizer()
     dirs = [Path(p) / rank_dir_name(scan.rank, scan.world_size) for p in paths]
     chain = [read_manifest(d) for d in dirs]
     _check_chain(chain, dirs, scan)

@@ -17,6 +17,10 @@ as that optimizer trains the rows of each batch:
 - TorchRec's placeholders ``torchrec.optim.SGD`` / ``Adagrad`` / ``Adam``, which never run and
   only carry fbgemm's options, pass their kwargs on as fused params (fbgemm's defaults).
 
+A dense optimizer that holds a table's handle (``torch.optim.Adam(model.parameters())``)
+configures it the same way from its class and the param group holding the handle
+(:func:`fused_params_of_group`).
+
 What the fused optimizer cannot do raises ``ValueError`` naming it: another class (LAMB,
 LARS, Shampoo...), SGD momentum or weight decay, AdaGrad's ``lr_decay`` or weight decay,
 Adam's L2 ``weight_decay`` or AMSGrad, ``maximize``. Options that only say how a dense
@@ -34,6 +38,8 @@ import torchrec.optim as torchrec_optim
 _WD_L2 = 1
 #: kwargs that only say how a dense optimizer computes, not what
 _HOW_NOT_WHAT = frozenset({"foreach", "fused", "capturable", "differentiable"})
+#: kwargs without effect once what they modify is refused (SGD's dampening damps momentum)
+_INERT = frozenset({"dampening"})
 #: fbgemm options a mark may add to a torch optimizer's kwargs (as TorchRec passes them on)
 _FBGEMM_EXTRAS = frozenset({"gradient_clipping", "max_gradient"})
 
@@ -143,7 +149,8 @@ def fused_params_of_mark(optimizer_class: type, kwargs: Mapping[str, Any]) -> Di
         params["beta1"], params["beta2"] = _betas(name, settings["betas"])
     if rule is _ROWWISE_ADAGRAD:
         params["weight_decay_mode"] = _WD_L2
-    known = {*rule.renamed, *rule.off, "betas", *_HOW_NOT_WHAT}
+    known = {*rule.renamed, *rule.off, "betas", *_HOW_NOT_WHAT,
+             *(_INERT if rule is _SGD else ())}
     for key in given:
         if key in _FBGEMM_EXTRAS:
             params[key] = given[key]
@@ -152,6 +159,26 @@ def fused_params_of_mark(optimizer_class: type, kwargs: Mapping[str, Any]) -> Di
                              f"optimizer can follow (known: {', '.join(sorted(known))}, "
                              f"{', '.join(sorted(_FBGEMM_EXTRAS))})")
     return params
+
+
+def fused_params_of_group(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]
+                          ) -> Dict[str, Any]:
+    """fbgemm-style ``fused_params`` that train a table as ``optimizer`` trains the rows of
+    each batch in its param group ``group``: :func:`fused_params_of_mark` of the optimizer's
+    class and the group's values of the optimizer's own options (what schedulers add to a
+    group, such as ``initial_lr``, is left out).
+
+    Example::
+
+        >>> weight = torch.nn.Parameter(torch.zeros(2))
+        >>> adagrad = torch.optim.Adagrad([weight], lr=0.2, initial_accumulator_value=0.1)
+        >>> params = fused_params_of_group(adagrad, adagrad.param_groups[0])
+        >>> params["optimizer"], params["learning_rate"], params["initial_accumulator_value"]
+        (EmbOptimType.EXACT_ADAGRAD, 0.2, 0.1)
+    """
+    defaults = getattr(optimizer, "defaults", None) or {}
+    kwargs = {key: group[key] for key in defaults if key in group}
+    return fused_params_of_mark(type(optimizer), kwargs)
 
 
 def _defaults(optimizer_class: type) -> Dict[str, Any]:

@@ -28,6 +28,7 @@ from dynemb.modules.batch_claims import check_failures, prefetch_all
 from dynemb.modules.collection_config import build_configured_tables, settle_table_options
 from dynemb.rows.fused_optimizer import DynamicEmbFusedOptimizer, checked_lr
 from dynemb.modules.fused_params import fused_params_optimizer
+from dynemb.modules.learning_rates import FollowedGroup, FollowedLearningRate
 from dynemb.optimizer_config import DefaultOptimizerNotice
 from dynemb.rows.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode
@@ -58,8 +59,8 @@ class DynamicCore:
             False runs every table alone.
         with_table_weights: give each table a parameter handle
             (:attr:`table_weights`, :mod:`dynemb.modules.table_weights`), whose
-            ``apply_optimizer_in_backward`` marks configure the optimizer (see
-            :meth:`settle_marked_optimizer`).
+            ``apply_optimizer_in_backward`` marks, or a dense optimizer holding them,
+            configure the optimizer (see :meth:`settle_optimizer`).
     """
 
     def __init__(self, owner: str, configs: List[BaseEmbeddingConfig], device: torch.device,
@@ -99,6 +100,8 @@ class DynamicCore:
                         if options.score_strategy is ScorePolicy.CUSTOMIZED]
         self._generation = 0  # bumped by every checkpoint load: older lookups cannot backward
         self.fused_optimizer = DynamicEmbFusedOptimizer(self.optimizer_config.learning_rate)
+        # the param groups besides fused_optimizer's that set the learning rate
+        self.learning_rate = FollowedLearningRate()
         self._prefetch_stream = (torch.cuda.Stream(device=device)
                                  if device.type == "cuda" else None)
         # memory stashing (dynemb.stashing): None unless a table's options ask for it
@@ -106,13 +109,27 @@ class DynamicCore:
                                                   self.row_units)
         self.table_weights = TableWeights(configs, owner) if with_table_weights else None
         self._marks_seen: Optional[Tuple[int, ...]] = None
-        if self.table_weights is not None and optimizer is not None:
-            self.table_weights.mark_trained_in_backward()
+        #: where the optimizer came from: "optimizer=", "marks", "a dense optimizer", or
+        #: None (the default, so far)
+        self.optimizer_source: Optional[str] = "optimizer=" if optimizer is not None else None
+        # the default is final from the first training step (no dense optimizer held the
+        # handles then)
+        self._default_settled = False
+        if self.table_weights is not None:
+            self.table_weights.on_mark = self.marks_changed
+            if optimizer is not None:
+                self.table_weights.mark_trained_in_backward()
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """Unpickling: what is derived from the configuration is derived again (a module
         pickled by an earlier version may lack it)."""
         self.__dict__.update(state)
+        self.__dict__.setdefault("learning_rate", FollowedLearningRate())
+        self.__dict__.setdefault("optimizer_source",
+                                 "optimizer=" if self.optimizer_notice.given else None)
+        self.__dict__.setdefault("_default_settled", any(self._steps.values()))
+        if self.table_weights is not None:
+            self.table_weights.on_mark = self.marks_changed
         self._inputs = TableInputs(self.configs)
         self._scored = [name for name, options in self.table_options.items()
                         if options.score_strategy is ScorePolicy.CUSTOMIZED]
@@ -144,16 +161,51 @@ class DynamicCore:
                                    if hasattr(b, "rehome")]
         self._generation += 1
 
-    # -- the optimizer marked by apply_optimizer_in_backward ---------------------------------
+    # -- the optimizer marked by apply_optimizer_in_backward, or a dense one -------------------
+    def marks_changed(self) -> None:
+        """Every handle carries a new mark (:mod:`dynemb.modules.table_weights`): adopt it
+        now. A mark the module cannot take is refused later, at the next training step,
+        checkpoint load or read of ``fused_optimizer`` (raising inside torch's marking
+        loop would leave its marks half made)."""
+        try:
+            self.settle_marked_optimizer()
+        except (TypeError, ValueError):
+            pass
+
+    def settle_optimizer(self, training: bool = False) -> None:
+        """Settle the tables' optimizer before a training step (``training``), a checkpoint
+        load or a read of ``fused_optimizer``: adopt new marks
+        (:meth:`settle_marked_optimizer`); then, while nothing configured the optimizer,
+        adopt that of a dense optimizer holding the table handles
+        (:meth:`~dynemb.modules.table_weights.TableWeights.dense_optimizer`), as a mark.
+        At the first training step with neither, the default is final. Nothing changes
+        when it raises."""
+        self.settle_marked_optimizer()
+        weights = self.table_weights
+        if weights is None or self.optimizer_source is not None or self._default_settled \
+                or self.is_meta:
+            return
+        found = weights.dense_optimizer()
+        if found is not None:
+            params, groups = found
+            self._adopt(fused_params_optimizer(params), groups,
+                        f"{groups[0].name} holds the tables' parameters and configures",
+                        "a dense optimizer")
+        elif training:
+            self._default_settled = True
+            weights.mark_trains_with_default()
+
     def settle_marked_optimizer(self) -> None:
         """Adopt the optimizer that ``apply_optimizer_in_backward`` marked on the table
-        handles (:mod:`dynemb.modules.table_weights`) when a mark is new; runs before a training
-        step or a checkpoint load. A mark equal to the module's ``optimizer=`` changes
+        handles (:mod:`dynemb.modules.table_weights`) when a mark is new; runs when the
+        last handle is marked, and before a training step, a checkpoint load or a read of
+        ``fused_optimizer``. A mark equal to the module's ``optimizer=`` changes
         nothing; one that differs raises ``ValueError``, as does one that comes after the
         tables hold rows (trained, loaded or filled with the default optimizer's layout).
         Otherwise the tables, still empty, are built again with the marked optimizer (its
-        learning rate becomes the fused optimizer's) and no default-optimizer warning
-        comes. Nothing changes when it raises."""
+        learning rate becomes the fused optimizer's, and the marks' optimizer objects set it
+        from then on, :mod:`dynemb.modules.learning_rates`) and no default-optimizer
+        warning comes. Nothing changes when it raises."""
         weights = self.table_weights
         if weights is None:
             return
@@ -162,28 +214,32 @@ class DynamicCore:
             return
         fused = weights.marked_fused_params()
         if fused is not None:
-            self._adopt(fused_params_optimizer(fused))
+            self._adopt(fused_params_optimizer(fused), weights.mark_groups(),
+                        "apply_optimizer_in_backward marks", "marks")
         self._marks_seen = signature
 
-    def _adopt(self, marked: OptimizerConfig) -> None:
+    def _adopt(self, marked: OptimizerConfig, groups: List[FollowedGroup], what: str,
+               source: str) -> None:
         owner = self.optimizer_notice.owner
-        if self.optimizer_notice.given:
+        if self.optimizer_source == "optimizer=":
             if marked != self.optimizer_config:
                 raise ValueError(
-                    f"{owner}: apply_optimizer_in_backward marks {marked} on the tables but "
+                    f"{owner}: {what} {marked} on the tables but "
                     f"the module trains with optimizer={self.optimizer_config}; configure "
                     f"the optimizer in one place (nothing was changed)")
+            self.learning_rate.follow(self.fused_optimizer.param_groups[0], groups)
             self.table_weights.mark_trained_in_backward()
             return
         holding = [name for name, table in self.tables.items()
                    if self._steps[name] or _holds_rows(table)]
         if holding:
             raise ValueError(
-                f"{owner}: apply_optimizer_in_backward marks {marked} on the tables, but "
+                f"{owner}: {what} {marked} on the tables, but "
                 f"tables {holding} already hold rows kept for the default optimizer "
                 f"{self.optimizer_config} (trained, loaded or filled before the mark); mark "
-                f"the tables' parameters before the first training step or checkpoint load, "
-                f"or pass optimizer= to the module (nothing was changed)")
+                f"the tables' parameters (or build the dense optimizer holding them) before "
+                f"the first training step or checkpoint load, or pass optimizer= to the "
+                f"module (nothing was changed)")
         options = settle_table_options(self._table_options_given, self.configs, marked)
         self.clear_prefetched()
         self.optimizer_config, self.table_options = marked, options
@@ -196,8 +252,33 @@ class DynamicCore:
         self.memory_stash = CollectionStash.build(self.tables, self.device,
                                                   self._prefetch_stream, self.row_units)
         self.fused_optimizer.param_groups[0]["lr"] = marked.learning_rate
+        self.learning_rate.follow(self.fused_optimizer.param_groups[0], groups)
+        self.optimizer_source = source
         self.optimizer_notice.configured()
         self.table_weights.mark_trained_in_backward()
+
+    def take_optimizer_of(self, meta: "DynamicCore") -> None:
+        """Materializing ``meta`` into this core (built with its optimizer config): keep
+        its fused optimizer object (its lr, and schedulers on it), the groups that set the
+        lr, its table handles (their marks and the optimizers on them) and where its
+        optimizer came from."""
+        self.fused_optimizer = meta.fused_optimizer
+        self.learning_rate = meta.learning_rate
+        self.optimizer_notice = meta.optimizer_notice
+        self.optimizer_source = meta.optimizer_source
+        self._table_options_given = meta._table_options_given
+        self._marks_seen = meta._marks_seen
+        self._default_settled = meta._default_settled
+        if meta.table_weights is not None:
+            self.table_weights = meta.table_weights
+            self.table_weights.on_mark = self.marks_changed
+
+    def optimizer_object(self) -> DynamicEmbFusedOptimizer:
+        """``fused_optimizer`` as it stands for the next step: the optimizer settled
+        (:meth:`settle_optimizer`) and its learning rate the one the tables will use."""
+        self.settle_optimizer()
+        self.learning_rate.current(self.fused_optimizer.param_groups[0])
+        return self.fused_optimizer
 
     def _regroup(self) -> None:
         """Group the current tables (each group copies its tables into its own arrays):
@@ -333,7 +414,7 @@ class DynamicCore:
         """Resolve ``kjt``'s ids to slots and queue the result (on CUDA on the side stream,
         after the current stream and ``forward_stream``)."""
         if training:
-            self.settle_marked_optimizer()
+            self.settle_optimizer(training=True)
         if self._prefetch_stream is None:
             state = self._prefetch_now(kjt, training)
         else:
@@ -367,7 +448,7 @@ class DynamicCore:
         backward or the next training lookup; else the lookup is read-only and its pins end
         with the block."""
         if trains:
-            self.settle_marked_optimizer()
+            self.settle_optimizer(training=True)
             self._check_lr()
             self.optimizer_notice.at_training(self.optimizer_config)
         state = self._take(kjt, trains)
@@ -459,8 +540,8 @@ class DynamicCore:
         batch.apply_gradients(grads, taking, lr=lr, steps=self._steps)
 
     def _check_lr(self) -> float:
-        given = self.fused_optimizer.param_groups[0]["lr"]
         try:
+            given = self.learning_rate.current(self.fused_optimizer.param_groups[0])
             return checked_lr(given, "fused_optimizer.param_groups[0]['lr']")
         except (TypeError, ValueError) as err:
             raise type(err)(f"{err}; nothing was updated") from None
@@ -487,7 +568,7 @@ class DynamicCore:
     def load_tables(self, saved: Dict[str, List[SavedTable]]) -> None:
         """Replace the named tables' contents with their saved images, all or nothing (see
         :meth:`dynemb.modules.dynamic_module.DynamicModule.load_tables`)."""
-        self.settle_marked_optimizer()
+        self.settle_optimizer()
         exact = check_saved_tables(self.tables, saved)
         # fallible loads (by key, into new tables) first; in-place ones cannot fail
         restored = {n: restore(self.tables[n], parts) for n, parts in saved.items()

@@ -94,6 +94,14 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         training use)."""
         return self._core.optimizer_notice.given
 
+    @property
+    def optimizer_source(self) -> Optional[str]:
+        """Where the tables' optimizer came from: ``"optimizer="`` (the module's argument),
+        ``"marks"`` (``apply_optimizer_in_backward``), ``"a dense optimizer"`` (one holding
+        the tables' parameters, :mod:`dynemb.modules.table_weights`), or None (the default,
+        so far; a sharder's ``fused_params`` may still configure it)."""
+        return self._core.optimizer_source
+
     def marked_fused_params(self) -> Optional[Dict[str, Any]]:
         """The fused params that ``apply_optimizer_in_backward`` marks on the tables'
         parameters configure
@@ -147,7 +155,11 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
 
     @property
     def fused_optimizer(self) -> DynamicEmbFusedOptimizer:
-        return self._core.fused_optimizer
+        """The optimizer object of the tables (LR schedulers work on it). Reading it first
+        adopts what configures the optimizer (marks of ``apply_optimizer_in_backward``, a
+        dense optimizer holding the tables' parameters) and the learning rate the next step
+        will use; a configuration the module cannot take raises ``ValueError``."""
+        return self._core.optimizer_object()
 
     @property
     def memory_stash(self) -> Optional[CollectionStash]:
@@ -315,14 +327,23 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         module stays on meta."""
         meta = self._core
         self._build_core(meta.configs, device, table_options=meta.table_options,
-                         optimizer=meta.optimizer_config if meta.optimizer_notice.given
+                         optimizer=meta.optimizer_config if meta.optimizer_source is not None
                          else None, validate_inputs=meta.validate_inputs,
                          backend=meta.backend, group_tables=meta.groups_on)
-        self._core.fused_optimizer = meta.fused_optimizer  # its lr, and schedulers on it
-        if meta.table_weights is not None:  # the same handles: their marks, optimizers on them
-            self._core.table_weights = self.table_weights = meta.table_weights
+        # the fused optimizer object (its lr, schedulers on it), the same handles (their
+        # marks, optimizers on them) and where the optimizer came from
+        self._core.take_optimizer_of(meta)
+        if meta.table_weights is not None:
+            self.table_weights = meta.table_weights
         if meta.scores:
             self._core.set_scores(meta.scores)
+
+    def settle_optimizer(self) -> None:
+        """Adopt now what configures the tables' optimizer: new marks of
+        ``apply_optimizer_in_backward``, or a dense optimizer holding the tables' parameters
+        (:meth:`~dynemb.modules.dynamic_core.DynamicCore.settle_optimizer`); done before
+        training steps and checkpoint loads."""
+        self._core.settle_optimizer()
 
     def __getstate__(self):
         """``torch.save(module)`` pickles the whole module (see

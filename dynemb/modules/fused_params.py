@@ -88,7 +88,8 @@ def sharder_override(module, fused: Optional[OptimizerConfig],
         >>> sharder_override(ec, OptimizerConfig(learning_rate=0.1)).learning_rate
         0.1
     """
-    if fused is None or not module.optimizer_given or module.optimizer_config == fused:
+    if fused is None or module.optimizer_source != "optimizer=" or \
+            module.optimizer_config == fused:
         return fused
     name = type(module).__name__ + (f" at {where!r}" if where else "")
     raise ValueError(f"{name}: optimizer={module.optimizer_config} conflicts with its "
@@ -119,7 +120,7 @@ def sharded_optimizer(module, fused_params: Optional[Mapping[str, Any]],
     """
     params = dict(checked_fused_params(fused_params) or {})
     marked = module.marked_fused_params()
-    if marked is not None and module.optimizer_given:
+    if marked is not None and module.optimizer_source == "optimizer=":
         config = fused_params_optimizer(marked)
         if config != module.optimizer_config:
             name = type(module).__name__ + (f" at {where!r}" if where else "")

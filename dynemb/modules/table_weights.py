@@ -12,28 +12,42 @@ either). The handles never get a gradient: what the mark says is read by the mod
 backward. They are not module state (``state_dict`` holds the rows, under
 ``dynamic_tables``) and ``.to()`` leaves them where they are.
 
-A dense optimizer given a handle (``torch.optim.Adam(model.parameters())``) could not train
-the table: once a handle says which fused optimizer trains its table (a mark, the module's
-``optimizer=``, a sharder's ``fused_params``), it is marked as trained in backward, as
-TorchRec marks its sharded weights, so ``in_backward_optimizer_filter`` leaves it out and a
-dense optimizer that holds it anyway finds no gradient on it (as TorchRec's weights after
-their optimizer in backward ran). A handle of a table with no configured optimizer in a
-dense optimizer makes that optimizer's ``step()`` raise ``ValueError``
-(:func:`refuse_untrained_tables`): the dense optimizer would not train it, and the table
-would train with the default.
+A mark is adopted when it is made: the handles watch their ``_optimizer_kwargs``
+(:class:`~dynemb.bridges.optimizer_marks.MarkList`) and, once every handle of the module
+carries its mark, call :attr:`TableWeights.on_mark` (the module adopts the optimizer then, so
+what follows the marks, an LR scheduler on ``fused_optimizer``, a learning rate set by hand,
+a checkpoint load, sees it). The marks' own optimizer objects stay on the handles, and a
+scheduler on one of them sets the tables' learning rate
+(:mod:`dynemb.modules.learning_rates`).
+
+A dense optimizer that holds the handles (``torch.optim.Adam(model.parameters())``, as
+TorchRec's BERT4Rec example trains TorchRec's tables) configures the tables of a module that
+nothing else configured, from its class and the param group holding them
+(:meth:`TableWeights.dense_optimizer`), and its group's learning rate is followed at every
+step. Once a handle's table has its optimizer (a mark, the module's ``optimizer=``, a
+sharder's ``fused_params``, a dense optimizer), the handle is marked as trained in backward,
+as TorchRec marks its sharded weights, so ``in_backward_optimizer_filter`` leaves it out and
+a dense optimizer that holds it finds no gradient on it (as TorchRec's weights after their
+optimizer in backward ran). A dense optimizer that holds a handle of a table already trained
+with the default optimizer (it was built after the module's first training step) makes its
+``step()`` raise ``ValueError`` (:func:`refuse_untrained_tables`).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, data_type_to_dtype
 
+from dynemb.bridges.dense_optimizers import HeldBy, optimizers_holding
 from dynemb.bridges.optimizer_marks import (add_step_pre_hook, in_backward_optimizers,
                                             is_trained_in_backward, mark_count,
-                                            mark_trained_by_fused_optimizer, marks_of)
-from dynemb.foundations.marked_optimizer import fused_params_of_mark
+                                            mark_optimizers, mark_trained_by_fused_optimizer,
+                                            marks_of, watch_existing_marks,
+                                            watched_kwargs)
+from dynemb.foundations.marked_optimizer import fused_params_of_group, fused_params_of_mark
+from dynemb.modules.learning_rates import FollowedGroup
 
 
 class TableWeight(torch.nn.Parameter):
@@ -41,6 +55,17 @@ class TableWeight(torch.nn.Parameter):
     it in messages."""
 
     table: str = "?"
+    #: called when a mark is appended (see the module docstring)
+    on_mark: Optional[Callable[[], None]] = None
+    #: its table trained with the default optimizer (nothing configured one in time)
+    trains_with_default: bool = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, watched_kwargs(name, value, self._marked))
+
+    def _marked(self) -> None:
+        if self.on_mark is not None:
+            self.on_mark()
 
 
 class TableWeights(torch.nn.Module):
@@ -63,10 +88,13 @@ class TableWeights(torch.nn.Module):
         super().__init__()
         self.owner = owner
         self.trained_in_backward = False
+        self.trains_with_default = False
+        #: called once every handle carries a new mark (the module adopts it)
+        self.on_mark: Optional[Callable[[], None]] = None
         for config in configs:
-            self.register_parameter(config.name, _handle(
+            self.register_parameter(config.name, self._watched(_handle(
                 config.name, (config.num_embeddings, config.embedding_dim),
-                data_type_to_dtype(config.data_type)))
+                data_type_to_dtype(config.data_type))))
         install_dense_optimizer_guard()
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -78,8 +106,23 @@ class TableWeights(torch.nn.Module):
                 param = _handle(name, tuple(param.shape), param.dtype)
                 self.register_parameter(name, param)
             param.table = name
+            self._watched(param)
         if self.trained_in_backward:
             self.mark_trained_in_backward()
+        if getattr(self, "trains_with_default", False):
+            self.mark_trains_with_default()
+
+    def _watched(self, handle: TableWeight) -> TableWeight:
+        handle.on_mark = self._handle_marked
+        watch_existing_marks(handle)
+        return handle
+
+    def _handle_marked(self) -> None:
+        """A handle got a mark: the module is told once every handle carries one (torch
+        marks them one by one; until the last, the marks are incomplete)."""
+        on_mark = getattr(self, "on_mark", None)
+        if on_mark is not None and all(self.marks_signature()):
+            on_mark()
         install_dense_optimizer_guard()  # e.g. unpickled in a new process
 
     # -- what nn.Module would do to parameters -----------------------------------------------
@@ -132,6 +175,61 @@ class TableWeights(torch.nn.Module):
                                  f"optimizer: use two modules for two optimizers")
         return fused_params_of_mark(*mark)
 
+    def mark_groups(self) -> List[FollowedGroup]:
+        """The param groups of the marks' own optimizer objects, whose learning rate the
+        tables follow (see :mod:`dynemb.modules.learning_rates`)."""
+        return [FollowedGroup(f"the optimizer of table {name!r}'s mark "
+                              f"({type(opt).__name__})", group, True)
+                for name, param in self.named_parameters(recurse=False)
+                for opt in mark_optimizers(param) for group in opt.param_groups[:1]]
+
+    def dense_optimizer(self) -> Optional[Tuple[Dict[str, Any], List[FollowedGroup]]]:
+        """``(fused params, [its param group])`` of the dense optimizer that holds the handles
+        (see the module docstring), None if none holds any. Every handle must be held, by
+        one param group of one optimizer (the tables of one module train with one optimizer):
+        anything else, or an option the fused optimizer cannot follow, raises
+        ``ValueError`` naming the optimizer and the tables."""
+        names = [name for name, _ in self.named_parameters(recurse=False)]
+        handles = [param for _, param in self.named_parameters(recurse=False)]
+        own = {id(opt) for param in handles for opt in in_backward_optimizers(param)}
+        held = {names[i]: [h for h in found if id(h.optimizer) not in own]
+                for i, found in optimizers_holding(handles).items()}
+        holders: Dict[int, HeldBy] = {id(h.group): h for hs in held.values() for h in hs}
+        if not holders:
+            return None
+        where = self.owner
+        twice = [name for name, hs in held.items() if len(hs) > 1]
+        if twice:
+            raise ValueError(f"{where}: the parameter of dynamic table {twice[0]!r} is held by "
+                             f"{' and '.join(h.describe() for h in held[twice[0]])}; its "
+                             f"fused optimizer follows one (nothing was changed)")
+        if len(holders) > 1:
+            raise ValueError(f"{where}: the tables' parameters are held by "
+                             f"{' and '.join(h.describe() for h in holders.values())}; the "
+                             f"tables of one dynamic module train with one optimizer: hold "
+                             f"them in one param group, or use two modules (nothing was "
+                             f"changed)")
+        (holder,) = holders.values()
+        free = [name for name, hs in held.items() if not hs]
+        if free:
+            raise ValueError(f"{where}: {holder.describe()} holds the parameters of tables "
+                             f"{sorted(set(names) - set(free))} but not of tables {free}; "
+                             f"the tables of one dynamic module train with one optimizer "
+                             f"(nothing was changed)")
+        try:
+            params = fused_params_of_group(holder.optimizer, holder.group)
+        except ValueError as err:
+            raise ValueError(f"{where}: {holder.describe()} holds the tables' parameters: "
+                             f"{err} (nothing was changed)") from None
+        return params, [FollowedGroup(holder.describe(), holder.group, False)]
+
+    def mark_trains_with_default(self) -> None:
+        """Say on every handle that its table trains with the default optimizer (a dense
+        optimizer found holding it later is refused, see :func:`refuse_untrained_tables`)."""
+        self.trains_with_default = True
+        for param in self.parameters(recurse=False):
+            param.trains_with_default = True
+
     def mark_trained_in_backward(self) -> None:
         """Say on every handle that the fused optimizer trains its table (once the module's
         optimizer is configured): ``in_backward_optimizer_filter`` then leaves them out."""
@@ -166,25 +264,28 @@ def install_dense_optimizer_guard() -> None:
 
 def refuse_untrained_tables(optimizer: torch.optim.Optimizer, args=(), kwargs=None) -> None:
     """Raise ``ValueError`` if ``optimizer`` (about to step) holds the handle of a dynamic
-    table that no optimizer configuration reaches: it would not train the table, which would
-    train with the default fused optimizer. An optimizer found clean is checked again only
-    when its number of parameters changes."""
+    table that already trained with the default fused optimizer (``optimizer`` was built
+    after the module's first training step, so it could not configure the table, and does
+    not train it). An optimizer found clean is checked again only when its number of
+    parameters changes."""
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if _CHECKED.get(optimizer) == count:
         return
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if isinstance(param, TableWeight) and not is_trained_in_backward(param) and \
+            if isinstance(param, TableWeight) and param.trains_with_default and \
+                    not is_trained_in_backward(param) and \
                     optimizer not in in_backward_optimizers(param):
                 raise ValueError(
                     f"{type(optimizer).__name__} holds the parameter of dynamic table "
-                    f"{param.table!r}, which it cannot train: dynamic tables are trained in "
-                    f"backward by their fused optimizer, which nothing configured (it would "
-                    f"train with the default SGD, learning_rate=0.01). Give the tables their "
-                    f"optimizer with apply_optimizer_in_backward(<optimizer class>, "
-                    f"<module>.parameters(), {{...}}), the module's optimizer=OptimizerConfig"
-                    f"(...) or the sharder's fused_params; dense optimizers then skip them "
-                    f"(torchrec.optim.optimizers.in_backward_optimizer_filter leaves them out)")
+                    f"{param.table!r}, which it cannot train: the table already trains with "
+                    f"the default fused optimizer (SGD, learning_rate=0.01), since "
+                    f"{type(optimizer).__name__} did not exist at its first training step. "
+                    f"Build the optimizer before the first training step (it then configures "
+                    f"the tables' fused optimizer from its class and param group), or give "
+                    f"the tables their optimizer with apply_optimizer_in_backward(<optimizer "
+                    f"class>, <module>.parameters(), {{...}}), the module's optimizer="
+                    f"OptimizerConfig(...) or the sharder's fused_params")
     try:
         _CHECKED[optimizer] = count
     except TypeError:  # an optimizer that cannot be weakly referenced: checked every step
