@@ -88,7 +88,7 @@ def test_rows_allocated_up_front_beyond_memory_name_init_capacity_and_a_budget()
     with pytest.raises(ValueError, match=(
             r"table 't': the 151284754176 rows allocated up front \(init_capacity, which "
             r"defaults to max_capacity, which defaults to room for num_embeddings ids\) need "
-            r"5072\.2 GiB on "
+            r"4\.95 TiB on "
             r"cpu, which has .* GiB; set init_capacity to start smaller .*"
             r"local_hbm_for_values / global_hbm_for_values\) with caching=True")):
         make(2**36)
@@ -114,12 +114,13 @@ def test_what_a_module_allocates_up_front_is_checked_together_before_any_table(m
                                    feature_names=[f"f{i}"]) for i in range(count)]
         return DynamicEmbCollection(configs, table_options=DynamicEmbTableOptions())
 
-    with pytest.raises(ValueError, match=r"table 't0': .* need .* on cpu, which has 0\.1 GiB"):
+    # 361,600 and 106,240 rows of 64 floats + a 20-byte hash slot: 95.2 MiB and 28 MiB each
+    with pytest.raises(ValueError, match=r"table 't0': .* need 95\.2 MiB on cpu, which has 64 MiB"):
         module(200_000, 1)
     with pytest.raises(ValueError, match=(
-            r"the 8 tables of the module allocate 0\.2 GiB up front on cpu together, which "
-            r"has 0\.1 GiB \(largest: 't0' .*, 't4' .* and 3 more\); each fits alone, not all "
-            r"of them: set init_capacity to start smaller")):
+            r"the 8 tables of the module allocate 224 MiB up front on cpu together, which "
+            r"has 64 MiB \(largest: 't0' 28 MiB, 't1' 28 MiB, .*, 't4' 28 MiB and 3 more\); "
+            r"each fits alone, not all of them: set init_capacity to start smaller")):
         module(60_000, 8)
     assert built == []
     module(60_000, 2)  # 2 of them fit

@@ -65,25 +65,26 @@ def test_the_rows_a_policy_allocates_up_front_are_the_built_tables(mode):
         StorageMode.DEFAULT: (256, 1408), StorageMode.HOST_ONLY: (0, 512)}[mode]
 
 
-#: The error of each mode when host memory is 8 KiB (every table's rows exceed it).
+#: The error of each mode when host memory is 8 KiB (every table's rows exceed it); a row
+#: and its hash slot take 32 + 20 bytes.
 ERRORS = {
     StorageMode.HBM_DIRECT: (
-        "table 't': the 256 rows allocated up front (init_capacity) need 0.0 GiB on cpu, "
-        "which has 0.0 GiB; set init_capacity to start smaller (the table grows up to "
+        "table 't': the 256 rows allocated up front (init_capacity) need 13 KiB on cpu, "
+        "which has 8 KiB; set init_capacity to start smaller (the table grows up to "
         "max_capacity=1024 as rows arrive), or a memory budget (local_hbm_for_values / "
         "global_hbm_for_values) with caching=True to keep only the hot rows on the device (a "
         "backing store that grows as rows arrive holds the rest)"),
     StorageMode.CACHE: (
-        "table 't': the 256 device rows of the memory budget need 0.0 GiB on cpu, which has "
-        "0.0 GiB; lower the memory budget (local_hbm_for_values / global_hbm_for_values)"),
+        "table 't': the 256 device rows of the memory budget need 13 KiB on cpu, which has "
+        "8 KiB; lower the memory budget (local_hbm_for_values / global_hbm_for_values)"),
     StorageMode.DEFAULT: (
         "table 't': the 256 device rows of the memory budget and the 1408 rows of the host "
-        "tier, allocated up front, need 0.0 GiB on cpu, which has 0.0 GiB; with "
+        "tier, allocated up front, need 84.5 KiB on cpu, which has 8 KiB; with "
         "caching=False the host tier holds max_capacity minus the device rows from the start: "
         "lower max_capacity, or set caching=True (its backing store grows as rows arrive)"),
     StorageMode.HOST_ONLY: (
-        "table 't': the 512 host rows of max_capacity, allocated up front, need 0.0 GiB on "
-        "cpu, which has 0.0 GiB; lower max_capacity (a HOST_ONLY table holds all of it in "
+        "table 't': the 512 host rows of max_capacity, allocated up front, need 26 KiB on "
+        "cpu, which has 8 KiB; lower max_capacity (a HOST_ONLY table holds all of it in "
         "host memory)"),
 }
 

@@ -104,4 +104,15 @@ def _memory_of(device: torch.device) -> Optional[int]:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    """``n`` bytes in the largest binary unit that keeps it at least 1 (three significant
+    digits), so that no table's size reads as "0.0 GiB".
+
+    >>> _gib(60_000 * 80), _gib(3 * 2**30), _gib(512)
+    ('4.58 MiB', '3 GiB', '512 bytes')
+    """
+    if n < 1024:
+        return f"{n} bytes"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        n /= 1024
+        if n < 1024 or unit == "PiB":
+            return f"{n:.3g} {unit}"
