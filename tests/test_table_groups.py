@@ -943,3 +943,26 @@ def test_a_cache_table_without_a_partner_is_a_group_of_one_and_a_cuda_one_too():
     assert module.table_groups() == [("t0", "t1", "t3"), ("t2",)]
     host = DynamicEmbCollection(configs(dims=(8, 8, 16, 8)))
     assert host.table_groups() == [("t0", "t1", "t3"), ("t2",)]
+
+
+@pytest.mark.parametrize("change", ["reset", "load"])
+def test_a_late_backward_refused_after_a_reset_or_a_load_says_the_same_grouped_or_not(change):
+    """Grouped, the forward's tables are one batch; alone, four, and the first backward to
+    run would name only its own table: both name the forward's tables, word for word."""
+    messages = []
+    for module in twins(OptimizerType.SGD):
+        gen = torch.Generator().manual_seed(21)
+        step(module, batch(gen))
+        state = module.state_dict()
+        out = module(batch(gen))
+        if change == "reset":
+            module.reset_parameters(tables=["t2"])
+        else:
+            module.load_state_dict(state)
+        with pytest.raises(RuntimeError) as refused:
+            sum((out[f].values() ** 2).sum() for f in FEATURES).backward()
+        messages.append(str(refused.value))
+    assert messages[0] == messages[1] == (
+        "a checkpoint was loaded or tables were reset after this forward (of tables ['t0', "
+        "'t1', 't2', 't3']); its backward would update rows that are no longer there. Run a "
+        "new forward")

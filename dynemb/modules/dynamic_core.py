@@ -521,12 +521,16 @@ class DynamicCore:
         step."""
         names = batch.names
         if generation != self._generation:
-            what = (f"table {names[0]!r} was" if len(names) == 1 else
-                    f"tables {list(names)} were")
-            their = "its" if len(names) == 1 else "their"
+            # named by the forward, not by the batch: grouped or not, a training forward
+            # looks up every table, and the same error comes whichever batch's backward
+            # runs first
+            looked_up = [config.name for config in self.configs if config.name in self.tables]
+            what = (f"table {looked_up[0]!r}" if len(looked_up) == 1 else
+                    f"tables {looked_up}")
             raise RuntimeError(
-                f"{what} loaded from a checkpoint or reset after this forward; {their} "
-                f"backward would update rows that are no longer there. Run a new forward")
+                f"a checkpoint was loaded or tables were reset after this forward (of "
+                f"{what}); its backward would update rows that are no longer there. Run a "
+                f"new forward")
         again = [n for n, takes in zip(names, taking) if takes and batch.applied_to(n)]
         if again:
             raise RuntimeError(
