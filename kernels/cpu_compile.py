@@ -23,6 +23,18 @@ Example::
         for i in prange(out.size):
             out[i] = i
 """
+import functools
+import os
+import sys
+
+from numba.core import event
+from numba.core.compiler_lock import global_compiler_lock
+from numba.core.registry import CPUDispatcher
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: each process compiles what it misses
+    fcntl = None
 
 
 def prange_loops() -> dict:
@@ -30,3 +42,86 @@ def prange_loops() -> dict:
     dict each call: numba consumes it)."""
     return dict(prange=True, comprehension=False, reduction=False, inplace_binop=False,
                 setitem=False, numpy=False, stencil=False, fusion=False)
+
+
+# -- one compilation per machine ----------------------------------------------------------------
+# Processes of one machine (the ranks of a job, the workers of a test run) share numba's cache
+# of compiled kernels, but each would compile a kernel it misses there, all at the same time.
+_held_locks: set = set()  # lock files this process holds (a compilation nested in another)
+_announced = False
+_listening = False
+
+
+def compile_once_per_machine(*modules) -> None:
+    """Make the processes of one machine compile each CPU kernel (numba dispatcher) of
+    ``modules`` once: the first to need it compiles it under a file lock beside numba's cache
+    entry, the others wait for the lock and load what it wrote. The first compilation in a
+    process is announced on stderr (by rank 0 only, where ``RANK`` is set).
+
+    Example::
+
+        from dynemb.kernels import table_cpu
+        compile_once_per_machine(table_cpu)   # what dynemb's CPU backend does
+    """
+    global _listening
+    for module in modules:
+        for kernel in vars(module).values():
+            if isinstance(kernel, CPUDispatcher) and "_compile_alone" not in vars(kernel):
+                kernel._compile_alone = kernel.compile
+                kernel.compile = functools.partial(_compile_under_lock, kernel)
+    if not _listening:
+        _listening = True
+        event.register("numba:compile", _Announcer())
+
+
+def _compile_under_lock(kernel, sig):
+    path = _lock_path(kernel)
+    # numba's own lock first: one thread of a process compiles at a time, so no two threads
+    # of one process wait for the same file lock
+    with global_compiler_lock:
+        if path is None or path in _held_locks:
+            return kernel._compile_alone(sig)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            handle = open(path, "a+b")
+        except OSError:  # a cache numba cannot write to either: nothing to share
+            return kernel._compile_alone(sig)
+        with handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            _held_locks.add(path)
+            try:
+                # numba looks in its cache first: a kernel another process compiled while
+                # this one waited loads from there
+                return kernel._compile_alone(sig)
+            finally:
+                _held_locks.discard(path)
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _lock_path(kernel):
+    cache = getattr(kernel._cache, "_cache_path", None)
+    if fcntl is None or cache is None:
+        return None
+    function = kernel.py_func
+    return os.path.join(cache, f"{function.__module__}.{function.__qualname__}.lock")
+
+
+class _Announcer(event.Listener):
+    """numba's compile events (they come only where a kernel is compiled, not loaded from the
+    cache): the first of a dynemb kernel says why the first steps wait."""
+
+    def on_start(self, compiling):
+        global _announced
+        kernel = compiling.data["dispatcher"]
+        function = kernel.py_func
+        if _announced or not function.__module__.startswith("dynemb.kernels"):
+            return
+        _announced = True
+        if os.environ.get("RANK", "0") == "0":
+            cache = getattr(kernel._cache, "_cache_path", "numba's cache")
+            print(f"dynemb: compiling its CPU kernels for this machine, once (later runs load "
+                  f"them from {cache}); the first steps wait for it", file=sys.stderr,
+                  flush=True)
+
+    def on_end(self, compiling):
+        pass

@@ -31,7 +31,12 @@ from dynemb.backends.protocol import (EMPTY_KEY, TOMBSTONE_KEY, KernelBackend, S
                                    rehash_args)
 from dynemb.kernels import (dedup_cpu, group_stores_cpu, groups_cpu, init_cpu, optim_cpu,
                             pool_cpu, round_cpu, rows_cpu, table_cpu)
+from dynemb.kernels.cpu_compile import compile_once_per_machine
 from dynemb.foundations.threads import apply_defaults as apply_thread_defaults
+
+# the ranks of a job (and the workers of a test run) share each kernel's compilation
+compile_once_per_machine(dedup_cpu, group_stores_cpu, groups_cpu, init_cpu, optim_cpu, pool_cpu,
+                         round_cpu, rows_cpu, table_cpu)
 
 __all__ = ["CpuBackend", "CudaBackend", "backend_for_device", "get_backend", "resolve_kernels"]
 
