@@ -332,6 +332,8 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
           out_dir: Path, pipeline_kind: str, resume: Optional[Path] = None,
           disk: Optional[Path] = None, host_cache_mb: int = 0) -> Optional[Dict[str, Any]]:
     from tqdm import tqdm
+    entered = time.perf_counter()    # a fresh machine's first step includes compiling kernels
+    to_first_step = float("nan")
     torch.manual_seed(seed)          # the same MLP start on every rank
     world = SessionWorld(cfg.items, cfg.clusters, cfg.users, seed)
     held_out = world.sample(cfg.eval_examples, cfg.max_history, np.random.default_rng(seed + 2))
@@ -382,6 +384,8 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
             except StopIteration:
                 break
             losses.append(float(loss))
+            if len(losses) == 1:
+                to_first_step = time.perf_counter() - entered
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.3f}", hr10=f"{curve[-1][1]:.3f}")
         done = stop
@@ -424,6 +428,7 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
         "stats": stats["total"],
         "stats_per_rank": stats["per_rank"],
         "first_step": first_step,
+        "seconds_to_first_step": to_first_step,
         "first_lr": first_lr,
         "checkpoint": checkpoint,
     }
@@ -432,7 +437,8 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
     metrics["json"] = str(out_dir / "train_sharded.json")
     Path(metrics["json"]).write_text(json.dumps(metrics, indent=1, default=jsonable))
     print(f"\n{world_size} ranks, {type(pipeline).__name__}, batch {cfg.batch} per rank; "
-          f"loss averaged over ranks, table counters summed over ranks")
+          f"loss averaged over ranks, table counters summed over ranks; first step done "
+          f"{to_first_step:.1f} s after the rank started training")
     print_summary(metrics)
     print(f"checkpoint of step {checkpoint['step']}: {checkpoint['path']} "
           f"({checkpoint['mb']:.1f} MB, {checkpoint['seconds']:.2f} s); continue with --resume")
