@@ -109,3 +109,36 @@ def test_batches_in_flight_follow_a_growth_made_outside_a_claim(backend, grouped
     if grouped:  # the group grew in place: no regroup, every batch followed it
         (group,) = grown._core.groups
         assert group.intact(grown.tables)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_kernels_given_slots_past_their_arrays_touch_nothing_beyond_them(backend):
+    """Slots a batch holds index the arrays the kernels are given; one past them (a batch
+    that did not follow its rows) is skipped, never written or read out of bounds. The
+    arrays here are the first rows of larger buffers, so that a write past them shows."""
+    from dynemb.backends.numba_backends import backend_for_device
+    from dynemb.backends.protocol import TableArrays
+    from dynemb.rows.occurrence_grads import OccurrenceGrads
+    name, device = backend
+    kernels = backend_for_device(torch.device(device), name)
+    rows, past = 64, torch.tensor([3, 70, 64, -1], device=device)  # 3 is in, 70 and 64 not
+
+    refcnt = torch.zeros(96, dtype=torch.int32, device=device)
+    arrays = TableArrays(torch.zeros(rows, dtype=torch.int64, device=device),
+                         torch.zeros(rows, dtype=torch.int64, device=device), refcnt[:rows],
+                         torch.zeros(1, dtype=torch.int64, device=device), rows // 16, 16)
+    kernels.add_refcounts(arrays, past, 1)
+    assert refcnt.tolist() == [0, 0, 0, 1] + [0] * 92  # pins: slot 3 only
+
+    weights = torch.arange(96 * 4, dtype=torch.float32, device=device).reshape(96, 4)
+    before = weights.clone()
+    out = torch.full((4, 4), 7.0, device=device)
+    kernels.gather_rows(weights[:rows], past, torch.arange(4, device=device), 4, out)
+    assert torch.equal(out[0], before[3]) and not out[1:].any()  # zeros past the rows
+
+    grads = OccurrenceGrads.of_rows(torch.ones(4, 4, device=device))
+    kernels.fused_update(weights[:rows], past, *grads.kernel_args(), 0, 4, 0.5,  # SGD
+                         1e-8, 0.9, 0.999, 0.0, 1.0, 1.0, 0.0)
+    assert torch.equal(weights[3], before[3] - 0.5)  # the row in bounds is updated
+    weights[3] = before[3]
+    assert torch.equal(weights, before)  # nothing past the rows
