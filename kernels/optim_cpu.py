@@ -82,7 +82,8 @@ def fused_update_cpu(weights, slots, src, offsets, order, scale, clip, chunks, k
     """Update ``weights[slots[i]]`` [W] float32 with the gradient of row ``i``: the sum over
     ``k`` in ``offsets[i]:offsets[i + 1]`` of ``src[order[k]]`` [dim], clamped to
     ``[-clip, clip]`` when ``clip >= 0``, times ``scale[k]`` when ``scale`` is not empty.
-    ``slots[i] < 0`` skips the row. The rows are split into ``chunks`` (a few per thread:
+    ``slots[i] < 0`` skips the row, and so does a slot past ``weights`` (nothing is written
+    out of bounds). The rows are split into ``chunks`` (a few per thread:
     each allocates one gradient buffer).
 
     ``acc0`` is added to AdaGrad accumulators on read and subtracted on write (see
@@ -102,7 +103,7 @@ def fused_update_cpu(weights, slots, src, offsets, order, scale, clip, chunks, k
                 for k in range(offsets[ahead], offsets[ahead + 1]):
                     prefetch_row(src, order[k], dim)
             s = slots[i]
-            if s < 0:
+            if s < 0 or s >= weights.shape[0]:
                 continue
             _reduce_occurrences(g, src, offsets, order, scale, clip, i, dim)
             _update_row(weights, s, g, kind, dim, lr, eps, beta1, beta2, weight_decay, bias1,

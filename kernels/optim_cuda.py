@@ -113,7 +113,7 @@ def fused_update_kernel(weights, slots, src, offsets, order, scale, clip, piece_
     lane = tid % WARP
     row = cuda.grid(1) // WARP
     s = -1
-    if row < slots.size:
+    if row < slots.size and slots[row] < weights.shape[0]:  # past the rows: skipped
         s = slots[row]
     if kind == OPT_ROWWISE_ADAGRAD:
         sum_sq = float32(0.0)

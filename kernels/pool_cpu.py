@@ -20,11 +20,13 @@ def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, ou
     """Bag ``q = i * batch + b`` (feature ``i`` of the table, sample ``b``) holds ids
     ``offsets[q]:offsets[q + 1]``; ``out[b, cols[i]:cols[i] + dim]`` becomes the sum of
     ``weights[occ_slots[k], :dim]`` times ``scale[k]`` (when not empty), divided by the bag
-    length when ``mean``. An empty bag gives zeros."""
+    length when ``mean``. An empty bag gives zeros; a slot outside ``weights`` adds nothing
+    (nothing is read out of bounds)."""
     if batch == 0:
         return
     has_scale = scale.size > 0
     num_ids = occ_slots.size
+    rows = weights.shape[0]
     for q in prange(offsets.size - 1):
         i = q // batch
         b = q - i * batch
@@ -33,11 +35,15 @@ def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, ou
         # rows are scattered over the table: ask for those of the bags a few ahead
         for k in range(min(start + PREFETCH_DISTANCE, num_ids), min(end + PREFETCH_DISTANCE,
                                                                     num_ids)):
-            prefetch_row(weights, occ_slots[k], dim)
+            if 0 <= occ_slots[k] < rows:
+                prefetch_row(weights, occ_slots[k], dim)
         cell = out[b, c:c + dim]
         cell[:] = float32(0.0)
         for k in range(start, end):
-            row = weights[occ_slots[k], :dim]
+            s = occ_slots[k]
+            if s < 0 or s >= rows:
+                continue
+            row = weights[s, :dim]
             w = scale[k] if has_scale else float32(1.0)
             for j in range(dim):
                 cell[j] += row[j] * w
@@ -49,10 +55,11 @@ def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, ou
 
 @njit(cache=True, parallel=prange_loops())
 def gather_rows_cpu(weights, slots, index, dim, out):
-    """``out[i, :dim] = weights[slots[index[i]], :dim]``, zeros where the slot is -1."""
+    """``out[i, :dim] = weights[slots[index[i]], :dim]``, zeros where the slot is -1 (or past
+    ``weights``: nothing is read out of bounds)."""
     for i in prange(index.size):
         s = slots[index[i]]
-        if s >= 0:
+        if s >= 0 and s < weights.shape[0]:
             out[i, :dim] = weights[s, :dim]
         else:
             out[i, :dim] = 0.0

@@ -8,7 +8,7 @@ WARP = 32
 
 @cuda.jit
 def pool_bags_kernel(weights, occ_slots, offsets, scale, mean, batch, cols, dim, out):
-    """Launch ``WARP`` threads per bag."""
+    """Launch ``WARP`` threads per bag; a slot outside ``weights`` adds nothing."""
     t = cuda.grid(1)
     q = t // WARP
     lane = t % WARP
@@ -22,7 +22,10 @@ def pool_bags_kernel(weights, occ_slots, offsets, scale, mean, batch, cols, dim,
     for j in range(lane, dim, WARP):
         acc = float32(0.0)
         for k in range(start, end):
-            x = weights[occ_slots[k], j]
+            s = occ_slots[k]
+            if s < 0 or s >= weights.shape[0]:
+                continue
+            x = weights[s, j]
             if scale.size > 0:
                 x = x * scale[k]
             acc += x
@@ -34,11 +37,11 @@ def pool_bags_kernel(weights, occ_slots, offsets, scale, mean, batch, cols, dim,
 @cuda.jit
 def gather_rows_kernel(weights, slots, index, dim, out):
     """One thread per output cell ``(i, j)``: ``out[i, j] = weights[slots[index[i]], j]``, 0
-    where the slot is -1."""
+    where the slot is -1 (or past ``weights``: nothing is read out of bounds)."""
     t = cuda.grid(1)
     i = t // dim
     if i >= index.size:
         return
     j = t - i * dim
     s = slots[index[i]]
-    out[i, j] = weights[s, j] if s >= 0 else float32(0.0)
+    out[i, j] = weights[s, j] if s >= 0 and s < weights.shape[0] else float32(0.0)

@@ -147,14 +147,16 @@ def erase_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, keys
 
 @njit(cache=True)
 def add_refcounts_cpu(refcnt, slots, delta):
-    """``refcnt[slots[i]] += delta`` for every ``slots[i] >= 0`` (duplicates count each time).
+    """``refcnt[slots[i]] += delta`` for every ``slots[i]`` in ``[0, refcnt.size)``
+    (duplicates count each time; a slot past the table is skipped: nothing is written out of
+    bounds).
 
     A count never goes below zero: a release without a matching pin is dropped, so it cannot
     leave a later pin at zero (a pinned slot that is evictable).
     """
     for i in range(slots.size):
         s = slots[i]
-        if s >= 0:
+        if s >= 0 and s < refcnt.size:
             count = refcnt[s] + delta
             refcnt[s] = count if count > 0 else 0
 

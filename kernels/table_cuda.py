@@ -134,9 +134,10 @@ def erase_kernel(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_size, k
 
 @cuda.jit
 def add_refcounts_kernel(refcnt, slots, delta):
-    """``refcnt[slots[i]] += delta``, never below zero (see ``add_refcounts_cpu``)."""
+    """``refcnt[slots[i]] += delta``, never below zero, slots past the table skipped (see
+    ``add_refcounts_cpu``)."""
     i = cuda.grid(1)
-    if i >= slots.size or slots[i] < 0:
+    if i >= slots.size or slots[i] < 0 or slots[i] >= refcnt.size:
         return
     s = slots[i]
     if delta >= 0:

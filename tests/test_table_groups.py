@@ -530,9 +530,10 @@ def test_a_table_whose_storage_was_replaced_is_regrouped():
 
 def test_a_late_backward_after_a_direct_grow_counts_its_dropped_updates_as_alone():
     """A lookup whose pins ended (the next training lookup ended them) and whose backward
-    comes late, after a direct ``grow`` of one of its tables regrouped the module: its
-    update reaches the rows still holding its keys, the others count as dropped updates,
-    as a table alone does; nothing goes to arrays no table uses any more."""
+    comes late, after a direct ``grow`` of one of its tables (grown in its group, which lays
+    its tables out again): its update reaches the rows still holding its keys, the others
+    count as dropped updates, as a table alone does; nothing goes to arrays no table uses
+    any more."""
     grouped, alone = twins(OptimizerType.SGD)
     gen = torch.Generator().manual_seed(21)
     train_both(grouped, alone, gen, 3)
@@ -541,7 +542,7 @@ def test_a_late_backward_after_a_direct_grow_counts_its_dropped_updates_as_alone
     for module in (grouped, alone):
         step(module, kjts[1])  # ends the pins of the late lookup
         module.tables["t0"].grow(2 * module.tables["t0"].tier.hash.capacity)
-        step(module, kjts[2])  # regroups the grouped module
+        step(module, kjts[2])
     for out in late:
         loss = sum((out[f].values() ** 2).sum() for f in FEATURES)
         loss.backward()

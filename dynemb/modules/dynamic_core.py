@@ -473,12 +473,18 @@ class DynamicCore:
             self.memory_stash.after_lookup()
 
     def _take(self, kjt: KeyedJaggedTensor, trains: bool) -> PrefetchState:
-        if self._queue and self._queue[0].training == trains:
+        # training and eval prefetches queue apart: a forward takes the oldest of its own
+        # mode, whatever the order they were made in (an eval pass prefetching its batches
+        # while a training batch is queued ahead, or the other way round)
+        at = next((i for i, queued in enumerate(self._queue) if queued.training == trains),
+                  None)
+        if at is not None:
             # a mismatch raises with the queue as it was: the batch prefetched is still the
             # next one, and its lookups were counted once, by prefetch
-            check_state_matches(self._queue[0], kjt, sync_free=not self.validate_inputs)
-            state = self._queue.popleft()
-        else:  # nothing queued, or queued for the other mode (e.g. an eval between steps)
+            check_state_matches(self._queue[at], kjt, sync_free=not self.validate_inputs)
+            state = self._queue[at]
+            del self._queue[at]
+        else:  # nothing queued for this mode (e.g. an eval between steps): inline
             state = self._prefetch_now(kjt, trains)
         if state.ready is not None:
             stream = torch.cuda.current_stream(self.device)

@@ -279,7 +279,9 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         On CUDA the work runs on a side stream, after the current stream (where the input is
         ready) and ``forward_stream`` (where earlier steps update the tables); ``forward``
         waits for it. Rows of queued batches stay pinned: a cache too small for all of them
-        raises ``TableFullError``.
+        raises ``TableFullError``. A prefetch in eval mode is read-only; training and eval
+        prefetches queue apart, each forward taking the oldest of its own mode (an
+        evaluation pass may prefetch its batches while a training batch is queued ahead).
         """
         self._refuse_on_meta("cannot prefetch")
         self._check_input(kjt)

@@ -65,8 +65,9 @@ class PrefetchState:
         return list({id(batch): batch for batch in self.batches.values()}.values())
 
 
-_IN_ORDER = ("call forward in the order of prefetch, with the KeyedJaggedTensor given to it "
-             "(nothing changed; clear_prefetched() drops the queued batches)")
+_IN_ORDER = ("call forward in the order of prefetch (training and eval prefetches each in their "
+             "own order), with the KeyedJaggedTensor given to it (nothing changed; "
+             "clear_prefetched() drops the queued batches)")
 
 
 def check_state_matches(state: PrefetchState, kjt: KeyedJaggedTensor, *,
@@ -76,19 +77,19 @@ def check_state_matches(state: PrefetchState, kjt: KeyedJaggedTensor, *,
 
     ``sync_free``: on CUDA, compare on the device (a mismatch surfaces at the next sync)
     instead of reading the comparison on the host."""
+    oldest = f"the oldest batch prefetched in {'training' if state.training else 'eval'} mode"
     if tuple(kjt.keys()) != state.feature_order:
-        raise ValueError(f"forward got features {list(kjt.keys())} but the oldest prefetched "
-                         f"batch has {list(state.feature_order)}; {_IN_ORDER}")
+        raise ValueError(f"forward got features {list(kjt.keys())} but {oldest} has "
+                         f"{list(state.feature_order)}; {_IN_ORDER}")
     expected = state.values.numel()
     values = kjt.values()
     if values.numel() != expected or not _same(values, state.values, sync_free):
-        raise ValueError(f"forward got other ids ({values.numel()}) than the oldest "
-                         f"prefetched batch ({expected}); {_IN_ORDER}")
+        raise ValueError(f"forward got other ids ({values.numel()}) than {oldest} "
+                         f"({expected}); {_IN_ORDER}")
     lengths = kjt.lengths()
     if (lengths.shape != state.all_lengths.shape
             or not _same(lengths, state.all_lengths, sync_free)):
-        raise ValueError(f"forward got the ids of the oldest prefetched batch but other "
-                         f"lengths; {_IN_ORDER}")
+        raise ValueError(f"forward got the ids of {oldest} but other lengths; {_IN_ORDER}")
 
 
 def _same(got: torch.Tensor, expected: torch.Tensor, sync_free: bool) -> bool:

@@ -13,6 +13,7 @@ say where rows live and move.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -173,12 +174,55 @@ class DynamicTable(CheckpointTiers):
 
     def grow(self, new_capacity: int) -> torch.Tensor:
         """Rehash the table into ``new_capacity`` slots, as a claim that passes
-        ``grow_at_load_factor`` does: the rows move with their keys, and so do the slots of
-        every batch holding pins in the table. Returns the remap (old slot -> new, -1 for
-        an empty one)."""
+        ``grow_at_load_factor`` does: the rows move with their keys. A table whose tier lives
+        in its part of a group's arrays (every table of a module) grows in its group
+        (:meth:`GroupStorage.grow_tables
+        <dynemb.tables.group_storage.GroupStorage.grow_tables>`), as in training: every
+        batch of the group, queued, awaiting its backward or released, follows its rows.
+        Returns the remap (old slot -> new, -1 for an empty one). On an error (a capacity
+        that is not a larger multiple of the bucket size, or above ``max_capacity``) the
+        table is unchanged.
+
+        Example::
+
+            >>> from dynemb import DynamicEmbCollection, DynamicEmbTableOptions
+            >>> from torchrec.modules.embedding_configs import EmbeddingConfig
+            >>> ec = DynamicEmbCollection(
+            ...     [EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=64,
+            ...                      feature_names=["f"])],
+            ...     table_options=DynamicEmbTableOptions(init_capacity=64, max_capacity=256,
+            ...                                          bucket_size=32))
+            >>> remap = ec.tables["t"].grow(128)
+            >>> remap.numel(), ec.stats()["t"]["device_capacity"]
+            (64, 128)
+        """
+        record = self._record() if self._record is not None else None
+        if record is not None and record.holds(self):
+            return record.grow_tables([(record.position(self), new_capacity)])[0]
+        return self.rehash(new_capacity)
+
+    def rehash(self, new_capacity: int) -> torch.Tensor:
+        """:meth:`grow` in the table's own arrays only: its rows, and the slots of every
+        batch holding pins in it, move with their keys (a group growing the table calls it,
+        then lays its tables out again). Returns the remap."""
         remap = self.tier.hash.grow(new_capacity)
         self._apply_remap(self.tier, remap)
         return remap
+
+    #: a weak reference to the group record (:class:`~dynemb.tables.group_storage.GroupStorage`)
+    #: whose arrays hold the table's tier, set by :meth:`placed_in`
+    _record = None
+
+    def placed_in(self, record) -> None:
+        """The table's tier now lives in its part of ``record``'s arrays (a
+        :class:`~dynemb.tables.group_storage.GroupStorage`, the group of the table's module):
+        :meth:`grow` grows it there."""
+        self._record = weakref.ref(record)
+
+    def __getstate__(self) -> Dict:
+        state = dict(self.__dict__)
+        state.pop("_record", None)  # a weak reference: placed again by its group
+        return state
 
     def _initialize(self, tier: Tier, result, keys: torch.Tensor) -> None:
         tier.flat.initialize_where(result.slots, keys, result.inserted, self.options.initializer,

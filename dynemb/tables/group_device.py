@@ -102,12 +102,29 @@ class DeviceGroupPrefetch:
                             for i in range(1, 5)]
         self.failures = GroupFailures(storage.names, device)
 
+    _placed = None  # the storage's layout the device copies below are of
+
     def _place_tables(self) -> None:
         """Where each table's part starts, and its buckets, on the device (again after a
-        growth laid the group out anew)."""
+        growth laid the group out anew, in a claim or by a direct ``grow``)."""
         storage = self.storage
-        self.row_offset = values_on(storage.row_offset[:-1], torch.int64, self.device)
-        self.num_buckets = values_on(storage.bucket_counts.tolist(), torch.int64, self.device)
+        self._row_offset = values_on(storage.row_offset[:-1], torch.int64, self.device)
+        self._num_buckets = values_on(storage.bucket_counts.tolist(), torch.int64, self.device)
+        self._placed = storage.layouts
+
+    @property
+    def row_offset(self) -> torch.Tensor:
+        """[T] where each table's part starts, on the device, for the storage's layout now."""
+        if self._placed != self.storage.layouts:
+            self._place_tables()
+        return self._row_offset
+
+    @property
+    def num_buckets(self) -> torch.Tensor:
+        """[T] each table's buckets, on the device, for the storage's layout now."""
+        if self._placed != self.storage.layouts:
+            self._place_tables()
+        return self._num_buckets
 
     def _dedup(self, keys: Sequence[torch.Tensor],
                occurrences: Sequence[Optional[torch.Tensor]]):
@@ -205,10 +222,7 @@ class DeviceGroupPrefetch:
 
     def _grow_before(self, unique, key_bounds) -> None:
         storage = self.storage
-        offsets = list(storage.row_offset)
-        storage.grow_before_claim(unique, key_bounds)
-        if storage.row_offset != offsets:
-            self._place_tables()
+        storage.grow_before_claim(unique, key_bounds)  # (the parts are placed again lazily)
 
     def claim(self, segments, unique, counts, scores):
         """(slots, inserted, previous keys, previous scores) of one pinning claim of every
@@ -239,7 +253,6 @@ class DeviceGroupPrefetch:
                 break
             storage.undo_claim(slots, inserted, prev_keys, prev_scores, stats[:, 0])
             storage.grow_tables(growth)
-            self._place_tables()
         self.failures.record(torch.zeros(len(storage.tables), dtype=torch.int64,
                                          device=self.device)
                              .index_add_(0, segments.table_of, failed.to(torch.int64)))

@@ -134,6 +134,9 @@ class GroupStorage:
 
     # (a record pickled by an earlier version has none of these)
     growing: Tuple[int, ...] = ()
+    #: how many times the record laid its tables out (a phase that keeps where the parts
+    #: start, on the device, places them again when it changes)
+    layouts = 0
     admits = False
     tier_name = "tier"
     keeps_counters = True
@@ -242,21 +245,50 @@ class GroupStorage:
         self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)  # numpy, for the kernels
         self.bucket_counts = np.asarray([c // self.bucket_size for c in capacities],
                                         dtype=np.int64)
+        self.layouts += 1
+        self._place_tables()
 
-    def grow_tables(self, growth: Sequence[Tuple[int, int]]) -> None:
+    def _place_tables(self) -> None:
+        """Tell each table whose tier this record holds that a direct ``grow`` of it grows
+        here (:meth:`DynamicTable.grow <dynemb.tables.base.DynamicTable.grow>`); not a
+        record over a table's arrays as they are (``in_place``: a visitor, such as a fill's
+        group of one), nor one of a DEFAULT table's host tier (``grow`` grows the device
+        tier)."""
+        if self.tier_name == "tier" and not self.__dict__.get("_in_place"):
+            for table in self.tables:
+                table.placed_in(self)
+
+    def grow_tables(self, growth: Sequence[Tuple[int, int]]) -> List[torch.Tensor]:
         """Grow each table ``t`` of ``growth`` ``[(t, new capacity)]`` (its rows rehashed, as
-        alone: see :meth:`DynamicTable.grow <dynemb.tables.base.DynamicTable.grow>`), then
-        lay the group out again, once: every table is copied into its part of new arrays (a
-        group of one keeps the table's grown arrays). The group's batches follow: their slots
-        are renumbered to the new parts."""
+        alone: see :meth:`DynamicTable.rehash <dynemb.tables.base.DynamicTable.rehash>`),
+        then lay the group out again, once: every table is copied into its part of new arrays
+        (a group of one keeps the table's grown arrays). The group's batches follow: their
+        slots are renumbered to the new parts. Returns each table's remap (its old slot ->
+        new), in the order of ``growth``.
+
+        A record over a table's arrays as they are (``in_place``, a visitor) grows the table
+        where it lives (:meth:`DynamicTable.grow <dynemb.tables.base.DynamicTable.grow>`: in
+        its module's group, whose batches follow too), then reads its arrays again."""
         old_offsets = list(self.row_offset)
-        for t, new_capacity in growth:
-            self.tables[t].grow(new_capacity)
+        visitor = bool(self.__dict__.get("_in_place"))
+        remaps = [(self.tables[t].grow if visitor else self.tables[t].rehash)(new_capacity)
+                  for t, new_capacity in growth]
         self._lay_out()
         batches = {id(b): b for table in self.tables for b in table.held_batches()}
         batches.update((id(b), b) for b in self.__dict__.get("_batches", ()))
         for batch in batches.values():
             batch.rows_moved(self, old_offsets)
+        return remaps
+
+    def holds(self, table: DynamicTable) -> bool:
+        """Whether ``table`` is one of the record's and its tier still lives in its part of
+        the record's arrays (see :meth:`intact`)."""
+        t = self.position(table)
+        return t is not None and self._in_its_part(t)
+
+    def position(self, table: DynamicTable) -> Optional[int]:
+        """``table``'s index in the record (by identity), None if it is none of its."""
+        return next((t for t, mine in enumerate(self.tables) if mine is table), None)
 
     def admit(self, unique: torch.Tensor, counts: torch.Tensor, segments: Segments,
               row_offset, num_buckets):
@@ -459,18 +491,22 @@ class GroupStorage:
             if apart:
                 self._move_into_part(t)
                 self._parts[t] = self._parts_of(table)
+        self._place_tables()  # (a table does not pickle its record's weak reference)
 
     def intact(self, tables: Mapping[str, DynamicTable]) -> bool:
         """Whether ``tables`` still holds the group's tables, each still in its part of the
         group's arrays (a checkpoint load or reset may have replaced a table, a direct call
         of its hash table's ``grow`` its arrays)."""
-        for name, table, (arrays, weights, counters) in zip(self.names, self.tables,
-                                                             self._parts):
-            if (tables.get(name) is not table or self.tier_of(table).hash.arrays is not arrays
-                    or _weights_in_place(self.tier_of(table)) is not _held(weights)
-                    or (self.keeps_counters and table.counters.values is not counters)):
-                return False
-        return True
+        return all(tables.get(name) is table and self._in_its_part(t)
+                   for t, (name, table) in enumerate(zip(self.names, self.tables)))
+
+    def _in_its_part(self, t: int) -> bool:
+        """Whether table ``t``'s arrays are still those the record placed."""
+        table = self.tables[t]
+        arrays, weights, counters = self._parts[t]
+        return (self.tier_of(table).hash.arrays is arrays
+                and _weights_in_place(self.tier_of(table)) is _held(weights)
+                and not (self.keeps_counters and table.counters.values is not counters))
 
     @property
     def allows_eviction(self) -> bool:
