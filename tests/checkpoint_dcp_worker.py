@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tests.checkpoint_models import stored_scores
+
 FEATURES = ["f0", "f1", "f2", "f3", "f4"]
 TABLES = [f"t{i}" for i in range(len(FEATURES))]
 STATIC_FEATURE = "s"  # ids in [0, NUM_IDS) for the TorchRec table
@@ -193,15 +195,7 @@ def key_scores(dmp) -> Dict[str, Any]:
     ids = torch.arange(NUM_IDS) * 1009 - 77
     out = {}
     for name, table in dmp.module.dyn.local.tables.items():
-        scores = torch.zeros(NUM_IDS, dtype=torch.int64)
-        store = getattr(table, "store", None)
-        if store is not None:
-            _, found, stored = store.find(ids)
-            scores = torch.where(found, stored, scores)
-        for tier in (table.tier, getattr(table, "host_tier", None)):
-            if tier is not None:
-                slots = tier.hash.find(ids)
-                scores = torch.where(slots >= 0, tier.hash.scores_at(slots), scores)
+        scores = stored_scores(table, ids)
         dist.all_reduce(scores)
         out[name] = scores.numpy()
     return out

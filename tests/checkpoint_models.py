@@ -124,3 +124,35 @@ def eval_output(module, kjt):
             return module(kjt)
     finally:
         module.train()
+
+
+def stored_scores(table, ids: torch.Tensor) -> torch.Tensor:
+    """Each of ``ids``' score where ``table`` (a ``DynamicTable``) keeps it: its tiers' over
+    its backing store's; 0 where the table holds no such id."""
+    scores = torch.zeros(ids.numel(), dtype=torch.int64)
+    store = getattr(table, "store", None)
+    if store is not None:
+        _, in_store, stored = store.find(ids)
+        scores = torch.where(in_store, stored, scores)
+    for tier in (table.tier, getattr(table, "host_tier", None)):
+        if tier is not None:
+            slots = tier.hash.find(ids)
+            scores = torch.where(slots >= 0, tier.hash.scores_at(slots), scores)
+    return scores
+
+
+def sharded_row_wise(model: torch.nn.Module, tables, world_size: int):
+    """``model`` under ``DistributedModelParallel`` on this CPU process group, the tables
+    ``tables`` of its ``dyn`` collection row-wise over ``world_size`` ranks."""
+    import torch.distributed as dist
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    from dynemb.sharding import DynamicEmbCollectionSharder
+    sharder = DynamicEmbCollectionSharder()
+    plan = ShardingPlan({"dyn": construct_module_sharding_plan(
+        model.dyn, {t: row_wise(compute_kernel="customized_kernel") for t in tables},
+        sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")})
+    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(
+        dist.GroupMember.WORLD), device=torch.device("cpu"), plan=plan, sharders=[sharder])

@@ -16,6 +16,7 @@ from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
+from tests.checkpoint_models import sharded_row_wise, stored_scores
 
 FEATURES = ["f0", "f1"]
 TABLES = ["t0", "t1"]
@@ -51,16 +52,7 @@ def loaded_entries(collection, table: str, ids: torch.Tensor) -> Dict[int, Tuple
     ``DynamicEmbCollection``) holds of ``ids`` for ``table``: rows as a lookup reads them,
     scores where the mode keeps them (the cached one over the store's)."""
     rows, found = collection.read_rows(table, ids, with_state=True)
-    t = collection.tables[table]
-    scores = torch.zeros(ids.numel(), dtype=torch.int64)
-    store = getattr(t, "store", None)
-    if store is not None:
-        _, in_store, stored = store.find(ids)
-        scores = torch.where(in_store, stored, scores)
-    for tier in (t.tier, getattr(t, "host_tier", None)):
-        if tier is not None:
-            slots = tier.hash.find(ids)
-            scores = torch.where(slots >= 0, tier.hash.scores_at(slots), scores)
+    scores = stored_scores(collection.tables[table], ids)
     return {int(k): (r, int(s)) for k, r, s, f in zip(ids, rows, scores, found) if f}
 
 
@@ -97,18 +89,8 @@ class Model(torch.nn.Module):
 
 
 def shard(module: Model, world_size: int):
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
-
-    from dynemb.sharding import DynamicEmbCollectionSharder
     torch.manual_seed(0)
-    sharder = DynamicEmbCollectionSharder()
-    plan = ShardingPlan({"dyn": construct_module_sharding_plan(
-        module.dyn, {t: row_wise(compute_kernel="customized_kernel") for t in TABLES},
-        sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")})
-    return DistributedModelParallel(module, env=ShardingEnv.from_process_group(
-        dist.GroupMember.WORLD), device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    return sharded_row_wise(module, TABLES, world_size)
 
 
 def trained(budget: bool, rank: int, world_size: int, steps: int, seed: int):

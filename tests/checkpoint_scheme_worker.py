@@ -23,6 +23,7 @@ from torchrec import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb.checkpoint import dump, load
+from tests.checkpoint_models import sharded_row_wise
 from tests.key_reference import owner
 
 FEATURES = ["f0", "f1"]
@@ -59,18 +60,7 @@ class Model(torch.nn.Module):
 
 
 def shard(scheme: str, world_size: int):
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
-
-    from dynemb.sharding import DynamicEmbCollectionSharder
-    model = Model(scheme)
-    sharder = DynamicEmbCollectionSharder()
-    plan = ShardingPlan({"dyn": construct_module_sharding_plan(
-        model.dyn, {t: row_wise(compute_kernel="customized_kernel") for t in TABLES},
-        sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")})
-    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(
-        dist.GroupMember.WORLD), device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    return sharded_row_wise(Model(scheme), TABLES, world_size)
 
 
 def local_kjt(seed: int, rank: int, world_size: int) -> KeyedJaggedTensor:
