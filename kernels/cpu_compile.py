@@ -30,6 +30,7 @@ import sys
 from numba.core import event
 from numba.core.compiler_lock import global_compiler_lock
 from numba.core.registry import CPUDispatcher
+from tqdm import tqdm
 
 try:
     import fcntl
@@ -119,9 +120,9 @@ class _Announcer(event.Listener):
         _announced = True
         if os.environ.get("RANK", "0") == "0":
             cache = getattr(kernel._cache, "_cache_path", "numba's cache")
-            print(f"dynemb: compiling its CPU kernels for this machine, once (later runs load "
-                  f"them from {cache}); the first steps wait for it", file=sys.stderr,
-                  flush=True)
+            # tqdm's write: a progress bar on the terminal is redrawn below the line
+            tqdm.write(f"dynemb: compiling its CPU kernels for this machine, once (later runs "
+                       f"load them from {cache}); the first steps wait for it", file=sys.stderr)
 
     def on_end(self, compiling):
         pass
