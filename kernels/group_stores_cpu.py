@@ -140,13 +140,13 @@ def _write_back_keys(t, wb_keys, wb_scores, wb_seg, keys, scores, refcnt, size, 
     out_stats[t, STAT_STORE_EVICTED] = evicted
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _copy_row(src, dst):
     for c in range(src.size):
         dst[c] = src[c]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _load_row(j, ld_keys, ld_rows, keys, scores, rows, buckets, bucket_size, weights,
               out_found, out_scores):
     """Load ``ld_keys[j]``: its stored row into ``weights[ld_rows[j]]``, where stored."""
