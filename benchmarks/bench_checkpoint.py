@@ -9,7 +9,11 @@ then, in one run on the same disk:
 - the raw baseline: the same number of bytes written from and read back into memory with
   plain file writes (plus fsync, as the dump does) in the same directory;
 - an incremental dump after ``--changed`` (1%) of the rows were trained once more: its size
-  and time against the full dump's.
+  and time against the full dump's;
+- checkpoint bytes against the live rows' bytes (:func:`checkpoint_sizes`): a table of
+  ``SIZE_CAPACITY`` slots holding 1% to 70% of it, saved as a ``torch.save``'d
+  ``state_dict``, a ``torch.distributed.checkpoint`` directory (one process) and a full
+  dump; a checkpoint's size should follow the rows trained, not the table's headroom.
 
 Before each read (the baseline's and the load's) the files' pages are dropped from the page
 cache (``posix_fadvise(DONTNEED)``: written and fsynced pages are clean, no root needed), so
@@ -21,10 +25,12 @@ both read from the disk. Results: ``results/checkpoint_cpu.json`` and ``.png``.
 from __future__ import annotations
 
 import gc
+import io
 import os
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Dict, Tuple
 
@@ -45,10 +51,13 @@ DIM = 64
 TARGET_RAW_FRACTION = 0.5    # dump and load at >= half the raw disk speed
 TARGET_PEAK_CHUNKS = 2.0     # peak extra memory <= 2 chunks
 TARGET_DELTA_TIME = 0.03     # a 1% delta in <= 3% of a full dump's time
+SIZE_CAPACITY = 1 << 16      # the table of the size measurement
+SIZE_FRACTIONS = (0.01, 0.1, 0.5, 0.7)  # its live rows, as fractions of the capacity
+TARGET_SIZE_RATIO = 1.1      # every checkpoint <= 1.1x its live rows' bytes (1% full too)
 
 
-def build(rows: int) -> DynamicEmbCollection:
-    capacity = -(-int(rows / 0.7) // 128) * 128
+def build(rows: int, capacity: int = 0) -> DynamicEmbCollection:
+    capacity = capacity or -(-int(rows / 0.7) // 128) * 128
     options = DynamicEmbTableOptions(init_capacity=capacity, max_capacity=capacity)
     return DynamicEmbCollection(
         [EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=capacity,
@@ -120,6 +129,46 @@ def raw_read(path: Path, target: torch.Tensor, chunk_bytes: int) -> None:
             if not n:
                 break
             lo += n
+
+
+# -- checkpoint bytes against live bytes -----------------------------------------------------
+def _dir_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def checkpoint_sizes(seed: int, work_dir) -> Dict:
+    """Bytes of a ``state_dict`` (``torch.save``), a DCP directory and a full dump of one
+    table of ``SIZE_CAPACITY`` slots at each of ``SIZE_FRACTIONS`` full, against its live
+    rows' bytes (rows with their optimizer state, plus an 8-byte key and score each)."""
+    import torch.distributed.checkpoint as dcp
+    out = []
+    gen = torch.Generator().manual_seed(seed)
+    for fraction in SIZE_FRACTIONS:
+        ec = build(0, SIZE_CAPACITY)
+        n = int(fraction * SIZE_CAPACITY)
+        ids = torch.randint(0, 1 << 40, (2 * n,), generator=gen).unique()[:n]
+        train_ids(ec, ids, 8192, f"fill {fraction:.0%}")
+        table = ec.tables["t"]
+        live = table.tier.hash.size()  # at 70% a few buckets overflow and evict
+        check(live >= 0.99 * n, f"the table holds {live} rows of {n} ids")
+        live_bytes = live * (table.row_layout.row_bytes + 16)
+        buffer = io.BytesIO()
+        torch.save(ec.state_dict(), buffer)
+        root = Path(tempfile.mkdtemp(prefix="bench_checkpoint_", dir=work_dir))
+        try:
+            with warnings.catch_warnings():  # one process: DCP says it assumes so
+                warnings.simplefilter("ignore")
+                dcp.save(ec.state_dict(), checkpoint_id=str(root / "dcp"))
+            dump(ec, root / "dump")
+            sizes = {"state_dict": buffer.getbuffer().nbytes,
+                     "dcp": _dir_bytes(root / "dcp"), "dump": _dir_bytes(root / "dump")}
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        out.append({"capacity": table.tier.hash.capacity, "live_rows": live,
+                    "live_bytes": live_bytes, "bytes": sizes,
+                    "ratio": {k: v / live_bytes for k, v in sizes.items()}})
+    return {"tables": out,
+            "worst_ratio": max(max(t["ratio"].values()) for t in out)}
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -195,6 +244,7 @@ def run(args) -> Dict:
                   "bytes_fraction": delta.bytes / payload, "time_fraction": delta_s / dump_s},
         "disk_free_bytes": disk.free,
     }
+    out["sizes"] = checkpoint_sizes(args.seed, args.work_dir)
     out["ratios"] = {"dump_vs_raw_write": raw_write_s / dump_s,
                      "dump_vs_faster_raw_write": min(raw_before_s, raw_after_s) / dump_s,
                      "load_vs_raw_read": raw_read_s * (payload + delta.bytes) / payload / load_s,
@@ -208,6 +258,8 @@ def run(args) -> Dict:
         "load peak <= 2 chunks": 0 <= out["ratios"]["load_peak_chunks"] <= TARGET_PEAK_CHUNKS,
         "1% delta <= 3% of a full dump's time":
             out["ratios"]["delta_time_fraction"] <= TARGET_DELTA_TIME,
+        "checkpoints <= 1.1x the live rows' bytes":
+            out["sizes"]["worst_ratio"] <= TARGET_SIZE_RATIO,
     }
     return out
 
@@ -262,6 +314,10 @@ def main(argv=None) -> Dict:
     print(f"  delta     {d['seconds']:7.2f} s  {d['rows']:,} rows, {d['bytes'] / 1e6:.1f} MB "
           f"({100 * d['bytes_fraction']:.2f}% of the bytes, {100 * d['time_fraction']:.2f}% "
           f"of the time)")
+    for t in r["sizes"]["tables"]:
+        print(f"  {t['live_rows']:7,} of {t['capacity']:,} rows live ({t['live_bytes'] / 1e6:.2f} "
+              f"MB): " + ", ".join(f"{k} {v / 1e6:.2f} MB ({t['ratio'][k]:.2f}x)"
+                                   for k, v in t["bytes"].items()))
     for name, ok in r["targets"].items():
         print(f"  {verdict(ok)} {name}")
     write_report(report, args.out_dir, report_stem("checkpoint_cpu", args.quick), plot)

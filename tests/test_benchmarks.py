@@ -88,7 +88,11 @@ def test_checkpoint_benchmark_quick(tmp_path):
         assert result[name]["seconds"] > 0 and result[name]["mb_per_s"] > 0
     assert set(result["targets"]) == {"dump >= 0.5 raw write", "load >= 0.5 raw read",
                                       "dump peak <= 2 chunks", "load peak <= 2 chunks",
-                                      "1% delta <= 3% of a full dump's time"}
+                                      "1% delta <= 3% of a full dump's time",
+                                      "checkpoints <= 1.1x the live rows' bytes"}
+    sizes = result["sizes"]["tables"]
+    assert [t["live_rows"] > 0 for t in sizes] == [True] * 4
+    assert all(set(t["bytes"]) == {"state_dict", "dcp", "dump"} for t in sizes)
     assert (tmp_path / "checkpoint_cpu_quick.png").stat().st_size > 0
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench_checkpoint_")]
 
