@@ -38,7 +38,7 @@ def resumed(saved):
     for world, sources in loads.items():
         jobs = [("load_and_continue", (saved[s][0], STEPS_BEFORE, STEPS_AFTER))
                 for s in sources]
-        if world == 2:  # the same world size with DCP's default planner: in place
+        if world == 2:  # DCP's default planner: refused
             jobs.append(("load_and_continue", (saved[2][0], STEPS_BEFORE, STEPS_AFTER,
                                                "default")))
             jobs.append(("load_and_continue", (saved[3][0], STEPS_BEFORE, STEPS_AFTER,
@@ -81,11 +81,18 @@ def test_the_loaded_rows_are_the_saved_rows_on_their_new_owners(saved, resumed):
     assert same_world["t1"][1].sum() > 0
 
 
-def test_the_same_world_size_loads_in_place_with_the_default_planner(saved, resumed):
-    _check_continuation(saved[2][1], resumed[(2, 2, "default")])
+def test_the_same_world_size_loads_slot_for_slot(saved, resumed):
+    _check_continuation(saved[2][1], resumed[(2, 2)])
     # exact, slot for slot: counters too
-    for rank, result in enumerate(resumed[(2, 2, "default")]):
+    for rank, result in enumerate(resumed[(2, 2)]):
         assert result["stats"] == saved[2][1][rank]["stats"]
+
+
+def test_the_default_planner_stops_at_the_size_of_the_live_rows(resumed):
+    # a share saves its live rows only: a fresh model's tables (empty) have other sizes
+    for rank, result in enumerate(resumed[(2, 2, "default")]):
+        assert "Size mismatch between saved" in result["error"], result
+        assert f".dynamic_tables.t0.rank{rank}_of_2." in result["error"], result
 
 
 def test_another_world_size_without_the_planner_is_a_clear_error(resumed):

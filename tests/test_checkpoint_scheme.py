@@ -45,10 +45,17 @@ def _check_load(world, case, trained_scheme):
     assert any(r[("trained", trained_scheme)]["stats"]["t1"]["rows_backing"] for r in world)
 
 
-@pytest.mark.parametrize("how", ["load_state_dict", "dcp", "dcp_default"])
+@pytest.mark.parametrize("how", ["load_state_dict", "dcp"])
 @pytest.mark.parametrize("saved,loaded", [("hash", "mod"), ("mod", "hash")])
 def test_every_key_is_sent_to_its_owner_under_the_loading_scheme(world, saved, loaded, how):
     _check_load(world, (saved, loaded, how), saved)
+
+
+@pytest.mark.parametrize("saved,loaded", [("hash", "mod"), ("mod", "hash")])
+def test_dcp_default_planner_stops_at_the_size_of_the_saved_live_rows(world, saved, loaded):
+    for ranks_out in world:
+        error = ranks_out[(saved, loaded, "dcp_default")]["error"]
+        assert "Size mismatch between saved" in error and ".dynamic_tables." in error, error
 
 
 @pytest.mark.parametrize("target,how", [("mod", "load_state_dict"), ("hash", "load_state_dict"),

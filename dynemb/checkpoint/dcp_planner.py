@@ -2,14 +2,17 @@
 by any world size.
 
 Rank ``r`` of ``w`` saves its share of a table as ``...rank<r>_of_<w>.*`` (see
-:mod:`dynemb.checkpoint.module_state`); the names and sizes depend on the world size and on
-how much each share grew, so DCP's default planner can only load a checkpoint of the same
-world size whose tables have the same capacities (it then loads in place). This planner
-reads whatever was saved:
+:mod:`dynemb.checkpoint.module_state`): its live entries only, so the names depend on the
+world size and the sizes on how many rows each share held when it was saved. DCP's default
+planner takes every size from the module it loads into, and a module holds other rows than
+the checkpoint (a fresh one, none): it stops with ``Size mismatch between saved ... for
+...dynamic_tables...``, and with ``Missing key in checkpoint state_dict`` for another world
+size. This planner reads every saved entry at its saved size:
 
-- same world size: rank ``r`` reads saved share ``r`` whole;
-- another world size: every rank reads ``1 / world_size`` of every saved share (contiguous
-  slot ranges) and the module's ``load_state_dict`` sends each row to its new owner.
+- same world size: rank ``r`` reads saved share ``r`` whole (it loads slot for slot);
+- another world size: every rank reads ``1 / world_size`` of the entries of every saved
+  share (contiguous ranges) and the module's ``load_state_dict`` sends each row to its new
+  owner.
 
 A checkpoint saved before fused optimizers saved their learning rate loads too: the
 optimizer keeps its current one. It never loads into the live tables: what it reads goes to new host tensors, put into the
@@ -37,17 +40,17 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from dynemb.checkpoint.module_state import NAMESPACE
+from dynemb.checkpoint.table_state import ENTRY_FIELDS
 from dynemb.rows.fused_optimizer import GROUP_STATE_KEY, PARAM_KEY
 
 _SHARE = re.compile(rf"^(?P<base>(?:.*\.)?{NAMESPACE}\.[^.]+)\.rank(?P<rank>\d+)_of_"
                     rf"(?P<world>\d+)\.(?P<rest>.+)$")
 _SIGNATURE = re.compile(rf"^(?:.*\.)?{NAMESPACE}\.[^.]+\.signature$")
-_PER_SLOT = ("keys", "scores", "rows")
 
 
 class DynamicEmbLoadPlanner(DefaultLoadPlanner):
-    """A ``DefaultLoadPlanner`` that also loads dynamic tables saved by another world size
-    or with other capacities (see the module docstring). Everything else (dense layers,
+    """A ``DefaultLoadPlanner`` that also loads dynamic tables, saved by any world size
+    with any number of rows (see the module docstring). Everything else (dense layers,
     TorchRec tables, optimizer state) loads as the default planner loads it."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
@@ -152,7 +155,7 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
         md = self.metadata.state_dict_metadata[fqn]
         size = list(md.size)
         offsets = [0] * len(size)
-        if rest.split(".")[-1] in _PER_SLOT and size:
+        if rest.split(".")[-1] in ENTRY_FIELDS and size:
             part, parts = split
             lo, hi = size[0] * part // parts, size[0] * (part + 1) // parts
             offsets[0], size[0] = lo, hi - lo
