@@ -78,32 +78,30 @@ def dcp_load(state, path):
 @pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
 def test_checkpoint_bytes_follow_the_live_rows_not_the_capacity(tmp_path, backend, how):
     small = saved_bytes(holding(100, *backend), how, tmp_path / "small")
-    large = saved_bytes(holding(1000, *backend), how, tmp_path / "large")
+    large = saved_bytes(holding(400, *backend), how, tmp_path / "large")
     # 100 live rows of 4096 slots: their entries and names and headers (DCP's metadata:
     # about 16 KiB here), far from the 1.6 MB of the whole capacity
     assert small <= 100 * ENTRY_BYTES + 32 * 1024, small
-    # 900 rows more: 900 entries' bytes more
-    assert large - small == pytest.approx(900 * ENTRY_BYTES, rel=0.02)
+    # 300 rows more: 300 entries' bytes more
+    assert large - small == pytest.approx(300 * ENTRY_BYTES, rel=0.02)
 
 
 @pytest.mark.parametrize("mode", ["hbm_direct", "cache", "default", "host_only"])
 @pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
 def test_every_saved_row_state_and_score_comes_back(tmp_path, backend, mode):
-    # small tables: rows are evicted (CACHE: to its store, which keeps stale copies), so
-    # the tiers hold tombstones and free slots between live ones
-    kwargs = dict(mode=mode, optimizer="adam", evicting=True, admission=True,
+    # small tables: rows are evicted (CACHE: to its store, which keeps stale copies; the
+    # admission counter's images are checked in test_checkpoint_state_dict.py)
+    kwargs = dict(mode=mode, optimizer="adam", evicting=True,
                   backend=backend[0], device=torch.device(backend[1]))
     ec = make(**kwargs)
-    train(ec, batches(10))
+    train(ec, batches(6))
+    assert ec.stats()["t0"]["evictions"] > 0
     expected = module_state(ec)
     state = ec.state_dict()
-    saved = slots = 0
     for name, table in ec.tables.items():  # every tier's entries are its live ones only
         for tier, part in table.checkpoint_tiers().items():
             entries = state[f"dynamic_tables.{name}.rank0_of_1.{tier}.keys"]
             assert entries.numel() == part.size(), (name, tier)
-            saved, slots = saved + entries.numel(), slots + part.hash.capacity
-    assert saved < slots
     resumed = make(**kwargs)
     resumed.load_state_dict(roundtrip(state))
     assert_same_state(module_state(resumed), expected)
