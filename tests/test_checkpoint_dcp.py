@@ -138,7 +138,7 @@ def test_a_sharded_checkpoint_loads_into_the_unsharded_module(saved, resumed):
     ("dim", r"table '.*dynamic_tables.t0': cannot load the checkpoint: rows of width \(24,\)"),
     ("dtype", r"dtype torch.float32 in the checkpoint, width \(\d+,\) and dtype torch.float16"),
 ])
-def test_a_table_that_differs_is_refused_before_anything_is_read(saved, change, message):
+def test_a_table_that_differs_is_refused_before_anything_loads(saved, change, message):
     import dataclasses
 
     import torch

@@ -101,12 +101,24 @@ def test_rows_pinned_by_a_queued_prefetch_are_saved_with_their_values():
     assert_same_run(train(original, kjts[4:]), train(resumed, kjts[4:]))
 
 
-def test_state_dict_holds_views_of_the_tables_not_copies():
+def test_state_dict_holds_the_live_entries_with_their_slots():
     ec = model("hbm_direct", "sgd")
     train(ec, batches(3))
     state = ec.state_dict()
-    rows = state["dynamic_tables.t0.rank0_of_1.device.rows"]
-    assert rows.data_ptr() == ec.tables["t0"].tier.flat.weights.data_ptr()
+    group = "dynamic_tables.t0.rank0_of_1.device"
+    keys, scores = ec.tables["t0"].tier.hash.image()
+    live = ((keys != EMPTY_KEY) & (keys != TOMBSTONE_KEY)).nonzero().squeeze(1)
+    assert 0 < live.numel() < keys.numel()
+    assert state[f"{group}.layout"].tolist()[3:] == [live.numel(), 0]
+    weights = ec.tables["t0"].tier.flat.weights
+    expected = {"slots": live, "keys": keys[live], "scores": scores[live],
+                "rows": weights[live]}
+    saved = roundtrip(state)  # torch.save / torch.load: plain tensors of the entries
+    for field, entries in expected.items():
+        got = state[f"{group}.{field}"]
+        assert torch.equal(got, entries) and got.data_ptr() != weights.data_ptr(), field
+        assert type(saved[f"{group}.{field}"]) is torch.Tensor
+        assert torch.equal(saved[f"{group}.{field}"], entries), field
 
 
 def test_loading_into_a_table_of_another_dim_or_optimizer_names_it_and_changes_nothing():
@@ -250,27 +262,40 @@ def _kjt(ids):
 
 # -- images edited by hand ------------------------------------------------------------------------
 def _edited_image(how):
-    """A checkpoint of a trained module whose t0 device image was edited: a key ``moved`` to
+    """A checkpoint of a trained module whose t0 device entries were edited: a key ``moved`` to
     an empty slot of another bucket, or written ``twice`` (the copy where its probe reaches
-    it), or a negative ``counter``."""
+    it), two entries in one slot (``same_slot``), a slot past the capacity (``outside``), or a
+    negative ``counter``."""
     source = model("hbm_direct", "sgd")
     train(source, batches(6))
     state = roundtrip(source.state_dict())
     group = "dynamic_tables.t0.rank0_of_1"
-    keys = state[f"{group}.device.keys"]
-    capacity, bucket, _ = state[f"{group}.device.layout"].tolist()
-    live = ((keys != EMPTY_KEY) & (keys != TOMBSTONE_KEY)).nonzero().squeeze(1)
-    slot = int(live[0])
+    keys, slots = state[f"{group}.device.keys"], state[f"{group}.device.slots"]
+    layout = state[f"{group}.device.layout"]
+    capacity, bucket = layout.tolist()[:2]
+    image = torch.full((capacity,), EMPTY_KEY)
+    image[slots] = keys
+    image[state[f"{group}.device.tombstones"]] = TOMBSTONE_KEY
+    slot = int(slots[0])
     base = slot - slot % bucket
     if how == "moved":
-        empty = (keys == EMPTY_KEY) & (torch.arange(capacity) // bucket != slot // bucket)
-        keys[int(empty.nonzero()[0])] = keys[slot]
-        keys[slot] = EMPTY_KEY
-    elif how == "twice":
+        empty = (image == EMPTY_KEY) & (torch.arange(capacity) // bucket != slot // bucket)
+        slots[0] = int(empty.nonzero()[0])
+    elif how in ("twice", "same_slot"):
         pos = slot % bucket
-        while int(keys[base + pos]) != EMPTY_KEY:  # on along its probe to an empty slot
+        while int(image[base + pos]) != EMPTY_KEY:  # on along its probe to an empty slot
             pos = (pos + 1) % bucket
-        keys[base + pos] = keys[slot]
+        copy = dict(keys=keys[:1], scores=state[f"{group}.device.scores"][:1],
+                    slots=torch.tensor([base + pos if how == "twice" else slot]),
+                    rows=state[f"{group}.device.rows"][:1])
+        if how == "same_slot":
+            copy["keys"] = torch.tensor([12345678])
+        for field, value in copy.items():
+            name = f"{group}.device.{field}"
+            state[name] = torch.cat([state[name], value])
+        layout[3] += 1
+    elif how == "outside":
+        slots[0] = capacity
     else:
         state[f"{group}.state"][1] = -5  # lookups
     return state
@@ -279,6 +304,8 @@ def _edited_image(how):
 @pytest.mark.parametrize("how, message", [
     ("moved", r"table 't0', tier 'device'.*outside their bucket"),
     ("twice", r"table 't0', tier 'device'.*stored twice"),
+    ("same_slot", r"table 't0', tier 'device'.*1 slots are given twice"),
+    ("outside", r"table 't0', tier 'device'.*slots outside \[0, "),
     ("counter", r"table 't0'.*negative counters")])
 def test_an_image_with_a_key_out_of_place_or_twice_is_refused_and_nothing_changes(how, message):
     state = _edited_image(how)

@@ -3,7 +3,7 @@
 - ``module.state_dict()`` / ``load_state_dict()`` carry every table (rows, optimizer state,
   scores, clocks, steps, counters): :mod:`~dynemb.checkpoint.module_state`,
   :mod:`~dynemb.checkpoint.table_state`;
-- ``torch.distributed.checkpoint`` onto another world size: :class:`DynamicEmbLoadPlanner`;
+- ``torch.distributed.checkpoint`` on any world size: :class:`DynamicEmbLoadPlanner`;
 - files, full and incremental: :func:`dump`, :func:`load`.
 
 Exports for serving without a hash table are :mod:`dynemb.serving`.

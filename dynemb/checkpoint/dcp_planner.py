@@ -2,14 +2,15 @@
 by any world size.
 
 Rank ``r`` of ``w`` saves its share of a table as ``...rank<r>_of_<w>.*`` (see
-:mod:`dynemb.checkpoint.module_state`); the names and sizes depend on the world size and on
-how much each share grew, so DCP's default planner can only load a checkpoint of the same
-world size whose tables have the same capacities (it then loads in place). This planner
-reads whatever was saved:
+:mod:`dynemb.checkpoint.module_state`): its live entries only, the per-entry tensors as byte
+items (:mod:`dynemb.checkpoint.dcp_bytes`), which DCP's default planner loads whatever the
+module holds. So it loads a checkpoint of the same world size, in place; the names depend on
+the world size, and another one needs this planner, which reads whatever was saved:
 
-- same world size: rank ``r`` reads saved share ``r`` whole;
-- another world size: every rank reads ``1 / world_size`` of every saved share (contiguous
-  slot ranges) and the module's ``load_state_dict`` sends each row to its new owner.
+- same world size: rank ``r`` reads saved share ``r`` whole (it loads slot for slot);
+- another world size: every rank reads every saved share and keeps ``1 / world_size`` of
+  its entries (contiguous ranges; one share's entries are in memory at a time beyond
+  these), and the module's ``load_state_dict`` sends each row to its new owner.
 
 Either way the shares load into whichever storage mode each table has now (a per-rank budget
 may make a table HBM_DIRECT on 2 ranks and CACHE on 1): the tiers read are the saved ones.
@@ -17,8 +18,8 @@ may make a table HBM_DIRECT on 2 ranks and CACHE on 1): the tiers read are the s
 A checkpoint saved before fused optimizers saved their learning rate loads too: the
 optimizer keeps its current one. It never loads into the live tables: what it reads goes to new host tensors, put into the
 state dict in place of the module's own entries, and ``load_state_dict`` checks them before
-anything changes. Row width and dtype are checked from the checkpoint's metadata before any
-data is read.
+anything changes. Row width and dtype are checked as each share's rows are read, before
+anything loads.
 
 Example::
 
@@ -34,29 +35,31 @@ from typing import Dict, List, Tuple
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   MetadataIndex, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from dynemb.checkpoint.module_state import NAMESPACE
+from dynemb.checkpoint.table_state import ENTRY_FIELDS
 from dynemb.rows.fused_optimizer import GROUP_STATE_KEY, PARAM_KEY
 
 _SHARE = re.compile(rf"^(?P<base>(?:.*\.)?{NAMESPACE}\.[^.]+)\.rank(?P<rank>\d+)_of_"
                     rf"(?P<world>\d+)\.(?P<rest>.+)$")
 _SIGNATURE = re.compile(rf"^(?:.*\.)?{NAMESPACE}\.[^.]+\.signature$")
-_PER_SLOT = ("keys", "scores", "rows")
 
 
 class DynamicEmbLoadPlanner(DefaultLoadPlanner):
-    """A ``DefaultLoadPlanner`` that also loads dynamic tables saved by another world size
-    or with other capacities (see the module docstring). Everything else (dense layers,
+    """A ``DefaultLoadPlanner`` that also loads dynamic tables, saved by any world size
+    with any number of rows (see the module docstring). Everything else (dense layers,
     TorchRec tables, optimizer state) loads as the default planner loads it."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self._parts: Dict[str, Tuple[torch.Tensor, List[int]]] = {}
+        self._byte_parts: Dict[str, Tuple[str, Tuple[int, int], Tuple]] = {}
         self._insert: List[Tuple[Tuple, torch.Tensor]] = []
+        self._row_formats: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
         self._keep_unsaved_learning_rates()
         self._read_signatures_as_saved()
         shares = self._own_shares()
@@ -125,21 +128,30 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
         return saved
 
     def _check_rows(self, base, entries, groups) -> None:
-        """Row width and dtype of the saved shares against this module's, before reading."""
+        """Row width and dtype of the saved shares against this module's: from the
+        checkpoint's metadata before reading where it records them (rows saved as a
+        tensor), else as each share's rows are read (saved as a byte item, see
+        :mod:`dynemb.checkpoint.dcp_bytes`), before anything loads."""
         for rest, fqn in entries.items():
             if not rest.endswith(".rows"):
                 continue
             mine = self.state_dict[fqn]
             for saved_entries in groups.values():
-                md = self.metadata.state_dict_metadata.get(saved_entries.get(rest, ""))
-                if not isinstance(md, TensorStorageMetadata):
-                    continue
-                if md.size[1:] != mine.shape[1:] or md.properties.dtype != mine.dtype:
-                    raise ValueError(
-                        f"table {base!r}: cannot load the checkpoint: rows of width "
-                        f"{tuple(md.size[1:])} and dtype {md.properties.dtype} in the "
-                        f"checkpoint, width {tuple(mine.shape[1:])} and dtype {mine.dtype} "
-                        f"here (another dim, optimizer or embedding dtype)")
+                saved_fqn = saved_entries.get(rest, "")
+                md = self.metadata.state_dict_metadata.get(saved_fqn)
+                if isinstance(md, TensorStorageMetadata):
+                    self._check_row_format(base, tuple(md.size[1:]), md.properties.dtype,
+                                           mine)
+                elif saved_fqn:
+                    self._row_formats[saved_fqn] = (base, tuple(mine.shape[1:]), mine.dtype)
+
+    @staticmethod
+    def _check_row_format(base, width, dtype, mine) -> None:
+        if width != tuple(mine.shape[1:]) or dtype != mine.dtype:
+            raise ValueError(
+                f"table {base!r}: cannot load the checkpoint: rows of width {width} and "
+                f"dtype {dtype} in the checkpoint, width {tuple(mine.shape[1:])} and dtype "
+                f"{mine.dtype} here (another dim, optimizer or embedding dtype)")
 
     def _drop(self, fqn: str) -> None:
         """Take one of the module's own entries out of the load (and of the user's dict)."""
@@ -151,22 +163,25 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
         parent.pop(path[-1], None)
 
     def _read_part(self, fqn, rest, split, anchor) -> None:
-        """A new host tensor for this rank's part of saved entry ``fqn``."""
-        md = self.metadata.state_dict_metadata[fqn]
-        size = list(md.size)
-        offsets = [0] * len(size)
-        if rest.split(".")[-1] in _PER_SLOT and size:
-            part, parts = split
-            lo, hi = size[0] * part // parts, size[0] * (part + 1) // parts
-            offsets[0], size[0] = lo, hi - lo
-        tensor = torch.empty(size, dtype=md.properties.dtype)
-        self._parts[fqn] = (tensor, offsets)
-        # where the user's (possibly nested) dict gets it: beside the entry it replaces
+        """This rank's part of saved entry ``fqn``: a new host tensor (a byte item: what it
+        holds, once read, see :meth:`load_bytes`), put in the user's dict beside the entry
+        it replaces."""
         path = anchor if anchor is not None else (fqn,)
         key = path[-1]
         cut = key.rfind(f"{NAMESPACE}.")
         name = key[:cut] + fqn[fqn.rfind(f"{NAMESPACE}."):] if cut >= 0 else fqn
-        self._insert.append((tuple(path[:-1]) + (name,), tensor))
+        path = tuple(path[:-1]) + (name,)
+        md = self.metadata.state_dict_metadata[fqn]
+        if isinstance(md, BytesStorageMetadata):
+            self._byte_parts[fqn] = (rest, split, path)
+            return
+        size = list(md.size)
+        offsets = [0] * len(size)
+        if rest.split(".")[-1] in ENTRY_FIELDS and size:
+            offsets[0], size[0] = _part_range(size[0], split)
+        tensor = torch.empty(size, dtype=md.properties.dtype)
+        self._parts[fqn] = (tensor, offsets)
+        self._insert.append((path, tensor))
 
     # -- the plan -----------------------------------------------------------------------------
     def create_local_plan(self) -> LoadPlan:
@@ -178,15 +193,46 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape)
             items += create_read_items_for_chunk_list(
                 fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+        for fqn in self._byte_parts:
+            index = MetadataIndex(fqn)
+            items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index,
+                                  dest_offsets=torch.Size([0]), storage_index=index,
+                                  storage_offsets=torch.Size([0]), lengths=torch.Size([0])))
         for path, tensor in self._insert:
-            parent = self.original_state_dict
-            for key in path[:-1]:
-                parent = parent[key]
-            parent[path[-1]] = tensor
+            self._put(path, tensor)
         return LoadPlan(items, plan.storage_data, plan.planner_data)
+
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        part = self._byte_parts.get(read_item.dest_index.fqn)
+        if part is None:
+            return super().load_bytes(read_item, value)
+        fqn = read_item.dest_index.fqn
+        rest, split, path = part
+        saved = torch.load(value, weights_only=True)
+        if fqn in self._row_formats:
+            base, width, dtype = self._row_formats[fqn]
+            self._check_row_format(base, tuple(saved.shape[1:]), saved.dtype,
+                                   torch.empty((0, *width), dtype=dtype))
+        if rest.split(".")[-1] in ENTRY_FIELDS and saved.dim():
+            lo, n = _part_range(saved.shape[0], split)
+            saved = saved[lo:lo + n].clone() if n < saved.shape[0] else saved
+        self._put(path, saved)
+
+    def _put(self, path: Tuple, tensor: torch.Tensor) -> None:
+        parent = self.original_state_dict
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = tensor
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         part = self._parts.get(index.fqn)
         if part is not None:
             return part[0]
         return super().lookup_tensor(index)
+
+
+def _part_range(n: int, split: Tuple[int, int]) -> Tuple[int, int]:
+    """Offset and length of part ``split = (part, parts)`` of ``n`` contiguous entries."""
+    part, parts = split
+    lo, hi = n * part // parts, n * (part + 1) // parts
+    return lo, hi - lo

@@ -2,12 +2,17 @@
 
 Each table contributes, under the module's prefix::
 
-    dynamic_tables.<table>.signature                    (the same on every rank)
-    dynamic_tables.<table>.rank<r>_of_<w>.state         step and counters of rank r
-    dynamic_tables.<table>.rank<r>_of_<w>.<tier>.layout capacity, bucket size, clock
-    dynamic_tables.<table>.rank<r>_of_<w>.<tier>.keys   slot image (see table_state)
-    dynamic_tables.<table>.rank<r>_of_<w>.<tier>.scores
+    dynamic_tables.<table>.signature                        (the same on every rank)
+    dynamic_tables.<table>.rank<r>_of_<w>.format            layout version (table_state)
+    dynamic_tables.<table>.rank<r>_of_<w>.state             step and counters of rank r
+    dynamic_tables.<table>.rank<r>_of_<w>.<tier>.layout     capacity, bucket size, clock,
+                                                            entries, tombstones
+    dynamic_tables.<table>.rank<r>_of_<w>.<tier>.keys       live entries only, shaped as
+    dynamic_tables.<table>.rank<r>_of_<w>.<tier>.scores     the capacity (see table_state
+    dynamic_tables.<table>.rank<r>_of_<w>.<tier>.slots      and padded_entries), with the
+                                                            slot each sat in
     dynamic_tables.<table>.rank<r>_of_<w>.<tier>.rows
+    dynamic_tables.<table>.rank<r>_of_<w>.<tier>.tombstones erased slots
 
 An unsharded module is ``rank0_of_1``; rank ``r`` of a sharded module saves its own share,
 so the names of one rank never collide with another's and ``torch.distributed.checkpoint``

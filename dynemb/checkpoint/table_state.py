@@ -8,19 +8,25 @@ A table's state is a set of named tensors (see :func:`capture`):
   scheme (where its keys sit on a sharded module; it need not match:
   see :func:`saved_scheme`);
 - ``state``: the optimizer's step, then the table's counters (:data:`COUNTER_NAMES`);
+- ``format``: the version of the layout of what follows (:data:`STATE_FORMAT`; see
+  :func:`check_format`);
 - per tier (``device``; ``host``: the DEFAULT host tier or the CACHE backing store;
-  ``admission``: the admission counter), ``layout`` = (capacity, bucket size, clock) and the
-  tier's **slot image**: ``keys`` and ``scores`` per slot, and ``rows`` (embedding plus
-  optimizer state, the table's physical row) except for ``admission``. Free slots hold
-  ``EMPTY_KEY`` / ``TOMBSTONE_KEY``. These are views of the table's own arrays (saving
-  copies nothing); a backing store that is not a
-  :class:`~dynemb.stores.backing_store.HostBackingStore` is saved
-  from its ``export`` (compact, capacity -1).
+  ``admission``: the admission counter), ``layout`` = (capacity, bucket size, clock, live
+  entries, tombstones) and the tier's **live entries** only: ``keys``, ``scores``, ``slots``
+  (where each sat) and ``rows`` (embedding plus optimizer state, the table's physical row;
+  not for ``admission``), one per live entry, and ``tombstones``, the erased slots (lookups
+  probe past them, so an exact image keeps them). A checkpoint's size follows the rows a
+  table holds, not its capacity. These are host copies (see :func:`live_entries`), which
+  DCP saves as byte items (:class:`~dynemb.checkpoint.dcp_bytes.SavedAsBytes`: its default
+  planner then loads them whatever the module holds); a backing
+  store that is not a :class:`~dynemb.stores.backing_store.HostBackingStore` is saved from
+  its ``export`` (capacity -1, no slots).
 
 Putting it back (:func:`restore`):
 
 - **exactly**, slot for slot, when one full image of the same layout is given (same rank
-  and world size): every key in its saved slot with its score, the clock as saved. Training
+  and world size; every entry of every tier, see :attr:`SavedTier.full_image`): every key in
+  its saved slot with its score, the clock as saved. Training
   then continues bit for bit as if never stopped, evictions included;
 - **by key** otherwise (other world size, other capacity, parts of several images, or
   another storage mode: a per-rank budget may make a table HBM_DIRECT on 2 ranks and CACHE
@@ -41,7 +47,9 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from dynemb.checkpoint.image_checks import check_distinct, check_slot_image, is_bucketed_layout
+from dynemb.checkpoint.dcp_bytes import SavedAsBytes
+from dynemb.checkpoint.image_checks import (check_distinct, check_live_keys, check_slot_image,
+                                            is_bucketed_layout)
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.rows.optimizers import OptimizerType
 from dynemb.options import ShardingScheme, StorageMode
@@ -50,10 +58,18 @@ from dynemb.tables.checkpoint_tiers import TIER_NAMES
 from dynemb.tables.policies import storage_policy
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy
 
-#: Bumped when the meaning of saved tensors changes.
-FORMAT_VERSION = 1
+#: The version of the signature's codes (its first field; checkpoint files record it too).
+SIGNATURE_VERSION = 1
+#: The layout of a table's saved tensors, saved as ``format``: bumped when it changes.
+STATE_FORMAT = 2
+#: What each layout saved, for the message that refuses one.
+STATE_FORMATS = {
+    1: "every slot of each tier's capacity, empty ones too, and no 'format' entry",
+    2: "each tier's live entries with their slots"}
 TIERS = TIER_NAMES
 ROW_FIELDS = ("keys", "scores", "rows")
+#: The per-entry tensors of a tier (``tombstones`` has one per erased slot).
+ENTRY_FIELDS = ("keys", "scores", "slots", "rows", "tombstones")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OPTIMIZERS = tuple(OptimizerType)
 _MODES = tuple(StorageMode)
@@ -73,7 +89,7 @@ LOAD_CHUNK_ROWS = 1 << 20
 def signature(table: DynamicTable) -> torch.Tensor:
     """int64 codes of what a checkpoint of ``table`` must share with the table it loads into
     (see :func:`describe_mismatch`)."""
-    return torch.tensor([FORMAT_VERSION, table.dim, table.width, table.state_dim,
+    return torch.tensor([SIGNATURE_VERSION, table.dim, table.width, table.state_dim,
                          _DTYPES.index(table.layout.dtype),
                          _OPTIMIZERS.index(table.optimizer.type), _MODES.index(table.mode),
                          table.options.score_strategy.code,
@@ -111,8 +127,8 @@ def describe_mismatch(table: DynamicTable, saved: torch.Tensor, *,
     keeps it, see :func:`restore`)."""
     mine = signature(table).tolist()[:SCHEME_FIELD]
     saved = [int(v) for v in saved.tolist()]
-    if not saved or saved[0] != FORMAT_VERSION:
-        return f"checkpoint format {saved[:1]} is not {FORMAT_VERSION}"
+    if not saved or saved[0] != SIGNATURE_VERSION:
+        return f"checkpoint format {saved[:1]} is not {SIGNATURE_VERSION}"
     if len(saved) not in (SCHEME_FIELD, SCHEME_FIELD + 1):
         return (f"a signature of {len(saved)} fields ({SCHEME_FIELD + 1} expected, "
                 f"{SCHEME_FIELD} before it recorded the sharding scheme)")
@@ -142,15 +158,18 @@ def _code_name(field: int, code: int):
 
 def capture(table: DynamicTable, step: int) -> Dict[str, torch.Tensor]:
     """The tensors of ``table``'s checkpoint by relative name (see the module docstring):
-    views of its arrays where it has them."""
+    host copies of its live entries, sized by the rows it holds."""
     out = {"signature": signature(table),
+           "format": torch.tensor([STATE_FORMAT]),
            "state": torch.tensor([step, *table.counters.snapshot().values()],
                                  dtype=torch.int64)}
     for name, part in table.checkpoint_tiers().items():
         if part.hash is not None:
             keys, scores = part.hash.image()
+            entries = live_entries(keys, scores, part.rows)
             out[f"{name}.layout"] = torch.tensor(
-                [part.hash.capacity, part.hash.bucket_size, part.hash.clock])
+                [part.hash.capacity, part.hash.bucket_size, part.hash.clock,
+                 entries["keys"].numel(), entries["tombstones"].numel()])
         else:
             if getattr(part.store, "on_disk", False):
                 raise RuntimeError(
@@ -159,11 +178,41 @@ def capture(table: DynamicTable, step: int) -> Dict[str, torch.Tensor]:
                     f"dynemb.checkpoint.dump(module, path) and load it with "
                     f"dynemb.checkpoint.load(module, path), which stream it chunk by chunk")
             keys, scores, rows = _export_store(part.store, table.width)
-            out[f"{name}.layout"] = torch.tensor([-1, 0, 0])
-            out[f"{name}.rows"] = rows
-        out[f"{name}.keys"], out[f"{name}.scores"] = keys, scores
-        if part.rows is not None:
-            out[f"{name}.rows"] = part.rows
+            entries = {"keys": keys, "scores": scores, "rows": rows}
+            out[f"{name}.layout"] = torch.tensor([-1, 0, 0, keys.numel(), 0])
+        out.update({f"{name}.{field}": SavedAsBytes.of(tensor)
+                    for field, tensor in entries.items()})
+    return out
+
+
+def live_entries(keys: torch.Tensor, scores: torch.Tensor,
+                 rows: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The live entries of the slot image ``(keys, scores)`` (and its per-slot ``rows``), as
+    host tensors: ``keys``, ``scores``, ``slots`` and ``rows`` (when given) of each occupied
+    slot, and ``tombstones``, the erased slots. Rows are gathered ``LOAD_CHUNK_ROWS`` at a
+    time, so a table on an accelerator needs no second copy of itself there.
+
+    Example::
+
+        >>> from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
+        >>> keys = torch.tensor([EMPTY_KEY, 7, TOMBSTONE_KEY, 3])
+        >>> out = live_entries(keys, torch.tensor([0, 5, 0, 9]), torch.eye(4))
+        >>> out["keys"].tolist(), out["slots"].tolist(), out["tombstones"].tolist()
+        ([7, 3], [1, 3], [2])
+        >>> out["rows"].tolist()
+        [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]
+    """
+    slots = ((keys != EMPTY_KEY) & (keys != TOMBSTONE_KEY)).nonzero().squeeze(1)
+    out = {"keys": keys[slots].cpu(), "scores": scores[slots].cpu(), "slots": slots.cpu(),
+           "tombstones": (keys == TOMBSTONE_KEY).nonzero().squeeze(1).cpu()}
+    if rows is not None:
+        if rows.device.type == "cpu":
+            out["rows"] = rows.index_select(0, slots)
+        else:
+            out["rows"] = torch.empty((slots.numel(), *rows.shape[1:]), dtype=rows.dtype)
+            for lo in range(0, slots.numel(), LOAD_CHUNK_ROWS):
+                part = slots[lo:lo + LOAD_CHUNK_ROWS]
+                out["rows"][lo:lo + part.numel()].copy_(rows.index_select(0, part))
     return out
 
 
@@ -181,7 +230,9 @@ def _export_store(store, width: int):
 # -- what is loaded -------------------------------------------------------------------------
 @dataclasses.dataclass
 class SavedTier:
-    """One tier of a saved image (or of a part of it)."""
+    """One tier of a saved image (or of a part of it): live entries, and where a whole
+    image was saved, the slot of each (``slots``), the erased slots (``tombstones``) and
+    how many of each the whole image has (``counts``)."""
 
     capacity: int
     bucket_size: int
@@ -189,18 +240,45 @@ class SavedTier:
     keys: torch.Tensor
     scores: torch.Tensor
     rows: Optional[torch.Tensor]
+    slots: Optional[torch.Tensor] = None
+    tombstones: Optional[torch.Tensor] = None
+    counts: Optional[Tuple[int, int]] = None
 
     @property
     def full_image(self) -> bool:
-        return self.capacity >= 0 and self.keys.numel() == self.capacity
+        """Every entry and tombstone of a slot image (not a part of one, nor entries placed
+        by key only)."""
+        return (self.capacity >= 0 and self.slots is not None and self.tombstones is not None
+                and self.counts == (self.keys.numel(), self.tombstones.numel())
+                and self.slots.numel() == self.keys.numel())
 
     def live(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """Keys, scores and rows of the occupied slots."""
+        """Keys, scores and rows of the live entries."""
         occupied = (self.keys != EMPTY_KEY) & (self.keys != TOMBSTONE_KEY)
         if bool(occupied.all()):
             return self.keys, self.scores, self.rows
         return (self.keys[occupied], self.scores[occupied],
                 None if self.rows is None else self.rows[occupied])
+
+    def slot_image(self, where: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, scores)`` per slot of a :attr:`full_image` (free slots ``EMPTY_KEY``,
+        erased ones ``TOMBSTONE_KEY``, score 0), as the table's :meth:`image` has them.
+        Raises ``ValueError`` (starting with ``where``) for a slot outside the capacity or
+        given twice, or an entry whose key is a free-slot marker."""
+        check_live_keys(self.keys, where)
+        slots, tombstones = self.slots.cpu(), self.tombstones.cpu()
+        taken = torch.cat([slots, tombstones])
+        if taken.numel() and (int(taken.min()) < 0 or int(taken.max()) >= self.capacity):
+            raise ValueError(f"{where}: slots outside [0, {self.capacity})")
+        if torch.unique(taken).numel() != taken.numel():
+            raise ValueError(f"{where}: {taken.numel() - torch.unique(taken).numel()} slots "
+                             f"are given twice (two entries, or an entry and a tombstone)")
+        keys = torch.full((self.capacity,), EMPTY_KEY, dtype=torch.int64)
+        scores = torch.zeros(self.capacity, dtype=torch.int64)
+        keys[slots] = self.keys.cpu()
+        scores[slots] = self.scores.cpu()
+        keys[tombstones] = TOMBSTONE_KEY
+        return keys, scores
 
 
 @dataclasses.dataclass
@@ -217,23 +295,57 @@ class SavedTable:
 
 def parse(entries: Dict[str, torch.Tensor], *, rank: int = 0, world_size: int = 1,
           where: str = "") -> SavedTable:
-    """The :class:`SavedTable` of one image's tensors (as :func:`capture` names them)."""
+    """The :class:`SavedTable` of one image's tensors (as :func:`capture` names them).
+    Raises ``ValueError`` naming the format of a checkpoint of another layout (see
+    :func:`check_format`)."""
     missing = [n for n in ("signature", "state") if n not in entries]
     if missing:
         raise ValueError(f"{where}: the checkpoint lacks {missing}")
+    check_format(entries.get("format"), where)
     state = entries["state"].to(torch.int64).cpu()
     tiers = {}
     for name in TIERS:
         if f"{name}.layout" not in entries:
             continue
-        capacity, bucket, clock = (int(v) for v in entries[f"{name}.layout"].tolist())
+        layout = [int(v) for v in entries[f"{name}.layout"].tolist()]
+        if len(layout) != 5:
+            raise ValueError(f"{where}: tier {name!r} has a layout of {len(layout)} fields, "
+                             f"5 expected (capacity, bucket size, clock, entries, tombstones)")
+        capacity, bucket, clock, live, erased = layout
         fields = [f"{name}.{f}" for f in ROW_FIELDS[:2]]
+        if capacity >= 0:
+            fields += [f"{name}.slots", f"{name}.tombstones"]
         lacking = [f for f in fields if f not in entries]
         if lacking:
             raise ValueError(f"{where}: the checkpoint lacks {lacking}")
+        slots, tombstones = entries.get(f"{name}.slots"), entries.get(f"{name}.tombstones")
         tiers[name] = SavedTier(capacity, bucket, clock, entries[f"{name}.keys"],
-                                entries[f"{name}.scores"], entries.get(f"{name}.rows"))
+                                entries[f"{name}.scores"], entries.get(f"{name}.rows"),
+                                slots, tombstones, (live, erased))
     return SavedTable(entries["signature"], int(state[0]), state[1:], tiers, rank, world_size)
+
+
+def check_format(saved: Optional[torch.Tensor], where: str) -> None:
+    """Raise ``ValueError`` naming the format unless ``saved`` (a table share's ``format``
+    entry, None where it has none) is :data:`STATE_FORMAT`.
+
+    Example::
+
+        >>> check_format(torch.tensor([STATE_FORMAT]), "t")
+        >>> check_format(None, "table 't'")
+        Traceback (most recent call last):
+        ...
+        ValueError: table 't': the checkpoint is of format 1 (every slot of ...
+    """
+    version = 1 if saved is None else (int(saved.reshape(-1)[0]) if saved.numel() else -1)
+    if version == STATE_FORMAT:
+        return
+    what = STATE_FORMATS.get(version)
+    described = f"format {version} ({what})" if what else f"an unknown format {version}"
+    raise ValueError(
+        f"{where}: the checkpoint is of {described}; this dynemb reads format {STATE_FORMAT} "
+        f"({STATE_FORMATS[STATE_FORMAT]}). To carry it over, load it with the dynemb that "
+        f"wrote it and write checkpoint files with dynemb.checkpoint.dump, which load here")
 
 
 def check_compatible(table: DynamicTable, saved: SavedTable) -> None:
@@ -258,11 +370,30 @@ def check_compatible(table: DynamicTable, saved: SavedTable) -> None:
                 problem = f"rows of width {tuple(tier.rows.shape[1:])} in the checkpoint"
             elif tier.rows is not None and tier.rows.shape[0] != tier.keys.shape[0]:
                 problem = f"{tier.keys.shape[0]} keys but {tier.rows.shape[0]} rows"
+            else:
+                problem = _describe_bad_entries(name, tier)
+            if problem is not None:
+                break
     if problem is None:
         problem = _describe_bad_numbers(saved)
     if problem is not None:
         raise ValueError(f"table {table.name!r}: cannot load the checkpoint: {problem}")
     check_placement(table, saved)
+
+
+def _describe_bad_entries(name: str, tier: SavedTier) -> Optional[str]:
+    """What is malformed among a tier's per-entry tensors, or None."""
+    n = tier.keys.shape[0] if tier.keys.dim() == 1 else -1
+    for field, t in (("keys", tier.keys), ("scores", tier.scores), ("slots", tier.slots),
+                     ("tombstones", tier.tombstones)):
+        if t is None:
+            continue
+        if t.dim() != 1 or t.dtype != torch.int64 or (field != "tombstones" and
+                                                         t.shape[0] != n):
+            return (f"tier {name!r}: {field} are {t.dtype} {tuple(t.shape)}, one int64 per "
+                    f"{'erased slot' if field == 'tombstones' else 'entry'} expected "
+                    f"({n} keys)")
+    return None
 
 
 def _describe_bad_numbers(saved: SavedTable) -> Optional[str]:
@@ -287,7 +418,7 @@ def check_placement(table: DynamicTable, saved: SavedTable) -> None:
     for name, tier in saved.tiers.items():
         where = f"table {table.name!r}, tier {name!r}"
         if tier.full_image and is_bucketed_layout(tier.capacity, tier.bucket_size):
-            check_slot_image(tier.keys, tier.bucket_size, where)
+            check_slot_image(tier.slot_image(where)[0], tier.bucket_size, where)
         else:
             check_distinct(tier.live()[0], where)
     images = {name: tier for name, tier in saved.tiers.items() if name != "admission"}
@@ -370,9 +501,11 @@ def _restore_image(table: DynamicTable, saved: SavedTable) -> None:
         h = part.hash
         if h.capacity != tier.capacity:
             table.remap_tier_rows(name, h.grow(tier.capacity), tier.capacity)
-        h.load_image(tier.keys.to(h.device), tier.scores.to(h.device), tier.clock)
-        if part.rows is not None and part.rows.data_ptr() != tier.rows.data_ptr():
-            part.rows.copy_(tier.rows)
+        keys, scores = tier.slot_image(f"table {table.name!r}, tier {name!r}")
+        h.load_image(keys.to(h.device), scores.to(h.device), tier.clock)
+        if part.rows is not None:  # free slots' rows are written when a key claims them
+            part.rows.index_copy_(0, tier.slots.to(part.rows.device),
+                                  tier.rows.to(part.rows.device, part.rows.dtype))
 
 
 # -- iteration ------------------------------------------------------------------------------

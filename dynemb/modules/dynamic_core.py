@@ -559,7 +559,7 @@ class DynamicCore:
     # -- checkpoints -------------------------------------------------------------------------
     def save_state(self, destination, prefix: str, rank: int, world_size: int) -> None:
         """Every table's rows, scores, optimizer state, step and counters into a state dict
-        (see :mod:`dynemb.checkpoint.module_state`): views of the tables."""
+        (see :mod:`dynemb.checkpoint.module_state`): host copies of their live entries."""
         save_tables(self.tables, self._steps, destination, prefix, rank, world_size)
 
     def load_state(self, state_dict: Mapping[str, Any], prefix: str, strict: bool,

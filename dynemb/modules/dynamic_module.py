@@ -356,7 +356,8 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
     # -- checkpoints -------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """Every table's rows, scores, optimizer state, step and counters (see
-        :mod:`dynemb.checkpoint.module_state`): views of the tables, nothing is copied."""
+        :mod:`dynemb.checkpoint.module_state`): host copies of the live entries only, so the
+        state dict's size follows the rows the tables hold, not their capacity."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
         self._core.save_state(destination, prefix, *self._checkpoint_group)
 

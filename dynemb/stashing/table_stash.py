@@ -141,7 +141,7 @@ def _refs_views_add() -> int:
 
 def _other_holders(weights: torch.Tensor) -> int:
     """References to the rows besides the table's: other tensors on their storage (views), and
-    other references to the tensor itself (a ``state_dict`` entry, a numpy array of it)."""
+    other references to the tensor itself (a numpy array of it, say)."""
     return storage_refs.other_views(weights) + max(0, _tensor_refs(weights) - _UNSHARED_REFS)
 
 
@@ -283,9 +283,9 @@ class TableStash:
     # -- stash ---------------------------------------------------------------------------------
     def stash(self) -> bool:
         """Copy the stashed columns to host memory and release the rows' device storage.
-        Returns False (and warns once) when something else holds the rows, e.g. a
-        ``state_dict`` kept across a training step: it would read an empty table (or keep the
-        memory and go stale), so the rows stay."""
+        Returns False (and warns once) when something else holds the rows, e.g. a view of
+        them kept across a training step: it would read an empty table (or keep the memory
+        and go stale), so the rows stay (a ``state_dict`` holds copies: it does not)."""
         if self.stashed:
             return True
         flat = self.tier.flat
@@ -296,7 +296,7 @@ class TableStash:
                 self._warned = True
                 warnings.warn(
                     f"table {self.name!r}: {others} tensors besides the table view its rows "
-                    f"(a state_dict kept across a training step?), so its rows stay on the "
+                    f"(a view of its weights kept across a training step?), so its rows stay on the "
                     f"device this step instead of being stashed", RuntimeWarning, stacklevel=3)
             return False
         t = self._t
