@@ -29,6 +29,11 @@ if "numba.core.config" in sys.modules:
     if "numba.cuda" in sys.modules:
         raise pytest.UsageError("numba.cuda was imported before conftest.py chose its backend")
     sys.modules["numba.core.config"].reload_config()
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    # kernels that never synchronize run their threads one by one (tests/sequential_cudasim.py)
+    from tests.sequential_cudasim import install as _install_sequential_cudasim
+
+    _install_sequential_cudasim()
 # the suite runs the parallel CPU kernels on every thread numba has; the library's default
 # (one core less than the process has, dynemb.foundations.threads) is tested in fresh processes by
 # tests/test_threads.py
@@ -46,3 +51,4 @@ def _doctest_names(doctest_namespace):
     doctest_namespace.update({name: getattr(dynemb, name) for name in dynemb.__all__})
     doctest_namespace.update(EmbeddingConfig=EmbeddingConfig, JaggedTensor=JaggedTensor,
                              KeyedJaggedTensor=KeyedJaggedTensor)
+

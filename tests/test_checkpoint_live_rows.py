@@ -37,15 +37,6 @@ def adam_table(backend, device):
         backend=backend, device=torch.device(device))
 
 
-def holding(rows, backend, device):
-    ec = adam_table(backend, device)
-    ids = torch.arange(rows, device=device) * 7919 + 11
-    ec(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.ones_like(ids)))[
-        "f"].values().sum().backward()
-    assert ec.tables["t"].tier.hash.size() == rows
-    return ec
-
-
 def _dir_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
@@ -76,11 +67,29 @@ def dcp_load(state, path, planner="dynemb"):
         dcp.load(state, checkpoint_id=str(path), **kwargs)
 
 
-@pytest.mark.parametrize("how", ["state_dict", "dcp", "dump"])
-@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
-def test_checkpoint_bytes_follow_the_live_rows_not_the_capacity(tmp_path, backend, how):
-    small = saved_bytes(holding(100, *backend), how, tmp_path / "small")
-    large = saved_bytes(holding(400, *backend), how, tmp_path / "large")
+HOWS = ("state_dict", "dcp", "dump")
+
+
+@pytest.fixture(scope="module", params=BACKENDS, ids=BACKEND_IDS)
+def sizes(request, tmp_path_factory):
+    """``{(how, live rows): bytes}`` of one table holding 100 rows, then 400 (300 more
+    trained into the same table)."""
+    backend, device = request.param
+    ec = adam_table(backend, device)
+    out = {}
+    for first, rows in ((0, 100), (100, 400)):
+        ids = torch.arange(first, rows, device=device) * 7919 + 11
+        ec(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.ones_like(ids)))[
+            "f"].values().sum().backward()
+        assert ec.tables["t"].tier.hash.size() == rows
+        for how in HOWS:
+            out[(how, rows)] = saved_bytes(ec, how, tmp_path_factory.mktemp(f"{how}{rows}"))
+    return out
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_checkpoint_bytes_follow_the_live_rows_not_the_capacity(sizes, how):
+    small, large = sizes[(how, 100)], sizes[(how, 400)]
     # 100 live rows of 4096 slots: their entries and names and headers (DCP's metadata:
     # about 16 KiB here), far from the 1.6 MB of the whole capacity
     assert small <= 100 * ENTRY_BYTES + 32 * 1024, small

@@ -42,11 +42,8 @@ class SavedAsBytes(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **(kwargs or {}))
-        if func in _COPIES and type(out) is torch.Tensor:
-            return out.as_subclass(cls)
-        return out
+        out = super().__torch_function__(func, types, args, kwargs)
+        return out if func in _COPIES else _plain(out)
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "SavedAsBytes":
@@ -70,6 +67,15 @@ class SavedAsBytes(torch.Tensor):
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         """What DCP saves (``torch.save``) for the byte item: the plain tensor."""
         return self.plain()
+
+
+def _plain(value):
+    """``value`` with every :class:`SavedAsBytes` in it (in tuples and lists) plain."""
+    if isinstance(value, SavedAsBytes):
+        return value.plain()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_plain(v) for v in value)
+    return value
 
 
 #: What makes a copy of the same entries (which stays a :class:`SavedAsBytes`).
