@@ -2,7 +2,6 @@
 leaves the counter; only candidates are counted; the counter table is sized in whole buckets."""
 import torch
 
-from dynemb import FrequencyAdmission
 from dynemb.rows.admission import AdmissionCounter, counter_slots
 from dynemb.types import EMPTY_KEY
 
@@ -15,7 +14,7 @@ def admit(counter, keys, counts, candidates=None):
 
 
 def test_a_key_is_admitted_on_the_call_its_tally_reaches_the_threshold():
-    counter = AdmissionCounter(FrequencyAdmission(threshold=3), torch.device("cpu"))
+    counter = AdmissionCounter(3, 65536, torch.device("cpu"))
     assert admit(counter, [7, 8], [1, 2]) == [False, False]    # tallies 1 and 2
     assert counter.size() == 2
     assert admit(counter, [7, 8, 9], [1, 1, 5]) == [False, True, True]  # 2, 3, 5
@@ -25,7 +24,7 @@ def test_a_key_is_admitted_on_the_call_its_tally_reaches_the_threshold():
 
 
 def test_only_candidates_are_counted():
-    counter = AdmissionCounter(FrequencyAdmission(threshold=2), torch.device("cpu"))
+    counter = AdmissionCounter(2, 65536, torch.device("cpu"))
     # 5 is stored already (not a candidate), EMPTY_KEY is padding
     assert admit(counter, [5, 6, EMPTY_KEY], [4, 1, 0], [False, True, False]) == [
         False, False, False]
@@ -34,7 +33,7 @@ def test_only_candidates_are_counted():
 
 
 def test_counter_slots_are_whole_buckets_of_128():
-    assert [counter_slots(FrequencyAdmission(counter_capacity=c)) for c in (1, 128, 129, 200)] == [
+    assert [counter_slots(c) for c in (1, 128, 129, 200)] == [
         128, 128, 256, 256]
-    counter = AdmissionCounter(FrequencyAdmission(counter_capacity=200), torch.device("cpu"))
+    counter = AdmissionCounter(2, 200, torch.device("cpu"))
     assert counter.table.capacity == 256

@@ -265,7 +265,7 @@ def table_footprint(config: EmbeddingConfig, options: DynamicEmbTableOptions,
     stash = 0 if is_inference else rows.device_rows * stashed_bytes_per_row(local_options.stash,
                                                                             row)
     admission = (0 if local_options.admission is None
-                 else hash_table_bytes(counter_slots(local_options.admission)))
+                 else hash_table_bytes(counter_slots(local_options.admission.counter_capacity)))
     host_hash = hash_table_bytes(rows.host_hash_slots) if rows.host_hash_slots else 0
 
     occurrences = _batch_ids(config.name, batch_size, input_lengths, num_poolings, batch_sizes)

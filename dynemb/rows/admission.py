@@ -7,28 +7,29 @@ import torch
 
 from dynemb.rows.hash_table import ScoredHashTable
 from dynemb.backends.protocol import KernelBackend
-from dynemb.options import FrequencyAdmission
 from dynemb.types import EMPTY_KEY, MAX_BUCKET_SIZE, ScorePolicy
 
 
 class AdmissionCounter:
-    """Counts occurrences of keys that are not admitted yet, in an LFU-scored hash table.
+    """Counts occurrences of keys that are not admitted yet, in an LFU-scored hash table of
+    about ``counter_capacity`` slots (:func:`counter_slots`); a key is admitted at its
+    ``threshold``-th occurrence (the :class:`~dynemb.options.FrequencyAdmission` of a table).
 
     Keys come padded (``EMPTY_KEY`` entries are ignored) so shapes never depend on data.
     ``kernels``: those of the owning table (None: the kernels of ``device``).
 
     Example::
 
-        >>> counter = AdmissionCounter(FrequencyAdmission(threshold=2), torch.device("cpu"))
+        >>> counter = AdmissionCounter(2, 65536, torch.device("cpu"))
         >>> keys, counts = torch.tensor([4, 5]), torch.tensor([2, 1])
         >>> counter.admit(keys, counts, torch.tensor([True, True])).tolist()
         [True, False]
     """
 
-    def __init__(self, config: FrequencyAdmission, device: torch.device,
+    def __init__(self, threshold: int, counter_capacity: int, device: torch.device,
                  kernels: Optional[KernelBackend] = None):
-        self.threshold = config.threshold
-        self.table = ScoredHashTable(counter_slots(config), policy=ScorePolicy.LFU,
+        self.threshold = threshold
+        self.table = ScoredHashTable(counter_slots(counter_capacity), policy=ScorePolicy.LFU,
                                      device=device, kernels=kernels)
 
     def admit(self, keys: torch.Tensor, counts: torch.Tensor,
@@ -46,14 +47,14 @@ class AdmissionCounter:
         return self.table.size()
 
 
-def counter_slots(config: FrequencyAdmission) -> int:
+def counter_slots(counter_capacity: int) -> int:
     """Slots of the counter table: ``counter_capacity`` rounded up to whole buckets of
     ``MAX_BUCKET_SIZE`` (the table's default bucket size).
 
     Example::
 
-        >>> counter_slots(FrequencyAdmission(counter_capacity=200))
+        >>> counter_slots(200)
         256
     """
-    buckets = max(1, -(-config.counter_capacity // MAX_BUCKET_SIZE))
+    buckets = max(1, -(-counter_capacity // MAX_BUCKET_SIZE))
     return buckets * MAX_BUCKET_SIZE

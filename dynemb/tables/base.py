@@ -65,7 +65,9 @@ class DynamicTable(CheckpointTiers):
         self.row_layout = RowLayout(dim, self.state_dim, layout.dtype)
         self.width = self.row_layout.width  # physical columns of a row, as stores hold them
         self.tier = self._build_tier()
-        self.admission = (AdmissionCounter(options.admission, self.device, self.kernels)
+        self.admission = (AdmissionCounter(options.admission.threshold,
+                                          options.admission.counter_capacity, self.device,
+                                          self.kernels)
                           if options.admission is not None else None)
         self.counters = TableCounters(self.device)
         self._held = HeldBatches()
