@@ -16,7 +16,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind
-from dynemb.rows.admission import FrequencyAdmission
+from dynemb import FrequencyAdmission
 from dynemb.stores.backing_store import HostBackingStore
 from dynemb.backends.protocol import TableArrays
 from dynemb.kernels import groups_cpu

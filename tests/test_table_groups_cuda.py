@@ -156,7 +156,7 @@ def test_padding_does_not_make_a_table_grow_grouped_or_alone():
 def test_grouped_tables_with_admission_train_as_alone_on_the_cuda_kernels(pooled):
     """Each table admits its keys through its own counter (t1 at the 2nd occurrence, into
     a constant row before); keys refused read their fallback rows and take no update."""
-    from dynemb.rows.admission import FrequencyAdmission
+    from dynemb import FrequencyAdmission
     options = {f"t{i}": DynamicEmbTableOptions(
         max_capacity=64, bucket_size=16, stochastic_rounding=False,
         admission=FrequencyAdmission(threshold, initializer=Initializer(
@@ -225,7 +225,7 @@ def test_grouped_cache_tables_with_admission_train_as_alone_on_the_cuda_kernels(
     """CACHE tables with admission group on the CUDA kernels: each admits its keys through
     its own counter, counting the keys its store holds as stored (a key the cache evicted
     comes back at its next occurrence), then writes back and loads as alone."""
-    from dynemb.rows.admission import FrequencyAdmission
+    from dynemb import FrequencyAdmission
     width = DIM + OptimizerConfig(OptimizerType.SGD).state_dim(DIM)
     options = DynamicEmbTableOptions(caching=True, bucket_size=16, max_capacity=1024,
                                      local_hbm_for_values=16 * width * 4,

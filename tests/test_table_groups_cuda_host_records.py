@@ -61,7 +61,7 @@ def test_host_only_tables_group_on_the_cuda_kernels_as_alone(admits, pooled):
     Outputs, rows with their optimizer state, counters and steps equal the tables' alone:
     the group claims each table's keys in the order the table alone claims them (so among
     rows of equal scores it evicts the same)."""
-    from dynemb.rows.admission import FrequencyAdmission
+    from dynemb import FrequencyAdmission
     options = {f"t{i}": DynamicEmbTableOptions(
         local_hbm_for_values=0, max_capacity=32 if admits else 64, bucket_size=16,
         stochastic_rounding=False, score_strategy=ScorePolicy.LFU,
@@ -102,7 +102,7 @@ def test_default_tables_group_on_the_cuda_kernels_as_alone(policy, admits, poole
     evictions in both; an output left out of the loss at times;
     batches prefetched ahead; an eval step with per-table eval rows. Outputs, rows of both
     tiers with their optimizer state, counters and steps equal the tables' alone."""
-    from dynemb.rows.admission import FrequencyAdmission
+    from dynemb import FrequencyAdmission
     row_bytes = 4 * (DIM + OptimizerConfig(OptimizerType.ADAM).state_dim(DIM))
     options = {f"t{i}": DynamicEmbTableOptions(
         global_hbm_for_values=rows * row_bytes, max_capacity=48 if admits else 64,

@@ -14,7 +14,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
                     Initializer, InitializerKind)
 from dynemb.options import StorageMode
-from dynemb.rows.admission import FrequencyAdmission
+from dynemb import FrequencyAdmission
 from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.group_tiers import TieredBatch
 from dynemb.types import ScorePolicy
