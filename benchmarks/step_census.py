@@ -16,7 +16,8 @@ dynemb's own code (torchrec's and torch's are not counted), on every tensor of t
 counted call stands for what it would be on a GPU):
 
 - **host reads**: ``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``bool()`` /
-  ``int()`` / ``float()`` of a tensor, a tensor used as a Python index;
+  ``int()`` / ``float()`` of a tensor, a tensor used as a Python index (but those of
+  :data:`ALLOWED_READS`, host copies made without waiting, counted apart);
 - **host values**: tensors made from Python or numpy values (``torch.tensor``,
   ``torch.as_tensor``, ``torch.from_numpy``), and numpy arrays handed to a numba kernel
   (each an implicit copy to the device and back);
@@ -55,6 +56,9 @@ HOST_VALUES = ("tensor", "as_tensor", "from_numpy")
 #: where the CUDA backend hands a tensor to numba: the tensor itself on a GPU, its numpy
 #: view under the simulator (not a host read, nor a host value)
 HANDOFF = f"backends{os.sep}cuda_backend.py:_arr"
+#: host reads a sync-free step may make: a host copy that crossed without waiting
+ALLOWED_READS = {f"tables{os.sep}group_device.py:check":
+                 "the refused-key counts, copied to the host without waiting a step before"}
 #: ops that allocate
 ALLOCATIONS = frozenset(f"aten.{name}" for name in (
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros",
@@ -63,12 +67,17 @@ ALLOCATIONS = frozenset(f"aten.{name}" for name in (
 
 
 def library_site(frames) -> Optional[str]:
-    """``folder/file.py:function`` of the innermost frame, if it is dynemb's own code."""
+    """``folder/file.py:function`` of the innermost frame if it is dynemb's own code, and of
+    its caller where it is a helper that sends values (``device_values.py``)."""
     frame = frames[-1] if frames else None
-    if frame is not None and any(part in frame.filename for part in LIBRARY_CODE):
-        parts = frame.filename.split(os.sep)
-        return f"{os.sep.join(parts[-2:])}:{frame.name}"
-    return None
+    if frame is None or not any(part in frame.filename for part in LIBRARY_CODE):
+        return None
+    caller = frames[-2] if len(frames) > 1 else None
+    if (frame.filename.endswith(f"{os.sep}device_values.py") and caller is not None
+            and any(part in caller.filename for part in LIBRARY_CODE)):
+        frame = caller
+    parts = frame.filename.split(os.sep)
+    return f"{os.sep.join(parts[-2:])}:{frame.name}"
 
 
 def call_site(frames) -> str:
@@ -94,6 +103,7 @@ class StepCensus:
         self.numba: Counter = Counter()
         self.host_reads: Counter = Counter()
         self.host_values: Counter = Counter()
+        self.allowed_reads: Counter = Counter()
         self.allocations: Counter = Counter()
         reads = {getattr(torch.Tensor, name) for name in HOST_READS}
         values = {getattr(torch, name) for name in HOST_VALUES}
@@ -115,6 +125,8 @@ class StepCensus:
                     site = library_site(traceback.extract_stack()[:-1])
                     if site is not None and site != HANDOFF:
                         kind = census.host_reads if func in reads else census.host_values
+                        if func in reads and site in ALLOWED_READS:
+                            kind = census.allowed_reads
                         kind[f"{getattr(func, '__name__', func)} at {site}"] += 1
                 return func(*args, **(kwargs or {}))
 
@@ -124,11 +136,11 @@ class StepCensus:
         from dynemb.backends.numba_backends import CudaBackend
         self._launch, self._arr = CudaBackend._launch, CudaBackend._arr
         census, launch, handoff = self, self._launch, self._arr
-        handed = set()  # ids of the tensors' own arrays, as _arr handed them
+        handed = {}  # the tensors' own arrays as _arr handed them, kept while counting
 
         def arr(backend, t):
             out = handoff(backend, t)
-            handed.add(id(out))
+            handed[id(out)] = out
             return out
 
         def counted(backend, kernel, n, *args):
@@ -140,7 +152,6 @@ class StepCensus:
                     if isinstance(a, np.ndarray) and a.ndim > 0 and id(a) not in handed:
                         census.host_values[f"numpy argument of {name}"] += 1
             launch(backend, kernel, n, *args)
-            handed.clear()
 
         CudaBackend._launch, CudaBackend._arr = counted, arr
         for mode in self._modes:
@@ -166,6 +177,8 @@ class StepCensus:
                 "numba_by_kernel": {k: n / steps for k, n in self.numba.most_common()},
                 "host_reads": sum(self.host_reads.values()) / steps,
                 "host_reads_by_site": {k: n / steps for k, n in self.host_reads.most_common()},
+                "allowed_reads_by_site": {k: n / steps
+                                          for k, n in self.allowed_reads.most_common()},
                 "host_values": sum(self.host_values.values()) / steps,
                 "host_values_by_site": {k: n / steps
                                         for k, n in self.host_values.most_common()},
@@ -193,7 +206,8 @@ def census_of(name: str, args) -> dict:
         shapes.append(census.report(1)["allocation_shapes"])
     total = rows[0]
     for census in rows[1:]:
-        for field in ("ops", "numba", "host_reads", "host_values", "allocations"):
+        for field in ("ops", "numba", "host_reads", "host_values", "allowed_reads",
+                      "allocations"):
             getattr(total, field).update(getattr(census, field))
     return {"workload": name, **vars(spec), **total.report(args.steps),
             "allocation_shapes_by_step": shapes}

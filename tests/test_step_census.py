@@ -10,11 +10,10 @@ import pytest
 from conftest import BACKENDS
 
 #: launches per step (torch ops + numba launches) at this commit, by workload
-BUDGET = {"T1_82k_sgd": 30, "T26_sgd": 37, "T256_sgd": 37}
-#: host reads and host values per step at this commit (a step that is to run without a host
-#: sync needs 0 of each): the refused-key check's read-back, the per-table values sent to the
-#: device and the numpy arrays one kernel is handed
-HOST_BUDGET = {"T1_82k_sgd": (2, 4), "T26_sgd": (2, 5), "T256_sgd": (2, 5)}
+BUDGET = {"T1_82k_sgd": 30, "T26_sgd": 36, "T256_sgd": 36}
+#: host reads and host values per step (a step that is to run without a host sync needs 0 of
+#: each; the refused-key counts' host copy, made without waiting, is counted apart)
+HOST_BUDGET = {"T1_82k_sgd": (0, 0), "T26_sgd": (0, 0), "T256_sgd": (0, 0)}
 
 
 #: the workloads' scale under the simulator (every thread of a launch is a Python call):

@@ -11,6 +11,7 @@ and nothing else import ``dynemb.kernels``: the layers above read the kernels' c
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import NamedTuple, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
@@ -106,6 +107,23 @@ class TableArrays(NamedTuple):
                    for t in (self.keys, self.scores, self.refcnt, self.size))
 
 
+#: ``Segments``' device tensors of the bounds seen last, by (what, device, bounds): a group
+#: sees a few padded batch sizes, so a step reuses its bucket's.
+_KEPT: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_KEPT_MOST = 128
+
+
+def _kept(key: tuple, make) -> torch.Tensor:
+    """The kept tensor of ``key``, made by ``make()`` when there is none."""
+    tensor = _KEPT.pop(key, None)
+    if tensor is None:
+        tensor = make()
+    _KEPT[key] = tensor  # the most recent last
+    while len(_KEPT) > _KEPT_MOST:
+        _KEPT.pop(next(iter(_KEPT)))
+    return tensor
+
+
 class Segments:
     """Which table of a group each entry of a call's key array belongs to: entries
     ``bounds[t]:bounds[t + 1]`` are table ``t``'s, in the group's table order. A lone table
@@ -144,22 +162,28 @@ class Segments:
 
     @property
     def on_device(self) -> torch.Tensor:
-        """``bounds`` as a tensor on ``device``."""
+        """``bounds`` as a tensor on ``device``. Read-only, shared as :attr:`table_of` is."""
         if self._on_device is None:
-            self._on_device = values_on(self.bounds.tolist(), torch.int64, self.device)
+            self._on_device = _kept(("bounds", self.device, self.bounds.tobytes()),
+                                    lambda: values_on(self.bounds.tolist(), torch.int64,
+                                                      self.device))
         return self._on_device
 
     @property
     def table_of(self) -> torch.Tensor:
         """[N] int64 on ``device``: the table of each entry (how many tables end at or
-        before it)."""
-        if self._table_of is None and self.count == 1:
-            self._table_of = torch.zeros(int(self.bounds[-1]), dtype=torch.int64,
-                                         device=self.device)
-        elif self._table_of is None:
-            positions = torch.arange(int(self.bounds[-1]), device=self.device)
-            self._table_of = torch.searchsorted(self.on_device[1:], positions, right=True)
+        before it). Read-only: the same bounds on the same device (the steps of one padded
+        batch size) share one tensor, so a step sends and computes nothing for it."""
+        if self._table_of is None:
+            self._table_of = _kept(("table_of", self.device, self.bounds.tobytes()),
+                                   self._make_table_of)
         return self._table_of
+
+    def _make_table_of(self) -> torch.Tensor:
+        if self.count == 1:
+            return torch.zeros(int(self.bounds[-1]), dtype=torch.int64, device=self.device)
+        positions = torch.arange(int(self.bounds[-1]), device=self.device)
+        return torch.searchsorted(self.on_device[1:], positions, right=True)
 
 
 def probe_args(table: TableArrays, convert):

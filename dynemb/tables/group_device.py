@@ -241,8 +241,7 @@ class DeviceGroupPrefetch:
         stats = (torch.empty(len(storage.tables), 3, dtype=torch.int64, device=self.device)
                  if storage.growing else None)
         while True:
-            clocks = values_on([t.tier.hash.tick() for t in storage.tables], torch.int64,
-                               self.device)
+            clocks = self._ticked_clocks()
             storage.kernels.find_or_insert_group(
                 storage.arrays, storage.arrays.size, segments, self.row_offset,
                 self.num_buckets, unique, counts, given, storage.policy.code, clocks,
@@ -257,6 +256,21 @@ class DeviceGroupPrefetch:
                                          device=self.device)
                              .index_add_(0, segments.table_of, failed.to(torch.int64)))
         return slots, inserted, prev_keys, prev_scores
+
+    _clocks: Optional[torch.Tensor] = None  # the tables' clocks on the device
+    _clock_values: Optional[list] = None  # what _clocks holds
+
+    def _ticked_clocks(self) -> torch.Tensor:
+        """Every table's clock after its tick, on the device. Where every clock moved by one
+        since the last claim (each claim ticks them all), the device copy moves on there,
+        nothing is sent; a clock moved otherwise (a load, a reset) is sent again."""
+        ticked = [t.tier.hash.tick() for t in self.storage.tables]
+        if self._clock_values is not None and ticked == [c + 1 for c in self._clock_values]:
+            self._clocks = self._clocks + 1  # a new tensor: a launch may still read the old
+        else:
+            self._clocks = values_on(ticked, torch.int64, self.device)
+        self._clock_values = ticked
+        return self._clocks
 
     def _count(self, segments, unique, slots, inserted, prev_keys, given,
                skip: Sequence[int] = ()) -> None:
