@@ -47,9 +47,6 @@ from dynemb.options import (DynamicEmbTableOptions, FrequencyAdmission, Sharding
                             StashMode, StorageMode)
 from dynemb.modules.prefetch import PrefetchState
 from dynemb.types import ScorePolicy, TableFullError
-from dynemb.foundations import moved_modules
-
-moved_modules.install()  # module paths of earlier versions, for their pickles
 
 __all__ = [
     "DynamicEmbCollection", "DynamicEmbBagCollection", "DynamicEmbFusedOptimizer",

@@ -32,8 +32,6 @@ IDS = torch.arange(60) * 7 - 11
 GLOBAL_BATCH = 8
 DIM = 4
 STEPS = 4
-#: the signature's length before it recorded the sharding scheme
-LEGACY_SIGNATURE_FIELDS = 8
 
 
 class Model(torch.nn.Module):
@@ -110,12 +108,6 @@ def look(dmp, rank: int, world_size: int, scheme: str) -> Dict[str, Any]:
             "stats": stats}
 
 
-def legacy(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """``state`` as written before the signature recorded the sharding scheme."""
-    return {k: v[:LEGACY_SIGNATURE_FIELDS].clone() if k.endswith(".signature") else v
-            for k, v in state.items()}
-
-
 def _load(scheme: str, world_size: int, rank: int, how: str, source) -> Dict[str, Any]:
     from dynemb.checkpoint import DynamicEmbLoadPlanner
     dmp = shard(scheme, world_size)
@@ -163,12 +155,4 @@ def run(rank: int, world_size: int, root: str) -> Dict[Any, Any]:
                                                         "load_state_dict", state)
         for how in ("dcp", "dcp_default"):
             out[(saved, loaded, how)] = _load(loaded, world_size, rank, how, f"{root}/{saved}")
-        if saved == "hash":
-            old = legacy(state)
-            dcp.save(old, checkpoint_id=f"{root}/legacy")
-            for target in ("mod", "hash"):
-                out[("legacy", target, "load_state_dict")] = _load(
-                    target, world_size, rank, "load_state_dict", old)
-            out[("legacy", "mod", "dcp")] = _load("mod", world_size, rank, "dcp",
-                                                  f"{root}/legacy")
     return out

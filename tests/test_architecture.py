@@ -543,3 +543,22 @@ def test_above_the_tables_nothing_tells_a_group_from_a_table():
                 telling.extend(f"{where}: imports {alias.name}" for alias in node.names
                                if alias.name in ("GroupBatch", "TieredBatch"))
     assert not telling, "\n".join(telling)
+
+
+def test_nothing_keeps_pickles_of_earlier_commits_loading():
+    """dynemb is unreleased: a module pickled whole by an earlier commit need not load, so
+    nothing serves one (no import hook for old module paths, no module ``__getattr__`` for
+    old names, no branch for state an earlier version pickled). Checkpoints carry their own
+    format versions (docs/checkpoint.md)."""
+    import importlib.util
+    import sys
+
+    import dynemb  # noqa: F401  (what importing the package installs)
+    assert not [f for f in sys.meta_path if type(f).__module__.startswith("dynemb")]
+    assert importlib.util.find_spec("dynemb.collection") is None  # an old module path
+    for module, path, tree in sources():
+        assert not [node.name for node in tree.body
+                    if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"], module
+        found = re.search(r"earlier version|pickled by an earlier|pickled before",
+                          path.read_text(), re.IGNORECASE)
+        assert found is None, f"{module}: {found and found.group(0)}"

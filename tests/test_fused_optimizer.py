@@ -1,7 +1,7 @@
 """DynamicEmbFusedOptimizer: TorchRec's optimizer object whose lr the next backward reads, and
 whose state_dict saves that lr (and what LR schedulers add to its param group) so a resumed
 schedule goes on where it stopped: alone, inside a CombinedOptimizer, with TorchRec's
-``save_param_groups(True)``, and from a state dict saved before the lr was part of it."""
+``save_param_groups(True)``; a state dict without it is refused."""
 import io
 import math
 
@@ -138,23 +138,17 @@ def test_a_combined_optimizer_with_a_dense_one_resumes_the_schedule(save_param_g
         assert resumed == uninterrupted
 
 
-# -- loading what was saved without the lr -----------------------------------------------------
-@pytest.mark.parametrize("save_param_groups", [False, True])
-def test_a_state_dict_saved_without_the_lr_loads_and_keeps_the_current_lr(save_param_groups):
-    opt = DynamicEmbFusedOptimizer(BASE_LR)
-    opt.save_param_groups(save_param_groups)
-    opt.param_groups[0]["lr"] = 0.25
-    opt.load_state_dict({"state": {}})
-    assert opt.param_groups[0]["lr"] == 0.25
-    assert opt.state_dict()["state"][PARAM_KEY][GROUP_STATE_KEY] == {"lr": 0.25}
-
-
-def test_a_state_dict_saved_without_the_lr_but_with_its_param_groups_gives_that_lr():
+# -- a state dict without the lr -------------------------------------------------------------------
+@pytest.mark.parametrize("saved", [{"state": {}}, {"state": {}, "param_groups": [
+    {"params": [], "lr": 0.3}]}, {"param_groups": []}, ["not", "a", "dict"]])
+def test_a_state_dict_without_the_param_groups_state_is_refused_naming_it(saved):
     opt = DynamicEmbFusedOptimizer(BASE_LR)
     opt.save_param_groups(True)
-    opt.load_state_dict({"state": {}, "param_groups": [
-        {"params": [], "lr": 0.3, "initial_lr": 0.6}]})
-    assert opt.param_groups[0]["lr"] == 0.3 and opt.param_groups[0]["initial_lr"] == 0.6
+    opt.param_groups[0]["lr"] = 0.25
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=r"no state\['dynamic_tables'\] \(the param group"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 0.25 and opt.state_dict() == before
 
 
 @pytest.mark.parametrize("bad", ["0.1", True, math.nan, math.inf, -0.5, None])

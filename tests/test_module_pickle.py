@@ -103,57 +103,6 @@ def test_a_pickled_module_keeps_its_learning_rate_and_eval_behaviour():
                                    original(batch(0))["f"].values(), rtol=0, atol=0)
 
 
-def test_a_module_pickled_by_an_earlier_version_unpickles_and_trains_on_alike():
-    """A pickle made before the attributes derived from the configuration existed (the
-    per-key-order input plans, the CUSTOMIZED tables, a table's held batches as a list, a
-    group's row starts and eval lookup, and its arrays in a storage record) derives them
-    again when unpickled."""
-    configs = [EmbeddingConfig(name=n, embedding_dim=8, num_embeddings=4096,
-                               feature_names=[f"f_{n}"]) for n in ("a", "b")]
-    original = DynamicEmbCollection(configs, table_options=OPTIONS["hbm"], optimizer=ADAM)
-    assert original.table_groups() == [("a", "b")]
-
-    def two_features(i):
-        ids = torch.arange(24, dtype=torch.int64) * 7 + i * 5
-        return KeyedJaggedTensor.from_lengths_sync(["f_a", "f_b"], ids, torch.full((8,), 3))
-
-    for i in range(3):
-        sum(jt.values().pow(2).sum() for jt in original(two_features(i)).values()).backward()
-    original.prefetch(two_features(3))  # a queued batch travels too
-    reference = save_and_load(original)
-    core = original._core  # as an earlier version pickled it
-    for name in ("_inputs", "_scored", "_defers_failures"):
-        del core.__dict__[name]
-    for table in core.tables.values():
-        for batch in table._held:  # a group's batch held its group
-            if "storage" in batch.__dict__:
-                (batch.__dict__["group"],) = [g for g in core.groups
-                                              if g.storage is batch.__dict__.pop("storage")]
-        table.__dict__["_held"] = list(table._held)
-    for group in core.groups:  # a group held its arrays itself, with no row starts
-        fields = dict(group.__dict__.pop("storage").__getstate__())
-        fields["_storage"] = fields.pop("_parts")
-        fields["weights"] = fields.pop("rows").flat.weights
-        fields["_offsets"] = fields.pop("row_starts")
-        group.__dict__.clear()
-        group.__dict__.update(fields, _stores=None, _on_device=None)
-    copy = save_and_load(original)
-    for module in (copy, reference):
-        for i in range(3, 7):
-            out = module(two_features(i))
-            sum(jt.values().pow(2).sum() for jt in out.values()).backward()
-        module.eval()
-        with torch.no_grad():
-            module(two_features(9))
-    keys = torch.arange(0, 24 * 7 + 10 * 5, dtype=torch.int64)
-    for name in ("a", "b"):
-        for got, want in zip(copy.read_rows(name, keys, with_state=True),
-                             reference.read_rows(name, keys, with_state=True)):
-            assert torch.equal(got, want)
-    assert copy.stats() == reference.stats()
-    assert not any(t.has_batches_in_flight() for t in copy.tables.values())
-
-
 @pytest.mark.parametrize("how", ["torch.save", "pickle", "deepcopy"])
 @pytest.mark.parametrize("mode", ["cache", "hbm"])
 def test_a_grouped_module_saves_after_training_and_trains_on_alike(mode, how):
@@ -197,41 +146,3 @@ def test_a_grouped_module_saves_after_training_and_trains_on_alike(mode, how):
     assert copy.stats() == original.stats()
     if mode == "cache":
         assert all(original.stats()[n]["write_backs"] > 0 for n in ("a", "b"))
-
-
-def test_a_module_pickled_by_the_code_before_the_layered_package_loads_and_trains_on():
-    """Modules pickled whole at c525657, when most modules lay directly in ``dynemb/``
-    (``dynemb.collection``, ``dynemb.hash_table``...): they load, and the next three
-    training steps give the outputs the old code gave (tests/data/make_old_module_pickle.py)."""
-    import gzip
-    from pathlib import Path
-    from tests.data.make_old_module_pickle import train_step
-    path = Path(__file__).parent / "data" / "old_module_c525657.pt.gz"
-    with gzip.open(path, "rb") as f:
-        saved = torch.load(io.BytesIO(f.read()), weights_only=False)
-    for kind, entry in saved.items():
-        module = torch.load(io.BytesIO(entry["pickle"]), weights_only=False)
-        for step, expected in zip(range(4, 7), entry["after"]):
-            got = train_step(module, step)
-            assert got.keys() == expected.keys(), kind
-            for name in got:
-                assert torch.equal(got[name], expected[name]), (kind, step, name)
-
-
-def test_old_module_paths_are_the_new_modules_and_new_pickles_name_the_new_paths():
-    import importlib
-    from dynemb.foundations.moved_modules import MOVED_MODULES
-    for old, new in MOVED_MODULES.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    from dynemb.backends import CpuBackend
-    from dynemb.backends.numba_backends import CpuBackend as where_it_lives
-    assert CpuBackend is where_it_lives
-    import dynemb.backends
-    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
-        getattr(dynemb.backends, "NoSuchThing")
-    module = make("sequence", OPTIONS["hbm"])
-    buffer = io.BytesIO()
-    torch.save(module, buffer)
-    import dynemb.collection  # noqa: F401  (the alias, imported)
-    assert b"dynemb.collection\n" not in buffer.getvalue()  # classes keep their new module
-    assert type(module).__module__ == "dynemb.modules.collection"

@@ -167,28 +167,21 @@ def test_a_resumed_plain_loop_trains_at_the_lr_of_the_uninterrupted_run(
     assert torch.equal(found, resumed_found) and torch.equal(rows, resumed_rows)
 
 
-def test_a_dcp_checkpoint_saved_without_the_lr_loads_keeping_the_current_lr(tmp_path):
-    """A checkpoint written before fused optimizers saved their param group (its fused
-    state is ``{'state': {}}``) loads through DynamicEmbLoadPlanner: rows as saved, the lr the
-    constructor gave, instead of DCP's "Missing key"."""
+def test_a_dcp_checkpoint_without_the_fused_optimizers_state_is_refused_naming_it(tmp_path):
+    """A checkpoint whose fused optimizer state lacks its param group (``{'state': {}}``,
+    which none of today's saves writes) is refused by DynamicEmbLoadPlanner naming the
+    missing key."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from dynemb.checkpoint import DynamicEmbLoadPlanner
-    kjts = batches(STEPS_BEFORE)
     original = build(False, "fused", "step")
-    train(original, kjts)
+    train(original, batches(STEPS_BEFORE))
     old_style = state_of(original)
-    old_style["fused"] = {"state": {}}  # what the fused optimizer saved before
+    old_style["fused"] = {"state": {}}
     dcp.save(old_style, checkpoint_id=str(tmp_path / "old"))
 
     resumed = build(False, "fused", "step")
-    resumed.net.sparse.fused_optimizer.param_groups[0]["lr"] = 0.025
     state = state_of(resumed)
-    dcp.load(state, checkpoint_id=str(tmp_path / "old"), planner=DynamicEmbLoadPlanner())
-    resumed.net.load_state_dict(state["model"])
-    resumed.net.sparse.fused_optimizer.load_state_dict(state["fused"])
-    assert resumed.net.sparse.fused_optimizer.lr == 0.025
-    keys = torch.arange(NUM_IDS) * 131 - 7
-    for got, want in zip(resumed.net.sparse.read_rows("t", keys, with_state=True),
-                         original.net.sparse.read_rows("t", keys, with_state=True)):
-        assert torch.equal(got, want)
+    with pytest.raises(CheckpointException, match=r"fused\.state\.dynamic_tables\.param_group"):
+        dcp.load(state, checkpoint_id=str(tmp_path / "old"), planner=DynamicEmbLoadPlanner())

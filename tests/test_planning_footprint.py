@@ -167,9 +167,9 @@ def test_hand_computed_hbm_direct_adam():
     assert fp.input_bytes == 64 * 3 // 2 * 8              # 96 distinct ids of 192: 768
     assert fp.output_bytes == 64 * 3 * 8 * 4              # float32 rows per occurrence: 6,144
     assert fp.io_bytes == 2 * 768                         # TRAIN_SPARSE_DIST: 2 x input
-    assert fp.device_bytes == 24_576 + 49_152 + 15_368 + 96 + 1_536
-    assert fp.host_bytes == 8
-    assert fp.storage() == Storage(hbm=90_728, ddr=8)
+    assert fp.device_bytes == 24_576 + 49_152 + 15_368 + 88 + 1_536  # 88: 11 int64 counters
+    assert fp.host_bytes == 0
+    assert fp.storage() == Storage(hbm=90_720, ddr=0)
 
 
 def test_hand_computed_cache_fp16_sgd_prefetch_pipeline():
@@ -187,12 +187,12 @@ def test_hand_computed_cache_fp16_sgd_prefetch_pipeline():
     assert fp.admission_bytes == 512 * 20 + 8             # 1000 / 2 ranks -> 4 buckets of 128
     # the store has room for twice the rank's 5000 rows, in whole buckets: 78 x 128 = 9984
     assert fp.host_rows == 9_984
-    assert fp.host_bytes == 9_984 * 4 * 2 + 9_984 * 20 + 8 + 8
+    assert fp.host_bytes == 9_984 * 4 * 2 + 9_984 * 20 + 8
     ids = 100 * 2 + 100 * 1                               # per rank and batch
     assert fp.input_bytes == ids * 8 and fp.prefetch_bytes == ids * 8
     assert fp.output_bytes == ids * 4 * 4                 # float32 out, not fp16
     assert fp.io_bytes == 3 * 2400 + int(7 * 2400)        # 3 x input + (1 + 6) x prefetch
-    assert fp.device_bytes == 4096 + 10_248 + 10_248 + 96 + 24_000
+    assert fp.device_bytes == 4096 + 10_248 + 10_248 + 88 + 24_000
 
 
 def test_hand_computed_default_on_cpu_topology():
@@ -202,9 +202,9 @@ def test_hand_computed_default_on_cpu_topology():
                          batch_size=10, compute_device="cpu")
     assert fp.mode is StorageMode.DEFAULT
     assert (fp.device_rows, fp.host_rows) == (256, 1408)
-    assert fp.host_bytes == 1408 * 32 + 1408 * 20 + 8 + 8
+    assert fp.host_bytes == 1408 * 32 + 1408 * 20 + 8
     # CPU: one memory, input and output counted once (TorchRec's CPU rule)
-    assert fp.storage() == Storage(hbm=0, ddr=256 * 32 + 256 * 20 + 8 + 96 + fp.host_bytes
+    assert fp.storage() == Storage(hbm=0, ddr=256 * 32 + 256 * 20 + 8 + 88 + fp.host_bytes
                                    + 10 * 8 + 10 * 8 * 4)
 
 

@@ -3,6 +3,7 @@ bare table running its batches as a group of one: prefetch counts, an update the
 end, held batches across growth, what a table holds."""
 import torch
 
+from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.tables import DynamicTable
 from table_builder import DIM, build, prefetch, rows_of, start_rows, update
 
@@ -43,6 +44,13 @@ def test_a_held_batch_follows_its_rows_when_a_later_prefetch_grows_the_table():
     rows, _ = table.read_rows(torch.tensor([100, 101, 102, 0]))
     torch.testing.assert_close(rows, torch.cat([start_rows([100, 101, 102]) - 0.5,
                                                 start_rows([0])]))
+
+
+def test_besides_its_rows_a_table_holds_its_counters_only():
+    """Hand-computed: one int64 per counter on the device, nothing on the host (no count of
+    slot failures per table: a group counts those)."""
+    memory = build().memory_breakdown()
+    assert (memory.other_bytes, memory.host_other_bytes) == (8 * len(COUNTER_NAMES), 0)
 
 
 def test_fixed_memory_is_what_a_built_table_holds_besides_its_rows():

@@ -1,10 +1,9 @@
-"""A tier's check that a slot still holds a key; slot failures reported at a later call."""
-import pytest
+"""A tier's check that a slot still holds a key."""
 import torch
 
-from dynemb import DynamicEmbTableOptions, TableFullError
+from dynemb import DynamicEmbTableOptions
 from dynemb.options import choose_storage_mode
-from dynemb.tables.tier import DeferredFailures, Tier
+from dynemb.tables.tier import Tier
 
 
 def test_still_stored_follows_the_key_not_the_slot():
@@ -20,15 +19,3 @@ def test_still_stored_follows_the_key_not_the_slot():
     assert tier.still_stored(probe, keys).tolist() == [True, False, True, False]
     assert tier.still_stored(probe[[2, 0]], torch.tensor([1, 9])).tolist() == [False, False]
 
-
-def test_deferred_failures_raise_once_with_their_total():
-    failures = DeferredFailures(torch.device("cpu"))
-    failures.check("t")                                     # nothing recorded
-    failures.record(torch.tensor([True, False, True]))
-    failures.record(torch.tensor([False, True]))
-    with pytest.raises(TableFullError, match="table 't': 3 keys of earlier batches found no "
-                                             "slot"):
-        failures.check("t")
-    failures.check("t")                                     # reported once
-    failures.record(torch.tensor([False]))
-    failures.check("t")

@@ -15,8 +15,7 @@ the world size, and another one needs this planner, which reads whatever was sav
 Either way the shares load into whichever storage mode each table has now (a per-rank budget
 may make a table HBM_DIRECT on 2 ranks and CACHE on 1): the tiers read are the saved ones.
 
-A checkpoint saved before fused optimizers saved their learning rate loads too: the
-optimizer keeps its current one. It never loads into the live tables: what it reads goes to new host tensors, put into the
+It never loads into the live tables: what it reads goes to new host tensors, put into the
 state dict in place of the module's own entries, and ``load_state_dict`` checks them before
 anything changes. Row width and dtype are checked as each share's rows are read, before
 anything loads.
@@ -42,11 +41,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from dynemb.checkpoint.module_state import NAMESPACE
 from dynemb.checkpoint.table_state import ENTRY_FIELDS
-from dynemb.rows.fused_optimizer import GROUP_STATE_KEY, PARAM_KEY
 
 _SHARE = re.compile(rf"^(?P<base>(?:.*\.)?{NAMESPACE}\.[^.]+)\.rank(?P<rank>\d+)_of_"
                     rf"(?P<world>\d+)\.(?P<rest>.+)$")
-_SIGNATURE = re.compile(rf"^(?:.*\.)?{NAMESPACE}\.[^.]+\.signature$")
 
 
 class DynamicEmbLoadPlanner(DefaultLoadPlanner):
@@ -60,8 +57,6 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
         self._byte_parts: Dict[str, Tuple[str, Tuple[int, int], Tuple]] = {}
         self._insert: List[Tuple[Tuple, torch.Tensor]] = []
         self._row_formats: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
-        self._keep_unsaved_learning_rates()
-        self._read_signatures_as_saved()
         shares = self._own_shares()
         saved = self._saved_shares(set(shares))
         for base, (rank, world, entries) in shares.items():
@@ -83,32 +78,6 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
                     self._read_part(fqn, rest, split, anchor)
 
     # -- which entries ------------------------------------------------------------------------
-    def _keep_unsaved_learning_rates(self) -> None:
-        """A checkpoint written before fused optimizers saved their param group holds no
-        ``...dynamic_tables.param_group...`` entries: those keep their current values (the
-        learning rate the optimizer was built with) instead of failing the load."""
-        if self.metadata is None:
-            return
-        marker = f".{PARAM_KEY}.{GROUP_STATE_KEY}"
-        saved = self.metadata.state_dict_metadata
-        for fqn in [f for f in self.state_dict if marker in f and f not in saved]:
-            del self.state_dict[fqn]
-
-    def _read_signatures_as_saved(self) -> None:
-        """A table signature written before signatures recorded the sharding scheme is
-        shorter than this module's: it is read as saved, into a new tensor
-        (``load_state_dict`` reads both kinds)."""
-        if self.metadata is None:
-            return
-        saved = self.metadata.state_dict_metadata
-        for fqn in [f for f in self.state_dict if _SIGNATURE.match(f)]:
-            md = saved.get(fqn)
-            if (isinstance(md, TensorStorageMetadata)
-                    and md.size != self.state_dict[fqn].shape):
-                anchor = self.mappings.get(fqn)
-                self._drop(fqn)
-                self._read_part(fqn, "signature", (0, 1), anchor)
-
     def _own_shares(self) -> Dict[str, Tuple[int, int, Dict[str, str]]]:
         shares: Dict[str, Tuple[int, int, Dict[str, str]]] = {}
         for fqn in self.state_dict:

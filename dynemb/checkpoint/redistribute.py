@@ -26,22 +26,13 @@ CHUNK_ROWS = 1 << 18
 
 
 def on_their_owners(parts: List[SavedTable], rank: int, world_size: int,
-                    scheme: ShardingScheme,
-                    owner_of: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+                    scheme: ShardingScheme) -> bool:
     """Whether ``parts`` is this rank's own saved share with every key on this rank under
     ``scheme`` (so it may load slot for slot): saved by rank ``rank`` of ``world_size``
-    under ``scheme``; or, saved before checkpoints recorded the scheme, every live key of
-    every tier owned here (``owner_of``)."""
+    under ``scheme`` (any scheme for a single rank)."""
     if len(parts) != 1 or (parts[0].rank, parts[0].world_size) != (rank, world_size):
         return False
-    saved = saved_scheme(parts[0].signature)
-    if saved is not None:
-        return saved is scheme or world_size == 1
-    for tier in parts[0].tiers.values():
-        keys = tier.live()[0]
-        if keys.numel() and not bool((owner_of(keys) == rank).all()):
-            return False
-    return True
+    return saved_scheme(parts[0].signature) is scheme or world_size == 1
 
 
 def redistribute(parts: List[SavedTable], tiers: List[str],

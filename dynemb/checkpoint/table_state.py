@@ -77,8 +77,8 @@ _SCHEMES = tuple(ShardingScheme)
 #: The fields that must match, then the sharding scheme (see :func:`saved_scheme`).
 _SIGNATURE_FIELDS = ("format version", "dim", "row width", "optimizer state width", "dtype",
                      "optimizer", "storage mode", "score policy")
-#: Where the sharding scheme's code sits in a signature; signatures written before it was
-#: recorded end just before it.
+#: Where the sharding scheme's code sits in a signature; those of checkpoint files dumped
+#: before it was recorded end just before it.
 SCHEME_FIELD = len(_SIGNATURE_FIELDS)
 _MODE_FIELD = _SIGNATURE_FIELDS.index("storage mode")
 #: Entries inserted per step when loading by key (bounds the temporaries).
@@ -98,7 +98,7 @@ def signature(table: DynamicTable) -> torch.Tensor:
 
 def saved_scheme(saved: torch.Tensor) -> Optional[ShardingScheme]:
     """The sharding scheme that placed the keys of a checkpoint of signature ``saved``, None
-    for a checkpoint written before signatures recorded it.
+    for checkpoint files dumped before signatures recorded it.
 
     The scheme is not part of what must match: a sharded module whose own scheme differs
     sends every saved key to its owner (as it does for another world size), and an
@@ -297,11 +297,16 @@ def parse(entries: Dict[str, torch.Tensor], *, rank: int = 0, world_size: int = 
           where: str = "") -> SavedTable:
     """The :class:`SavedTable` of one image's tensors (as :func:`capture` names them).
     Raises ``ValueError`` naming the format of a checkpoint of another layout (see
-    :func:`check_format`)."""
+    :func:`check_format`), or a signature that does not record the sharding scheme (every
+    one of this layout does)."""
     missing = [n for n in ("signature", "state") if n not in entries]
     if missing:
         raise ValueError(f"{where}: the checkpoint lacks {missing}")
     check_format(entries.get("format"), where)
+    fields = entries["signature"].numel()
+    if fields != SCHEME_FIELD + 1:
+        raise ValueError(f"{where}: a signature of {fields} fields, {SCHEME_FIELD + 1} expected "
+                         f"(format {STATE_FORMAT} records the sharding scheme last)")
     state = entries["state"].to(torch.int64).cpu()
     tiers = {}
     for name in TIERS:

@@ -121,45 +121,12 @@ class DynamicCore:
                 self.table_weights.mark_trained_in_backward()
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        """Unpickling: what is derived from the configuration is derived again (a module
-        pickled by an earlier version may lack it)."""
+        """Unpickling: plain ``pickle`` copies every tensor on its own, so each group makes
+        its tables' arrays views of their parts again (see
+        :meth:`~dynemb.tables.group_storage.GroupStorage.view_parts_again`)."""
         self.__dict__.update(state)
-        self.__dict__.setdefault("learning_rate", FollowedLearningRate())
-        self.__dict__.setdefault("optimizer_source",
-                                 "optimizer=" if self.optimizer_notice.given else None)
-        self.__dict__.setdefault("_default_settled", any(self._steps.values()))
-        if self.table_weights is not None:
-            self.table_weights.on_mark = self.marks_changed
-        self._inputs = TableInputs(self.configs)
-        self._scored = [name for name, options in self.table_options.items()
-                        if options.score_strategy is ScorePolicy.CUSTOMIZED]
-        self._defers_failures = any(t.kernels.defers_failures for t in self.tables.values())
         for group in self.groups:
             group.view_parts_again()
-        self._end_batches_of_tables_alone()
-
-    def _end_batches_of_tables_alone(self) -> None:
-        """A module pickled by an earlier version may hold batches its tables ran alone
-        (outside any group): their pins end in the tables' tiers, the queued prefetches are
-        dropped and a backward of those lookups raises, as after a checkpoint load."""
-        held = list(self._awaiting_backward)
-        held += [item for state in self._queue for item in state.batches.items()]
-        alone = [(name, batch) for name, batch in held if not hasattr(batch, "rehome")]
-        if not alone:
-            return
-        for name, batch in {id(b): (n, b) for n, b in alone}.values():
-            table = self.tables.get(name)
-            if table is not None and batch.pinned:
-                for tier, slots in ((table.tier, batch.slots),
-                                    (getattr(table, "host_tier", None), batch.host_slots)):
-                    if tier is not None and slots is not None:
-                        tier.hash.release(slots)
-                table.drop_group_batch(batch)
-            batch.pinned = False
-        self._queue.clear()
-        self._awaiting_backward = [(n, b) for n, b in self._awaiting_backward
-                                   if hasattr(b, "rehome")]
-        self._generation += 1
 
     # -- the optimizer marked by apply_optimizer_in_backward, or a dense one -------------------
     def marks_changed(self) -> None:

@@ -109,7 +109,7 @@ class TableWeights(torch.nn.Module):
             self._watched(param)
         if self.trained_in_backward:
             self.mark_trained_in_backward()
-        if getattr(self, "trains_with_default", False):
+        if self.trains_with_default:
             self.mark_trains_with_default()
 
     def _watched(self, handle: TableWeight) -> TableWeight:

@@ -91,10 +91,8 @@ class DynamicEmbFusedOptimizer(FusedOptimizer):
     ``state_dict()`` holds the param group's hyper-parameters (the lr and what schedulers
     add, such as ``initial_lr``) under the parameter key :data:`PARAM_KEY`, so saving the
     optimizer (alone, in a ``CombinedOptimizer``, or with ``torch.distributed.checkpoint``)
-    saves the learning rate and loading it restores it. A state dict saved without it (the
-    format of earlier versions, ``{"state": {}}``) loads too: the lr of its saved
-    ``param_groups`` if it has them, else the current lr is kept. Rows and their optimizer
-    state are the module's ``state_dict``'s.
+    saves the learning rate and loading it restores it; a state dict without it is refused,
+    naming the key. Rows and their optimizer state are the module's ``state_dict``'s.
 
     Example::
 
@@ -127,26 +125,15 @@ class DynamicEmbFusedOptimizer(FusedOptimizer):
         return checked_lr(self.param_groups[0]["lr"], "fused_optimizer.param_groups[0]['lr']")
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """``KeyedOptimizer.load_state_dict``, also accepting a state dict saved without the
-        param group's state (see the class docstring)."""
-        if PARAM_KEY not in state_dict.get("state", {}):
-            state_dict = self._with_group_state(state_dict)
+        """``KeyedOptimizer.load_state_dict``; a state dict without the param group's state
+        under :data:`PARAM_KEY` (not one a :class:`DynamicEmbFusedOptimizer` saved) raises
+        ``ValueError`` naming it, the group unchanged."""
+        state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+        if not isinstance(state, Mapping) or PARAM_KEY not in state:
+            raise ValueError(
+                f"the optimizer state dict has no state[{PARAM_KEY!r}] (the param group: lr "
+                f"and what schedulers add): not one a DynamicEmbFusedOptimizer saved")
         super().load_state_dict(state_dict)
-
-    def _with_group_state(self, state_dict: Mapping[str, Any]) -> Dict[str, Any]:
-        """``state_dict`` of the format without :data:`PARAM_KEY` in this format: the
-        hyper-parameters of its one saved param group, else the current ones."""
-        saved_groups = state_dict.get("param_groups")
-        if saved_groups is not None and len(saved_groups) != 1:
-            return dict(state_dict)  # not one of ours: KeyedOptimizer says what is wrong
-        if saved_groups is not None:
-            values = {k: v for k, v in saved_groups[0].items() if k != "params"}
-        else:
-            values = _ParamGroupState(self).state_dict()
-        upgraded = dict(state_dict)
-        upgraded["state"] = {**state_dict.get("state", {}), PARAM_KEY: {GROUP_STATE_KEY: values}}
-        upgraded["param_groups"] = [{**values, "params": [PARAM_KEY]}]
-        return upgraded
 
     def step(self, closure: Any = None) -> None:
         return None

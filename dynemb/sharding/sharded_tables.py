@@ -119,8 +119,8 @@ class ShardedTables(ShardedDynamicModuleInterface):
         owner_of = {name: (lambda keys, scheme=options[name].sharding: owner_ranks(
             keys, self._world_size, scheme)) for name in names}
         in_place = torch.tensor(
-            [on_their_owners(saved[n], self._rank, self._world_size, options[n].sharding,
-                             owner_of[n]) for n in names],
+            [on_their_owners(saved[n], self._rank, self._world_size, options[n].sharding)
+             for n in names],
             dtype=torch.int64, device=self.local.device)
         dist.all_reduce(in_place, op=dist.ReduceOp.MIN, group=self._pg)
         return {name: saved[name] if keep else [redistribute(

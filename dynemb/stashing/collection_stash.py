@@ -75,8 +75,6 @@ class CollectionStash:
     manager's streams are set).
     """
 
-    _units: Optional[RowUnits] = None  # (pickled by an earlier version: each table's tier)
-
     def __init__(self, tables: Mapping[str, object], transfers: HostTransfers,
                  prefetch_stream=None, units: Optional[RowUnits] = None):
         self._tables = tables

@@ -28,7 +28,7 @@ from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.checkpoint_tiers import CheckpointTiers
 from dynemb.tables.held_batches import HeldBatches
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows, storage_bytes
-from dynemb.tables.tier import DeferredFailures, Tier
+from dynemb.tables.tier import Tier
 from dynemb.types import EMPTY_KEY, TableFullError
 from dynemb.foundations.validation import canonical_device, check_keys
 
@@ -71,7 +71,6 @@ class DynamicTable(CheckpointTiers):
                           if options.admission is not None else None)
         self.counters = TableCounters(self.device)
         self._held = HeldBatches()
-        self._deferred = DeferredFailures(self.device)
         #: a :class:`~dynemb.checkpoint.changes.ChangeTracker` once checkpoint files track
         #: this table for incremental dumps (told of every claim, growth and update)
         self.changes = None
@@ -82,11 +81,6 @@ class DynamicTable(CheckpointTiers):
         """The table's own tier, ``self.tier`` (on the device but for HOST_ONLY)."""
         return Tier(self.layout, self.layout.init_capacity, self.dim, self.state_dim,
                     self.options, self.device, self.kernels, grow=self._grows)
-
-    def __setstate__(self, state: Dict) -> None:
-        self.__dict__.update(state)
-        if isinstance(self._held, list):  # pickled by an earlier version
-            self._held = HeldBatches(self._held)
 
     def empty_copy(self) -> "DynamicTable":
         """A new, empty table of the same configuration (name, layout, options, device)."""
@@ -116,25 +110,17 @@ class DynamicTable(CheckpointTiers):
     def fixed_memory() -> MemoryBreakdown:
         """Bytes every table holds whatever its size (``other_bytes`` and ``host_other_bytes``
         of :meth:`memory_breakdown`): one int64 per counter of
-        :data:`~dynemb.foundations.counters.COUNTER_NAMES` and the int64 count of deferred slot
-        failures on the device, that count's mirror on the host.
+        :data:`~dynemb.foundations.counters.COUNTER_NAMES`, on the device.
 
         Example::
 
-            >>> DynamicTable.fixed_memory().other_bytes
-            96
+            >>> fixed = DynamicTable.fixed_memory()
+            >>> fixed.other_bytes, fixed.host_other_bytes
+            (88, 0)
         """
-        int64 = torch.int64.itemsize
-        return MemoryBreakdown(other_bytes=(len(COUNTER_NAMES) + 1) * int64,
-                               host_other_bytes=int64)
+        return MemoryBreakdown(other_bytes=len(COUNTER_NAMES) * torch.int64.itemsize)
 
     # -- what the table's group asks of it ------------------------------------------------------
-    def check_failures(self) -> None:
-        """Raise the ``TableFullError`` of keys that found no slot in batches the table ran
-        by itself on the sync-free (CUDA) path (a module pickled by an earlier version, whose
-        tables ran batches alone), if their count has reached the host."""
-        self._deferred.check(self.name)
-
     def admit(self, keys: torch.Tensor, counts: torch.Tensor,
               present: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Admission of a training batch's unique ``keys`` [U] (``counts`` occurrences each;
@@ -300,8 +286,7 @@ class DynamicTable(CheckpointTiers):
         out.hash_bytes += self.tier.hash.nbytes()
         if self.admission is not None:
             out.admission_bytes += self.admission.table.nbytes()
-        out.other_bytes += self.counters.nbytes() + storage_bytes([self._deferred.total])
-        out.host_other_bytes += storage_bytes([self._deferred.host])
+        out.other_bytes += self.counters.nbytes()
         out.in_flight_bytes += storage_bytes(
             t for b in self._held for t in b.table_tensors(self.name))
         return out

@@ -59,7 +59,6 @@ class GroupBatch(LookupBatch):
 
     training = True
     fallback = None
-    pending = None  # (a batch pickled by an earlier version has no instance value)
 
     def __init__(self, storage: GroupStorage, keys, inverse, counts, unique_bounds, key_bounds,
                  slots):
@@ -79,19 +78,6 @@ class GroupBatch(LookupBatch):
         #: not filled
         self.pending = None
         storage.batch_made(self)
-
-    def __setstate__(self, state) -> None:
-        self.__dict__.update(state)
-        if "group" in state:  # pickled when a batch held its group, not the group's storage
-            self._earlier_group = self.__dict__.pop("group")
-
-    def __getattr__(self, name: str):
-        # the storage of an earlier version's group: read once the whole pickle is loaded
-        # (while loading, the group may not hold its storage yet)
-        if name == "storage" and "_earlier_group" in self.__dict__:
-            self.storage = self.__dict__.pop("_earlier_group").storage
-            return self.storage
-        raise AttributeError(name)
 
     @property
     def names(self) -> Tuple[str, ...]:

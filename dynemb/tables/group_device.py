@@ -83,8 +83,6 @@ class DeviceGroupPrefetch:
     ``storage``, for a group on the CUDA kernels; ``stores``: a CACHE group's stores (None
     in the other modes)."""
 
-    stores: Optional[GroupStores] = None  # (pickled by an earlier version: none)
-
     def __init__(self, storage: GroupStorage, stores: Optional[GroupStores] = None):
         self.storage = storage
         self.stores = stores

@@ -46,12 +46,6 @@ from dynemb.tables.group_signature import rounds_with_noise
 from dynemb.tables.tier import Tier
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, FindOrInsertResult, ScorePolicy
 
-#: The fields of the record, as a group pickled before the record existed held them itself.
-FIELDS = ("tables", "names", "index", "mode", "kernels", "device", "dim", "optimizer", "policy",
-          "bucket_size", "row_offset", "row_starts", "bucket_counts", "arrays", "weights",
-          "counters", "init_kinds", "init_params", "seeds", "table_ids", "rounding")
-
-
 def given_counts(keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
                  inverse: torch.Tensor, counts: torch.Tensor):
     """(counts, the occurrences concatenated): where ids were deduplicated upstream, each
@@ -107,8 +101,6 @@ class GroupRows:
     ``flat`` holds them (a :class:`GroupFlat`, or a stand-in while they are away) and
     :meth:`parts` are the tiers of the group's tables, whose flat tables view them."""
 
-    tier_name = "tier"  # (rows pickled by an earlier version were those of the tables' tier)
-
     def __init__(self, weights: torch.Tensor, tables: Sequence[DynamicTable],
                  tier_name: str = "tier"):
         self.flat = GroupFlat(weights)
@@ -132,19 +124,13 @@ class GroupStorage:
     one works on its table's arrays as they are, even where they are views of another
     group's (:func:`~dynemb.tables.groups.group_of_one`)."""
 
-    # (a record pickled by an earlier version has none of these)
-    growing: Tuple[int, ...] = ()
-    #: how many times the record laid its tables out (a phase that keeps where the parts
-    #: start, on the device, places them again when it changes)
-    layouts = 0
-    admits = False
-    tier_name = "tier"
-    keeps_counters = True
-
     def __init__(self, tables: Sequence[DynamicTable], tier: str = "tier",
                  keeps_counters: bool = True, in_place: bool = False):
         first = tables[0]
         self._in_place = in_place
+        #: how many times the record laid its tables out (a phase that keeps where the parts
+        #: start, on the device, places them again when it changes)
+        self.layouts = 0
         self.tier_name = tier
         self.keeps_counters = keeps_counters
         self.tables: List[DynamicTable] = list(tables)
@@ -198,10 +184,7 @@ class GroupStorage:
     def rows(self) -> GroupRows:
         """The group's rows (the tensor behind :attr:`weights`) as memory stashing moves
         them."""
-        rows = self.__dict__.get("rows")
-        if rows is None:  # pickled by an earlier version: the tensor was an attribute
-            rows = self.__dict__["rows"] = GroupRows(self.__dict__.pop("weights"), self.tables)
-        return rows
+        return self._rows
 
     @property
     def weights(self) -> torch.Tensor:
@@ -211,10 +194,10 @@ class GroupStorage:
 
     @weights.setter
     def weights(self, value: torch.Tensor) -> None:
-        if "rows" in self.__dict__ or "weights" in self.__dict__:
-            self.rows.flat.weights = value
+        if "_rows" in self.__dict__:
+            self._rows.flat.weights = value
         else:
-            self.__dict__["rows"] = GroupRows(value, self.tables, self.tier_name)
+            self._rows = GroupRows(value, self.tables, self.tier_name)
 
     @property
     def row_dtype(self) -> torch.dtype:
@@ -234,7 +217,7 @@ class GroupStorage:
         for capacity in capacities:
             self.row_offset.append(self.row_offset[-1] + capacity)
         tier = self.tier_of(first)
-        if len(self.tables) == 1 and (self.__dict__.get("_in_place")
+        if len(self.tables) == 1 and (self._in_place
                                       or _owns_its_arrays(tier, first.counters)):  # no copy
             self.arrays, self.weights = tier.hash.arrays, tier.flat.weights
             self.counters = (first.counters.values.unsqueeze(0) if self.keeps_counters
@@ -254,7 +237,7 @@ class GroupStorage:
         record over a table's arrays as they are (``in_place``: a visitor, such as a fill's
         group of one), nor one of a DEFAULT table's host tier (``grow`` grows the device
         tier)."""
-        if self.tier_name == "tier" and not self.__dict__.get("_in_place"):
+        if self.tier_name == "tier" and not self._in_place:
             for table in self.tables:
                 table.placed_in(self)
 
@@ -270,7 +253,7 @@ class GroupStorage:
         where it lives (:meth:`DynamicTable.grow <dynemb.tables.base.DynamicTable.grow>`: in
         its module's group, whose batches follow too), then reads its arrays again."""
         old_offsets = list(self.row_offset)
-        visitor = bool(self.__dict__.get("_in_place"))
+        visitor = self._in_place
         remaps = [(self.tables[t].grow if visitor else self.tables[t].rehash)(new_capacity)
                   for t, new_capacity in growth]
         self._lay_out()
@@ -405,15 +388,12 @@ class GroupStorage:
     def __getstate__(self) -> Dict:
         state = dict(self.__dict__)
         state.pop("_batches", None)  # weak references do not pickle
-        if "_parts" in state:
-            state["_parts"] = [(a, _held(w), c) for a, w, c in state["_parts"]]
+        state["_parts"] = [(a, w(), c) for a, w, c in state["_parts"]]  # (nor do these)
         return state
 
     def __setstate__(self, state: Dict) -> None:
         self.__dict__.update(state)
-        self._serve_where_stored()
-        if "_parts" in state:
-            self._parts = [(a, _weakly(w), c) for a, w, c in self._parts]
+        self._parts = [(a, weakref.ref(w), c) for a, w, c in self._parts]
 
     def _parts_of(self, table: DynamicTable):
         """The table's arrays, as the group placed them (to tell whether they were
@@ -422,26 +402,6 @@ class GroupStorage:
         tier = self.tier_of(table)
         counters = table.counters.values if self.keeps_counters else None
         return tier.hash.arrays, weakref.ref(tier.flat.weights), counters
-
-    @classmethod
-    def of_earlier_group(cls, state: Dict) -> "GroupStorage":
-        """The record of a group pickled by an earlier version, which held these fields
-        itself (what it lacks is derived)."""
-        storage = cls.__new__(cls)
-        storage.__dict__.update({name: state[name] for name in FIELDS if name in state})
-        storage._parts = [(a, _weakly(w), c) for a, w, c in state["_storage"]]
-        if "rounding" not in state:  # groups held no rows rounded with noise then
-            storage.rounding = dict(stochastic_rounding=False)
-        storage.growing = ()  # groups held no tables that grow then
-        if "row_starts" not in state:
-            storage.row_starts = np.asarray(storage.row_offset[:-1], dtype=np.int64)
-        storage._serve_where_stored()
-        return storage
-
-    def _serve_where_stored(self) -> None:
-        """A record pickled by an earlier version served its rows where it stored them."""
-        self.__dict__.setdefault("serve_device", self.device)
-        self.__dict__.setdefault("serve_kernels", self.kernels)
 
     def _allocate_and_move_in(self) -> None:
         """The group's arrays, each table copied into its part of them."""
@@ -505,7 +465,7 @@ class GroupStorage:
         table = self.tables[t]
         arrays, weights, counters = self._parts[t]
         return (self.tier_of(table).hash.arrays is arrays
-                and _weights_in_place(self.tier_of(table)) is _held(weights)
+                and _weights_in_place(self.tier_of(table)) is weights()
                 and not (self.keeps_counters and table.counters.values is not counters))
 
     @property
@@ -677,11 +637,3 @@ def _weights_in_place(tier: Tier) -> torch.Tensor:
     flat = tier.flat
     return getattr(flat, "stands_in_for", flat).weights
 
-
-def _weakly(tensor) -> "weakref.ref":
-    return tensor if isinstance(tensor, weakref.ref) else weakref.ref(tensor)
-
-
-def _held(tensor) -> Optional[torch.Tensor]:
-    """The tensor of a weak reference (or the tensor itself)."""
-    return tensor() if isinstance(tensor, weakref.ref) else tensor

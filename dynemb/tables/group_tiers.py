@@ -73,8 +73,6 @@ class TieredGroup:
     tiers, ``host`` over their host tiers. A group as :mod:`dynemb.modules.batch_claims`
     runs it, whose prefetch claims nothing (the claim is in forward, as for a DEFAULT table alone)."""
 
-    on_device = None  # (a group pickled by an earlier version: on the host kernels)
-
     def __init__(self, tables: Sequence[DynamicTable], *, in_place: bool = False):
         self.storage = GroupStorage(tables, in_place=in_place)
         self.host = GroupStorage(tables, tier="host_tier", keeps_counters=False,
@@ -148,12 +146,9 @@ class TieredGroup:
 
     def check_failures(self) -> None:
         """Raise the ``TableFullError`` of keys of earlier batches that found no slot in the
-        device tiers on the CUDA kernels, then those of the tables from before they were
-        grouped."""
+        device tiers on the CUDA kernels."""
         if self.on_device is not None:
             self.on_device.failures.check()
-        for table in self.tables:
-            table.check_failures()
 
     def _batch(self, keys, occurrences, scores, training: bool) -> "TieredBatch":
         storage = self.storage

@@ -97,38 +97,13 @@ class TableGroup:
     the batches it makes, the update and the release."""
 
     def __init__(self, tables: Sequence[DynamicTable], *, in_place: bool = False):
-        self.storage = GroupStorage(tables, in_place=in_place)
-        self._prefetch = self._eval = None
-        self._build_phases()
-
-    def _build_phases(self, failures=None) -> None:
-        storage = self.storage
+        self.storage = storage = GroupStorage(tables, in_place=in_place)
         stores = GroupStores(storage) if storage.mode is StorageMode.CACHE else None
         if storage.kernels.defers_failures:
             self._prefetch = self._eval = DeviceGroupPrefetch(storage, stores)
-            if failures is not None:  # keys that found no slot, not raised yet
-                self._prefetch.failures = failures
         else:
             self._prefetch = HostGroupPrefetch(storage, stores)
             self._eval = GroupEvalLookup(storage, stores)
-
-    def __setstate__(self, state: Dict) -> None:
-        """Unpickling; a group pickled before it kept its arrays in a
-        :class:`~dynemb.tables.group_storage.GroupStorage` held them itself, and gets its
-        phases at its first use (while the pickle loads, its tables may not be whole yet)."""
-        if "storage" in state:
-            self.__dict__.update(state)
-            return
-        self.storage = GroupStorage.of_earlier_group(state)
-        self._prefetch = self._eval = None
-        on_device = state.get("_on_device")
-        self._earlier_failures = None if on_device is None else on_device.failures
-
-    def _phases(self):
-        """(the training prefetch, the eval lookup)."""
-        if self._prefetch is None:  # unpickled from an earlier version
-            self._build_phases(self.__dict__.pop("_earlier_failures", None))
-        return self._prefetch, self._eval
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -173,20 +148,19 @@ class TableGroup:
 
         On the host kernels the rows are claimed but neither filled nor counted yet:
         :meth:`finish_batch` does that, or :meth:`undo_batch` takes the claim back."""
-        prefetch, _ = self._phases()
         if not self.claims_apart():  # raises the error of a table that refuses the batch
-            return prefetch.prefetch(keys, occurrences, scores)
-        return prefetch.claim_batch(keys, occurrences, scores)
+            return self._prefetch.prefetch(keys, occurrences, scores)
+        return self._prefetch.claim_batch(keys, occurrences, scores)
 
     def finish_batch(self, batch: GroupBatch) -> GroupBatch:
         """Fill the rows :meth:`claim_batch` claimed and count them."""
-        return self._phases()[0].finish_batch(batch) if self.claims_apart() else batch
+        return self._prefetch.finish_batch(batch) if self.claims_apart() else batch
 
     def undo_batch(self, batch: GroupBatch) -> None:
         """Take back a :meth:`claim_batch` that :meth:`finish_batch` did not follow; a
         finished batch's pins just end."""
         if self.claims_apart():
-            self._phases()[0].undo_batch(batch)
+            self._prefetch.undo_batch(batch)
         else:
             self.storage.release(batch)
 
@@ -199,16 +173,13 @@ class TableGroup:
                      occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
         """A read-only (eval) lookup of every table's ``keys`` (:mod:`dynemb.tables.group_eval`;
         on the CUDA kernels, :mod:`dynemb.tables.group_device`)."""
-        return self._phases()[1].lookup_batch(keys, occurrences)
+        return self._eval.lookup_batch(keys, occurrences)
 
     def check_failures(self) -> None:
         """Raise the ``TableFullError`` of keys of earlier batches that found no slot on the
-        CUDA path (once their count has reached the host), the group's, then those of its
-        tables from before they were grouped."""
+        CUDA path (once their count has reached the host)."""
         if self.storage.kernels.defers_failures:
-            self._phases()[0].failures.check()
-        for table in self.tables:
-            table.check_failures()
+            self._prefetch.failures.check()
 
     @property
     def rows(self):

@@ -1,5 +1,5 @@
-"""The building blocks every storage mode shares: a :class:`Tier` (a hash table and the flat
-table of its rows) and :class:`DeferredFailures` (slot failures reported without a sync)."""
+"""The building block every storage mode shares: a :class:`Tier` (a hash table and the flat
+table of its rows)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -11,7 +11,6 @@ from dynemb.rows.flat_table import FlatTable
 from dynemb.rows.hash_table import ScoredHashTable
 from dynemb.backends.protocol import KernelBackend
 from dynemb.options import DynamicEmbTableOptions, TableLayout
-from dynemb.types import TableFullError
 from dynemb.foundations.validation import canonical_device
 
 
@@ -45,42 +44,3 @@ class Tier:
         """[U] bool: ``slots[i] >= 0`` and it still holds ``keys[i]`` (no host sync)."""
         return (slots >= 0) & (self.hash.keys_at(slots) == keys.to(self.device))
 
-
-class DeferredFailures:
-    """Keys that found no slot on the sync-free (CUDA) path, reported at a later call.
-
-    The count is copied to pinned host memory behind an event; a later ``check`` raises once
-    the copy has landed, without ever waiting for the device.
-    """
-
-    def __init__(self, device: torch.device):
-        self.total = torch.zeros(1, dtype=torch.int64, device=device)
-        self._on_gpu = device.type == "cuda"
-        self.host = torch.zeros(1, dtype=torch.int64, pin_memory=self._on_gpu)
-        self._event = None
-        self._recorded = False  # whether a count may have come since the last check
-
-    def record(self, failed: torch.Tensor) -> None:
-        self.total += failed.sum()
-        self.host.copy_(self.total, non_blocking=self._on_gpu)
-        self._recorded = True
-        if self._on_gpu:
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def check(self, table: str) -> None:
-        # nothing recorded since a check that found none: no host read (a grouped table's
-        # own count, checked at every prefetch of its group, stays at rest)
-        if not getattr(self, "_recorded", True):
-            return
-        if self._event is not None and not self._event.query():
-            return
-        count = int(self.host[0])
-        self._recorded = False
-        if count:
-            self.total.zero_()
-            self.host.zero_()
-            raise TableFullError(
-                f"table {table!r}: {count} keys of earlier batches found no slot (buckets full "
-                f"of pinned rows or NO_EVICTION) and were served zeros without being trained",
-                torch.empty(0, dtype=torch.int64), None)
