@@ -35,7 +35,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
 
     _install_sequential_cudasim()
 # the suite runs the parallel CPU kernels on every thread numba has; the library's default
-# (one core less than the process has, dynemb.foundations.threads) is tested in fresh processes by
+# (one core less than the process has, dynemb.backends.threads) is tested in fresh processes by
 # tests/test_threads.py
 os.environ.setdefault("DYNEMB_THREADS", "off")
 

@@ -41,7 +41,7 @@ from benchmarks.common import (add_run_options, check, config_of, fill_defaults,
                                verdict, write_report, zipf_ranks)
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig, OptimizerType,
                     StorageMode)
-from dynemb.foundations import threads as dynemb_threads
+from dynemb.backends import threads as dynemb_threads
 from dynemb.foundations.counters import COUNTER_NAMES
 
 FILE_STEM = "collection_cpu"
@@ -685,7 +685,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 def set_numba_threads(count: int) -> int:
     """Run dynemb's kernels on ``count`` numba threads (0: every core), instead of the
-    library's default (dynemb.foundations.threads), which would cap them when the first table is
+    library's default (dynemb.backends.threads), which would cap them when the first table is
     built; returns the count in use."""
     os.environ[dynemb_threads.SWITCH] = "off"
     numba.set_num_threads(count or numba.config.NUMBA_NUM_THREADS)

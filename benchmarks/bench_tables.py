@@ -864,7 +864,7 @@ def add_workload_options(parser: argparse.ArgumentParser, full: dict) -> None:
     parser.add_argument("--threads", type=threads_option, default=1,
                         help="torch and numba threads (default 1: on a small shared machine "
                              "a parallel op waits for its slowest thread; 0: every core; "
-                             "'library': as a plain script gets them, dynemb.foundations.threads' "
+                             "'library': as a plain script gets them, dynemb.backends.threads' "
                              "defaults and torch's own)")
 
 
@@ -918,7 +918,7 @@ def threads_option(text: str):
 
 def set_threads(count) -> Tuple[int, int]:
     """Run torch and dynemb's numba kernels on ``count`` threads each (0: every core;
-    ``library``: change nothing, dynemb.foundations.threads applies its defaults when the first table is
+    ``library``: change nothing, dynemb.backends.threads applies its defaults when the first table is
     built); returns (torch threads, numba threads). numba first: starting its OpenMP pool
     sets the process's OpenMP thread count, which torch reads as its own."""
     if count == LIBRARY_THREADS:

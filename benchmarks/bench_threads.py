@@ -1,5 +1,5 @@
 """Step times of a plain training script under CPU load, with and without dynemb's default
-thread settings (:mod:`dynemb.foundations.threads`), next to TorchRec's ``EmbeddingCollection`` in the
+thread settings (:mod:`dynemb.backends.threads`), next to TorchRec's ``EmbeddingCollection`` in the
 same process.
 
 Each configuration runs in a fresh Python process (thread settings are fixed at import): a

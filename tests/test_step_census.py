@@ -57,7 +57,7 @@ def test_the_census_sees_a_host_read_and_a_host_value():
     """What a step does on the host is counted where dynemb does it, not elsewhere."""
     import torch
     from benchmarks.step_census import StepCensus
-    from dynemb.foundations.device_values import values_on
+    from dynemb.backends.device_values import values_on
     t = torch.arange(4)
     with StepCensus() as census:
         values_on([1, 2], torch.int64, torch.device("cpu"))  # a host value, in dynemb
@@ -65,7 +65,7 @@ def test_the_census_sees_a_host_read_and_a_host_value():
         torch.zeros(3)
     row = census.report(1)
     assert row["host_values_by_site"] == {
-        "tensor at foundations/device_values.py:values_on": 1}
+        "tensor at backends/device_values.py:values_on": 1}
     assert row["host_reads"] == 0
     assert row["allocation_shapes"] == ["torch.float32[3]"]
 

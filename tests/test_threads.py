@@ -1,4 +1,4 @@
-"""dynemb's thread defaults (:mod:`dynemb.foundations.threads`): the idle OpenMP team, numba's thread
+"""dynemb's thread defaults (:mod:`dynemb.backends.threads`): the idle OpenMP team, numba's thread
 count, and the user's overrides."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import numba
 import pytest
 
-from dynemb.foundations.threads import (apply_defaults, available_cores, default_numba_threads,
+from dynemb.backends.threads import (apply_defaults, available_cores, default_numba_threads,
                             idle_team_wanted)
 
 ROOT = Path(__file__).resolve().parent.parent

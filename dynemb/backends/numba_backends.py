@@ -32,7 +32,7 @@ from dynemb.backends.protocol import (EMPTY_KEY, TOMBSTONE_KEY, KernelBackend, S
 from dynemb.kernels import (dedup_cpu, group_stores_cpu, groups_cpu, init_cpu, optim_cpu,
                             pool_cpu, round_cpu, rows_cpu, table_cpu)
 from dynemb.kernels.cpu_compile import compile_once_per_machine
-from dynemb.foundations.threads import apply_defaults as apply_thread_defaults
+from dynemb.backends.threads import apply_defaults as apply_thread_defaults
 
 # the ranks of a job (and the workers of a test run) share each kernel's compilation
 compile_once_per_machine(dedup_cpu, group_stores_cpu, groups_cpu, init_cpu, optim_cpu, pool_cpu,
@@ -73,7 +73,7 @@ class CpuBackend:
         return values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
 
     def __init__(self):
-        # the process's thread defaults (dynemb.foundations.threads: idle OpenMP threads sleep,
+        # the process's thread defaults (dynemb.backends.threads: idle OpenMP threads sleep,
         # numba's count): created once per process, before the first CPU kernel runs
         apply_thread_defaults()
 

@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional, Protocol, Tuple, runtime_checkable
 import numpy as np
 import torch
 
-from dynemb.foundations.device_values import values_on
+from dynemb.backends.device_values import values_on
 from dynemb.kernels import (constants, group_stores_cpu, hashing, init_common, optim_common,
                             round_common)
 

@@ -5,7 +5,7 @@ from typing import Dict
 
 import torch
 
-from dynemb.foundations.device_values import values_on
+from dynemb.backends.device_values import values_on
 
 #: Counted events, in the order they are stored.
 COUNTER_NAMES = (

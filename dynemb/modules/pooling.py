@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from dynemb.foundations.device_values import values_on
+from dynemb.backends.device_values import values_on
 from dynemb.modules.dynamic_core import DynamicCore
 from dynemb.rows.optimizers import OccurrenceGrads, occurrence_csr
 from dynemb.tables.lookup_batch import LookupBatch, PoolingRows

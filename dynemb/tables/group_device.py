@@ -11,7 +11,7 @@ What the host cannot know without waiting, it does not need:
   copied to the host without waiting and raised at a later prefetch
   (:class:`GroupFailures`).
 - **Per-table values** (bounds, clocks) go to the device through pinned memory
-  (:func:`dynemb.foundations.device_values.values_on`).
+  (:func:`dynemb.backends.device_values.values_on`).
 
 A group with a table that grows reads back what that table alone reads back: its size and,
 where its keys could pass its load factor, how many of them it misses, before the claim; and
@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import torch
 
 from dynemb.foundations.counters import COUNTER_NAMES
-from dynemb.foundations.device_values import values_on
+from dynemb.backends.device_values import values_on
 from dynemb.backends.protocol import Segments
 from dynemb.tables.group_batch import GroupBatch, key_bounds_of
 from dynemb.tables.group_storage import GroupStorage, given_counts
