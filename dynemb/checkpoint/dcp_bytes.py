@@ -13,9 +13,8 @@ tensors are saved as byte items, holding the entries alone, and load in place wi
 default planner whatever the module holds.
 
 Everything else sees a plain tensor: operations on it give plain tensors (but its copies,
-see :class:`SavedAsBytes`), ``torch.save``
-pickles it as one (``torch.load`` with ``weights_only=True`` needs nothing of dynemb), and
-so does DCP inside its byte item.
+see :class:`SavedAsBytes`), ``torch.save`` pickles it as one (``torch.load`` with
+``weights_only=True`` needs nothing of dynemb), and so does DCP inside its byte item.
 
 Example::
 

@@ -56,7 +56,8 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
         self._parts: Dict[str, Tuple[torch.Tensor, List[int]]] = {}
         self._byte_parts: Dict[str, Tuple[str, Tuple[int, int], Tuple]] = {}
         self._insert: List[Tuple[Tuple, torch.Tensor]] = []
-        self._row_formats: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        # saved rows read as byte items: (table, this module's row width and dtype)
+        self._row_formats: Dict[str, Tuple[str, Tuple[int, ...], torch.dtype]] = {}
         shares = self._own_shares()
         saved = self._saved_shares(set(shares))
         for base, (rank, world, entries) in shares.items():
@@ -110,17 +111,17 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
                 md = self.metadata.state_dict_metadata.get(saved_fqn)
                 if isinstance(md, TensorStorageMetadata):
                     self._check_row_format(base, tuple(md.size[1:]), md.properties.dtype,
-                                           mine)
+                                           tuple(mine.shape[1:]), mine.dtype)
                 elif saved_fqn:
                     self._row_formats[saved_fqn] = (base, tuple(mine.shape[1:]), mine.dtype)
 
     @staticmethod
-    def _check_row_format(base, width, dtype, mine) -> None:
-        if width != tuple(mine.shape[1:]) or dtype != mine.dtype:
+    def _check_row_format(base, saved_width, saved_dtype, width, dtype) -> None:
+        if saved_width != width or saved_dtype != dtype:
             raise ValueError(
-                f"table {base!r}: cannot load the checkpoint: rows of width {width} and "
-                f"dtype {dtype} in the checkpoint, width {tuple(mine.shape[1:])} and dtype "
-                f"{mine.dtype} here (another dim, optimizer or embedding dtype)")
+                f"table {base!r}: cannot load the checkpoint: rows of width {saved_width} and "
+                f"dtype {saved_dtype} in the checkpoint, width {width} and dtype {dtype} here "
+                f"(another dim, optimizer or embedding dtype)")
 
     def _drop(self, fqn: str) -> None:
         """Take one of the module's own entries out of the load (and of the user's dict)."""
@@ -179,9 +180,8 @@ class DynamicEmbLoadPlanner(DefaultLoadPlanner):
         rest, split, path = part
         saved = torch.load(value, weights_only=True)
         if fqn in self._row_formats:
-            base, width, dtype = self._row_formats[fqn]
-            self._check_row_format(base, tuple(saved.shape[1:]), saved.dtype,
-                                   torch.empty((0, *width), dtype=dtype))
+            self._check_row_format(self._row_formats[fqn][0], tuple(saved.shape[1:]),
+                                   saved.dtype, *self._row_formats[fqn][1:])
         if rest.split(".")[-1] in ENTRY_FIELDS and saved.dim():
             lo, n = _part_range(saved.shape[0], split)
             saved = saved[lo:lo + n].clone() if n < saved.shape[0] else saved
