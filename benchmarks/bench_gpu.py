@@ -107,7 +107,10 @@ class Dynemb:
         """HBM_DIRECT tables that hold every id; with ``args.cache`` (step_census) CACHE
         tables of buckets of 16 whose device rows hold 3 times a step's distinct ids (below
         the ids seen over the steps: they write back and load), and with ``args.alone``
-        each table in a group of one (``group_tables=False``)."""
+        each table in a group of one (``group_tables=False``). step_census's ``args.mode``
+        also takes ``cache_hits`` (CACHE tables whose device rows hold every id: all hits
+        once seen), ``host_only`` (a device budget of 0) and ``default`` (device rows for
+        half the ids, the rest in the host tier)."""
         import torch
         from benchmarks.bench_tables import FIT_LOAD, table_configs, whole_buckets
         from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig,
@@ -115,13 +118,26 @@ class Dynemb:
         fit = whole_buckets(wl.rows / FIT_LOAD, DynamicEmbTableOptions().bucket_size)
         config = OptimizerConfig({"sgd": OptimizerType.SGD, "adam": OptimizerType.ADAM}
                                  [spec.optimizer], learning_rate=LEARNING_RATE)
-        if getattr(args, "cache", False):
+        width = spec.dim + config.state_dim(spec.dim)
+        kind = getattr(args, "mode", None) or ("cache" if getattr(args, "cache", False)
+                                               else "hbm_direct")
+        if kind == "cache":
             most = max(max(step) for step in wl.unique_per_step)
             cached = whole_buckets(3 * most, 16)
-            width = spec.dim + config.state_dim(spec.dim)
             options = DynamicEmbTableOptions(max_capacity=fit, caching=True, bucket_size=16,
                                              local_hbm_for_values=cached * width * 4)
             mode = StorageMode.CACHE
+        elif kind == "cache_hits":
+            options = DynamicEmbTableOptions(max_capacity=2 * fit, caching=True,
+                                             local_hbm_for_values=fit * width * 4)
+            mode = StorageMode.CACHE
+        elif kind == "host_only":
+            options = DynamicEmbTableOptions(max_capacity=fit, local_hbm_for_values=0)
+            mode = StorageMode.HOST_ONLY
+        elif kind == "default":
+            options = DynamicEmbTableOptions(max_capacity=fit, bucket_size=16,
+                                             local_hbm_for_values=max(16, fit // 2) * width * 4)
+            mode = StorageMode.DEFAULT
         else:
             options = DynamicEmbTableOptions(max_capacity=fit, init_capacity=fit)
             mode = StorageMode.HBM_DIRECT

@@ -228,6 +228,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cache", action="store_true",
                         help="CACHE tables with device rows below the ids seen (evicting to "
                              "their host stores) instead of HBM_DIRECT tables holding every id")
+    parser.add_argument("--mode", choices=["hbm_direct", "cache", "cache_hits", "host_only",
+                                           "default"],
+                        help="the tables' storage (default hbm_direct; see bench_gpu.Dynemb)")
     parser.add_argument("--alone", action="store_true",
                         help="every table in a group of one (group_tables=False)")
     parser.add_argument("--json", help="also write the census to this JSON file")
