@@ -24,7 +24,7 @@ Example::
     ...                          feature_names=["item"])
     >>> fp = table_footprint(config, DynamicEmbTableOptions(), OptimizerConfig(), world_size=2)
     >>> fp.storage()  # what the planner reserves for the shard
-    Storage(hbm=75368, ddr=8, ssd=0)
+    Storage(hbm=75360, ddr=0, ssd=0)
 """
 from __future__ import annotations
 
@@ -347,7 +347,7 @@ def footprints(model: nn.Module, *, world_size: int, batch_size: int,
         >>> model = torch.nn.Sequential(DynamicEmbCollection(tables=[EmbeddingConfig(
         ...     name="items", embedding_dim=16, num_embeddings=1024, feature_names=["item"])]))
         >>> sum(f.device_bytes for f in footprints(model, world_size=2, batch_size=256))
-        187600
+        187584
     """
     out: List[TableFootprint] = []
     for _, module in dynamic_collections(model):

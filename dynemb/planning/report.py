@@ -11,11 +11,11 @@ Example::
     >>> print(footprint_report(model, world_size=2, batch_size=256))
     Dynamic embedding footprint (batch size 256 per rank)
     ...
-    total: device 187,600 bytes (183.20 KiB), host 16 bytes (0.02 KiB), all 187,616 bytes
+    total: device 187,584 bytes (183.19 KiB), host 0 bytes (0.00 KiB), all 187,584 bytes
     >>> print(format_allocated(measure_allocated(model)))
     table     values  optim    hash  admit  other   device  host  in flight
     -------  -------  -----  ------  -----  -----  -------  ----  ---------
-    0.items  106,496      0  33,288      0     96  139,880     8          0
+    0.items  106,496      0  33,288      0     88  139,872     0          0
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def format_footprints(items: Sequence[TableFootprint], *, title: str = "",
         Dynamic embedding footprint
         world size 1, pipeline none (pipe I/O = input + output), compute device cuda, sizes in KiB
         ...
-        total: device 139,880 bytes (136.60 KiB), host 8 bytes (0.01 KiB), all 139,888 bytes
+        total: device 139,872 bytes (136.59 KiB), host 0 bytes (0.00 KiB), all 139,872 bytes
     """
     if not items:
         return "no dynamic tables"
@@ -171,7 +171,7 @@ def measure_table(table: DynamicTable) -> AllocatedBytes:
         >>> collection = DynamicEmbCollection(tables=[EmbeddingConfig(
         ...     name="items", embedding_dim=16, num_embeddings=1024, feature_names=["item"])])
         >>> measure_table(collection.tables["items"]).device_bytes
-        139880
+        139872
     """
     return table.memory_breakdown()
 
@@ -186,7 +186,7 @@ def measure_allocated(module: nn.Module) -> Dict[str, AllocatedBytes]:
         >>> collection = DynamicEmbCollection(tables=[EmbeddingConfig(
         ...     name="items", embedding_dim=16, num_embeddings=1024, feature_names=["item"])])
         >>> measure_allocated(collection)["items"].host_bytes
-        8
+        0
     """
     out: Dict[str, AllocatedBytes] = {}
     for path, m in find_dynamic_modules(module).items():
@@ -205,7 +205,7 @@ def format_allocated(allocated: Mapping[str, AllocatedBytes]) -> str:
         >>> print(format_allocated(measure_allocated(collection)))
         table   values  optim    hash  admit  other   device  host  in flight
         -----  -------  -----  ------  -----  -----  -------  ----  ---------
-        items  106,496      0  33,288      0     96  139,880     8          0
+        items  106,496      0  33,288      0     88  139,872     0          0
     """
     fields = ("values_bytes", "optimizer_bytes", "hash_bytes", "admission_bytes",
               "other_bytes", "device_bytes", "host_bytes", "in_flight_bytes")
