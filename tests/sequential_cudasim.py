@@ -123,7 +123,6 @@ class _PoolThread(threading.Thread):
         super().__init__(daemon=True)
         self._go = threading.Event()
         self.syncthreads_event = threading.Event()
-        self._task = None
 
     def assign(self, block, manager, fn, args, block_idx, thread_idx):
         self._block, self._manager, self._fn, self._args = block, manager, fn, args
