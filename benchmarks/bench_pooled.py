@@ -228,10 +228,10 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
                   (_PooledOutputAwaitable, "_wait_impl",
                    "forward.reduce-scatter: wait (+ MEAN divide)")]
         from dynemb.tables.group_batch import GroupBatch
-        from dynemb.tables.group_prefetch import HostGroupPrefetch
+        from dynemb.tables.group_prefetch import GroupPrefetch
         from dynemb.tables.group_storage import GroupStorage
-        parts += [(HostGroupPrefetch, "claim_batch", f"{compute}.resolve ids (group prefetch)"),
-                  (HostGroupPrefetch, "finish_batch", f"{compute}.resolve ids (group prefetch)"),
+        parts += [(GroupPrefetch, "claim_batch", f"{compute}.resolve ids (group prefetch)"),
+                  (GroupPrefetch, "finish_batch", f"{compute}.resolve ids (group prefetch)"),
                   (GroupBatch, "pooling_rows", f"{compute}.gather rows (group lookup)"),
                   (GroupStorage, "fused_update", "backward.fused optimizer update")]
     else:

@@ -265,10 +265,10 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
                   (sharded, "output_dist", "forward.rows all-to-all: start"),
                   (DynamicEmbOutputAwaitable, "_wait_impl", "forward.rows all-to-all: wait")]
         parts += [(d, "route", f"{send}.dedup+route") for d in sharded._input_dists]
-        from dynemb.tables.group_prefetch import HostGroupPrefetch
+        from dynemb.tables.group_prefetch import GroupPrefetch
         from dynemb.tables.group_storage import GroupStorage
-        parts += [(HostGroupPrefetch, "claim_batch", f"{lookup}.resolve ids"),
-                  (HostGroupPrefetch, "finish_batch", f"{lookup}.resolve ids"),
+        parts += [(GroupPrefetch, "claim_batch", f"{lookup}.resolve ids"),
+                  (GroupPrefetch, "finish_batch", f"{lookup}.resolve ids"),
                   (GroupStorage, "lookup_occurrences", f"{lookup}.gather rows"),
                   (GroupStorage, "fused_update", "backward.fused optimizer update")]
     else:

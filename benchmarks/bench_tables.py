@@ -52,7 +52,7 @@ from benchmarks.side_by_side import PhaseTimers
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig,
                     OptimizerType, StorageMode)
 from dynemb.foundations.counters import COUNTER_NAMES
-from dynemb.tables.group_prefetch import HostGroupPrefetch
+from dynemb.tables.group_prefetch import GroupPrefetch
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.groups import TableGroup
 
@@ -695,12 +695,12 @@ def profile_phases():
          ("dynemb/rows/occurrence_grads.py", "occurrence_csr")),
         # a group's phases (dynemb.tables.groups): every table is in one
         ("dedup", GroupStorage, "dedup", ("dynemb/tables/group_storage.py", "dedup")),
-        ("find_or_insert (claim, pin)", HostGroupPrefetch, "_claim",
-         ("dynemb/tables/group_prefetch.py", "_claim")),
-        ("counters of the claim", HostGroupPrefetch, "_count",
+        ("find_or_insert (claim, pin)", GroupPrefetch, "claim",
+         ("dynemb/tables/group_prefetch.py", "claim")),
+        ("counters of the claim", GroupPrefetch, "_count",
          ("dynemb/tables/group_prefetch.py", "_count")),
-        ("new rows' initializer", GroupStorage, "initialize_rows",
-         ("dynemb/tables/group_storage.py", "initialize_rows")),
+        ("new rows' initializer", GroupPrefetch, "initialize",
+         ("dynemb/tables/group_prefetch.py", "initialize")),
         ("gather (rows per occurrence)", GroupStorage, "lookup_occurrences",
          ("dynemb/tables/group_storage.py", "lookup_occurrences")),
         ("fused update (kernel)", dynemb.tables.group_storage, "fused_update",

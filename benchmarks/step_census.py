@@ -57,7 +57,7 @@ HOST_VALUES = ("tensor", "as_tensor", "from_numpy")
 #: view under the simulator (not a host read, nor a host value)
 HANDOFF = f"backends{os.sep}cuda_backend.py:_arr"
 #: host reads a sync-free step may make: a host copy that crossed without waiting
-ALLOWED_READS = {f"tables{os.sep}group_device.py:check":
+ALLOWED_READS = {f"tables{os.sep}group_failures.py:check":
                  "the refused-key counts, copied to the host without waiting a step before"}
 #: ops that allocate
 ALLOCATIONS = frozenset(f"aten.{name}" for name in (

@@ -21,10 +21,13 @@ from .table_cpu import _claim_range, _new_work
 
 
 @njit(cache=True, parallel=prange_loops())
-def dedup_segments_cpu(keys, seg, num_buckets, out_unique, out_inverse, out_counts, out_useg):
+def dedup_segments_cpu(keys, seg, num_buckets, pad, out_unique, out_inverse, out_counts,
+                       out_useg):
     """Each segment's unique keys, segment after segment, with counts and the inverse (an
-    index into the whole unique array); returns the number of unique keys. ``out_useg``
-    [T + 1]: where each segment's unique keys start.
+    index into the whole unique array); returns the number of entries written. ``out_useg``
+    [T + 1]: where each segment's unique keys start. With ``pad`` each segment's unique keys
+    start where its keys start and are padded with ``EMPTY_KEY`` (count 0) to its number of
+    keys (``out_useg`` is ``seg``: the form of the CUDA dedup); else they follow one another.
 
     Segment ``t``'s unique keys are sorted by bucket of a table of ``num_buckets[t]``
     buckets (ties in first-occurrence order: every bucket sees its keys in batch order, so a
@@ -88,12 +91,16 @@ def dedup_segments_cpu(keys, seg, num_buckets, out_unique, out_inverse, out_coun
                 out_inverse[i] = moved[out_inverse[i]]
     out_useg[0] = 0
     for t in range(tables):
-        out_useg[t + 1] = out_useg[t] + found[t]
+        out_useg[t + 1] = seg[t + 1] if pad else out_useg[t] + found[t]
     for t in prange(tables):
         lo, start = seg[t], out_useg[t]
         for j in range(found[t]):
             out_unique[start + j] = local_unique[lo + j]
             out_counts[start + j] = local_counts[lo + j]
+        if pad:
+            for j in range(lo + found[t], seg[t + 1]):
+                out_unique[j] = EMPTY_KEY
+                out_counts[j] = 0
         for i in range(lo, seg[t + 1]):
             out_inverse[i] += start
     return out_useg[tables]

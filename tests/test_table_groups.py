@@ -23,7 +23,7 @@ from dynemb.kernels import groups_cpu
 from dynemb.kernels.hashing import bucket_index
 from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.groups import GroupBatch
-from dynemb.types import ScorePolicy, TableFullError
+from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
 from failing_store import FailingStore
 
 FEATURES = [f"f{i}" for i in range(4)]
@@ -773,23 +773,26 @@ def test_memory_is_counted_per_table_as_alone():
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(st.integers(-5, 30), max_size=40), min_size=1, max_size=6),
-       st.lists(st.sampled_from([0, 1, 3, 16]), min_size=6, max_size=6))
-def test_segment_dedup_matches_a_python_model(segments, buckets):
+       st.lists(st.sampled_from([0, 1, 3, 16]), min_size=6, max_size=6), st.booleans())
+def test_segment_dedup_matches_a_python_model(segments, buckets, pad):
+    """Exact (one table's unique keys after another's) or padded (each table's at the start
+    of its keys' part, ``EMPTY_KEY`` with count 0 after them: the tables' form)."""
     keys = np.asarray([k for seg in segments for k in seg], dtype=np.int64)
     bounds = np.cumsum([0] + [len(s) for s in segments]).astype(np.int64)
     num_buckets = np.asarray(buckets[:len(segments)], dtype=np.int64)
     unique, inverse, counts = (np.empty(keys.size, dtype=np.int64) for _ in range(3))
     unique_bounds = np.empty(len(segments) + 1, dtype=np.int64)
-    total = groups_cpu.dedup_segments_cpu(keys, bounds, num_buckets, unique, inverse, counts,
-                                          unique_bounds)
+    total = groups_cpu.dedup_segments_cpu(keys, bounds, num_buckets, pad, unique, inverse,
+                                          counts, unique_bounds)
     expect_unique, expect_counts, expect_inverse, expect_bounds = [], [], [], [0]
     for seg, nb in zip(segments, num_buckets.tolist()):
         first = list(dict.fromkeys(seg))  # first-occurrence order
         if nb:  # stably by bucket: the order a table of nb buckets claims them in
             first.sort(key=lambda k: bucket_index(np.int64(k), nb))
         place = {k: expect_bounds[-1] + i for i, k in enumerate(first)}
-        expect_unique += first
-        expect_counts += [seg.count(k) for k in first]
+        padding = len(seg) - len(first) if pad else 0
+        expect_unique += first + [EMPTY_KEY] * padding
+        expect_counts += [seg.count(k) for k in first] + [0] * padding
         expect_inverse += [place[k] for k in seg]
         expect_bounds.append(len(expect_unique))
     assert total == len(expect_unique)

@@ -26,8 +26,12 @@ class CudaBackend:
 
     name = "cuda"
     #: Slot failures are counted on the device and reported at a later call (reading them
-    #: would stall the host); unique keys are padded with EMPTY_KEY (slot -1).
+    #: would stall the host).
     defers_failures = True
+    #: The update kernel takes contiguous gradient rows.
+    reads_strided_grads = False
+    #: The rows are in device memory, the stores in host memory.
+    moves_store_rows = False
 
     def __init__(self):
         from numba import cuda

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from dynemb.backends.cuda_backend import CudaBackend
-from dynemb.backends.protocol import (EMPTY_KEY, TOMBSTONE_KEY, KernelBackend, Segments,
+from dynemb.backends.protocol import (EMPTY_KEY, TOMBSTONE_KEY, KernelBackend,
                                    TableArrays, bit_views, claim_args, f32, probe_args,
                                    rehash_args)
 from dynemb.kernels import (dedup_cpu, group_stores_cpu, groups_cpu, init_cpu, optim_cpu,
@@ -51,9 +51,12 @@ class CpuBackend:
     """``@njit`` kernels on CPU tensors (viewed as numpy arrays without copying)."""
 
     name = "cpu"
-    #: Slot failures raise at once (reading a count costs nothing on CPU); unique keys are
-    #: exact, never padded.
+    #: Slot failures raise at once (reading a count costs nothing on CPU).
     defers_failures = False
+    #: The update kernel reads gradient rows through strided views.
+    reads_strided_grads = True
+    #: Rows and stores are both in host memory.
+    moves_store_rows = True
 
     @staticmethod
     def _np(t: torch.Tensor):
@@ -202,20 +205,26 @@ class CpuBackend:
 
     def dedup_segments(self, keys, segments, num_buckets=None):
         """Each table's unique keys in first-occurrence order, or with ``num_buckets`` sorted
-        by bucket (see ``groups_cpu.dedup_segments_cpu``); exact, never padded."""
+        by bucket (see ``groups_cpu.dedup_segments_cpu``), at the start of its part of the
+        output, padded with ``EMPTY_KEY`` (count 0) to its number of keys: the CUDA dedup's
+        form (there sorted by key)."""
         n = keys.numel()
         if segments.count == 1 and n:  # a group of one: the table's own (parallel) dedup
             buckets = None if num_buckets is None else int(self._host(num_buckets)[0])
             unique, inverse, counts = self.dedup(keys, buckets or None)
-            return unique, inverse, counts, Segments(np.asarray([0, unique.numel()]))
+            u = unique.numel()
+            if u < n:
+                unique = torch.cat([unique, unique.new_full((n - u,), EMPTY_KEY)])
+                counts = torch.cat([counts, counts.new_zeros(n - u)])
+            return unique, inverse, counts, segments
         unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
         unique_bounds = np.empty(segments.count + 1, dtype=np.int64)
         if num_buckets is None:
             num_buckets = np.zeros(segments.count, dtype=np.int64)
-        u = groups_cpu.dedup_segments_cpu(keys.numpy(), segments.bounds, self._host(num_buckets),
-                                          unique.numpy(), inverse.numpy(), counts.numpy(),
-                                          unique_bounds)
-        return unique[:u], inverse, counts[:u], Segments(unique_bounds)
+        groups_cpu.dedup_segments_cpu(keys.numpy(), segments.bounds, self._host(num_buckets),
+                                      True, unique.numpy(), inverse.numpy(), counts.numpy(),
+                                      unique_bounds)
+        return unique, inverse, counts, segments
 
     def find_group(self, table: TableArrays, segments, row_offset, num_buckets, ukeys,
                    out_slots):

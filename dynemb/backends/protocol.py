@@ -245,9 +245,13 @@ class KernelBackend(Protocol):
     #: "cpu" or "cuda".
     name: str
     #: True: the table layer reads slot failures at a later call (reading them at once would
-    #: stall the host) and pads its unique keys with ``EMPTY_KEY`` (fixed shapes); False: it
-    #: raises at once and its unique keys are exact.
+    #: stall the host); False: it raises at once (``dynemb.tables.group_failures``).
     defers_failures: bool
+    #: Whether ``fused_update`` may read its gradients through a strided view.
+    reads_strided_grads: bool
+    #: Whether the kernels read host memory, so that a table's rows and its host store's
+    #: arrays meet in one call (``store_find_group``, ``store_moves_group``).
+    moves_store_rows: bool
 
     def check_device(self, device: torch.device) -> None:
         """Raise unless this backend runs on tensors of ``device``."""
@@ -338,11 +342,12 @@ class KernelBackend(Protocol):
     def dedup_segments(self, keys, segments: Segments, num_buckets=None
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Segments]:
         """``(unique keys, inverse, counts, their segments)`` of each table's ``keys``; the
-        inverse indexes the whole unique array. Without ``defers_failures`` each table's
-        unique keys are exact, in first-occurrence order or, with ``num_buckets`` (per
-        table), by bucket of a table of that many buckets (ties in first-occurrence order);
-        with it, each table's sorted unique keys are padded with ``EMPTY_KEY`` (count 0) to
-        its number of keys (fixed shapes: the segments are ``segments``)."""
+        inverse indexes the whole unique array. Each table's unique keys start where its
+        keys start and are padded with ``EMPTY_KEY`` (count 0) to its number of keys, on
+        every backend (fixed shapes, nothing read back: the segments are ``segments``). The
+        CPU kernels order them by first occurrence or, with ``num_buckets`` (per table), by
+        bucket of a table of that many buckets (ties in first-occurrence order); CUDA sorts
+        them."""
 
     def find_group(self, table: TableArrays, segments: Segments, row_offset, num_buckets,
                    ukeys, out_slots) -> None:

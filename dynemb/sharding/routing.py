@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from dynemb.backends.numba_backends import resolve_kernels
-from dynemb.backends.protocol import KernelBackend, Segments
+from dynemb.backends.protocol import EMPTY_KEY, KernelBackend, Segments
 from dynemb.foundations.key_mixing import owner_rank_hash
 from dynemb.options import ShardingScheme
 
@@ -67,13 +67,17 @@ def route_unique(ids_per_table: Sequence[torch.Tensor], schemes: Sequence[Shardi
     if not kernels.defers_failures and num_tables > 1 and len(set(schemes)) == 1:
         # every table in one dedup call, one owner computation (the same ids and order
         # as table by table: each table's distinct ids in first-occurrence order; kernels
-        # that pad their unique keys dedup table by table)
+        # that defer failures, which do not wait for the device, dedup table by table)
         bounds = [0]
         for ids in ids_per_table:
             bounds.append(bounds[-1] + ids.numel())
-        all_unique, inverse, all_counts, unique_segments = kernels.dedup_segments(
-            torch.cat(list(ids_per_table)), Segments(bounds, device))
-        table_of = unique_segments.table_of
+        per_table = Segments(bounds, device)
+        padded, inverse, padded_counts, _ = kernels.dedup_segments(
+            torch.cat(list(ids_per_table)), per_table)
+        real = padded != EMPTY_KEY  # each table's unique ids, without the padding
+        inverse = (torch.cumsum(real, 0) - 1)[inverse]
+        all_unique, all_counts = padded[real], padded_counts[real]
+        table_of = per_table.table_of[real]
         group = owner_ranks(all_unique, world_size, schemes[0]) * num_tables + table_of
     else:
         uniques, inverses, counts, groups, before = [], [], [], [], 0

@@ -113,7 +113,7 @@ class CacheTable(HbmDirectTable):
         whose ``find`` and ``insert`` no subclass changed, behind a CPU cache): no gathered
         rows in between."""
         kind = type(self.store)
-        return (isinstance(self.store, HostBackingStore) and self.device.type == "cpu"
+        return (isinstance(self.store, HostBackingStore) and self.kernels.moves_store_rows
                 and kind.find is HostBackingStore.find and kind.insert is HostBackingStore.insert)
 
     def _write_back(self, result) -> None:

@@ -159,9 +159,7 @@ def _fill(table: DynamicTable, load_factor: float, seed: int, batch_size: int,
             batch.release()
         fed.append(keys)
         stalled = stalled + 1 if occupancy(table)[0] <= rows else 0
-    if table.device.type == "cuda":  # the last batch's failures have reached the host
-        torch.cuda.synchronize(table.device)
-    group.check_failures()
+    group.check_failures(wait=True)  # the last batch's too
     rows, slots = occupancy(table)
     keys = torch.cat(fed) if fed else torch.empty(0, dtype=torch.int64, device=table.device)
     held = table.read_rows(keys)[1] if keys.numel() else keys.bool()

@@ -10,7 +10,7 @@ import torch
 
 from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.batch import TableBatch
-from dynemb.tables.group_storage import GroupStorage, segment_sums
+from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.group_update import apply_group_gradients
 from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
 
@@ -25,14 +25,6 @@ def key_bounds_of(keys: Sequence[torch.Tensor]) -> List[int]:
     for part in keys:
         bounds.append(bounds[-1] + part.numel())
     return bounds
-
-
-def lookups_per_table(key_bounds: Sequence[int],
-                      occurrences: Optional[torch.Tensor]) -> np.ndarray:
-    """[T] each table's lookups: its input keys, or the occurrences they stand for."""
-    if occurrences is None:
-        return np.diff(np.asarray(key_bounds, dtype=np.int64))
-    return segment_sums(occurrences.numpy(), key_bounds)
 
 
 def shifted_slots(slots: torch.Tensor, unique_bounds: Sequence[int],
@@ -72,8 +64,6 @@ class GroupBatch(LookupBatch):
         self.unreleased = set(range(len(storage.names)))  # tables whose pins have not ended
         self.consumed = False
         self.applied: set = set()
-        #: [U] the table of each unique key, on the device (the CUDA path's; None on CPU)
-        self.seg = None
         #: between ``TableGroup.claim_batch`` and ``finish_batch``: the claim whose rows are
         #: not filled
         self.pending = None
@@ -112,29 +102,17 @@ class GroupBatch(LookupBatch):
         return self.storage.lookup_occurrences(self, sizes)
 
     def pooling_rows(self) -> PoolingRows:
-        """Straight from the group's rows; an eval batch on the host kernels pools its
-        unique rows (stored, or the eval initializer's) by ``embedding_bag``, as each table
-        alone pools its eval lookups. On the CUDA path a key without a slot pools zeros, and
-        an eval batch's key not stored its eval row."""
+        """Straight from the group's float32 rows, by the slot of each input key (a key
+        without a slot pools nothing); else (an eval or admission batch's keys not stored
+        pool their ``fallback`` rows, float16 / bfloat16 rows their float32 copies, rows
+        served on another device their copies there) from the unique keys' rows."""
         storage = self.storage
-        if storage.serves_elsewhere:  # the unique rows cross to the module's device, pooled
-            rows = storage.unique_rows(self).contiguous()  # as a HOST_ONLY table alone pools
-            return PoolingRows(rows, self.inverse, by_kernel=self.kernels.name == "cuda")
-        if self.fallback is not None and storage.kernels.name != "cuda":
-            return PoolingRows(storage.unique_rows(self), self.inverse, by_kernel=False)
-        occ_slots = self.slots.index_select(0, self.inverse)
-        rows = storage.weights
-        if self.seg is not None or self.fallback is not None:
-            rows = self.lookup_occurrences([occ_slots.numel()])[0]
-            occ_slots = torch.arange(occ_slots.numel(), device=occ_slots.device)
-        elif rows.dtype != torch.float32:  # float16 / bfloat16 rows: pool float32 copies
-            rows = rows[:, :storage.dim].float()
-        return PoolingRows(rows, occ_slots, by_kernel=True)
-
-    @property
-    def reads_strided_grads(self) -> bool:
-        # the CUDA path's batches carry their keys' tables; the CUDA update takes contiguous
-        return self.seg is None and self.kernels.name == "cpu"
+        if self.fallback is None and not storage.serves_elsewhere and \
+                storage.row_dtype == torch.float32:
+            return PoolingRows(storage.weights, self.slots.index_select(0, self.inverse),
+                               by_kernel=True)
+        return PoolingRows(storage.unique_rows(self).contiguous(), self.inverse,
+                           by_kernel=True)
 
     def applied_to(self, name: str) -> bool:
         return name in self.applied

@@ -1,80 +1,173 @@
-"""A table group's training prefetch on the host kernels (:mod:`dynemb.tables.groups`), over
-its :class:`~dynemb.tables.group_storage.GroupStorage`: one dedup, one claim, one fill and
-one count for all its tables, each with the results its table alone would give (the claim is
-the single-table kernel run on each table's part, see ``kernels/groups_cpu.py``).
+"""A table group's training prefetch and eval lookup (:mod:`dynemb.tables.groups`), one code
+path on every kernel backend, over its :class:`~dynemb.tables.group_storage.GroupStorage`: one
+dedup, one claim, one fill and one count for all its tables, each with the results its table
+alone would give, and nothing read back on the host that a steady step does not need.
 
-The claim and the fill are apart, so that a module's prefetch can claim every unit of a batch
-before it fills any, and take back what it claimed when one fails:
-:meth:`HostGroupPrefetch.claim_batch` claims and pins, :meth:`~HostGroupPrefetch.finish_batch`
-fills the claimed rows (CACHE: write-backs and loads through the group's
-:class:`~dynemb.tables.group_stores.GroupStores`, else the initializers) and counts them,
-:meth:`~HostGroupPrefetch.undo_batch` takes a claim back exactly.
+- **Shapes.** Each table's unique keys are padded to its number of input keys (``EMPTY_KEY``,
+  count 0, slot -1), so every tensor of a step has a shape set by the batch
+  (``dedup_segments``).
+- **Per-table values** (where each table's part starts, its buckets, clocks, seeds,
+  initializers) are tensors on the group's device, made once per layout of the group; the
+  clocks move on there.
+- **Refused keys** are counted on the device; when that count becomes an error is
+  :class:`~dynemb.tables.group_failures.GroupFailures`' one policy.
+- **Counters** are added on the device, one kernel call per claim.
+
+What the host reads, it reads because a table alone reads it: a group with a table that grows
+reads its size and, where its keys could pass its load factor, how many of them it misses,
+before the claim, and whether the claim evicted a live key below its ``max_capacity`` after
+it (then the claim is undone, the table grown in the group, and the claim runs again). A
+CACHE group's stores are in host memory: after the claim each table writes back the rows it
+evicted and loads the keys it inserted (:class:`~dynemb.tables.group_stores.GroupStores`);
+an eval lookup reads the keys missing from the cache from the stores the same way.
+
+The claim and the fill are apart, so that a module's prefetch can claim every group of a batch
+before it fills any, and take back what it claimed when one refuses:
+:meth:`GroupPrefetch.claim_batch` claims and pins, :meth:`~GroupPrefetch.finish_batch` fills
+the claimed rows and counts them, :meth:`~GroupPrefetch.undo_batch` takes a claim back exactly.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
+from dynemb.backends.device_values import values_on
 from dynemb.backends.protocol import Segments
 from dynemb.foundations.counters import COUNTER_NAMES
-from dynemb.tables.group_batch import GroupBatch, key_bounds_of, lookups_per_table
+from dynemb.tables.group_batch import GroupBatch, key_bounds_of
+from dynemb.tables.group_failures import GroupFailures
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.group_stores import GroupStores
-from dynemb.types import ScorePolicy
+from dynemb.types import EMPTY_KEY, ScorePolicy
 
-_COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
+#: The counters a prefetch adds to (``add_claim_counts``), in its order: the first columns of
+#: the counters.
+PREFETCH_COUNTERS = ("lookups", "unique_keys", "hits", "misses", "inserts", "evictions")
+assert COUNTER_NAMES[:len(PREFETCH_COUNTERS)] == PREFETCH_COUNTERS
 
 
-class HostGroupPrefetch:
-    """The training prefetch of the tables of a group's ``storage`` (see the module
-    docstring); ``stores``: a CACHE group's stores (None in the other modes)."""
+class Claim(NamedTuple):
+    """One pinning claim of a group's keys, entry by entry: ``slots`` (-1: none),
+    ``inserted`` (a slot taken for the key), what the slot held before (``prev_keys``,
+    ``prev_scores``), and the tables' ``bounds`` of the entries."""
+    keys: torch.Tensor
+    slots: torch.Tensor
+    inserted: torch.Tensor
+    prev_keys: torch.Tensor
+    prev_scores: torch.Tensor
+    bounds: Sequence[int]
 
-    def __init__(self, storage: GroupStorage, stores: Optional[GroupStores]):
+
+class GroupPrefetch:
+    """The training prefetch and the eval lookup of the tables of a group's ``storage`` (see
+    the module docstring); ``stores``: a CACHE group's stores (None in the other modes)."""
+
+    def __init__(self, storage: GroupStorage, stores: Optional[GroupStores] = None):
         self.storage = storage
         self.stores = stores
+        self.device = device = storage.device
+        tables = storage.tables
+        self.seeds = values_on([t.options.seed for t in tables], torch.int64, device)
+        self.table_ids = values_on([t.table_id for t in tables], torch.int64, device)
+        self.init_kinds, self.init_params = _initializers(
+            [t.options.initializer for t in tables], device)
+        self.eval_kinds, self.eval_params = _initializers(
+            [t.options.eval_initializer for t in tables], device)
+        self.failures = GroupFailures(storage.names, storage.kernels, device)
+        self._place_tables()
 
+    _placed = None  # the storage's layout the device values below are of
+    _clocks: Optional[torch.Tensor] = None  # the tables' clocks on the device
+    _clock_values: Optional[list] = None  # what _clocks holds
+
+    def _place_tables(self) -> None:
+        """Where each table's part starts, and its buckets, on the device (again after a
+        growth laid the group out anew, in a claim or by a direct ``grow``)."""
+        storage = self.storage
+        self._row_offset = values_on(storage.row_offset[:-1], torch.int64, self.device)
+        self._num_buckets = values_on(storage.bucket_counts.tolist(), torch.int64, self.device)
+        self._placed = storage.layouts
+
+    @property
+    def row_offset(self) -> torch.Tensor:
+        """[T] where each table's part starts, on the device, for the storage's layout now."""
+        if self._placed != self.storage.layouts:
+            self._place_tables()
+        return self._row_offset
+
+    @property
+    def num_buckets(self) -> torch.Tensor:
+        """[T] each table's buckets, on the device, for the storage's layout now."""
+        if self._placed != self.storage.layouts:
+            self._place_tables()
+        return self._num_buckets
+
+    # -- training ------------------------------------------------------------------------------
     def claim_batch(self, keys: Sequence[torch.Tensor],
                     occurrences: Sequence[Optional[torch.Tensor]],
                     scores: Sequence[Optional[int]]) -> GroupBatch:
-        """Claim and pin the rows of every table's ``keys`` (see
-        ``TableGroup.claim_batch``); the rows are neither filled nor counted yet. Where a
-        key finds no slot the claim of every table is undone and the ``TableFullError`` the
-        first table that refused it raises alone is raised (its message reads the table as
-        it is after the undo, as alone).
+        """Claim and pin the rows of every table's ``keys`` (one tensor per table, group
+        order; ``occurrences``: per table, what each id stands for, None: 1; ``scores``: per
+        table, the CUSTOMIZED score). The rows are neither filled nor counted yet.
 
-        Tables with admission claim only the keys they admit (the others read their
-        ``fallback`` row, as alone); their admission counts stay."""
+        A key that finds no slot: at once (host kernels), the claim is undone and the first
+        refusing table's ``TableFullError`` raised, the group unchanged; later (CUDA), the
+        key is served zeros and its table raises at a later prefetch. Tables with admission
+        claim only the keys they admit (the others read their ``fallback`` row, as alone);
+        their admission counts stay."""
         storage = self.storage
+        self.failures.check()
         key_bounds = key_bounds_of(keys)
-        unique, inverse, counts, unique_bounds, given_occurrences = storage.dedup(
-            keys, key_bounds, occurrences)
-        ub = unique_bounds.tolist()
-        given = self._given_scores(scores, ub, unique)
-        claim_keys, fallback = (
-            storage.admit(unique, counts, Segments(ub), storage.row_starts,
-                          storage.bucket_counts)
-            if storage.admits else (unique, None))
-        claimed, refused = self._claim(claim_keys, counts, given, unique_bounds)
-        if claimed is None:
-            t, failed_keys = refused
-            raise storage.tables[t].full_error(failed_keys)
-        slots, inserted, prev_keys, prev_scores, stats = claimed
-        batch = GroupBatch(storage, unique, inverse, counts, ub, key_bounds, slots)
+        segments = Segments(key_bounds, self.device)
+        unique, inverse, counts, given = storage.dedup(keys, key_bounds, occurrences)
+        claim_keys, fallback = unique, None
+        if storage.admits:  # each table admits its keys as alone (the others: fallback rows)
+            claim_keys, fallback = storage.admit(unique, counts, segments, self.row_offset,
+                                                 self.num_buckets)
+        storage.grow_before_claim(claim_keys, key_bounds)
+        claim, refusing = self.claim(segments, claim_keys, counts, scores)
+        if refusing is not None:
+            storage.undo_claim(claim, segments)
+            lo, hi = key_bounds[refusing], key_bounds[refusing + 1]
+            refused = claim_keys[lo:hi][(claim.slots[lo:hi] < 0)
+                                        & (claim_keys[lo:hi] != EMPTY_KEY)]
+            raise storage.tables[refusing].full_error(refused)
+        batch = GroupBatch(storage, unique, inverse, counts, key_bounds, key_bounds,
+                           claim.slots)
         batch.fallback = fallback
         for table in storage.tables:
             table.hold_group_batch(batch)
-        claim = (claim_keys, slots, inserted, prev_keys, prev_scores, unique_bounds)
-        batch.pending = (claim, stats, given_occurrences)
+        batch.pending = (claim, segments, given)
         return batch
 
-    def prefetch(self, keys: Sequence[torch.Tensor],
-                 occurrences: Sequence[Optional[torch.Tensor]],
-                 scores: Sequence[Optional[int]]) -> GroupBatch:
-        """:meth:`claim_batch` then :meth:`finish_batch`, for tables with admission (whose
-        claim cannot be taken back; a key without a slot raises)."""
-        return self.finish_batch(self.claim_batch(keys, occurrences, scores))
+    def finish_batch(self, batch: GroupBatch) -> GroupBatch:
+        """Fill the rows :meth:`claim_batch` claimed (CACHE: write-backs and loads, else the
+        initializers) and count them. If a store fails, the tables it could not fill give
+        their claims back, the others count theirs, and every pin ends."""
+        if batch.pending is None:
+            return batch
+        storage = self.storage
+        claim, segments, given = batch.pending
+        batch.pending = None
+        undone = []
+
+        def undo(tables) -> None:  # their rows could not be filled (a store raised)
+            storage.undo_claim(claim, segments, tables, batch)
+            undone.extend(tables)
+        try:
+            storage.track_changes(claim)
+            if self.stores is not None:  # each table writes back and loads, as alone
+                self.stores.fill(claim, segments, undo)
+            else:
+                self.initialize(claim, segments)
+        except Exception:
+            if undone:  # the other tables' claims stand, filled: they count
+                self._count(segments, batch.keys, claim, given, undone)
+            storage.release(batch)
+            raise
+        self._count(segments, batch.keys, claim, given)
+        return batch
 
     def undo_batch(self, batch: GroupBatch) -> None:
         """Take back a :meth:`claim_batch` that :meth:`finish_batch` did not follow: keys,
@@ -82,109 +175,135 @@ class HostGroupPrefetch:
         if batch.pending is None:
             self.storage.release(batch)
             return
-        (_, slots, inserted, prev_keys, prev_scores, _), stats, _ = batch.pending
+        claim, segments, _ = batch.pending
         batch.pending = None
-        self._rollback(slots, inserted, prev_keys, prev_scores, stats)
-        for table in self.storage.tables:
-            table.drop_group_batch(batch)
-        batch.unreleased = set()
-        batch.pinned = False
+        self.storage.undo_claim(claim, segments, batch=batch)
 
-    def finish_batch(self, batch: GroupBatch) -> GroupBatch:
-        """Fill the rows :meth:`claim_batch` claimed (CACHE: write-backs and loads, else the
-        initializers) and count them."""
-        if batch.pending is None:
-            return batch
+    def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
+                 scores: Sequence[Optional[int]]) -> GroupBatch:
+        """:meth:`claim_batch` then :meth:`finish_batch`."""
+        return self.finish_batch(self.claim_batch(keys, occurrences, scores))
+
+    def claim(self, segments: Segments, keys: torch.Tensor, counts: torch.Tensor,
+              scores: Sequence[Optional[int]]) -> Tuple[Claim, Optional[int]]:
+        """One pinning claim of every table's ``keys`` (``EMPTY_KEY``: none; ``scores``: per
+        table, the CUSTOMIZED score), each table at its next clock, and the table that
+        refuses it at once (:class:`GroupFailures`; then the caller undoes the claim), or
+        None. A table that grows and evicted a live key (or, failing at once, found no slot
+        for one) grows and the claim runs again (see the module docstring)."""
         storage = self.storage
-        claim, stats, occurrences = batch.pending
-        batch.pending = None
-        unique, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
-        undone: List[int] = []
+        slots, prev_keys, prev_scores = (torch.empty_like(keys) for _ in range(3))
+        inserted = torch.empty(keys.shape, dtype=torch.bool, device=self.device)
+        failed = torch.empty_like(inserted)
+        if storage.policy is ScorePolicy.CUSTOMIZED:  # each table's score, for its keys
+            given = values_on(list(scores), torch.int64, self.device)[segments.table_of]
+        else:
+            given = keys.new_zeros(1).expand(keys.shape)
+        stats = (torch.empty(len(storage.tables), 3, dtype=torch.int64, device=self.device)
+                 if storage.growing else None)
+        claim = Claim(keys, slots, inserted, prev_keys, prev_scores, segments.bounds)
+        while True:
+            clocks = self._ticked_clocks()
+            storage.kernels.find_or_insert_group(
+                storage.arrays, storage.arrays.size, segments, self.row_offset,
+                self.num_buckets, keys, counts, given, storage.policy.code, clocks,
+                storage.allows_eviction, slots, inserted, prev_keys, prev_scores, failed, stats)
+            growth = [] if stats is None else storage.growth_after_claim(
+                stats, grow_on_failure=self.failures.at_once)
+            if not growth:
+                break
+            storage.undo_claim(claim, segments)
+            storage.grow_tables(growth)
+        refused = torch.zeros(len(storage.tables), dtype=torch.int64,
+                              device=self.device).index_add_(0, segments.table_of,
+                                                             failed.to(torch.int64))
+        return claim, self.failures.first_refusing(refused)
 
-        def undo(tables: List[int]) -> None:  # their rows could not be filled
-            storage.undo_table_claims(batch, claim, tables)
-            undone.extend(tables)
-        try:
-            storage.track_changes(claim)
-            if self.stores is not None:  # a store may raise (a full disk, say)
-                self.stores.fill(claim, np.flatnonzero(stats[:, 0] + stats[:, 1]).tolist(),
-                                 undo)
-            else:
-                storage.initialize_rows(slots, unique, inserted, unique_bounds)
-        except Exception:
-            if undone:  # the other tables' claims stand, filled: they count
-                self._count(batch, inserted, prev_keys, occurrences, skip=undone)
-            storage.release(batch)
-            raise
-        self._count(batch, inserted, prev_keys, occurrences)
+    def initialize(self, claim: Claim, segments: Segments) -> None:
+        """Rows of the claimed keys where ``inserted`` start from their table's initializer
+        (one call; float16 / bfloat16 rows table by table)."""
+        storage = self.storage
+        if storage.row_dtype != torch.float32:
+            storage.initialize_rows(claim.slots, claim.keys, claim.inserted, claim.bounds)
+            return
+        storage.write_new_rows(lambda flat: storage.kernels.init_rows_at_group(
+            flat.weights, claim.slots, claim.keys, claim.inserted, segments, storage.dim,
+            self.seeds, self.table_ids, self.init_kinds, *self.init_params),
+            (claim.slots, claim.keys, claim.inserted))
+
+    def _ticked_clocks(self) -> torch.Tensor:
+        """Every table's clock after its tick, on the device. Where every clock moved by one
+        since the last claim (each claim ticks them all), the device copy moves on there,
+        nothing is sent; a clock moved otherwise (a load, a reset, an undo) is sent again."""
+        storage = self.storage
+        ticked = [storage.tier_of(t).hash.tick() for t in storage.tables]
+        if self._clock_values is not None and ticked == [c + 1 for c in self._clock_values]:
+            self._clocks = self._clocks + 1  # a new tensor: a launch may still read the old
+        else:
+            self._clocks = values_on(ticked, torch.int64, self.device)
+        self._clock_values = ticked
+        return self._clocks
+
+    def _count(self, segments: Segments, unique: torch.Tensor, claim: Claim,
+               given: Optional[torch.Tensor], skip: Sequence[int] = ()) -> None:
+        """Every table's (but ``skip``'s) lookups, unique keys, hits, misses, inserts and
+        evictions, added to its counters on the device in one call."""
+        counters = self.storage.counters
+        if skip:
+            counters = torch.zeros_like(counters)
+        self.storage.kernels.add_claim_counts(segments, unique, claim.slots, claim.inserted,
+                                              claim.prev_keys, given, counters)
+        if skip:
+            counters[list(skip)] = 0
+            self.storage.counters += counters
+
+    # -- eval ----------------------------------------------------------------------------------
+    def lookup_batch(self, keys: Sequence[torch.Tensor],
+                     occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
+        """A read-only (eval) lookup of every table's ``keys``: each table's rows, counters
+        and pins are those its own eval lookup gives: found keys pinned until released, the
+        others read their table's ``eval_initializer`` row (a CACHE table's key missing from
+        the cache: its store's row where the store has it), in ``batch.fallback``; nothing
+        is inserted or rescored."""
+        storage = self.storage
+        key_bounds = key_bounds_of(keys)
+        segments = Segments(key_bounds, self.device)
+        unique, inverse, counts, given = storage.dedup(keys, key_bounds, occurrences)
+        slots = torch.empty_like(unique)
+        storage.kernels.find_group(storage.arrays, segments, self.row_offset, self.num_buckets,
+                                   unique, slots)
+        storage.kernels.add_refcounts(storage.arrays, slots, 1)  # until the rows are read
+        batch = GroupBatch(storage, unique, inverse, counts, key_bounds, key_bounds, slots)
+        batch.training = False
+        for table in storage.tables:
+            table.hold_group_batch(batch)
+        missing = (unique != EMPTY_KEY) & (slots < 0)
+        batch.fallback = self.eval_rows(unique, missing, segments)
+        if self.stores is not None:
+            try:
+                self.stores.read_into(unique, key_bounds, missing, batch.fallback)
+            except BaseException:  # a store failed (a disk): the pins end, nothing counted
+                storage.release(batch)
+                raise
+        nothing = torch.zeros_like(missing)  # an eval lookup inserts nothing: hits are finds
+        self._count(segments, unique, Claim(unique, slots, nothing, unique, unique, key_bounds),
+                    given)
         return batch
 
-    def _given_scores(self, scores, bounds: List[int], unique: torch.Tensor) -> torch.Tensor:
-        if self.storage.policy is not ScorePolicy.CUSTOMIZED:
-            return unique.new_zeros(1).expand(unique.shape)
-        sizes = np.diff(np.asarray(bounds))
-        return torch.from_numpy(np.repeat(np.asarray(scores, dtype=np.int64), sizes))
+    def eval_rows(self, keys: torch.Tensor, where: torch.Tensor,
+                  segments: Segments) -> torch.Tensor:
+        """[U, dim] float32: the eval initializer's rows of ``keys`` where ``where``, each from
+        its own table's; zeros elsewhere."""
+        rows = torch.zeros(keys.numel(), self.storage.dim, device=self.device)
+        self.storage.kernels.init_rows_at_group(
+            rows, torch.arange(keys.numel(), device=self.device), keys, where, segments,
+            self.storage.dim, self.seeds, self.table_ids, self.eval_kinds, *self.eval_params)
+        return rows
 
-    def _claim(self, unique, counts, given, unique_bounds):
-        """``(claim, None)``: the (slots, inserted, previous keys, previous scores,
-        per-table stats) of one pinning claim of every table's keys; or, the claim undone,
-        ``(None, (table, its keys that found no slot))`` of the first table where a key
-        found none. A table that grows grows where its claim alone would: before the claim,
-        where the keys it misses would pass its load factor, and where the claim evicted a
-        key or missed a slot (the claim is undone, the table grown in the group, and the
-        claim runs again): so below its ``max_capacity`` it never evicts or misses a slot."""
-        storage = self.storage
-        bounds = unique_bounds.tolist()
-        storage.grow_before_claim(unique, bounds)
-        while True:
-            slots, inserted, prev_keys, prev_scores, failed, stats = self._claim_once(
-                unique, counts, given, unique_bounds)
-            growth = storage.growth_after_claim(stats, grow_on_failure=True)
-            if not growth and not stats[:, 2].any():
-                return (slots, inserted, prev_keys, prev_scores, stats), None
-            self._rollback(slots, inserted, prev_keys, prev_scores, stats)
-            if not growth:
-                t = int(np.flatnonzero(stats[:, 2])[0])
-                lo, hi = bounds[t], bounds[t + 1]
-                return None, (t, unique[lo:hi][failed[lo:hi]])
-            storage.grow_tables(growth)
 
-    def _claim_once(self, unique, counts, given, unique_bounds) -> tuple:
-        """One claim of every table's keys (see :meth:`_claim`)."""
-        storage = self.storage
-        clocks = np.asarray([storage.tier_of(t).hash.tick() for t in storage.tables],
-                            dtype=np.int64)
-        u = unique.numel()
-        slots, prev_keys, prev_scores = (torch.empty(u, dtype=torch.int64) for _ in range(3))
-        inserted = torch.empty(u, dtype=torch.bool)
-        failed = torch.empty(u, dtype=torch.bool)
-        stats = np.empty((len(storage.tables), 3), dtype=np.int64)
-        storage.kernels.find_or_insert_group(
-            storage.arrays, storage.arrays.size, Segments(unique_bounds), storage.row_starts,
-            storage.bucket_counts, unique, counts, given, storage.policy.code, clocks,
-            storage.allows_eviction, slots, inserted, prev_keys, prev_scores, failed, stats)
-        return slots, inserted, prev_keys, prev_scores, failed, stats
-
-    def _rollback(self, slots, inserted, prev_keys, prev_scores, stats) -> None:
-        """Undo a claim: keys, scores, sizes, pins and clocks as before it."""
-        self.storage.undo_claim(slots, inserted, prev_keys, prev_scores,
-                                torch.from_numpy(stats[:, 0].copy()))
-
-    def _count(self, batch: GroupBatch, inserted, prev_keys, occurrences,
-               skip: Sequence[int] = ()) -> None:
-        """Count the claim (lookups, hits, inserts, evictions) of every table but ``skip``."""
-        storage = self.storage
-        per_table = np.empty((len(storage.tables), 3), dtype=np.int64)
-        storage.kernels.claim_counts_group(Segments(batch.unique_bounds), batch.slots, inserted,
-                                           prev_keys, per_table)
-        unique = storage.unique_per_table(batch.keys, batch.unique_bounds).numpy()
-        lookups = lookups_per_table(batch.key_bounds, occurrences)
-        delta = np.zeros((len(storage.tables), len(COUNTER_NAMES)), dtype=np.int64)
-        delta[:, _COUNTER["lookups"]] = lookups
-        delta[:, _COUNTER["unique_keys"]] = unique
-        delta[:, _COUNTER["hits"]] = per_table[:, 0]
-        delta[:, _COUNTER["misses"]] = unique - per_table[:, 0]
-        delta[:, _COUNTER["inserts"]] = per_table[:, 1]
-        delta[:, _COUNTER["evictions"]] = per_table[:, 2]
-        delta[list(skip)] = 0
-        storage.add_counts(delta)
+def _initializers(initializers, device: torch.device):
+    """(kinds [T], [p0, p1, low, high] each [T]) of the tables' initializers, on ``device``."""
+    params = [init.kernel_params() for init in initializers]
+    kinds = values_on([p[0] for p in params], torch.int64, device)
+    return kinds, [values_on([p[i] for p in params], torch.float64, device)
+                   for i in range(1, 5)]

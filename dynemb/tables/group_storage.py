@@ -58,28 +58,19 @@ def given_counts(keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[to
     return torch.zeros_like(counts).index_add_(0, inverse, given), given
 
 
-def segment_sums(values: np.ndarray, bounds: Sequence[int]) -> np.ndarray:
-    """[T] sums of ``values`` over each table's segment ``bounds[t]:bounds[t + 1]``.
+def per_table_sums(values: Optional[torch.Tensor], segments: Segments) -> torch.Tensor:
+    """[T] int64 on the segments' device: ``values`` [N] summed over each table's segment
+    (None: the segments' sizes), in one ``index_add_`` (no host read).
 
-    >>> segment_sums(np.array([1, 0, 1, 1, 1]), [0, 2, 2, 5]).tolist()
+    >>> per_table_sums(torch.tensor([1, 0, 1, 1, 1]), Segments([0, 2, 2, 5])).tolist()
     [1, 0, 3]
     """
-    bounds = np.asarray(bounds, dtype=np.int64)
-    before = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
-    return before[bounds[1:]] - before[bounds[:-1]]
-
-
-def per_table_sums(values: Optional[torch.Tensor], bounds: Sequence[int],
-                   device: torch.device) -> torch.Tensor:
-    """[T] int64 on ``device``: ``values`` [N] summed over each table's segment
-    ``bounds[t]:bounds[t + 1]`` (None: the segments' sizes); on the host by
-    :func:`segment_sums`, on a GPU in one ``index_add_`` (no host read)."""
     if values is None:
-        return torch.from_numpy(np.diff(np.asarray(bounds, dtype=np.int64))).to(device)
-    if values.device.type == "cpu":
-        return torch.from_numpy(segment_sums(values.numpy(), bounds)).to(device)
-    return torch.zeros(len(bounds) - 1, dtype=torch.int64, device=values.device).index_add_(
-        0, Segments(bounds, values.device).table_of, values.to(torch.int64))
+        values = torch.ones(int(segments.bounds[-1]), dtype=torch.int64,
+                            device=segments.table_of.device)
+    return torch.zeros(segments.count, dtype=torch.int64,
+                       device=segments.table_of.device).index_add_(
+        0, segments.table_of, values.to(torch.int64).to(segments.table_of.device))
 
 
 class GroupFlat:
@@ -334,31 +325,23 @@ class GroupStorage:
                 growth.append((t, capacity))
         return growth
 
-    def undo_claim(self, slots, inserted, prev_keys, prev_scores, added) -> None:
-        """Undo a pinning claim of the group: keys, scores, sizes (``added``: the keys each
-        table's claim added), pins and clocks as before it."""
-        a = self.arrays
-        a.keys[slots[inserted]] = prev_keys[inserted]
-        a.size.sub_(added)
-        placed = slots >= 0
-        a.scores[slots[placed]] = prev_scores[placed]
-        self.kernels.add_refcounts(a, slots, -1)
-        for table in self.tables:
-            self.tier_of(table).hash.untick()
-
-    def undo_table_claims(self, batch, claim, tables: Sequence[int]) -> None:
+    def undo_claim(self, claim, segments: Segments, tables: Optional[Sequence[int]] = None,
+                   batch=None) -> None:
         """Undo the part of a pinning ``claim`` (``(keys, slots, inserted, previous keys,
-        previous scores, unique bounds)``, as :meth:`table_claim` reads it) of ``tables``
-        (indices), whose rows were not filled: the keys it evicted are back with their rows,
-        which nothing overwrote; sizes, scores and clocks as before it, and ``batch``'s pins
-        of those tables end. The other tables keep their claims."""
-        keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
-        sizes = np.diff(np.asarray(unique_bounds, dtype=np.int64))
-        chosen = torch.zeros(len(self.tables), dtype=torch.bool)
-        chosen[list(tables)] = True
-        table_of = torch.repeat_interleave(torch.arange(len(self.tables)),
-                                           torch.from_numpy(sizes)).to(slots.device)
-        mine = chosen.to(slots.device)[table_of]
+        previous scores, unique bounds)``, as :meth:`table_claim` reads it; ``segments``: its
+        tables' keys) of ``tables`` (indices; None: all): the keys it evicted are back with
+        their rows, which nothing overwrote; sizes, scores, pins and clocks as before it,
+        and ``batch``'s pins of those tables (if given) end. The other tables keep their
+        claims."""
+        _, slots, inserted, prev_keys, prev_scores, _ = claim
+        table_of = segments.table_of
+        if tables is None:
+            tables = range(len(self.tables))
+            mine = torch.ones_like(inserted)
+        else:
+            chosen = torch.zeros(len(self.tables), dtype=torch.bool)
+            chosen[list(tables)] = True
+            mine = chosen.to(slots.device)[table_of]
         a = self.arrays
         back = inserted & mine
         a.keys[slots[back]] = prev_keys[back]
@@ -369,9 +352,11 @@ class GroupStorage:
         self.kernels.add_refcounts(a, torch.where(mine, slots, -1), -1)
         for t in tables:
             self.tier_of(self.tables[t]).hash.untick()
-            self.tables[t].drop_group_batch(batch)
-        batch.unreleased -= set(tables)
-        batch.pinned = bool(batch.unreleased)
+        if batch is not None:
+            for t in tables:
+                self.tables[t].drop_group_batch(batch)
+            batch.unreleased -= set(tables)
+            batch.pinned = bool(batch.unreleased)
 
     def batch_made(self, batch) -> None:
         """Keep (weakly) each batch of the group: a batch whose pins ended may still see a
@@ -416,8 +401,7 @@ class GroupStorage:
             rows // self.bucket_size, self.bucket_size)
         self.weights = torch.zeros(rows, weights.shape[1], dtype=weights.dtype,
                                    device=self.device,
-                                   pin_memory=weights.is_pinned() if self.device.type == "cpu"
-                                   else False)
+                                   pin_memory=weights.is_pinned())
         self.counters = (torch.zeros(len(self.tables), len(COUNTER_NAMES), dtype=torch.int64,
                                      device=first.counters.values.device)
                          if self.keeps_counters else None)
@@ -475,34 +459,33 @@ class GroupStorage:
     # -- what the phases share -----------------------------------------------------------------
     def dedup(self, keys: Sequence[torch.Tensor], key_bounds: List[int],
               occurrences: Sequence[Optional[torch.Tensor]]):
-        """(unique keys, inverse, counts, unique bounds [T + 1], the occurrences given or
-        None, see :func:`given_counts`) of every table's keys; the inverse on
-        :attr:`serve_device`, the rest on the record's device.
+        """(unique keys, inverse, counts, the occurrences given or None, see
+        :func:`given_counts`) of every table's keys: table ``t``'s unique keys at
+        ``key_bounds[t]:``, padded with ``EMPTY_KEY`` to its number of keys (the kernels'
+        ``dedup_segments``); the inverse on :attr:`serve_device`, the rest on the record's
+        device. Each table's keys come in the order of its slots where the kernels order
+        them (the host kernels: by bucket), so the claim and the update walk its rows front
+        to back.
 
         Rows served elsewhere dedup where the module is, as each table alone there does
-        (:attr:`serve_kernels`; on CUDA each table's keys sorted and padded with
-        ``EMPTY_KEY`` to its input count, so that the claim takes a bucket's keys in the
-        order the table alone takes them), and cross to the record once."""
+        (:attr:`serve_kernels`), and cross to the record once."""
         all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
-        if self.serves_elsewhere:
-            unique, inverse, counts, segments = self.serve_kernels.dedup_segments(
-                all_keys, Segments(key_bounds, self.serve_device), self.bucket_counts)
-            counts, given = given_counts(keys, occurrences, inverse, counts)
-            return (unique.to(self.device), inverse, counts.to(self.device), segments.bounds,
-                    None if given is None else given.to(self.device))
-        # in bucket order, the order of the slots: the claim and the update walk each
-        # table's rows front to back
-        unique, inverse, counts, segments = self.kernels.dedup_segments(
-            all_keys, Segments(key_bounds, self.device), self.bucket_counts)
+        kernels, device = ((self.serve_kernels, self.serve_device) if self.serves_elsewhere
+                           else (self.kernels, self.device))
+        unique, inverse, counts, _ = kernels.dedup_segments(
+            all_keys, Segments(key_bounds, device), self.bucket_counts)
         counts, given = given_counts(keys, occurrences, inverse, counts)
-        return unique, inverse, counts, segments.bounds, given
+        if self.serves_elsewhere:
+            unique, counts = unique.to(self.device), counts.to(self.device)
+            given = None if given is None else given.to(self.device)
+        return unique, inverse, counts, given
 
-    def unique_per_table(self, keys: torch.Tensor, unique_bounds: Sequence[int]) -> torch.Tensor:
+    @staticmethod
+    def unique_per_table(keys: torch.Tensor, segments: Segments) -> torch.Tensor:
         """[T] int64, on ``keys``' device: each table's unique keys among ``keys`` [U] of
-        :meth:`dedup` (where it pads, ``EMPTY_KEY`` is none)."""
-        dedup_kernels = self.serve_kernels if self.serves_elsewhere else self.kernels
-        real = (keys != EMPTY_KEY).to(torch.int64) if dedup_kernels.defers_failures else None
-        return per_table_sums(real, unique_bounds, keys.device)  # None: exact, the sizes
+        :meth:`dedup` (``EMPTY_KEY`` pads; no host read)."""
+        return torch.zeros(segments.count, dtype=torch.int64, device=keys.device).index_add_(
+            0, segments.table_of, (keys != EMPTY_KEY).to(torch.int64))
 
     def table_claim(self, claim, t: int) -> FindOrInsertResult:
         """Table ``t``'s part of a group claim ``(keys, slots, inserted, previous keys,
@@ -548,10 +531,7 @@ class GroupStorage:
             # eval, admission: a key not stored reads its fallback row; rows served on
             # another device cross there once per unique key
             return self.unique_rows(batch).index_select(0, batch.inverse).split(sizes)
-        if not self.kernels.defers_failures:  # every key has its row
-            slots = batch.slots.index_select(0, batch.inverse)
-            rows = self.weights[:, :self.dim].index_select(0, slots).float()
-        elif self.weights.dtype == torch.float32:  # one launch; no slot (group_device): zeros
+        if self.weights.dtype == torch.float32:  # one launch; a key without a slot: zeros
             rows = torch.empty(batch.inverse.numel(), self.dim, device=self.weights.device)
             self.kernels.gather_rows(self.weights, batch.slots, batch.inverse, self.dim, rows)
         else:
@@ -562,16 +542,17 @@ class GroupStorage:
 
     def unique_rows(self, batch) -> torch.Tensor:
         """[U, dim] float32 on :attr:`serve_device`: each unique key's row of ``batch``; an
-        eval batch's keys not stored read their eval initializer's row."""
+        eval batch's keys not stored read their eval initializer's row, other keys without
+        a slot zeros."""
         slots = batch.slots
         rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0))
         if self.serves_elsewhere:
-            rows = rows.to(self.serve_device, non_blocking=self.serve_device.type == "cuda")
+            rows = rows.to(self.serve_device, non_blocking=True)  # host -> device: safe
         rows = rows.float()
+        stored = (slots >= 0).to(rows.device)[:, None]
         if batch.fallback is not None:
-            stored = (slots >= 0).to(rows.device)
-            rows = torch.where(stored[:, None], rows, batch.fallback.to(rows.device))
-        return rows
+            return torch.where(stored, rows, batch.fallback.to(rows.device))
+        return torch.where(stored, rows, 0.0)  # a key without a slot: zeros
 
     def fused_update(self, slots: torch.Tensor, grads, keys: torch.Tensor, *, lr: float,
                      step: int) -> None:

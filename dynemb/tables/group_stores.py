@@ -20,7 +20,7 @@ from numba.typed import List as TypedList
 from dynemb.stores.backing_store import HostBackingStore
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.rows.hash_table_images import restore_scores_at
-from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.group_storage import GroupStorage, per_table_sums
 from dynemb.backends.protocol import STORE_STAT_LEFT, STORE_STATS, Segments, TableArrays
 from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY
 
@@ -29,12 +29,11 @@ _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
 
 
 def moves_in_group(table) -> bool:
-    """Whether the group kernel can move ``table``'s rows: its store is a CPU
+    """Whether the group kernel can move ``table``'s rows: its store is a
     :class:`HostBackingStore` (no method changed by a subclass) of the table's row dtype,
-    behind a cache on the CPU kernels."""
+    behind a cache on kernels that read host memory (``moves_store_rows``)."""
     store = getattr(table, "store", None)
-    return (type(store) is HostBackingStore and table.kernels.name == "cpu"
-            and table.device.type == "cpu"
+    return (type(store) is HostBackingStore and table.kernels.moves_store_rows
             and store.row_table.weights.dtype == table.tier.flat.weights.dtype)
 
 
@@ -93,13 +92,15 @@ class GroupStores:
                                        dtype=self.storage.weights.dtype))
         return self._empty
 
-    def fill(self, claim, inserting: Sequence[int], undo) -> None:
+    def fill(self, claim, segments: Segments, undo) -> None:
         """Write back and load the rows of ``claim`` (the group's, as
-        :class:`~dynemb.tables.group_prefetch.HostGroupPrefetch` holds it) for the tables
-        ``inserting`` (indices of those that inserted a key): in one kernel call where it
-        can, the rest each alone. If a table alone fails (its store raised), ``undo(tables)``
-        is called with it and the tables after it, whose rows were not filled, and the
-        error goes on."""
+        :class:`~dynemb.tables.group_prefetch.Claim` holds it; ``segments``: its tables'
+        entries) for the tables that inserted a key: in one kernel call where it can, the
+        rest each alone. If a table alone fails (its store raised), ``undo(tables)`` is
+        called with it and the tables after it, whose rows were not filled, and the error
+        goes on."""
+        inserting = np.flatnonzero(
+            per_table_sums(claim.inserted, segments).cpu().numpy()).tolist()
         storage = self.storage
         keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
         run = np.zeros(len(storage.tables), dtype=np.bool_)

@@ -1,30 +1,29 @@
 """DEFAULT tables as one group (:mod:`dynemb.tables.groups`) in two records, one
 :class:`~dynemb.tables.group_storage.GroupStorage` over the tables' device tiers (it keeps the
-tables' counters) and one over their host tiers. Each table does what a DEFAULT table does
-(:mod:`dynemb.tables.tiered`), every phase in one call for all the tables (as below on the
-host kernels; the CUDA kernels' differences follow the list):
+tables' counters) and one over their host tiers, each claimed, found and filled by its own
+:class:`~dynemb.tables.group_prefetch.GroupPrefetch` (the path of every other group, on
+the record's kernels). Each table does what a DEFAULT table does
+(:mod:`dynemb.tables.tiered`), every phase in one call for all the tables:
 
-- prefetch: one dedup of every table's keys (in the bucket order of the device tiers); the
-  lookups are counted, nothing is claimed;
+- prefetch: one dedup of every table's keys (padded, in the bucket order of the device
+  tiers); the lookups are counted, nothing is claimed;
 - forward (:meth:`TieredBatch.lookup_occurrences`, :meth:`~TieredBatch.pooling_rows`): each
   unique key goes to the tier its table's capacities route it to
   (:func:`~dynemb.foundations.key_mixing.routes_to_first`); tables with admission admit their
   own keys (stored in either tier counts as stored); the host tiers claim their keys, then
-  the device tiers (a key that finds no slot undoes both claims and raises its table's
-  ``TableFullError``); new rows start from each table's initializer; the rows are gathered
-  from both records. An eval forward only finds the keys; those stored in neither tier read
-  their table's eval initializer row;
+  the device tiers; a key that finds no slot is handled by its record's failure policy
+  (:mod:`dynemb.tables.group_failures`): on the host kernels both claims are undone and its
+  table's ``TableFullError`` raised, on CUDA the device tiers' refused keys are served zeros
+  and reported at a later prefetch; new rows start from each table's initializer; the rows
+  are gathered from both records. An eval forward only finds the keys; those stored in
+  neither tier read their table's eval initializer row;
 - backward (:meth:`TieredBatch.apply_gradients`): one fused update in each record, of the
   rows still holding the batch's keys.
 
-On the CUDA kernels, the device record claims, finds and fills as a group of HBM_DIRECT
-tables does there (:class:`~dynemb.tables.group_device.DeviceGroupPrefetch`: each table's
-keys sorted and padded, a key without a slot served zeros and reported at a later prefetch),
-the host record by the host kernels, as each table alone claims its host tier: the forward
-copies the keys routed to the host tiers to the host once for the group (each table alone
-copies its own), and a key the host tiers refuse raises there. The host rows are read and
-updated on the module's device (the host record serves its rows there,
-:attr:`~dynemb.tables.group_storage.GroupStorage.serves_elsewhere`).
+The claims stay in forward, as the design of the DEFAULT mode has its lookups
+(docs/architecture.md says why); on CUDA the keys routed to the host tiers cross to the
+host once per group and forward, and the host record serves its rows on the module's
+device (:attr:`~dynemb.tables.group_storage.GroupStorage.serves_elsewhere`).
 
 Example::
 
@@ -59,11 +58,11 @@ from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.batch import TableBatch
 from dynemb.tables.group_batch import key_bounds_of, shifted_slots
-from dynemb.tables.group_device import DeviceGroupPrefetch
+from dynemb.tables.group_prefetch import Claim, GroupPrefetch
 from dynemb.tables.group_storage import GroupStorage, per_table_sums
 from dynemb.tables.group_update import live_slots, update_rows
 from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
-from dynemb.types import EMPTY_KEY, ScorePolicy
+from dynemb.types import EMPTY_KEY
 
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}
 
@@ -77,20 +76,12 @@ class TieredGroup:
         self.storage = GroupStorage(tables, in_place=in_place)
         self.host = GroupStorage(tables, tier="host_tier", keeps_counters=False,
                                  in_place=in_place)
-        params = [t.options.eval_initializer.kernel_params() for t in tables]
-        self.eval_kinds = np.asarray([p[0] for p in params], dtype=np.int64)
-        self.eval_params = [np.asarray([p[i] for p in params], dtype=np.float64)
-                            for i in range(1, 5)]
-        #: on the CUDA kernels, the device record's claim, fill and per-table values there
-        self.on_device = (DeviceGroupPrefetch(self.storage)
-                          if self.storage.kernels.defers_failures else None)
+        #: each record's claim, fill, failure policy and per-table values (device, host)
+        self.claims = (GroupPrefetch(self.storage), GroupPrefetch(self.host))
 
-    def placement(self, record: GroupStorage):
-        """(where each table's part starts, its buckets) of ``record``, as its kernels take
-        them."""
-        if record is self.storage and self.on_device is not None:
-            return self.on_device.row_offset, self.on_device.num_buckets
-        return record.row_starts, record.bucket_counts
+    def claims_of(self, record: GroupStorage) -> GroupPrefetch:
+        """The claims (and per-table values) of ``record``, one of the group's two."""
+        return self.claims[0] if record is self.storage else self.claims[1]
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -144,31 +135,24 @@ class TieredGroup:
         has read the rows."""
         return self._batch(keys, occurrences, [None] * len(keys), training=False)
 
-    def check_failures(self) -> None:
-        """Raise the ``TableFullError`` of keys of earlier batches that found no slot in the
-        device tiers on the CUDA kernels."""
-        if self.on_device is not None:
-            self.on_device.failures.check()
+    def check_failures(self, wait: bool = False) -> None:
+        """Raise the ``TableFullError`` of keys of earlier batches that found no slot, where
+        the kernels report them later (:mod:`dynemb.tables.group_failures`; ``wait``: for
+        the last batch's count too)."""
+        for claims in self.claims:
+            claims.failures.check(wait)
 
     def _batch(self, keys, occurrences, scores, training: bool) -> "TieredBatch":
         storage = self.storage
         key_bounds = key_bounds_of(keys)
-        unique, inverse, counts, unique_bounds, given = storage.dedup(keys, key_bounds,
-                                                                      occurrences)
-        bounds = unique_bounds.tolist()
-        sizes = np.diff(np.asarray(bounds, dtype=np.int64))
-        if training and storage.policy is ScorePolicy.CUSTOMIZED:
-            written = torch.from_numpy(np.repeat(np.asarray(scores, dtype=np.int64),
-                                                 sizes)).to(unique.device)
-        else:
-            written = unique.new_zeros(1).expand(unique.shape)
-        batch = TieredBatch(self, unique, inverse, counts, written, bounds, key_bounds,
-                            training)
+        unique, inverse, counts, given = storage.dedup(keys, key_bounds, occurrences)
+        batch = TieredBatch(self, unique, inverse, counts, key_bounds, training)
         batch.table_scores = list(scores)
-        batch.unique_counts = storage.unique_per_table(unique, bounds)
+        segments = Segments(key_bounds, storage.device)
+        batch.unique_counts = storage.unique_per_table(unique, segments)
         counted = torch.zeros(len(self.tables), len(COUNTER_NAMES), dtype=torch.int64,
                               device=unique.device)
-        counted[:, _COUNTER["lookups"]] = per_table_sums(given, key_bounds, unique.device)
+        counted[:, _COUNTER["lookups"]] = per_table_sums(given, segments)
         counted[:, _COUNTER["unique_keys"]] = batch.unique_counts
         storage.counters += counted
         return batch
@@ -179,19 +163,19 @@ class TieredGroup:
 
 
 class TieredBatch(LookupBatch):
-    """A :class:`TieredGroup`'s share of a batch. ``keys`` / ``counts`` / ``scores`` [U]: each
-    table's unique keys, table after table (table ``t``'s ``[unique_bounds[t],
-    unique_bounds[t + 1])``); ``inverse`` [N] as for every batch. From its forward on:
+    """A :class:`TieredGroup`'s share of a batch. ``keys`` / ``counts`` [U]: each table's
+    unique keys, padded, table after table (table ``t``'s ``[unique_bounds[t],
+    unique_bounds[t + 1])``, its key bounds); ``inverse`` [N] as for every batch. From its forward on:
     ``slots`` [U] rows of the device record, ``host_slots`` [U] rows of the host record (-1:
     the key is in the other tier, or not stored); ``fallback`` [U, dim] the rows of keys
     stored in neither (eval, admission), else None."""
 
-    def __init__(self, group: TieredGroup, keys, inverse, counts, scores,
-                 unique_bounds: List[int], key_bounds: List[int], training: bool):
+    def __init__(self, group: TieredGroup, keys, inverse, counts, key_bounds: List[int],
+                 training: bool):
         self.group = group
         self.mode = group.storage.mode
-        self.keys, self.inverse, self.counts, self.scores = keys, inverse, counts, scores
-        self.unique_bounds, self.key_bounds = unique_bounds, key_bounds
+        self.keys, self.inverse, self.counts = keys, inverse, counts
+        self.unique_bounds = self.key_bounds = key_bounds
         self.training = training
         self.table_scores: List[Optional[int]] = [None] * len(group.tables)
         self.unique_counts: Optional[torch.Tensor] = None  # [T] each table's unique keys
@@ -201,7 +185,6 @@ class TieredBatch(LookupBatch):
         self.consumed = False
         self.applied: set = set()
         self.pending = None
-        self.seg = None  # (the CUDA path's table of each key: none on the host kernels)
         group.storage.batch_made(self)
 
     # -- members -------------------------------------------------------------------------------
@@ -259,12 +242,8 @@ class TieredBatch(LookupBatch):
         return rows.index_select(0, self.inverse).split(list(self._part_sizes(sizes)))
 
     def pooling_rows(self) -> PoolingRows:
-        """The unique rows, pooled as each DEFAULT table alone pools them: by
-        ``embedding_bag`` on the host kernels, by the pooling kernel on CUDA."""
-        if self.kernels.name == "cuda":
-            return PoolingRows(self._looked_up_rows().contiguous(), self.inverse,
-                               by_kernel=True)
-        return PoolingRows(self._looked_up_rows(), self.inverse, by_kernel=False)
+        """The unique rows, pooled by the pooling kernel."""
+        return PoolingRows(self._looked_up_rows().contiguous(), self.inverse, by_kernel=True)
 
     def _looked_up_rows(self) -> torch.Tensor:
         """[U, dim] float32: each unique key's row, claimed (training) or found (eval) at the
@@ -276,13 +255,11 @@ class TieredBatch(LookupBatch):
         on_host = (self.host_slots >= 0).to(self.device)
         device_rows = group.storage.weights[:, :dim].index_select(0, self.slots.clamp(min=0))
         host_rows = group.host.weights[:, :dim].index_select(0, self.host_slots.clamp(min=0))
-        host_rows = host_rows.to(self.device, non_blocking=self.device.type == "cuda")
+        host_rows = host_rows.to(self.device, non_blocking=True)
         rows = torch.where(on_host[:, None], host_rows, device_rows).float()
-        stored = on_host | (self.slots >= 0)
-        if self.fallback is not None:
-            rows = torch.where(stored[:, None], rows, self.fallback)
-        elif self.kernels.defers_failures:  # padding and keys without a slot read zeros
-            rows = rows * stored[:, None]
+        stored = (on_host | (self.slots >= 0))[:, None]
+        # keys stored in neither tier: their fallback row (eval, admission), else zeros
+        rows = torch.where(stored, rows, 0.0 if self.fallback is None else self.fallback)
         if not self.training:
             self.release()
         return rows
@@ -310,13 +287,14 @@ class TieredBatch(LookupBatch):
     def _find_in(self, record: GroupStorage, keys: torch.Tensor) -> torch.Tensor:
         """[U] the slots of ``keys`` (on ``record``'s device) in ``record``, or -1."""
         slots = torch.empty_like(keys)
-        record.kernels.find_group(record.arrays, self._segments(record),
-                                  *self.group.placement(record), keys, slots)
+        claims = self.group.claims_of(record)
+        record.kernels.find_group(record.arrays, self._segments(record), claims.row_offset,
+                                  claims.num_buckets, keys, slots)
         return slots
 
     def _per_table(self, values: torch.Tensor) -> torch.Tensor:
         """[T] ``values`` [U] summed per table, on the counters' device."""
-        return per_table_sums(values.to(torch.int64), self.unique_bounds, values.device)
+        return per_table_sums(values, self._segments(self.group.storage))
 
     def _find(self) -> None:
         """The eval forward: find each key in its tier, pin it until the rows are read; the
@@ -331,15 +309,8 @@ class TieredBatch(LookupBatch):
         self.slots, self.host_slots = slots, host_slots
         self._hold()
         stored = (slots >= 0) | (host_slots >= 0).to(self.device)
-        n = self.keys.numel()
-        self.fallback = torch.zeros(n, self.dim, device=self.device)
-        on_device = group.on_device
-        args = ((on_device.seeds, on_device.table_ids, on_device.eval_kinds,
-                 *on_device.eval_params) if on_device is not None else
-                (storage.seeds, storage.table_ids, group.eval_kinds, *group.eval_params))
-        storage.kernels.init_rows_at_group(
-            self.fallback, torch.arange(n, device=self.device), self.keys, ~stored,
-            self._segments(storage), self.dim, *args)
+        self.fallback = group.claims_of(storage).eval_rows(self.keys, ~stored,
+                                                           self._segments(storage))
         hits = self._per_table(stored & (self.keys != EMPTY_KEY))
         counted = torch.zeros_like(storage.counters)
         counted[:, _COUNTER["hits"]] = hits
@@ -365,35 +336,25 @@ class TieredBatch(LookupBatch):
             self.fallback = torch.cat(fallback).to(torch.float32)
             dev_keys = torch.where(admitted, dev_keys, EMPTY_KEY)
             host_keys = torch.where(admitted.to(host.device), host_keys, EMPTY_KEY)
-        host_claim, host_failed = self._claim_in(host, host_keys)
-        if group.on_device is not None:  # a key the device tiers refuse is reported later
-            if host_failed.any():
-                self._refuse(((host, host_claim, host_failed),))
-            segments = self._segments(storage)
-            claimed = group.on_device.claim(segments, dev_keys, self.counts, self.table_scores)
-            device_claim = (dev_keys, *claimed, self.unique_bounds, None)
-        else:
-            device_claim, device_failed = self._claim_in(storage, dev_keys)
-            if host_failed.any() or device_failed.any():
-                self._refuse(((host, host_claim, host_failed),
-                              (storage, device_claim, device_failed)))
-        self.slots, self.host_slots = device_claim[1], host_claim[1]
+        host_claim, host_refusing = group.claims_of(host).claim(
+            self._segments(host), host_keys, self.counts.to(host.device), self.table_scores)
+        device_claim, device_refusing = group.claims_of(storage).claim(
+            self._segments(storage), dev_keys, self.counts, self.table_scores)
+        if host_refusing is not None or device_refusing is not None:
+            self._refuse(((host, host_claim, host_refusing),
+                          (storage, device_claim, device_refusing)))
+        self.slots, self.host_slots = device_claim.slots, host_claim.slots
         self._hold()
         hits_inserts_evictions = torch.zeros(len(group.tables), 3, dtype=torch.int64,
                                              device=self.device)
         for record, claim in ((storage, device_claim), (host, host_claim)):
-            keys, slots, inserted, prev_keys, _, bounds, _ = claim
-            record.track_changes(claim[:6])
-            if record is storage and group.on_device is not None:
-                group.on_device.initialize(slots, keys, inserted, self._segments(storage))
-            else:
-                record.initialize_rows(slots, keys, inserted, bounds)
-            on_host = record.kernels.name == "cpu"
-            counts = (np.empty((len(group.tables), 3), dtype=np.int64) if on_host else
-                      torch.empty(len(group.tables), 3, dtype=torch.int64, device=record.device))
-            record.kernels.claim_counts_group(self._segments(record), slots, inserted, prev_keys,
-                                              counts)
-            hits_inserts_evictions += torch.as_tensor(counts).to(self.device)
+            segments = self._segments(record)
+            record.track_changes(claim)
+            group.claims_of(record).initialize(claim, segments)
+            counts = torch.empty(len(group.tables), 3, dtype=torch.int64, device=record.device)
+            record.kernels.claim_counts_group(segments, claim.slots, claim.inserted,
+                                              claim.prev_keys, counts)
+            hits_inserts_evictions += counts.to(self.device)
         hits = hits_inserts_evictions[:, 0]
         counted = torch.zeros_like(storage.counters)
         counted[:, _COUNTER["hits"]] = hits
@@ -402,40 +363,18 @@ class TieredBatch(LookupBatch):
         counted[:, _COUNTER["evictions"]] = hits_inserts_evictions[:, 2]
         storage.counters += counted
 
-    def _claim_in(self, record: GroupStorage, keys: torch.Tensor):
-        """One pinning claim of ``keys`` (on ``record``'s device; EMPTY_KEY: nothing) in
-        ``record``, by the host kernels: ``((keys, slots, inserted, previous keys, previous
-        scores, unique bounds, keys added per table), [U] bool: the keys that found no
-        slot)``."""
-        u = keys.numel()
-        slots, prev_keys, prev_scores = (torch.empty(u, dtype=torch.int64) for _ in range(3))
-        inserted = torch.empty(u, dtype=torch.bool)
-        failed = torch.empty(u, dtype=torch.bool)
-        stats = np.empty((len(record.tables), 3), dtype=np.int64)
-        clocks = np.asarray([record.tier_of(t).hash.tick() for t in record.tables],
-                            dtype=np.int64)
-        bounds = torch.tensor(self.unique_bounds, dtype=torch.int64)
-        record.kernels.find_or_insert_group(
-            record.arrays, record.arrays.size, Segments(bounds), record.row_starts,
-            record.bucket_counts, keys, self.counts.to(record.device),
-            self.scores.to(record.device), record.policy.code, clocks,
-            record.allows_eviction, slots, inserted, prev_keys, prev_scores, failed, stats)
-        added = torch.from_numpy(stats[:, 0].copy())
-        return (keys, slots, inserted, prev_keys, prev_scores, bounds, added), failed
-
-    def _refuse(self, claims) -> None:
-        """Undo the claims (``(record, claim, failed keys)``, host first) and raise the
-        ``TableFullError`` a table alone raises first: the first table with a key that found
-        no slot, in its host tier if one did there (alone, a table claims its host tier
-        first)."""
+    def _refuse(self, claims: Sequence[Tuple[GroupStorage, Claim, Optional[int]]]) -> None:
+        """Undo the claims (``(record, claim, its first refusing table or None)``, host
+        first) and raise the ``TableFullError`` a table alone raises first: the first table
+        with a key that found no slot, in its host tier if one did there (alone, a table
+        claims its host tier first)."""
         first = None
-        for record, claim, failed in claims:
-            keys, slots, inserted, prev_keys, prev_scores, _, added = claim
-            record.undo_claim(slots, inserted, prev_keys, prev_scores, added)
-            for t in range(len(record.tables)):
-                lo, hi = self.unique_bounds[t], self.unique_bounds[t + 1]
-                if bool(failed[lo:hi].any()) and (first is None or t < first[0]):
-                    first = (t, record, keys[lo:hi][failed[lo:hi]])
+        for record, claim, refusing in claims:
+            record.undo_claim(claim, self._segments(record))
+            if refusing is not None and (first is None or refusing < first[0]):
+                lo, hi = self.unique_bounds[refusing], self.unique_bounds[refusing + 1]
+                keys, slots = claim.keys[lo:hi], claim.slots[lo:hi]
+                first = (refusing, record, keys[(slots < 0) & (keys != EMPTY_KEY)])
         t, record, failed_keys = first
         table = record.tables[t]
         raise table.full_error(failed_keys, record.tier_of(table))

@@ -11,7 +11,8 @@ import torch
 
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.rows.optimizers import OccurrenceGrads
-from dynemb.tables.group_storage import GroupStorage
+from dynemb.backends.protocol import Segments
+from dynemb.tables.group_storage import GroupStorage, per_table_sums
 
 _DROPPED = COUNTER_NAMES.index("dropped_updates")
 
@@ -62,13 +63,6 @@ def live_slots(storage: GroupStorage, slots: torch.Tensor, batch,
         return slots
     kept = storage.arrays.keys[slots.clamp(min=0)] == batch.keys.to(slots.device)
     dropped = ((slots >= 0) & ~kept).to(torch.int64)
-    if batch.seg is not None and batch.seg.device == dropped.device:  # no host read
-        per_table = torch.zeros(len(storage.tables), dtype=torch.int64,
-                                device=dropped.device).index_add_(0, batch.seg, dropped)
-    else:
-        total = torch.cat([dropped.new_zeros(1), torch.cumsum(dropped, 0)])  # per table:
-        bounds = torch.tensor(batch.unique_bounds, dtype=torch.int64,     # differences
-                              device=total.device)
-        per_table = total[bounds[1:]] - total[bounds[:-1]]
+    per_table = per_table_sums(dropped, Segments(batch.unique_bounds, dropped.device))
     counters[:, _DROPPED] += per_table.to(counters.device)
     return torch.where(kept, slots, -1)

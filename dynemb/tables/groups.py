@@ -20,11 +20,10 @@ host tiers; it claims in forward, as such a table alone does).
 A training batch of the group is one :class:`GroupBatch`: one dedup, one claim, one
 initialization, one gather, one fused update and one release for all its tables, each with
 the results its table alone would give. The group is organised by phase, each an object or
-functions over the record: the training prefetch on the host kernels
-(:mod:`dynemb.tables.group_prefetch`; CACHE tables write their evicted rows back and load
-their new rows through :mod:`dynemb.tables.group_stores`) or on CUDA, with nothing read
-back but what a table alone reads back (:mod:`dynemb.tables.group_device`); the eval
-lookup (:mod:`dynemb.tables.group_eval`); the update (:mod:`dynemb.tables.group_update`);
+functions over the record, one code path on every kernel backend: the training prefetch and
+the eval lookup (:mod:`dynemb.tables.group_prefetch`; CACHE tables write their evicted rows
+back and load their new rows through :mod:`dynemb.tables.group_stores`; keys that find no
+slot: :mod:`dynemb.tables.group_failures`); the update (:mod:`dynemb.tables.group_update`);
 the gather and the release (the record's own). Which tables group:
 :func:`~dynemb.tables.group_signature.group_signature`.
 
@@ -51,9 +50,7 @@ import torch
 from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_batch import GroupBatch
-from dynemb.tables.group_device import DeviceGroupPrefetch
-from dynemb.tables.group_eval import GroupEvalLookup
-from dynemb.tables.group_prefetch import HostGroupPrefetch
+from dynemb.tables.group_prefetch import GroupPrefetch
 from dynemb.tables.group_signature import group_signature
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.group_tiers import TieredGroup
@@ -91,19 +88,14 @@ def group_of_one(table: DynamicTable):
 class TableGroup:
     """Tables of one :func:`group_signature` in one set of arrays, a
     :class:`~dynemb.tables.group_storage.GroupStorage` (building it copies each table into
-    its part of them), and the phases that work on it: the training prefetch (on the host
-    kernels :class:`~dynemb.tables.group_prefetch.HostGroupPrefetch`, on CUDA
-    :class:`~dynemb.tables.group_device.DeviceGroupPrefetch`), the eval lookup, and, through
-    the batches it makes, the update and the release."""
+    its part of them), and the phases that work on it: the training prefetch and the eval
+    lookup (:class:`~dynemb.tables.group_prefetch.GroupPrefetch`) and, through the batches
+    it makes, the update and the release."""
 
     def __init__(self, tables: Sequence[DynamicTable], *, in_place: bool = False):
         self.storage = storage = GroupStorage(tables, in_place=in_place)
         stores = GroupStores(storage) if storage.mode is StorageMode.CACHE else None
-        if storage.kernels.defers_failures:
-            self._prefetch = self._eval = DeviceGroupPrefetch(storage, stores)
-        else:
-            self._prefetch = HostGroupPrefetch(storage, stores)
-            self._eval = GroupEvalLookup(storage, stores)
+        self._prefetch = GroupPrefetch(storage, stores)
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -130,9 +122,8 @@ class TableGroup:
     # -- what a module's prefetch runs over (dynemb.modules.batch_claims) ---------------------
     def claims_apart(self) -> bool:
         """Whether :meth:`claim_batch` only claims (:meth:`undo_batch` takes it back
-        exactly): on the host kernels, for tables without admission (which counts keys
-        before it claims). The CUDA path does all of the prefetch at once."""
-        return not (self.storage.kernels.defers_failures or self.storage.admits)
+        exactly): for tables without admission (which counts keys before it claims)."""
+        return not self.storage.admits
 
     def claim_batch(self, keys: Sequence[torch.Tensor],
                     occurrences: Sequence[Optional[torch.Tensor]],
@@ -141,45 +132,40 @@ class TableGroup:
         order) for training. ``occurrences``: per table, what each id stands for (None: 1);
         ``scores``: per table, the CUSTOMIZED score (None for other policies).
 
-        Where a key finds no slot (its bucket full of pinned rows) the whole claim is
-        undone, the group unchanged, and the ``TableFullError`` the first refusing table
-        raises alone is raised. On the CUDA kernels nothing is read back (:mod:`dynemb.tables.group_device`): a key without a
-        slot is served zeros and its table raises at a later prefetch, as alone.
+        A key that finds no slot (its bucket full of pinned rows) raises the
+        ``TableFullError`` the first refusing table raises alone, the group unchanged; or,
+        on the CUDA kernels, is served zeros and its table raises at a later prefetch
+        (:mod:`dynemb.tables.group_failures`).
 
-        On the host kernels the rows are claimed but neither filled nor counted yet:
-        :meth:`finish_batch` does that, or :meth:`undo_batch` takes the claim back."""
-        if not self.claims_apart():  # raises the error of a table that refuses the batch
-            return self._prefetch.prefetch(keys, occurrences, scores)
+        The rows are claimed but neither filled nor counted yet: :meth:`finish_batch` does
+        that, or :meth:`undo_batch` takes the claim back."""
         return self._prefetch.claim_batch(keys, occurrences, scores)
 
     def finish_batch(self, batch: GroupBatch) -> GroupBatch:
         """Fill the rows :meth:`claim_batch` claimed and count them."""
-        return self._prefetch.finish_batch(batch) if self.claims_apart() else batch
+        return self._prefetch.finish_batch(batch)
 
     def undo_batch(self, batch: GroupBatch) -> None:
         """Take back a :meth:`claim_batch` that :meth:`finish_batch` did not follow; a
         finished batch's pins just end."""
-        if self.claims_apart():
-            self._prefetch.undo_batch(batch)
-        else:
-            self.storage.release(batch)
+        self._prefetch.undo_batch(batch)
 
     def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
                  scores: Sequence[Optional[int]]) -> GroupBatch:
         """:meth:`claim_batch` then :meth:`finish_batch`."""
-        return self.finish_batch(self.claim_batch(keys, occurrences, scores))
+        return self._prefetch.prefetch(keys, occurrences, scores)
 
     def lookup_batch(self, keys: Sequence[torch.Tensor],
                      occurrences: Sequence[Optional[torch.Tensor]]) -> GroupBatch:
-        """A read-only (eval) lookup of every table's ``keys`` (:mod:`dynemb.tables.group_eval`;
-        on the CUDA kernels, :mod:`dynemb.tables.group_device`)."""
-        return self._eval.lookup_batch(keys, occurrences)
+        """A read-only (eval) lookup of every table's ``keys``
+        (:meth:`GroupPrefetch.lookup_batch <dynemb.tables.group_prefetch.GroupPrefetch.lookup_batch>`)."""
+        return self._prefetch.lookup_batch(keys, occurrences)
 
-    def check_failures(self) -> None:
-        """Raise the ``TableFullError`` of keys of earlier batches that found no slot on the
-        CUDA path (once their count has reached the host)."""
-        if self.storage.kernels.defers_failures:
-            self._prefetch.failures.check()
+    def check_failures(self, wait: bool = False) -> None:
+        """Raise the ``TableFullError`` of keys of earlier batches that found no slot, where
+        the kernels report them later (:mod:`dynemb.tables.group_failures`; ``wait``: for
+        the last batch's count too)."""
+        self._prefetch.failures.check(wait)
 
     @property
     def rows(self):

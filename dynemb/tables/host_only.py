@@ -51,7 +51,7 @@ class HostOnlyTable(HbmDirectTable):
         """The host tier, by the CPU kernels; its rows pinned when the module is on CUDA."""
         tier = Tier(self.layout, self.layout.max_capacity, self.dim, self.state_dim,
                     self.options, HOST, None)
-        if self.device.type == "cuda":
+        if self.device != HOST:  # the rows cross to the module's device every step
             tier.flat.weights = tier.flat.weights.pin_memory()
         return tier
 

@@ -119,7 +119,7 @@ class LookupBatch:
     def reads_strided_grads(self) -> bool:
         """Whether the update kernel may read the gradients through a strided view (the host
         kernels); else it takes contiguous rows."""
-        return self.kernels.name == "cpu"
+        return self.kernels.reads_strided_grads
 
     def occurrence_grads(self, grads: Sequence[Optional[torch.Tensor]], *,
                          clip: Optional[float],
