@@ -15,8 +15,9 @@ from dynemb.backends.protocol import INIT_UNIFORM, KernelBackend, Segments, Tabl
 from dynemb.types import ScorePolicy
 
 #: Public members of a backend that are not kernel operations.
-NOT_OPERATIONS = {"name", "defers_failures", "direct_launch_signatures",
-                  "numba_launch_refusals"}
+#: what a backend says of itself (``KernelBackend``'s annotated attributes)
+CAPABILITIES = {"name", "defers_failures", "reads_strided_grads", "moves_store_rows"}
+NOT_OPERATIONS = CAPABILITIES | {"direct_launch_signatures", "numba_launch_refusals"}
 
 
 def operations(cls) -> set:
@@ -41,6 +42,16 @@ def test_cpu_and_cuda_implement_the_same_operations_with_the_same_signatures():
         want = parameters(KernelBackend, name)
         assert parameters(CpuBackend, name) == want, f"CpuBackend.{name}"
         assert parameters(CudaBackend, name) == want, f"CudaBackend.{name}"
+
+
+def test_both_backends_state_every_capability_of_the_protocol():
+    assert set(KernelBackend.__annotations__) == CAPABILITIES
+    for backend in (CpuBackend, CudaBackend):
+        for name in CAPABILITIES - {"name"}:
+            assert isinstance(getattr(backend, name), bool), f"{backend.__name__}.{name}"
+    # the host kernels raise at once and read host memory; CUDA does neither
+    assert [CpuBackend.defers_failures, CpuBackend.moves_store_rows] == [False, True]
+    assert [CudaBackend.defers_failures, CudaBackend.moves_store_rows] == [True, False]
 
 
 def test_the_group_operations_are_in_the_protocol():
