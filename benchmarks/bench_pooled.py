@@ -229,11 +229,12 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
                    "forward.reduce-scatter: wait (+ MEAN divide)")]
         from dynemb.tables.group_batch import GroupBatch
         from dynemb.tables.group_prefetch import GroupPrefetch
-        from dynemb.tables.group_storage import GroupStorage
+        from dynemb.tables import group_update
         parts += [(GroupPrefetch, "claim_batch", f"{compute}.resolve ids (group prefetch)"),
                   (GroupPrefetch, "finish_batch", f"{compute}.resolve ids (group prefetch)"),
                   (GroupBatch, "pooling_rows", f"{compute}.gather rows (group lookup)"),
-                  (GroupStorage, "fused_update", "backward.fused optimizer update")]
+                  (group_update, "fused_update",
+                   "backward.fused optimizer update")]
     else:
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable
         parts += [(sharded, "input_dist", f"{send}.bucketize+send"),

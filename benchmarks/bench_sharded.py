@@ -265,12 +265,14 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
                   (sharded, "output_dist", "forward.rows all-to-all: start"),
                   (DynamicEmbOutputAwaitable, "_wait_impl", "forward.rows all-to-all: wait")]
         parts += [(d, "route", f"{send}.dedup+route") for d in sharded._input_dists]
+        from dynemb.tables import group_update
+        from dynemb.tables.group_batch import GroupBatch
         from dynemb.tables.group_prefetch import GroupPrefetch
-        from dynemb.tables.group_storage import GroupStorage
         parts += [(GroupPrefetch, "claim_batch", f"{lookup}.resolve ids"),
                   (GroupPrefetch, "finish_batch", f"{lookup}.resolve ids"),
-                  (GroupStorage, "lookup_occurrences", f"{lookup}.gather rows"),
-                  (GroupStorage, "fused_update", "backward.fused optimizer update")]
+                  (GroupBatch, "lookup_occurrences", f"{lookup}.gather rows"),
+                  (group_update, "fused_update",
+                   "backward.fused optimizer update")]
     else:
         from torchrec.distributed.embedding import EmbeddingCollectionAwaitable
         parts += [(sharded, "input_dist", "input dist: start (next batch).bucketize+send"),

@@ -41,6 +41,7 @@ import dynemb.modules.collection
 import dynemb.modules.dynamic_core
 import dynemb.rows.occurrence_grads
 import dynemb.tables.group_storage
+import dynemb.tables.group_update
 import dynemb.tables.groups
 from benchmarks.common import (ROOT, add_run_options, check, config_of, fill_defaults,
                                git_state, load_before_run, machine_info, new_parser,
@@ -52,6 +53,7 @@ from benchmarks.side_by_side import PhaseTimers
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig,
                     OptimizerType, StorageMode)
 from dynemb.foundations.counters import COUNTER_NAMES
+from dynemb.tables.group_batch import GroupBatch
 from dynemb.tables.group_prefetch import GroupPrefetch
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.groups import TableGroup
@@ -694,16 +696,16 @@ def profile_phases():
         ("backward grads (occurrence CSR per row)", dynemb.rows.occurrence_grads, "occurrence_csr",
          ("dynemb/rows/occurrence_grads.py", "occurrence_csr")),
         # a group's phases (dynemb.tables.groups): every table is in one
-        ("dedup", GroupStorage, "dedup", ("dynemb/tables/group_storage.py", "dedup")),
+        ("dedup", GroupPrefetch, "dedup", ("dynemb/tables/group_prefetch.py", "dedup")),
         ("find_or_insert (claim, pin)", GroupPrefetch, "claim",
          ("dynemb/tables/group_prefetch.py", "claim")),
         ("counters of the claim", GroupPrefetch, "_count",
          ("dynemb/tables/group_prefetch.py", "_count")),
         ("new rows' initializer", GroupPrefetch, "initialize",
          ("dynemb/tables/group_prefetch.py", "initialize")),
-        ("gather (rows per occurrence)", GroupStorage, "lookup_occurrences",
-         ("dynemb/tables/group_storage.py", "lookup_occurrences")),
-        ("fused update (kernel)", dynemb.tables.group_storage, "fused_update",
+        ("gather (rows per occurrence)", GroupBatch, "lookup_occurrences",
+         ("dynemb/tables/group_batch.py", "lookup_occurrences")),
+        ("fused update (kernel)", dynemb.tables.group_update, "update_rows_in_place",
          ("dynemb/rows/optimizers.py", "fused_update")),
         ("release pins", GroupStorage, "release",
          ("dynemb/tables/group_storage.py", "release")),

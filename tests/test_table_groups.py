@@ -827,8 +827,8 @@ def test_group_stores_that_grow_evict_or_are_a_users_match_their_twin(policy, mo
     in_kernel, left = set(), set()
     fill = GroupStores._fill_in_kernel
 
-    def spy(self, claim, run):
-        out = fill(self, claim, run)
+    def spy(self, claim, segments, run, initialize):
+        out = fill(self, claim, segments, run, initialize)
         in_kernel.update(set(np.flatnonzero(run).tolist()) - set(out))
         left.update(out)
         return out

@@ -99,7 +99,38 @@ class GroupBatch(LookupBatch):
 
     def lookup_occurrences(self, sizes: Optional[Sequence[int]] = None
                            ) -> Tuple[torch.Tensor, ...]:
-        return self.storage.lookup_occurrences(self, sizes)
+        """Every input key's row (float32), views of one gather split into ``sizes`` (None:
+        one tensor per table; a collection passes one size per feature of each table)."""
+        storage = self.storage
+        if sizes is None:
+            sizes = np.diff(np.asarray(self.key_bounds)).tolist()
+        if self.fallback is not None or storage.serves_elsewhere:
+            # eval, admission: a key not stored reads its fallback row; rows served on
+            # another device cross there once per unique key
+            return self.unique_rows().index_select(0, self.inverse).split(sizes)
+        weights, dim = storage.weights, storage.dim
+        if weights.dtype == torch.float32:  # one launch; a key without a slot: zeros
+            rows = torch.empty(self.inverse.numel(), dim, device=weights.device)
+            storage.kernels.gather_rows(weights, self.slots, self.inverse, dim, rows)
+        else:
+            slots = self.slots.index_select(0, self.inverse)
+            rows = weights[:, :dim].index_select(0, slots.clamp(min=0)).float()
+            rows = torch.where((slots >= 0)[:, None], rows, 0.0)
+        return rows.split(sizes)
+
+    def unique_rows(self) -> torch.Tensor:
+        """[U, dim] float32 on the module's device: each unique key's row; an eval batch's
+        keys not stored read their eval initializer's row, other keys without a slot
+        zeros. Rows served elsewhere cross to the module's device here."""
+        storage = self.storage
+        rows = storage.weights[:, :storage.dim].index_select(0, self.slots.clamp(min=0))
+        if storage.serves_elsewhere:
+            rows = rows.to(storage.serve_device, non_blocking=True)  # host -> device: safe
+        rows = rows.float()
+        stored = (self.slots >= 0).to(rows.device)[:, None]
+        if self.fallback is not None:
+            return torch.where(stored, rows, self.fallback.to(rows.device))
+        return torch.where(stored, rows, 0.0)  # a key without a slot: zeros
 
     def pooling_rows(self) -> PoolingRows:
         """Straight from the group's float32 rows, by the slot of each input key (a key
@@ -111,7 +142,7 @@ class GroupBatch(LookupBatch):
                 storage.row_dtype == torch.float32:
             return PoolingRows(storage.weights, self.slots.index_select(0, self.inverse),
                                by_kernel=True)
-        return PoolingRows(storage.unique_rows(self).contiguous(), self.inverse,
+        return PoolingRows(self.unique_rows().contiguous(), self.inverse,
                            by_kernel=True)
 
     def applied_to(self, name: str) -> bool:

@@ -28,7 +28,7 @@ the claimed rows and counts them, :meth:`~GroupPrefetch.undo_batch` takes a clai
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,14 +37,32 @@ from dynemb.backends.protocol import Segments
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.tables.group_batch import GroupBatch, key_bounds_of
 from dynemb.tables.group_failures import GroupFailures
-from dynemb.tables.group_storage import GroupStorage
+from dynemb.tables.group_storage import GroupStorage, per_table_sums
 from dynemb.tables.group_stores import GroupStores
-from dynemb.types import EMPTY_KEY, ScorePolicy
+from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, ScorePolicy
 
 #: The counters a prefetch adds to (``add_claim_counts``), in its order: the first columns of
 #: the counters.
 PREFETCH_COUNTERS = ("lookups", "unique_keys", "hits", "misses", "inserts", "evictions")
 assert COUNTER_NAMES[:len(PREFETCH_COUNTERS)] == PREFETCH_COUNTERS
+
+
+def given_counts(keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
+                 inverse: torch.Tensor, counts: torch.Tensor):
+    """(counts, the occurrences concatenated): where ids were deduplicated upstream, each
+    stands for its given number of occurrences (None for a table: 1 each); with no
+    occurrences at all, ``(counts, None)`` unchanged."""
+    if all(o is None for o in occurrences):
+        return counts, None
+    given = torch.cat([o if o is not None else torch.ones_like(k)
+                       for o, k in zip(occurrences, keys)])
+    return torch.zeros_like(counts).index_add_(0, inverse, given), given
+
+
+def unique_per_table(keys: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """[T] int64, on ``keys``' device: each table's unique keys among ``keys`` [U] of
+    :meth:`GroupPrefetch.dedup` (``EMPTY_KEY`` pads; no host read)."""
+    return per_table_sums(keys != EMPTY_KEY, segments)
 
 
 class Claim(NamedTuple):
@@ -120,15 +138,14 @@ class GroupPrefetch:
         self.failures.check()
         key_bounds = key_bounds_of(keys)
         segments = Segments(key_bounds, self.device)
-        unique, inverse, counts, given = storage.dedup(keys, key_bounds, occurrences)
+        unique, inverse, counts, given = self.dedup(keys, key_bounds, occurrences)
         claim_keys, fallback = unique, None
         if storage.admits:  # each table admits its keys as alone (the others: fallback rows)
-            claim_keys, fallback = storage.admit(unique, counts, segments, self.row_offset,
-                                                 self.num_buckets)
-        storage.grow_before_claim(claim_keys, key_bounds)
+            claim_keys, fallback = self._admit(unique, counts, segments)
+        self._grow_before_claim(claim_keys, key_bounds)
         claim, refusing = self.claim(segments, claim_keys, counts, scores)
         if refusing is not None:
-            storage.undo_claim(claim, segments)
+            self.undo(claim, segments)
             lo, hi = key_bounds[refusing], key_bounds[refusing + 1]
             refused = claim_keys[lo:hi][(claim.slots[lo:hi] < 0)
                                         & (claim_keys[lo:hi] != EMPTY_KEY)]
@@ -153,12 +170,12 @@ class GroupPrefetch:
         undone = []
 
         def undo(tables) -> None:  # their rows could not be filled (a store raised)
-            storage.undo_claim(claim, segments, tables, batch)
+            self.undo(claim, segments, tables, batch)
             undone.extend(tables)
         try:
-            storage.track_changes(claim)
+            self.track_changes(claim)
             if self.stores is not None:  # each table writes back and loads, as alone
-                self.stores.fill(claim, segments, undo)
+                self.stores.fill(claim, segments, undo, self.initialize_rows)
             else:
                 self.initialize(claim, segments)
         except Exception:
@@ -177,7 +194,7 @@ class GroupPrefetch:
             return
         claim, segments, _ = batch.pending
         batch.pending = None
-        self.storage.undo_claim(claim, segments, batch=batch)
+        self.undo(claim, segments, batch=batch)
 
     def prefetch(self, keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
                  scores: Sequence[Optional[int]]) -> GroupBatch:
@@ -208,11 +225,10 @@ class GroupPrefetch:
                 storage.arrays, storage.arrays.size, segments, self.row_offset,
                 self.num_buckets, keys, counts, given, storage.policy.code, clocks,
                 storage.allows_eviction, slots, inserted, prev_keys, prev_scores, failed, stats)
-            growth = [] if stats is None else storage.growth_after_claim(
-                stats, grow_on_failure=self.failures.at_once)
+            growth = [] if stats is None else self._growth_after_claim(stats)
             if not growth:
                 break
-            storage.undo_claim(claim, segments)
+            self.undo(claim, segments)
             storage.grow_tables(growth)
         refused = torch.zeros(len(storage.tables), dtype=torch.int64,
                               device=self.device).index_add_(0, segments.table_of,
@@ -220,16 +236,148 @@ class GroupPrefetch:
         return claim, self.failures.first_refusing(refused)
 
     def initialize(self, claim: Claim, segments: Segments) -> None:
-        """Rows of the claimed keys where ``inserted`` start from their table's initializer
+        """Rows of the claimed keys where ``inserted`` start from their table's initializer."""
+        self.initialize_rows(claim.slots, claim.keys, claim.inserted, segments)
+
+    def initialize_rows(self, slots, keys, mask, segments: Segments) -> None:
+        """Rows ``slots`` of ``keys`` where ``mask`` start from their table's initializer
         (one call; float16 / bfloat16 rows table by table)."""
         storage = self.storage
-        if storage.row_dtype != torch.float32:
-            storage.initialize_rows(claim.slots, claim.keys, claim.inserted, claim.bounds)
+        if storage.row_dtype == torch.float32:
+            storage.write_new_rows(lambda flat: storage.kernels.init_rows_at_group(
+                flat.weights, slots, keys, mask, segments, storage.dim, self.seeds,
+                self.table_ids, self.init_kinds, *self.init_params), (slots, keys, mask))
             return
-        storage.write_new_rows(lambda flat: storage.kernels.init_rows_at_group(
-            flat.weights, claim.slots, claim.keys, claim.inserted, segments, storage.dim,
-            self.seeds, self.table_ids, self.init_kinds, *self.init_params),
-            (claim.slots, claim.keys, claim.inserted))
+        bounds = segments.bounds
+        for t, table in enumerate(storage.tables):  # float16 / bfloat16 rows: table by table
+            lo, hi = int(bounds[t]), int(bounds[t + 1])
+            local = torch.where(slots[lo:hi] >= 0, slots[lo:hi] - storage.row_offset[t], -1)
+            storage.tier_of(table).flat.initialize_where(
+                local, keys[lo:hi], mask[lo:hi], table.options.initializer,
+                seed=table.options.seed, table_id=table.table_id)
+
+    def undo(self, claim: Claim, segments: Segments, tables: Optional[Sequence[int]] = None,
+             batch=None) -> None:
+        """Undo the part of a pinning ``claim`` (``segments``: its tables' entries) of
+        ``tables`` (indices; None: all): the keys it evicted are back with their rows, which
+        nothing overwrote; sizes, scores, pins and clocks as before it, and ``batch``'s pins
+        of those tables (if given) end. The other tables keep their claims."""
+        storage = self.storage
+        table_of = segments.table_of
+        if tables is None:
+            tables = range(len(storage.tables))
+            mine = torch.ones_like(claim.inserted)
+        else:
+            chosen = torch.zeros(len(storage.tables), dtype=torch.bool)
+            chosen[list(tables)] = True
+            mine = chosen.to(self.device)[table_of]
+        a = storage.arrays
+        slots, prev_keys = claim.slots, claim.prev_keys
+        back = claim.inserted & mine
+        a.keys[slots[back]] = prev_keys[back]
+        placed = (slots >= 0) & mine
+        a.scores[slots[placed]] = claim.prev_scores[placed]
+        added = back & ((prev_keys == EMPTY_KEY) | (prev_keys == TOMBSTONE_KEY))
+        a.size.sub_(torch.zeros_like(a.size).index_add_(0, table_of, added.to(a.size.dtype)))
+        storage.kernels.add_refcounts(a, torch.where(mine, slots, -1), -1)
+        for t in tables:
+            storage.tier_of(storage.tables[t]).hash.untick()
+        if batch is not None:
+            for t in tables:
+                storage.tables[t].drop_group_batch(batch)
+            batch.unreleased -= set(tables)
+            batch.pinned = bool(batch.unreleased)
+
+    def track_changes(self, claim: Claim) -> None:
+        """Tables tracking their changes for checkpoint deltas mark the slots claimed."""
+        storage = self.storage
+        for t, table in enumerate(storage.tables):
+            if table.changes is not None:
+                table.changes.claimed(storage.tier_of(table), storage.table_claim(claim, t))
+
+    # -- what a claim reads first ----------------------------------------------------------
+    def dedup(self, keys: Sequence[torch.Tensor], key_bounds: List[int],
+              occurrences: Sequence[Optional[torch.Tensor]]):
+        """(unique keys, inverse, counts, the occurrences given or None, see
+        :func:`given_counts`) of every table's keys: table ``t``'s unique keys at
+        ``key_bounds[t]:``, padded with ``EMPTY_KEY`` to its number of keys (the kernels'
+        ``dedup_segments``); the inverse on the module's device, the rest on the record's.
+        Each table's keys come in the order of its slots where the kernels order them (the
+        host kernels: by bucket), so the claim and the update walk its rows front to back.
+
+        Rows served elsewhere dedup where the module is, as each table alone there does,
+        and cross to the record once."""
+        storage = self.storage
+        all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
+        kernels, device = ((storage.serve_kernels, storage.serve_device)
+                           if storage.serves_elsewhere else (storage.kernels, self.device))
+        unique, inverse, counts, _ = kernels.dedup_segments(
+            all_keys, Segments(key_bounds, device), storage.bucket_counts)
+        counts, given = given_counts(keys, occurrences, inverse, counts)
+        if storage.serves_elsewhere:
+            unique, counts = unique.to(self.device), counts.to(self.device)
+            given = None if given is None else given.to(self.device)
+        return unique, inverse, counts, given
+
+    def _admit(self, unique: torch.Tensor, counts: torch.Tensor, segments: Segments):
+        """Admission of a training batch's unique keys: ``(the keys to claim, the others
+        EMPTY_KEY; every key's fallback row [U, dim])``. One find of the keys stored
+        already, then each table admits its own keys through its own counter, as alone."""
+        storage = self.storage
+        present = torch.empty_like(unique)
+        storage.kernels.find_group(storage.arrays, segments, self.row_offset,
+                                   self.num_buckets, unique, present)
+        present = present >= 0
+        bounds = segments.bounds.tolist()
+        admitted, fallback = [], []
+        for t, table in enumerate(storage.tables):  # on the table's device, as alone
+            lo, hi = bounds[t], bounds[t + 1]
+            yes, rows = table.admit(*(x[lo:hi].to(table.device) for x in (unique, counts,
+                                                                           present)))
+            admitted.append(yes.to(self.device))
+            fallback.append(rows)
+        if len(admitted) > 1:  # (a copy: not for a group of one)
+            admitted, fallback = [torch.cat(admitted)], [torch.cat(fallback)]
+        return torch.where(admitted[0], unique, EMPTY_KEY), fallback[0].to(torch.float32)
+
+    def _grow_before_claim(self, keys: torch.Tensor, bounds: Sequence[int]) -> None:
+        """Grow the tables that grow whose keys of a claim (``keys``, table ``t``'s at
+        ``bounds[t]:bounds[t + 1]``; ``EMPTY_KEY`` padding claims nothing) missing from
+        them would pass their load factor, as each would alone before its claim. Only a
+        table whose size and keys together could pass it looks its keys up (reading back
+        from the device, as the table alone does)."""
+        storage = self.storage
+        if not storage.growing:
+            return
+        sizes = storage.arrays.size.tolist()
+        growth = []
+        for t in storage.growing:
+            hash_table = storage.tier_of(storage.tables[t]).hash
+            lo, hi = bounds[t], bounds[t + 1]
+            if sizes[t] + hi - lo > hash_table.grow_at_load_factor * hash_table.capacity:
+                capacity = hash_table.capacity_to_claim(keys[lo:hi])
+                if capacity is not None:
+                    growth.append((t, capacity))
+        if growth:
+            storage.grow_tables(growth)
+
+    def _growth_after_claim(self, stats: torch.Tensor) -> List[Tuple[int, int]]:
+        """``[(table, capacity)]`` of the tables that grow where a claim (its per-table
+        ``stats``: keys added, live keys evicted, keys failed; read back from the device)
+        evicted a live key (or, where refused keys raise at once, found no slot for one)
+        below their ``max_capacity``: one doubling, as each table alone grows (the load
+        factor was settled before the claim)."""
+        storage = self.storage
+        per_table = stats.tolist()
+        growth = []
+        for t in storage.growing:
+            _, evicted, failed = per_table[t]
+            displaced = evicted + (failed if self.failures.at_once else 0)
+            capacity = storage.tier_of(storage.tables[t]).hash.capacity_to_grow_to(
+                0, displaced > 0)
+            if capacity is not None:
+                growth.append((t, capacity))
+        return growth
 
     def _ticked_clocks(self) -> torch.Tensor:
         """Every table's clock after its tick, on the device. Where every clock moved by one
@@ -268,7 +416,7 @@ class GroupPrefetch:
         storage = self.storage
         key_bounds = key_bounds_of(keys)
         segments = Segments(key_bounds, self.device)
-        unique, inverse, counts, given = storage.dedup(keys, key_bounds, occurrences)
+        unique, inverse, counts, given = self.dedup(keys, key_bounds, occurrences)
         slots = torch.empty_like(unique)
         storage.kernels.find_group(storage.arrays, segments, self.row_offset, self.num_buckets,
                                    unique, slots)

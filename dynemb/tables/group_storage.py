@@ -1,17 +1,15 @@
-"""``GroupStorage``: where a table group's tables live, and what every phase of the group does
-to it (:mod:`dynemb.tables.groups`).
+"""``GroupStorage``: where a table group's tables live (:mod:`dynemb.tables.groups`).
 
 One set of arrays (hash keys, scores, pins, sizes, rows, counters) holds every table of the
 group, each in its own contiguous part: table ``t`` owns rows
 ``[row_offset[t], row_offset[t] + capacity[t])`` and the buckets over them, so a key of one
 table never meets, or evicts, another table's. The tables stay whole tables: their hash
-tables, flat tables and counters are views of their parts. Beside the arrays the record keeps
-what the group kernels read per table (row starts, bucket counts, initializers, seeds, ids).
-
-The phases (the host and the device prefetch, the eval lookup, the update, the CACHE stores)
-are objects or functions over this record; the record itself knows none of them. What it does
-itself is what several phases share: dedup a batch's keys, initialize claimed rows, mark
-claimed slots for checkpoint deltas, gather a batch's rows and end its pins.
+tables, flat tables and counters are views of their parts. The record is a record: the
+arrays, each table's part of them (laid out again when a table grows), the group's batches
+(weakly) and the end of their pins. The phases (the prefetch and eval lookup with their
+admission, growth and undo, :mod:`dynemb.tables.group_prefetch`; the gather,
+:mod:`dynemb.tables.group_batch`; the update, :mod:`dynemb.tables.group_update`; the CACHE
+stores) are objects or functions over it, and it knows none of them.
 
 Example::
 
@@ -40,23 +38,10 @@ import torch
 
 from dynemb.backends.protocol import Segments, TableArrays
 from dynemb.foundations.counters import COUNTER_NAMES
-from dynemb.rows.optimizers import fused_update
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_signature import rounds_with_noise
 from dynemb.tables.tier import Tier
-from dynemb.types import EMPTY_KEY, TOMBSTONE_KEY, FindOrInsertResult, ScorePolicy
-
-def given_counts(keys: Sequence[torch.Tensor], occurrences: Sequence[Optional[torch.Tensor]],
-                 inverse: torch.Tensor, counts: torch.Tensor):
-    """(counts, the occurrences concatenated): where ids were deduplicated upstream, each
-    stands for its given number of occurrences (None for a table: 1 each); with no
-    occurrences at all, ``(counts, None)`` unchanged."""
-    if all(o is None for o in occurrences):
-        return counts, None
-    given = torch.cat([o if o is not None else torch.ones_like(k)
-                       for o, k in zip(occurrences, keys)])
-    return torch.zeros_like(counts).index_add_(0, inverse, given), given
-
+from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
 
 def per_table_sums(values: Optional[torch.Tensor], segments: Segments) -> torch.Tensor:
     """[T] int64 on the segments' device: ``values`` [N] summed over each table's segment
@@ -147,12 +132,6 @@ class GroupStorage:
         #: the tables admit keys by count (all or none of a group's do, group_signature)
         self.admits = first.admission is not None
         self._lay_out()
-        init = [t.options.initializer.kernel_params() for t in tables]
-        self.init_kinds = np.asarray([p[0] for p in init], dtype=np.int64)
-        self.init_params = [np.asarray([p[i] for p in init], dtype=np.float64)
-                            for i in range(1, 5)]
-        self.seeds = np.asarray([t.options.seed for t in tables], dtype=np.int64)
-        self.table_ids = np.asarray([t.table_id for t in tables], dtype=np.int64)
         #: how the fused update rounds float16 / bfloat16 rows: with noise only in a group of
         #: one (group_signature), drawn from its table's seed and id as the table alone does
         self.rounding = (dict(stochastic_rounding=True, seed=first.options.seed,
@@ -163,7 +142,7 @@ class GroupStorage:
     def serves_elsewhere(self) -> bool:
         """Whether the module reads the rows on another device, or updates them by other
         kernels, than the record's: each gather copies the rows to :attr:`serve_device`, and
-        the update runs there (:meth:`fused_update`)."""
+        the update runs there (:func:`~dynemb.tables.group_update.fused_update`)."""
         return (self.serve_device != self.device
                 or self.serve_kernels.name != self.kernels.name)
 
@@ -216,7 +195,6 @@ class GroupStorage:
         else:
             self._allocate_and_move_in()
         self._parts = [self._parts_of(t) for t in self.tables]
-        self.row_starts = np.asarray(self.row_offset[:-1], dtype=np.int64)  # numpy, for the kernels
         self.bucket_counts = np.asarray([c // self.bucket_size for c in capacities],
                                         dtype=np.int64)
         self.layouts += 1
@@ -263,100 +241,6 @@ class GroupStorage:
     def position(self, table: DynamicTable) -> Optional[int]:
         """``table``'s index in the record (by identity), None if it is none of its."""
         return next((t for t, mine in enumerate(self.tables) if mine is table), None)
-
-    def admit(self, unique: torch.Tensor, counts: torch.Tensor, segments: Segments,
-              row_offset, num_buckets):
-        """Admission of a training batch's unique keys (each table's in its ``segments``;
-        ``row_offset`` / ``num_buckets``: each table's part as the kernels take it):
-        ``(the keys to claim, the others EMPTY_KEY; every key's fallback row [U, dim])``.
-        One find of the keys stored already, then each table admits its own keys through
-        its own counter, as alone."""
-        present = torch.empty_like(unique)
-        self.kernels.find_group(self.arrays, segments, row_offset, num_buckets, unique,
-                                present)
-        present = present >= 0
-        bounds = segments.bounds.tolist()
-        admitted, fallback = [], []
-        for t, table in enumerate(self.tables):  # on the table's device, as alone
-            lo, hi = bounds[t], bounds[t + 1]
-            yes, rows = table.admit(*(x[lo:hi].to(table.device) for x in (unique, counts,
-                                                                           present)))
-            admitted.append(yes.to(self.device))
-            fallback.append(rows)
-        if len(admitted) > 1:  # (a copy: not for a group of one)
-            admitted, fallback = [torch.cat(admitted)], [torch.cat(fallback)]
-        return torch.where(admitted[0], unique, EMPTY_KEY), fallback[0].to(torch.float32)
-
-    def grow_before_claim(self, keys: torch.Tensor, bounds: Sequence[int]) -> None:
-        """Grow the tables that grow whose keys of a claim (``keys``, table ``t``'s at
-        ``bounds[t]:bounds[t + 1]``; ``EMPTY_KEY`` padding claims nothing)
-        missing from them would pass their load factor, as each would alone before its
-        claim. Only a table whose size and keys together could pass it looks its keys up
-        (reading back from the device, as the table alone does)."""
-        if not self.growing:
-            return
-        sizes = self.arrays.size.tolist()
-        growth = []
-        for t in self.growing:
-            hash_table = self.tier_of(self.tables[t]).hash
-            lo, hi = bounds[t], bounds[t + 1]
-            if sizes[t] + hi - lo > hash_table.grow_at_load_factor * hash_table.capacity:
-                capacity = hash_table.capacity_to_claim(keys[lo:hi])
-                if capacity is not None:
-                    growth.append((t, capacity))
-        if growth:
-            self.grow_tables(growth)
-
-    def growth_after_claim(self, stats, grow_on_failure: bool) -> List[Tuple[int, int]]:
-        """``[(table, capacity)]`` of the tables that grow where a claim (its per-table
-        ``stats``: keys added, live keys evicted, keys failed; read back from the device)
-        evicted a live key (or, ``grow_on_failure``, found no slot for one) below their
-        ``max_capacity``: one doubling, as each table alone grows (the load factor was
-        settled before the claim, :meth:`grow_before_claim`)."""
-        if not self.growing:
-            return []
-        per_table = stats.tolist()
-        growth = []
-        for t in self.growing:
-            _, evicted, failed = per_table[t]
-            displaced = evicted + (failed if grow_on_failure else 0)
-            capacity = self.tier_of(self.tables[t]).hash.capacity_to_grow_to(0, displaced > 0)
-            if capacity is not None:
-                growth.append((t, capacity))
-        return growth
-
-    def undo_claim(self, claim, segments: Segments, tables: Optional[Sequence[int]] = None,
-                   batch=None) -> None:
-        """Undo the part of a pinning ``claim`` (``(keys, slots, inserted, previous keys,
-        previous scores, unique bounds)``, as :meth:`table_claim` reads it; ``segments``: its
-        tables' keys) of ``tables`` (indices; None: all): the keys it evicted are back with
-        their rows, which nothing overwrote; sizes, scores, pins and clocks as before it,
-        and ``batch``'s pins of those tables (if given) end. The other tables keep their
-        claims."""
-        _, slots, inserted, prev_keys, prev_scores, _ = claim
-        table_of = segments.table_of
-        if tables is None:
-            tables = range(len(self.tables))
-            mine = torch.ones_like(inserted)
-        else:
-            chosen = torch.zeros(len(self.tables), dtype=torch.bool)
-            chosen[list(tables)] = True
-            mine = chosen.to(slots.device)[table_of]
-        a = self.arrays
-        back = inserted & mine
-        a.keys[slots[back]] = prev_keys[back]
-        placed = (slots >= 0) & mine
-        a.scores[slots[placed]] = prev_scores[placed]
-        added = back & ((prev_keys == EMPTY_KEY) | (prev_keys == TOMBSTONE_KEY))
-        a.size.sub_(torch.zeros_like(a.size).index_add_(0, table_of, added.to(a.size.dtype)))
-        self.kernels.add_refcounts(a, torch.where(mine, slots, -1), -1)
-        for t in tables:
-            self.tier_of(self.tables[t]).hash.untick()
-        if batch is not None:
-            for t in tables:
-                self.tables[t].drop_group_batch(batch)
-            batch.unreleased -= set(tables)
-            batch.pinned = bool(batch.unreleased)
 
     def batch_made(self, batch) -> None:
         """Keep (weakly) each batch of the group: a batch whose pins ended may still see a
@@ -456,37 +340,6 @@ class GroupStorage:
     def allows_eviction(self) -> bool:
         return self.policy is not ScorePolicy.NO_EVICTION
 
-    # -- what the phases share -----------------------------------------------------------------
-    def dedup(self, keys: Sequence[torch.Tensor], key_bounds: List[int],
-              occurrences: Sequence[Optional[torch.Tensor]]):
-        """(unique keys, inverse, counts, the occurrences given or None, see
-        :func:`given_counts`) of every table's keys: table ``t``'s unique keys at
-        ``key_bounds[t]:``, padded with ``EMPTY_KEY`` to its number of keys (the kernels'
-        ``dedup_segments``); the inverse on :attr:`serve_device`, the rest on the record's
-        device. Each table's keys come in the order of its slots where the kernels order
-        them (the host kernels: by bucket), so the claim and the update walk its rows front
-        to back.
-
-        Rows served elsewhere dedup where the module is, as each table alone there does
-        (:attr:`serve_kernels`), and cross to the record once."""
-        all_keys = torch.cat(list(keys)) if len(keys) > 1 else keys[0]
-        kernels, device = ((self.serve_kernels, self.serve_device) if self.serves_elsewhere
-                           else (self.kernels, self.device))
-        unique, inverse, counts, _ = kernels.dedup_segments(
-            all_keys, Segments(key_bounds, device), self.bucket_counts)
-        counts, given = given_counts(keys, occurrences, inverse, counts)
-        if self.serves_elsewhere:
-            unique, counts = unique.to(self.device), counts.to(self.device)
-            given = None if given is None else given.to(self.device)
-        return unique, inverse, counts, given
-
-    @staticmethod
-    def unique_per_table(keys: torch.Tensor, segments: Segments) -> torch.Tensor:
-        """[T] int64, on ``keys``' device: each table's unique keys among ``keys`` [U] of
-        :meth:`dedup` (``EMPTY_KEY`` pads; no host read)."""
-        return torch.zeros(segments.count, dtype=torch.int64, device=keys.device).index_add_(
-            0, segments.table_of, (keys != EMPTY_KEY).to(torch.int64))
-
     def table_claim(self, claim, t: int) -> FindOrInsertResult:
         """Table ``t``'s part of a group claim ``(keys, slots, inserted, previous keys,
         previous scores, unique bounds)``, in its own slots."""
@@ -496,86 +349,6 @@ class GroupStorage:
         local = torch.where(part >= 0, part - self.row_offset[t], -1)
         return FindOrInsertResult(keys[lo:hi], None, local, inserted[lo:hi], prev_keys[lo:hi],
                                   prev_scores[lo:hi], None, None)
-
-    def track_changes(self, claim) -> None:
-        """Tables tracking their changes for checkpoint deltas mark the slots claimed."""
-        for t, table in enumerate(self.tables):
-            if table.changes is not None:
-                table.changes.claimed(self.tier_of(table), self.table_claim(claim, t))
-
-    def initialize_rows(self, slots, keys, inserted, unique_bounds) -> None:
-        """Rows of the claim's keys where ``inserted`` start from their table's
-        initializer."""
-        if self.row_dtype == torch.float32:
-            segments = Segments(unique_bounds)
-            self.write_new_rows(lambda flat: self.kernels.init_rows_at_group(
-                flat.weights, slots, keys, inserted, segments, self.dim, self.seeds,
-                self.table_ids, self.init_kinds, *self.init_params), (slots, keys, inserted))
-            return
-        for t, table in enumerate(self.tables):  # float16 / bfloat16 rows: table by table
-            lo, hi = int(unique_bounds[t]), int(unique_bounds[t + 1])
-            local = torch.where(slots[lo:hi] >= 0, slots[lo:hi] - self.row_offset[t], -1)
-            self.tier_of(table).flat.initialize_where(local, keys[lo:hi], inserted[lo:hi],
-                                             table.options.initializer, seed=table.options.seed,
-                                             table_id=table.table_id)
-
-    def lookup_occurrences(self, batch, sizes: Optional[Sequence[int]] = None
-                           ) -> Tuple[torch.Tensor, ...]:
-        """Every input key's row (float32) of ``batch`` (a
-        :class:`~dynemb.tables.group_batch.GroupBatch`), views of one gather split into
-        ``sizes`` (None: one tensor per table; a collection passes one size per feature of
-        each table)."""
-        if sizes is None:
-            sizes = np.diff(np.asarray(batch.key_bounds)).tolist()
-        if batch.fallback is not None or self.serves_elsewhere:
-            # eval, admission: a key not stored reads its fallback row; rows served on
-            # another device cross there once per unique key
-            return self.unique_rows(batch).index_select(0, batch.inverse).split(sizes)
-        if self.weights.dtype == torch.float32:  # one launch; a key without a slot: zeros
-            rows = torch.empty(batch.inverse.numel(), self.dim, device=self.weights.device)
-            self.kernels.gather_rows(self.weights, batch.slots, batch.inverse, self.dim, rows)
-        else:
-            slots = batch.slots.index_select(0, batch.inverse)
-            rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0)).float()
-            rows = torch.where((slots >= 0)[:, None], rows, 0.0)
-        return rows.split(sizes)
-
-    def unique_rows(self, batch) -> torch.Tensor:
-        """[U, dim] float32 on :attr:`serve_device`: each unique key's row of ``batch``; an
-        eval batch's keys not stored read their eval initializer's row, other keys without
-        a slot zeros."""
-        slots = batch.slots
-        rows = self.weights[:, :self.dim].index_select(0, slots.clamp(min=0))
-        if self.serves_elsewhere:
-            rows = rows.to(self.serve_device, non_blocking=True)  # host -> device: safe
-        rows = rows.float()
-        stored = (slots >= 0).to(rows.device)[:, None]
-        if batch.fallback is not None:
-            return torch.where(stored, rows, batch.fallback.to(rows.device))
-        return torch.where(stored, rows, 0.0)  # a key without a slot: zeros
-
-    def fused_update(self, slots: torch.Tensor, grads, keys: torch.Tensor, *, lr: float,
-                     step: int) -> None:
-        """The optimizer step of the rows at ``slots`` [U] (-1: none), ``grads`` of ``keys``
-        [U]. Rows served elsewhere (:attr:`serves_elsewhere`) are gathered to
-        :attr:`serve_device`, updated there by :attr:`serve_kernels` and written back, as a
-        HOST_ONLY table alone updates its rows."""
-        config = dict(dim=self.dim, config=self.optimizer, lr=lr, step=step, **self.rounding)
-        if not self.serves_elsewhere:
-            fused_update(self.weights, slots, grads, kernels=self.kernels, keys=keys, **config)
-            return
-        device = self.serve_device
-        stored = slots >= 0
-        rows = self.weights.index_select(0, slots.clamp(min=0)).to(device)
-        local = torch.where(stored.to(device), torch.arange(slots.numel(), device=device), -1)
-        fused_update(rows, local, grads, kernels=self.serve_kernels, keys=keys.to(device),
-                     **config)
-        self.weights.index_copy_(0, slots[stored], rows[stored.to(device)].to(self.device))
-
-    def add_counts(self, delta: np.ndarray) -> None:
-        """Add ``delta`` [T, counters] (host numbers) to the tables' counters, wherever they
-        live."""
-        self.counters += torch.from_numpy(delta).to(self.counters.device)
 
     def release(self, batch, tables: Optional[Sequence[int]] = None) -> None:
         """End ``batch``'s pins of ``tables`` (indices; None: all), once per table."""

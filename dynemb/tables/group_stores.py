@@ -92,11 +92,12 @@ class GroupStores:
                                        dtype=self.storage.weights.dtype))
         return self._empty
 
-    def fill(self, claim, segments: Segments, undo) -> None:
+    def fill(self, claim, segments: Segments, undo, initialize) -> None:
         """Write back and load the rows of ``claim`` (the group's, as
         :class:`~dynemb.tables.group_prefetch.Claim` holds it; ``segments``: its tables'
-        entries) for the tables that inserted a key: in one kernel call where it can, the
-        rest each alone. If a table alone fails (its store raised), ``undo(tables)`` is
+        entries) for the tables that inserted a key: in one kernel call where it can (keys
+        not in the store: ``initialize(slots, keys, mask, segments)``), the rest each
+        alone. If a table alone fails (its store raised), ``undo(tables)`` is
         called with it and the tables after it, whose rows were not filled, and the error
         goes on."""
         inserting = np.flatnonzero(
@@ -108,7 +109,7 @@ class GroupStores:
         run &= self._movable
         alone = [t for t in inserting if not run[t]]
         if run.any():
-            alone += self._fill_in_kernel(claim, run)
+            alone += self._fill_in_kernel(claim, segments, run, initialize)
         alone = sorted(alone)
         for i, t in enumerate(alone):
             result = storage.table_claim(claim, t)
@@ -118,7 +119,8 @@ class GroupStores:
                 undo(alone[i:])
                 raise
 
-    def _fill_in_kernel(self, claim, run: np.ndarray) -> List[int]:
+    def _fill_in_kernel(self, claim, segments: Segments, run: np.ndarray,
+                        initialize) -> List[int]:
         """The kernel's share; returns the tables it left to the host."""
         storage = self.storage
         keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
@@ -156,7 +158,7 @@ class GroupStores:
             storage.counters[:, _COUNTER[name]] += counts[:, column]
         fresh = inserted & torch.from_numpy(np.repeat(run & ~left, np.diff(bounds)))
         fresh[ld_at[found]] = False
-        storage.initialize_rows(slots, keys, fresh, unique_bounds)
+        initialize(slots, keys, fresh, segments)
         for t in np.flatnonzero(run & ~left).tolist():
             changes = storage.tables[t].changes
             if changes is not None and wb_seg[t + 1] > wb_seg[t]:

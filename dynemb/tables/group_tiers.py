@@ -58,7 +58,7 @@ from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.batch import TableBatch
 from dynemb.tables.group_batch import key_bounds_of, shifted_slots
-from dynemb.tables.group_prefetch import Claim, GroupPrefetch
+from dynemb.tables.group_prefetch import Claim, GroupPrefetch, unique_per_table
 from dynemb.tables.group_storage import GroupStorage, per_table_sums
 from dynemb.tables.group_update import live_slots, update_rows
 from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
@@ -145,11 +145,11 @@ class TieredGroup:
     def _batch(self, keys, occurrences, scores, training: bool) -> "TieredBatch":
         storage = self.storage
         key_bounds = key_bounds_of(keys)
-        unique, inverse, counts, given = storage.dedup(keys, key_bounds, occurrences)
+        unique, inverse, counts, given = self.claims[0].dedup(keys, key_bounds, occurrences)
         batch = TieredBatch(self, unique, inverse, counts, key_bounds, training)
         batch.table_scores = list(scores)
         segments = Segments(key_bounds, storage.device)
-        batch.unique_counts = storage.unique_per_table(unique, segments)
+        batch.unique_counts = unique_per_table(unique, segments)
         counted = torch.zeros(len(self.tables), len(COUNTER_NAMES), dtype=torch.int64,
                               device=unique.device)
         counted[:, _COUNTER["lookups"]] = per_table_sums(given, segments)
@@ -349,7 +349,7 @@ class TieredBatch(LookupBatch):
                                              device=self.device)
         for record, claim in ((storage, device_claim), (host, host_claim)):
             segments = self._segments(record)
-            record.track_changes(claim)
+            group.claims_of(record).track_changes(claim)
             group.claims_of(record).initialize(claim, segments)
             counts = torch.empty(len(group.tables), 3, dtype=torch.int64, device=record.device)
             record.kernels.claim_counts_group(segments, claim.slots, claim.inserted,
@@ -370,7 +370,7 @@ class TieredBatch(LookupBatch):
         claims its host tier first)."""
         first = None
         for record, claim, refusing in claims:
-            record.undo_claim(claim, self._segments(record))
+            self.group.claims_of(record).undo(claim, self._segments(record))
             if refusing is not None and (first is None or refusing < first[0]):
                 lo, hi = self.unique_bounds[refusing], self.unique_bounds[refusing + 1]
                 keys, slots = claim.keys[lo:hi], claim.slots[lo:hi]

@@ -11,6 +11,7 @@ import torch
 
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.rows.optimizers import OccurrenceGrads
+from dynemb.rows.optimizers import fused_update as update_rows_in_place
 from dynemb.backends.protocol import Segments
 from dynemb.tables.group_storage import GroupStorage, per_table_sums
 
@@ -51,7 +52,28 @@ def update_rows(storage: GroupStorage, slots: torch.Tensor, batch, grads: Occurr
             for t, name in enumerate(storage.names):
                 if not taking[t] or steps[name] != step:
                     chosen[batch.unique_bounds[t]:batch.unique_bounds[t + 1]] = -1
-        storage.fused_update(chosen, grads, batch.keys, lr=lr, step=step)
+        fused_update(storage, chosen, grads, batch.keys, lr=lr, step=step)
+
+
+def fused_update(storage: GroupStorage, slots: torch.Tensor, grads, keys: torch.Tensor, *,
+                 lr: float, step: int) -> None:
+    """The optimizer step of ``storage``'s rows at ``slots`` [U] (-1: none), ``grads`` of
+    ``keys`` [U]. Rows served elsewhere (``storage.serves_elsewhere``) are gathered to the
+    module's device, updated there by its kernels and written back, as a HOST_ONLY table
+    alone updates its rows."""
+    config = dict(dim=storage.dim, config=storage.optimizer, lr=lr, step=step,
+                  **storage.rounding)
+    if not storage.serves_elsewhere:
+        update_rows_in_place(storage.weights, slots, grads, kernels=storage.kernels, keys=keys,
+                             **config)
+        return
+    device = storage.serve_device
+    stored = slots >= 0
+    rows = storage.weights.index_select(0, slots.clamp(min=0)).to(device)
+    local = torch.where(stored.to(device), torch.arange(slots.numel(), device=device), -1)
+    update_rows_in_place(rows, local, grads, kernels=storage.serve_kernels,
+                         keys=keys.to(device), **config)
+    storage.weights.index_copy_(0, slots[stored], rows[stored.to(device)].to(storage.device))
 
 
 def live_slots(storage: GroupStorage, slots: torch.Tensor, batch,
