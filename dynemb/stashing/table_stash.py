@@ -42,14 +42,13 @@ CUDA ordering (see :class:`~dynemb.stashing.transfers.CudaTransfers`; no host wa
 """
 from __future__ import annotations
 
-import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from dynemb.bridges import storage_refs
 from dynemb.rows.flat_table import RowLayout
 from dynemb.options import StashMode
 
@@ -96,62 +95,13 @@ def stashed_bytes_per_row(mode: StashMode, row: RowLayout) -> int:
     return (stop - start) * row.element_size
 
 
-def _tensor_refs(tensor: torch.Tensor) -> int:
-    return sys.getrefcount(tensor)
-
-
-def _unshared_refs() -> int:
-    """What :func:`_other_holders` reads for a tensor held by one object's attribute only,
-    called as :meth:`TableStash.stash` calls it: measured, whatever the interpreter counts."""
-    class Holder:
-        pass
-
-    def other_holders(weights):  # plays _other_holders
-        return _tensor_refs(weights)
-
-    def stash():  # plays TableStash.stash
-        weights = holder.weights
-        return other_holders(weights)
-
-    holder = Holder()
-    holder.weights = torch.empty(0)
-    return stash()
-
-
-_UNSHARED_REFS = _unshared_refs()
-
-
-def _refs_views_add() -> int:
-    """References a tensor gains while views of it exist (torch keeps the Python object of a
-    view's base alive from C++): measured as :func:`_unshared_refs` is."""
-    class Holder:
-        pass
-
-    def stash():
-        weights = holder.weights
-        return _other_refs(weights)
-
-    holder = Holder()
-    holder.weights = torch.empty(2, 1)
-    views = [holder.weights[:1], holder.weights[1:]]
-    with_views = stash()
-    del views
-    return with_views - stash()
-
-
-def _other_holders(weights: torch.Tensor) -> int:
-    """References to the rows besides the table's: other tensors on their storage (views), and
-    other references to the tensor itself (a numpy array of it, say)."""
-    return storage_refs.other_views(weights) + max(0, _tensor_refs(weights) - _UNSHARED_REFS)
-
-
-def _other_refs(tensor: torch.Tensor) -> int:
-    """Other references to ``tensor`` itself than its holder's attribute (called as
-    :func:`_other_holders`, from a local of the caller)."""
-    return max(0, _tensor_refs(tensor) - _UNSHARED_REFS)
-
-
-_REFS_VIEWS_ADD = _refs_views_add()
+def _other_holders(released: "weakref.ref") -> int:
+    """Holders of the rows' memory besides the table, once the table's own tensors have let
+    go of it (``released``: a weak reference to that storage): 1 while something still
+    holds it (a view of the rows kept across a step, a numpy array of them), else 0. Torch
+    keeps a storage's Python object for as long as any tensor uses the storage, so the weak
+    reference dies exactly when the memory does: nothing is counted."""
+    return 0 if released() is None else 1
 
 
 @dataclass
@@ -283,22 +233,17 @@ class TableStash:
     # -- stash ---------------------------------------------------------------------------------
     def stash(self) -> bool:
         """Copy the stashed columns to host memory and release the rows' device storage.
-        Returns False (and warns once) when something else holds the rows, e.g. a view of
-        them kept across a training step: it would read an empty table (or keep the memory
-        and go stale), so the rows stay (a ``state_dict`` holds copies: it does not)."""
+        Returns False (and warns once) when something else holds that storage, e.g. a view
+        of the rows kept across a training step: it would keep the memory and go stale, so
+        the rows stay (a ``state_dict`` holds copies: it does not).
+
+        Whether anything else holds it is known only once the table's own tensors have let
+        go (:func:`_other_holders`); the rows are then put back as they were, and the copy
+        made meanwhile is dropped."""
         if self.stashed:
             return True
         flat = self.tier.flat
         weights = flat.weights
-        others = _other_holders(weights) + self._holders_among_parts(weights)
-        if others:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"table {self.name!r}: {others} tensors besides the table view its rows "
-                    f"(a view of its weights kept across a training step?), so its rows stay on the "
-                    f"device this step instead of being stashed", RuntimeWarning, stacklevel=3)
-            return False
         t = self._t
         d2h, _ = t.side_streams()
         forward = t.current_stream()
@@ -306,22 +251,35 @@ class TableStash:
         for stream in self._extra:         # rows a prefetch wrote are in place
             t.wait_stream(d2h, stream)
         t.wait_event(d2h, self._restored_event)  # the last restore has read the host buffer
-        host = self._host_buffer(weights)
-        t.copy(host, self._part(weights, self._cols), d2h)
-        if self._keep is not None:
-            keep = self._part(weights, self._keep)
-            self._kept = t.device_buffer(keep.shape, weights.dtype, weights.device, d2h)
-            t.copy(self._kept, keep, d2h)
-        self._stashed_event = t.record_event(d2h)
+        self._copy_out(weights, d2h)
+        stashed_event = t.record_event(d2h)
         # the block may serve another allocation only after the copy stream has passed the
         # event the allocator records there when the block is freed, i.e. after the copy
         t.record_stream(weights, d2h)
-        self._shape = tuple(weights.shape)
-        self._parts = self._parts_of(weights)
+        shape = tuple(weights.shape)
+        place = (weights.storage_offset(), shape, tuple(weights.stride()))
+        parts = self._parts_of(weights)
+        storage = weights.untyped_storage()
+        released = weakref.ref(storage)
         t.release(weights)
-        for part in self._parts:  # the tables' views of the group's rows go too
+        for part in parts:  # the tables' views of the group's rows go too
             if part.view:
                 t.release(part.flat.weights)
+        del storage
+        others = _other_holders(released)
+        if others:
+            self._put_back(released(), weights, place, parts)
+            self._kept = None
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"table {self.name!r}: other tensors besides the table view its rows (a "
+                    f"view of its weights kept across a training step?), so its rows stay on "
+                    f"the device this step instead of being stashed", RuntimeWarning,
+                    stacklevel=3)
+            return False
+        self._stashed_event, self._shape, self._parts = stashed_event, shape, parts
+        for part in parts:
             part.tier.flat = PartStashed(part, self)
         self._flat, self._forward = flat, forward
         self._stand_in = StashedRows(flat, self)
@@ -329,26 +287,28 @@ class TableStash:
         self.stashes += 1
         return True
 
+    def _copy_out(self, weights: torch.Tensor, d2h) -> None:
+        """Enqueue the copy of the stashed columns to the host buffer, and of the kept ones
+        to a compact device buffer (no view of the rows outlives it)."""
+        t = self._t
+        t.copy(self._host_buffer(weights), self._part(weights, self._cols), d2h)
+        if self._keep is not None:
+            keep = self._part(weights, self._keep)
+            self._kept = t.device_buffer(keep.shape, weights.dtype, weights.device, d2h)
+            t.copy(self._kept, keep, d2h)
+
+    @staticmethod
+    def _put_back(storage, weights: torch.Tensor, place, parts: List[_Part]) -> None:
+        """Point the released tensors at ``storage`` again, as they were (``place``: the
+        rows' offset, shape and stride in it)."""
+        weights.set_(storage, *place)
+        for part in parts:
+            if part.view:
+                part.flat.weights.set_(storage, part.offset, part.shape, part.stride)
+
     def _part_tiers(self) -> List:
         parts = getattr(self.tier, "parts", None)
         return [] if parts is None else parts()
-
-    def _holders_among_parts(self, weights: torch.Tensor) -> int:
-        """What :func:`_other_holders` counted of ``weights`` that the record's parts hold
-        (their views of it, or the tensor itself for a group of one on its table's own
-        arrays), taken back; plus other references to those views. Torch keeps ``weights``
-        alive from views sliced from it (their ``_base``), not from views that only share
-        its storage (as ``torch.load`` rebuilds them)."""
-        expected = 0
-        based = False
-        for tier in self._part_tiers():
-            view = tier.flat.weights
-            if view is weights:
-                expected -= 1  # the table's attribute: a second holder of the same tensor
-            else:
-                expected += _other_refs(view) - 1  # one view of the storage, counted there
-                based = based or storage_refs.sliced_from(view, weights)
-        return expected - (_REFS_VIEWS_ADD if based else 0)
 
     def _parts_of(self, weights: torch.Tensor) -> List[_Part]:
         """The record's parts, as they hold ``weights``."""

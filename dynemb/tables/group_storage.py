@@ -388,20 +388,14 @@ class GroupStorage:
     def __getstate__(self) -> Dict:
         state = dict(self.__dict__)
         state.pop("_batches", None)  # weak references do not pickle
-        state["_parts"] = [(a, w(), c) for a, w, c in state["_parts"]]  # (nor do these)
         return state
-
-    def __setstate__(self, state: Dict) -> None:
-        self.__dict__.update(state)
-        self._parts = [(a, weakref.ref(w), c) for a, w, c in self._parts]
 
     def _parts_of(self, table: DynamicTable):
         """The table's arrays, as the group placed them (to tell whether they were
-        replaced); its rows by a weak reference: memory stashing releases the rows only where
-        nothing but their tables holds them."""
+        replaced)."""
         tier = self.tier_of(table)
         counters = table.counters.values if self.keeps_counters else None
-        return tier.hash.arrays, weakref.ref(tier.flat.weights), counters
+        return tier.hash.arrays, tier.flat.weights, counters
 
     def _allocate_and_move_in(self) -> None:
         """The group's arrays, each table copied into its part of them."""
@@ -465,7 +459,7 @@ class GroupStorage:
         table = self.tables[t]
         arrays, weights, counters = self._parts[t]
         return (self.tier_of(table).hash.arrays is arrays
-                and _weights_in_place(self.tier_of(table)) is weights()
+                and _weights_in_place(self.tier_of(table)) is weights
                 and not (self.keeps_counters and table.counters.values is not counters))
 
     @property
