@@ -1,5 +1,5 @@
-"""Memory stashing without anything standing in for the rows, on CPU, checked against
-hand-computed rows: every row starts at 1.0 (a constant initializer) and the loss is the sum of
+"""Memory stashing without anything standing in for the rows, on the CPU and the CUDA kernels
+(numba's simulator where there is no GPU), checked against hand-computed rows: every row starts at 1.0 (a constant initializer) and the loss is the sum of
 the looked-up values, so SGD moves a key's row by ``-lr * (its occurrences in the batch)``,
 exactly (float32 and float16).
 
@@ -29,7 +29,7 @@ DIM = 4
 NAMES = ("t0", "t1")
 
 
-def _collection(group_tables=True, dtype=None):
+def _collection(group_tables=True, dtype=None, backend=("cpu", "cpu")):
     configs = [EmbeddingConfig(name=name, embedding_dim=DIM, num_embeddings=64,
                                feature_names=[f"f{i}"]) for i, name in enumerate(NAMES)]
     options = {name: DynamicEmbTableOptions(
@@ -37,12 +37,13 @@ def _collection(group_tables=True, dtype=None):
         initializer=Initializer(InitializerKind.CONSTANT, value=1.0)) for name in NAMES}
     return DynamicEmbCollection(configs, table_options=options,
                                 optimizer=OptimizerConfig(OptimizerType.SGD, learning_rate=LR),
-                                group_tables=group_tables)
+                                group_tables=group_tables, backend=backend[0],
+                                device=torch.device(backend[1]))
 
 
-def _batch(f0, f1):
+def _batch(f0, f1, device="cpu"):
     return KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.tensor(f0 + f1),
-                                               torch.tensor([len(f0), len(f1)]))
+                                               torch.tensor([len(f0), len(f1)])).to(device)
 
 
 def _loss(out):
@@ -50,9 +51,9 @@ def _loss(out):
 
 
 def _rows(ec, name, keys):
-    rows, found = ec.read_rows(name, torch.tensor(keys))
+    rows, found = ec.read_rows(name, torch.tensor(keys, device=ec.device))
     assert bool(found.all()), (name, keys)
-    return rows.float()
+    return rows.float().cpu()
 
 
 def _full(value, n=1):
@@ -65,12 +66,12 @@ TWO = ([11, 3], [20, 21, 20])
 
 
 @pytest.mark.parametrize("group_tables", [True, False], ids=["grouped", "alone"])
-def test_nothing_stands_in_for_the_rows_while_they_are_away(group_tables):
-    ec = _collection(group_tables)
-    _loss(ec(_batch(*ONE))).backward()
+def test_nothing_stands_in_for_the_rows_while_they_are_away(group_tables, backend):
+    ec = _collection(group_tables, backend=backend)
+    _loss(ec(_batch(*ONE, device=backend[1]))).backward()
     flats = {n: ec.tables[n].tier.flat for n in NAMES}
     tensors = {n: flat.weights for n, flat in flats.items()}
-    out = ec(_batch(*ONE))
+    out = ec(_batch(*ONE, device=backend[1]))
     assert ec.memory_stash.stashed == list(NAMES)
     for name in NAMES:
         flat = ec.tables[name].tier.flat
@@ -90,12 +91,13 @@ def test_nothing_stands_in_for_the_rows_while_they_are_away(group_tables):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("group_tables", [True, False], ids=["grouped", "alone"])
-def test_a_batch_prefetched_while_the_rows_are_away(group_tables, dtype):
-    ec = _collection(group_tables, dtype)
+def test_a_batch_prefetched_while_the_rows_are_away(group_tables, dtype, backend):
+    ec = _collection(group_tables, dtype, backend)
+    device = backend[1]
     stash = ec.memory_stash.table_stashes()["t0"]
-    out = ec(_batch(*ONE))
+    out = ec(_batch(*ONE, device=device))
     assert ec.memory_stash.stashed == list(NAMES)
-    ec.prefetch(_batch(*TWO))  # claims 11 (t0), 20 and 21 (t1) while the rows are away
+    ec.prefetch(_batch(*TWO, device=device))  # claims 11 (t0), 20 and 21 (t1) while away
     assert ec.memory_stash.stashed == list(NAMES)  # nothing brought them back
     assert stash.replayed_inits == 0 and stash.restores_on_access == 0
     assert ec.stats()["t1"]["rows_device"] == 3
@@ -104,7 +106,7 @@ def test_a_batch_prefetched_while_the_rows_are_away(group_tables, dtype):
     restore(ec)
     assert stash.replayed_inits > 0 and stash.restores_on_access == 0
     for f in ("f0", "f1"):
-        assert torch.equal(out[f].values().float(), _full(1.0, len(ONE[int(f[1])])))
+        assert torch.equal(out[f].values().float().cpu(), _full(1.0, len(ONE[int(f[1])])))
     assert torch.equal(_rows(ec, "t0", [3, 7, 11]), _full(1.0, 3))
     assert torch.equal(_rows(ec, "t1", [5, 20, 21]), _full(1.0, 3))
     _loss(out).backward()  # 3 twice, 7 once, 5 three times
@@ -112,9 +114,10 @@ def test_a_batch_prefetched_while_the_rows_are_away(group_tables, dtype):
                        torch.cat([_full(1 - 2 * LR), _full(1 - LR), _full(1.0)]))
     assert torch.equal(_rows(ec, "t1", [5, 20, 21]),
                        torch.cat([_full(1 - 3 * LR), _full(1.0, 2)]))
-    out = ec(_batch(*TWO))  # the prefetched batch: it reads the rows as they are now
-    assert torch.equal(out["f0"].values().float(), torch.cat([_full(1.0), _full(1 - 2 * LR)]))
-    assert torch.equal(out["f1"].values().float(), _full(1.0, 3))
+    out = ec(_batch(*TWO, device=device))  # the prefetched batch: it reads the rows as now
+    assert torch.equal(out["f0"].values().float().cpu(),
+                       torch.cat([_full(1.0), _full(1 - 2 * LR)]))
+    assert torch.equal(out["f1"].values().float().cpu(), _full(1.0, 3))
     _loss(out).backward()  # 11 once, 3 once more; 20 twice, 21 once
     assert torch.equal(_rows(ec, "t0", [3, 7, 11]),
                        torch.cat([_full(1 - 3 * LR), _full(1 - LR), _full(1 - LR)]))
@@ -133,3 +136,18 @@ def test_the_serving_export_brings_the_rows_back():
     assert torch.equal(chunks[0][1], _full(1.0))
     _loss(out).backward()
     assert torch.equal(_rows(ec, "t1", [5]), _full(1 - 3 * LR))
+
+
+def test_rows_in_place_before_reading_a_table_directly():
+    """A table's own methods read its tensors as they are: while away, empty. The module's
+    ``rows_in_place()`` brings them back first (its own methods call it)."""
+    ec = _collection()
+    out = ec(_batch(*ONE))
+    assert ec.tables["t0"].tier.flat.weights.shape == (0, DIM)
+    ec.rows_in_place()
+    assert ec.memory_stash.stashed == []
+    assert ec.memory_stash.table_stashes()["t0"].restores_on_access == 1
+    rows, found = ec.tables["t0"].read_rows(torch.tensor([3, 7]))
+    assert bool(found.all()) and torch.equal(rows, _full(1.0, 2))
+    _loss(out).backward()
+    assert torch.equal(_rows(ec, "t0", [3, 7]), torch.cat([_full(1 - 2 * LR), _full(1 - LR)]))

@@ -20,8 +20,8 @@ from dynemb.bridges import memory_stashing
 from dynemb.rows.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StashMode
 from dynemb.stashing.table_stash import TableStash
-from dynemb.tables.policies import storage_policy
 from dynemb.stashing.transfers import HostTransfers, transfers_for
+from dynemb.tables.policies import storage_policy
 
 
 def resolve_stash_options(options: Dict[str, DynamicEmbTableOptions],

@@ -159,10 +159,10 @@ class GroupStorage:
         """``write(self)`` initializes new rows of :attr:`weights` (reading ``tensors``) now;
         or, while :attr:`weights` is empty (whoever holds the rows let their memory go for a
         while), once they are back: :meth:`take_held_writes` hands it over."""
-        if self.weights.shape[0] == self.row_offset[-1]:
-            write(self)
-        else:
+        if self.weights.shape[0] == 0:
             self.__dict__.setdefault("_held_writes", []).append((write, tuple(tensors)))
+        else:
+            write(self)
 
     def take_held_writes(self) -> List:
         """The row initializations :meth:`write_new_rows` held, oldest first, as
