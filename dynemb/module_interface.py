@@ -65,6 +65,11 @@ class DynamicModuleInterface(abc.ABC):
         checkpoint's rows and optimizer state load into tables built for it); nothing to do
         where nothing but the constructor configures it."""
 
+    def rows_in_place(self) -> None:
+        """Bring back every row the module moved off its tables' tensors for a while (memory
+        stashing, between a training forward and its backward), before reading or replacing
+        the tables' rows directly; nothing to do where nothing moves them."""
+
     @abc.abstractmethod
     def load_tables(self, saved) -> None:
         """Replace the named tables' contents with saved images, all or nothing."""

@@ -23,6 +23,7 @@ class ModuleTables:
         """``(key, fqn, collection, table name)``; key ``"<fqn>/<table>"`` (the table name
         alone for a collection at the module's root)."""
         for fqn, collection in self.collections.items():
+            collection.rows_in_place()
             for name in collection.tables:
                 yield (f"{fqn}/{name}" if fqn else name), fqn, collection, name
 

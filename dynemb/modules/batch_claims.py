@@ -24,9 +24,7 @@ that order (keys, occurrences, scores), and answers with one
 - ``prefetch(keys, occurrences, scores)``: a training batch, claimed and filled;
 - ``lookup_batch(keys, occurrences)``: a read-only (eval) batch;
 - ``check_failures()``: raise the ``TableFullError`` of keys of earlier batches that found no
-  slot on the CUDA kernels;
-- ``rows``: where the group's rows live, as memory stashing (:mod:`dynemb.stashing`) moves
-  them.
+  slot on the CUDA kernels.
 """
 from __future__ import annotations
 

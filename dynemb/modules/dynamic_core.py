@@ -256,12 +256,12 @@ class DynamicCore:
                                     if c.name in self.tables}, apart=not self.groups_on)
 
     def row_units(self) -> List[Tuple[Tuple[str, ...], object]]:
-        """``[(table names, rows)]``: where the rows of each group live now (its tables
-        share one tensor), for memory stashing; a table whose group was replaced since (a
-        checkpoint load, a reset) its own rows until the next batch regroups it."""
+        """``[(table names, rows)]``: where the rows of each group live now (its record: its
+        tables share one tensor), for memory stashing; a table whose group was replaced
+        since (a checkpoint load, a reset) its own tier until the next batch regroups it."""
         groups = [g for g in self.groups if g.intact(self.tables)]
         grouped = {name for group in groups for name in group.names}
-        return ([(group.names, group.rows) for group in groups]
+        return ([(group.names, group.storage) for group in groups]
                 + [((name,), table.tier) for name, table in self.tables.items()
                    if name not in grouped])
 
@@ -279,6 +279,7 @@ class DynamicCore:
         in_flight.update((id(b), b) for _, b in self._awaiting_backward)
         # and the lookups whose pins ended but whose backward may still come
         in_flight.update((id(b), b) for group in self.groups for b in group.live_batches())
+        self.rows_in_place()  # the new groups copy the rows
         self._regroup()
         lost = False
         for batch in in_flight.values():
@@ -321,14 +322,23 @@ class DynamicCore:
     def stats(self) -> Dict[str, Dict[str, Any]]:
         return {name: t.stats() for name, t in self.tables.items()}
 
+    def rows_in_place(self, tables: Optional[Iterable[str]] = None) -> None:
+        """Bring back the rows of ``tables`` (None: all) that memory stashing moved to host
+        memory between a training forward and its backward: before anything reads or moves
+        them."""
+        if self.memory_stash is not None:
+            self.memory_stash.bring_back(tables)
+
     def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
         if table not in self.tables:
             raise KeyError(f"no table {table!r}; tables: {list(self.tables)}")
+        self.rows_in_place([table])
         return self.tables[table].read_rows(keys, with_state=with_state)
 
     def flush(self) -> Dict[str, int]:
         """Rows written back per table that keeps a copy of every row (CACHE), see
         :meth:`dynemb.tables.DynamicTable.flush`; other tables are left out."""
+        self.rows_in_place()
         counts = {name: table.flush() for name, table in self.tables.items()}
         return {name: count for name, count in counts.items() if count is not None}
 
@@ -344,6 +354,7 @@ class DynamicCore:
                 raise KeyError(f"no table {unknown[0]!r} to reset; tables: {known}")
         if self.is_meta:
             return
+        self.rows_in_place()  # the tables kept copy theirs into the new groups
         self.clear_prefetched()
         for config in self.configs:  # one table's memory goes before its new one comes
             if tables is not None and config.name not in names:
@@ -396,6 +407,8 @@ class DynamicCore:
                                    variable_batch=self._variable_batch)
         for name in self._scored:  # before any table changes (no other policy can fail)
             check_batch_score(name, ScorePolicy.CUSTOMIZED, training, self._scores.get(name))
+        if self.memory_stash is not None:  # rows this prefetch reads come back first
+            self.memory_stash.before_prefetch(training)
         groups = self._current_groups()
         if training and self._defers_failures:  # earlier batches' keys without a slot (CUDA)
             check_failures(groups)
@@ -418,6 +431,7 @@ class DynamicCore:
             self.settle_optimizer(training=True)
             self._check_lr()
             self.optimizer_notice.at_training(self.optimizer_config)
+        self.rows_in_place()  # (rows still away: a backward that never came, an eval forward)
         state = self._take(kjt, trains)
         if trains:
             # the previous step's lookups end their pins now, after this batch pinned its
@@ -527,6 +541,7 @@ class DynamicCore:
     def save_state(self, destination, prefix: str, rank: int, world_size: int) -> None:
         """Every table's rows, scores, optimizer state, step and counters into a state dict
         (see :mod:`dynemb.checkpoint.module_state`): host copies of their live entries."""
+        self.rows_in_place()
         save_tables(self.tables, self._steps, destination, prefix, rank, world_size)
 
     def load_state(self, state_dict: Mapping[str, Any], prefix: str, strict: bool,
@@ -546,6 +561,7 @@ class DynamicCore:
         """Replace the named tables' contents with their saved images, all or nothing (see
         :meth:`dynemb.modules.dynamic_module.DynamicModule.load_tables`)."""
         self.settle_optimizer()
+        self.rows_in_place()
         exact = check_saved_tables(self.tables, saved)
         # fallible loads (by key, into new tables) first; in-place ones cannot fail
         restored = {n: restore(self.tables[n], parts) for n, parts in saved.items()
@@ -557,6 +573,7 @@ class DynamicCore:
     def install_tables(self, tables: Dict[str, DynamicTable], steps: Dict[str, int]) -> None:
         """Swap in ``tables`` with their optimizer ``steps``: queued prefetches drop, pins
         end, and a backward of an earlier lookup raises instead of updating the new rows."""
+        self.rows_in_place()
         self.clear_prefetched()
         for name, table in tables.items():
             self.tables[name] = table

@@ -161,6 +161,12 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         will use; a configuration the module cannot take raises ``ValueError``."""
         return self._core.optimizer_object()
 
+    def rows_in_place(self) -> None:
+        """Bring back the rows memory stashing moved to host memory between a training
+        forward and its backward (the module's own methods do: ``read_rows``,
+        ``state_dict``...; this is for code that reads ``tables`` directly meanwhile)."""
+        self._core.rows_in_place()
+
     @property
     def memory_stash(self) -> Optional[CollectionStash]:
         """The stashes of the tables whose rows wait in host memory between a training
@@ -231,8 +237,8 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         """Write every cached row of each CACHE table to its backing store (the rows stay
         cached), so the store holds the latest rows without a checkpoint; returns the rows
         written per CACHE table. Tables of the other modes keep no second copy and are left
-        out. See :meth:`dynemb.tables.cache.CacheTable.flush` for stashed rows and lookups
-        awaiting their backward.
+        out. Stashed rows (:mod:`dynemb.stashing`) come back first. See
+        :meth:`dynemb.tables.cache.CacheTable.flush` for lookups awaiting their backward.
 
         Example::
 

@@ -194,7 +194,16 @@ class FlatTable:
     def initialize_where(self, slots: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
                          initializer: Initializer, *, seed: int, table_id: int) -> None:
         """:meth:`initialize` the rows ``slots[i]`` with ``mask[i]`` (and ``slots[i] >= 0``).
-        float32 rows are written by one kernel without a host sync."""
+        float32 rows are written by one kernel without a host sync.
+
+        While :attr:`weights` is empty (whoever holds the rows let their memory go for a
+        while), the initialization waits: :meth:`take_held_writes` hands it to them, to make
+        once the rows are back in :attr:`weights`."""
+        if self.weights.shape[0] == 0:
+            self._held().append((lambda flat: flat.initialize_where(
+                slots, keys, mask, initializer, seed=seed, table_id=table_id),
+                (slots, keys, mask)))
+            return
         if self.weights.dtype == torch.float32:
             initializer.write_rows(self.weights, slots, keys, mask, dim=self.dim, seed=seed,
                                    table_id=table_id, kernels=self.kernels)
@@ -202,6 +211,28 @@ class FlatTable:
         pick = mask & (slots >= 0)
         if bool(pick.any()):
             self.initialize(slots[pick], keys[pick], initializer, seed=seed, table_id=table_id)
+
+    def _held(self) -> list:
+        return self.__dict__.setdefault("_held_writes", [])
+
+    def take_held_writes(self) -> list:
+        """The row initializations made while :attr:`weights` was empty, oldest first, as
+        ``(write, tensors)``: ``write(self)`` makes one, reading ``tensors``; they are
+        forgotten here.
+
+        Example::
+
+            >>> flat = FlatTable(8, dim=2)
+            >>> rows = flat.weights
+            >>> flat.weights = torch.empty(0, 2)  # the rows' memory let go
+            >>> flat.initialize_where(torch.tensor([5]), torch.tensor([7]), torch.tensor([True]),
+            ...                       Initializer(), seed=0, table_id=0)
+            >>> flat.weights = rows  # back
+            >>> [write(flat) for write, _ in flat.take_held_writes()] and bool(rows[5].any())
+            True
+        """
+        held, self.__dict__["_held_writes"] = self._held(), []
+        return held
 
     def use_storage(self, weights: torch.Tensor) -> None:
         """Copy the rows into ``weights`` (same shape and dtype, e.g. a view of a table

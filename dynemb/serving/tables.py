@@ -90,6 +90,7 @@ def local_collection(module) -> DynamicModuleInterface:
                            f"rows to read: shard it (DistributedModelParallel with its dynemb "
                            f"sharder), materialize it with .to_empty(device=...), or build it "
                            f"on a real device")
+    local.rows_in_place()
     return local
 
 

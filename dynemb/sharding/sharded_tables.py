@@ -88,6 +88,7 @@ class ShardedTables(ShardedDynamicModuleInterface):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """This rank's share of every table, named ``rank<r>_of_<world>`` under the names the
         unsharded module uses (see :mod:`dynemb.checkpoint.module_state`)."""
+        self.local.rows_in_place()
         save_tables(self.local.tables, self.local.steps, destination, prefix, self._rank,
                     self._world_size)
 

@@ -11,13 +11,15 @@ Turn it on per table with ``DynamicEmbTableOptions(stash=StashMode.ALL)`` (or ``
   :class:`~dynemb.pipelines.TrainPipelineSparseDistEmbStash` and
   :class:`~dynemb.pipelines.TrainPipelinePrefetchEMS` (TorchRec's, also on CPU);
 - in a plain loop, :func:`restore_on_grad` does the same from a tensor's gradient hook;
-- anything else that touches the rows (the next prefetch's loads, an eval or ``no_grad``
-  forward, ``read_rows``, ``state_dict``, a checkpoint load, a new step after an exception)
-  brings them back first; new rows made by a prefetch meanwhile are written when they return.
+- the module brings them back first before anything else reads or moves them (the next
+  prefetch's loads, an eval or ``no_grad`` forward, ``read_rows``, ``state_dict``, a
+  checkpoint load, a new step after an exception); new rows made by a prefetch meanwhile are
+  written when they return. Nothing stands in for the rows meanwhile: the tables' tensors
+  are empty.
 
 The machinery has one module a job: :mod:`~dynemb.stashing.collection_stash` (a module's
 tables together, :func:`~dynemb.stashing.collection_stash.resolve_stash_options`),
-:mod:`~dynemb.stashing.table_stash` (one table: ``TableStash``, ``StashedRows``,
+:mod:`~dynemb.stashing.table_stash` (a table's or a group's rows: ``TableStash``,
 ``stashed_columns``, ``stashed_bytes_per_row``), :mod:`~dynemb.stashing.transfers` (how the
 bytes move). See docs/ems.md for when it pays and what it costs.
 """

@@ -3,14 +3,15 @@ and the options that turn them on.
 
 The collection calls :meth:`CollectionStash.after_lookup` at the end of each training forward
 and :meth:`CollectionStash.restore` at the start of its backward (the last moment: a pipeline
-or the user may restore earlier, see :func:`dynemb.stashing.restore`). Anything else that
-touches a stashed table's rows brings them back first (see
+or the user may restore earlier, see :func:`dynemb.stashing.restore`). Before anything else
+reads or moves a stashed table's rows, the collection brings them back
+(:meth:`CollectionStash.bring_back`, :meth:`CollectionStash.before_prefetch`; see
 :mod:`dynemb.stashing.table_stash`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig
@@ -20,6 +21,7 @@ from dynemb.rows.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StashMode
 from dynemb.stashing.table_stash import TableStash
 from dynemb.stashing.transfers import HostTransfers, transfers_for
+from dynemb.tables.policies import storage_policy
 
 
 def resolve_stash_options(options: Dict[str, DynamicEmbTableOptions],
@@ -53,7 +55,7 @@ def resolve_stash_options(options: Dict[str, DynamicEmbTableOptions],
 
 
 #: Where a module's rows live, unit by unit: ``[(table names, rows)]``, ``rows`` a table's own
-#: tier or the rows of a table group (see :class:`~dynemb.stashing.table_stash.TableStash`).
+#: tier or a table group's record (see :class:`~dynemb.stashing.table_stash.TableStash`).
 RowUnits = Callable[[], Sequence[Tuple[Tuple[str, ...], object]]]
 
 
@@ -161,6 +163,29 @@ class CollectionStash:
         if stashed and (self.hand_restores_to_torchrec or memory_stashing.manager_enabled()):
             memory_stashing.queue_restore(self.restore)
 
+    def bring_back(self, names: Optional[Iterable[str]] = None) -> None:
+        """Bring back now the rows of the named tables (None: every table) that are away:
+        what the collection does before anything reads or moves them (counted in each
+        stash's ``restores_on_access``). The tables of a group come back together."""
+        wanted = None if names is None else set(names)
+        for unit, stash in self._stashes.items():
+            if stash.stashed and (wanted is None or wanted.intersection(unit)):
+                stash.restore(on_access=True)
+
+    def before_prefetch(self, training: bool) -> None:
+        """A prefetch is about to run. An eval prefetch may read rows: every table comes
+        back. A training prefetch brings back the tables whose prefetch reads or moves rows
+        (a CACHE table writes evicted rows back and loads new ones, a table that can grow
+        moves its rows); the others only claim slots and initialize new rows, which wait for
+        the restore (a DEFAULT table claims in forward: its prefetch touches no row)."""
+        if not training:
+            self.bring_back()
+            return
+        for unit, stash in self._stashes.items():
+            if stash.stashed and any(_prefetch_moves_rows(self._tables[name])
+                                     for name in unit if name in self._tables):
+                stash.restore(on_access=True)
+
     def restore(self, _grad: Optional[torch.Tensor] = None, sync_event=None) -> None:
         """Bring every stashed table back (a no-op for those in place). Its signature is that
         of TorchRec's restore callbacks (a gradient hook's argument, an event to wait for)."""
@@ -172,3 +197,10 @@ class CollectionStash:
         modes = {n: t.options.stash.value for n, t in self._tables.items()
                  if t.options.stash is not StashMode.NONE}
         return f"CollectionStash({modes}, stashed={self.stashed})"
+
+
+def _prefetch_moves_rows(table) -> bool:
+    """Whether a training prefetch of ``table`` may read or move its device rows: rows move
+    between a backing store and the device (CACHE), or the table can grow."""
+    return (storage_policy(table.mode).backing_store
+            or table.tier.hash.grow_at_load_factor is not None)

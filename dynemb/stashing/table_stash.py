@@ -1,32 +1,39 @@
-"""``TableStash``: one table's device rows moved to host memory and back.
+"""``TableStash``: the device rows of a table, or of a table group, moved to host memory and
+back.
 
-A table's device rows are one tensor, ``table.tier.flat.weights`` ``[capacity, width]``
-(embedding columns, then optimizer state; :class:`~dynemb.rows.flat_table.RowLayout`).
-:meth:`TableStash.stash` copies the columns its :class:`~dynemb.options.StashMode` names to a
-host buffer and releases the tensor's storage (the tensor object stays, with an empty
-storage: ``weights.untyped_storage().nbytes() == 0``); columns kept on the device are parked
-in a compact device buffer first. :meth:`TableStash.restore` gives the tensor new memory and
-copies everything back. The hash table (keys, scores, pins) never moves.
+A table's device rows are one tensor ``[capacity, width]`` (embedding columns, then optimizer
+state; :class:`~dynemb.rows.flat_table.RowLayout`): its tier's ``flat.weights``. A table group
+(:mod:`dynemb.tables.groups`) keeps its tables' rows in one tensor, its record's ``weights``
+(:class:`~dynemb.tables.group_storage.GroupStorage`), each table's flat table a view of its
+part; the group's rows go and come back as one. :meth:`TableStash.stash` copies the columns
+its :class:`~dynemb.options.StashMode` names to a host buffer (columns kept on the device are
+parked in a compact device buffer first) and releases the storage of that tensor and of every
+table's view of it: each tensor keeps its identity and becomes empty (``[0, width]``), so no
+byte stays. :meth:`TableStash.restore` gives the tensor new memory, copies everything back and
+points the views at it again. The hash table (keys, scores, pins) never moves.
 
-While the rows are away the tier's ``flat`` is a :class:`StashedRows` stand-in. Every row
-access of every storage mode, and of checkpoints, goes through ``tier.flat``, so the stand-in
-sees all of them:
+Nothing stands in for the rows while they are away, and the tables do not know they are:
 
-- ``initialize_where`` (new rows of the next batch's prefetch) is recorded and replayed on
-  the real rows right after they come back. Those rows are in unpinned slots, disjoint from
-  the slots of the lookup awaiting its backward (pinned), so replaying them after that
-  backward's update gives the rows an unstashed run has;
-- anything else (``weights``, ``gather``, ``scatter``, ``remap`` after the hash table grew,
-  a CACHE write-back or load, ``read_rows``, ``state_dict``, an eval lookup) restores first;
-- sizes and layout (``capacity``, ``layout``, ``dim``...) answer without restoring.
+- whoever reads or moves rows brings them back first. The module (:mod:`dynemb.modules`)
+  does, through :class:`~dynemb.stashing.collection_stash.CollectionStash`: before an eval
+  forward, the next training lookup, ``read_rows``, ``state_dict``, a load, ``flush``, a
+  regroup, and (``rows_in_place``) the services that read a module's tables; before a
+  training prefetch, for the tables whose prefetch reads or moves rows (a CACHE table's
+  write-backs and loads, a table that can grow);
+- the training prefetch of the other tables claims slots in the hash table and initializes
+  the new rows. The group's record and the flat tables hold such initializations while their
+  tensor is empty (:meth:`GroupStorage.write_new_rows
+  <dynemb.tables.group_storage.GroupStorage.write_new_rows>`,
+  :meth:`FlatTable.initialize_where <dynemb.rows.flat_table.FlatTable.initialize_where>`),
+  and the restore makes them right after the rows are back (``take_held_writes``). Those
+  rows are in unpinned slots, disjoint from the slots of the lookup awaiting its backward
+  (pinned), so making them before that backward's update gives the rows an unstashed run
+  has.
 
-A table group (:mod:`dynemb.tables.groups`) keeps its tables' rows in one tensor, each
-table's flat table a view of its part; its stash is one ``TableStash`` over the group's
-:class:`~dynemb.tables.group_storage.GroupRows`. The stash copies and releases the group's
-tensor and every table's view (so no byte stays), makes each table's ``flat`` a
-:class:`PartStashed` meanwhile, and points the views at the rows again when they are back;
-the group's own row writes go through its ``flat``'s ``write_new_rows``, recorded while the
-rows are away like ``initialize_where``.
+Rows are released only where nothing else holds their memory (a view kept across a step, a
+numpy array of them): the stash lets go and sees whether the storage is still alive
+(:func:`_other_holders`, a weak reference; nothing is counted). A reference to the table's
+own tensor is no holder: the tensor is the table's, empty while away, refilled after.
 
 CUDA ordering (see :class:`~dynemb.stashing.transfers.CudaTransfers`; no host waits):
 
@@ -38,23 +45,21 @@ CUDA ordering (see :class:`~dynemb.stashing.transfers.CudaTransfers`; no host wa
   earlier;
 - restore: the rows' new block comes from the host-to-device stream's pool (so it waits
   for nobody's earlier work), the copy waits for the stash's event (the host buffer is
-  complete), then the forward, current and prefetch streams wait for the copy's event.
+  complete), then the forward stream waits for the copy's event, and for the streams that
+  made what the held initializations read, before it makes them; the current and prefetch
+  streams wait for all of it.
 """
 from __future__ import annotations
 
-import sys
 import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from dynemb.bridges import storage_refs
 from dynemb.rows.flat_table import RowLayout
 from dynemb.options import StashMode
-
-#: FlatTable attributes that describe rows without reading them
-_SHAPE_ONLY = ("layout", "dim", "optimizer_state_dim", "backend")
 
 
 def stashed_columns(mode: StashMode, row: RowLayout) -> Tuple[Tuple[int, int],
@@ -96,98 +101,43 @@ def stashed_bytes_per_row(mode: StashMode, row: RowLayout) -> int:
     return (stop - start) * row.element_size
 
 
-def _tensor_refs(tensor: torch.Tensor) -> int:
-    return sys.getrefcount(tensor)
-
-
-def _unshared_refs() -> int:
-    """What :func:`_other_holders` reads for a tensor held by one object's attribute only,
-    called as :meth:`TableStash.stash` calls it: measured, whatever the interpreter counts."""
-    class Holder:
-        pass
-
-    def other_holders(weights):  # plays _other_holders
-        return _tensor_refs(weights)
-
-    def stash():  # plays TableStash.stash
-        weights = holder.weights
-        return other_holders(weights)
-
-    holder = Holder()
-    holder.weights = torch.empty(0)
-    return stash()
-
-
-_UNSHARED_REFS = _unshared_refs()
-
-
-def _refs_views_add() -> int:
-    """References a tensor gains while views of it exist (torch keeps the Python object of a
-    view's base alive from C++): measured as :func:`_unshared_refs` is."""
-    class Holder:
-        pass
-
-    def stash():
-        weights = holder.weights
-        return _other_refs(weights)
-
-    holder = Holder()
-    holder.weights = torch.empty(2, 1)
-    views = [holder.weights[:1], holder.weights[1:]]
-    with_views = stash()
-    del views
-    return with_views - stash()
-
-
-def _other_holders(weights: torch.Tensor) -> int:
-    """References to the rows besides the table's: other tensors on their storage (views), and
-    other references to the tensor itself (a numpy array of it, say)."""
-    return storage_refs.other_views(weights) + max(0, _tensor_refs(weights) - _UNSHARED_REFS)
-
-
-def _other_refs(tensor: torch.Tensor) -> int:
-    """Other references to ``tensor`` itself than its holder's attribute (called as
-    :func:`_other_holders`, from a local of the caller)."""
-    return max(0, _tensor_refs(tensor) - _UNSHARED_REFS)
-
-
-_REFS_VIEWS_ADD = _refs_views_add()
+def _other_holders(released: "weakref.ref") -> int:
+    """Holders of the rows' memory besides the table, once the table's own tensors have let
+    go of it (``released``: a weak reference to that storage): 1 while something still
+    holds it (a view of the rows kept across a step, a numpy array of them), else 0. Torch
+    keeps a storage's Python object for as long as any tensor uses the storage, so the weak
+    reference dies exactly when the memory does: nothing is counted."""
+    return 0 if released() is None else 1
 
 
 @dataclass
-class _JournaledWrite:
-    """One row initialization made while the rows were away: ``replay(flat)`` makes it on
-    the rows once they are back."""
+class _View:
+    """A table's flat table whose tensor views the stashed rows, and where it lay in them (to
+    point it at the rows again when they are back)."""
 
-    replay: Callable[[object], None]
-    tensors: Tuple[torch.Tensor, ...]  # what it reads
-    ready: object  # event on the stream that made the tensors (None on CPU)
-    stream: object
-
-
-@dataclass
-class _Part:
-    """A tier whose flat table holds a stashed record's rows (a table of a group): a view of
-    its part, and where that lies, to point it at the rows again when they are back; or
-    (``view`` False, a group of one on its table's own arrays) the record's tensor itself."""
-
-    tier: object
     flat: object
-    view: bool
     offset: int
     shape: Tuple[int, ...]
     stride: Tuple[int, ...]
 
 
+def _rows_of(rows) -> Tuple[torch.Tensor, List[object], List[object]]:
+    """``(the rows tensor, the flat tables on it, the record)`` of a group's record (one
+    tensor for all its tables, each table's flat table on its part) or of a table's tier."""
+    if hasattr(rows, "tier_of"):
+        return rows.weights, [rows.tier_of(table).flat for table in rows.tables], [rows]
+    return rows.flat.weights, [rows.flat], []
+
+
 class TableStash:
-    """The stash of one table's device tier (built by
+    """The stash of one table's device tier, or of a table group's rows (built by
     :class:`~dynemb.stashing.CollectionStash`).
 
     Args:
-        name: the table, for messages.
-        tier: the table's device :class:`~dynemb.tables.tier.Tier`, or the rows of a table
-            group (:class:`~dynemb.tables.group_storage.GroupRows`: one tensor for all its
-            tables, whose tiers, its ``parts()``, view it; they go and come back together).
+        name: the table (or the group's tables), for messages.
+        tier: where the rows live: a table's device :class:`~dynemb.tables.tier.Tier`, or a
+            table group's :class:`~dynemb.tables.group_storage.GroupStorage` (one tensor for
+            all its tables, each table's flat table a view of its part).
         mode: what to stash (not ``NONE``).
         row: the table's physical :class:`RowLayout`.
         transfers: :class:`~dynemb.stashing.transfers.HostTransfers` or ``CudaTransfers``.
@@ -207,12 +157,11 @@ class TableStash:
         >>> stash = TableStash("t", tier, StashMode.ALL, RowLayout(4), HostTransfers())
         >>> stash.stash()
         True
-        >>> stash.rows().untyped_storage().nbytes(), tier.flat.capacity  # rows() reads in place
-        (0, 128)
-        >>> float(tier.flat.weights.sum())  # any row access brings the rows back first
-        768.0
-        >>> stash.stashed, stash.rows().untyped_storage().nbytes()
-        (False, 2048)
+        >>> tier.flat.weights.shape, tier.hash.capacity  # the same tensor, empty; the keys stay
+        (torch.Size([0, 4]), 128)
+        >>> stash.restore()
+        >>> float(tier.flat.weights.sum()), stash.rows() is tier.flat.weights
+        (768.0, True)
     """
 
     def __init__(self, name: str, tier, mode: StashMode, row: RowLayout, transfers,
@@ -223,16 +172,14 @@ class TableStash:
         self._cols, self._keep = stashed_columns(mode, row)
         self._t = transfers
         self._extra = [s for s in extra_streams if s is not None]
-        self._flat = None                   # the real FlatTable while stashed
-        self._stand_in: Optional[StashedRows] = None
+        self._away: Optional[torch.Tensor] = None  # the released rows tensor while stashed
+        self._views: List[_View] = []       # the tables' views of it, released too
         self._host: Optional[torch.Tensor] = None  # reused from stash to stash
         self._kept: Optional[torch.Tensor] = None
         self._shape: Tuple[int, int] = (0, 0)
         self._stashed_event = None          # the device-to-host copy has finished
         self._restored_event = None         # the host-to-device copy has finished
         self._forward = None                # the stream of the stashing forward
-        self._journal: List[_JournaledWrite] = []
-        self._parts: List[_Part] = []       # the group's tables while stashed
         self._warned = False
         #: how many times the rows went away / came back, how many of those returns an access
         #: other than a restore call caused, and how many row initializations waited for one
@@ -245,25 +192,24 @@ class TableStash:
     # -- state ---------------------------------------------------------------------------------
     @property
     def stashed(self) -> bool:
-        return self._flat is not None
+        return self._away is not None
 
     @property
     def stashed_bytes(self) -> int:
         """Bytes of rows this table moves per stash (its host buffer's size)."""
-        weights = self._flat.weights if self.stashed else self.tier.flat.weights
+        weights = self.rows()
         rows = self._shape[0] if self.stashed else weights.shape[0]
         return rows * (self._cols[1] - self._cols[0]) * weights.element_size()
 
     def rows(self) -> torch.Tensor:
-        """The rows' tensor, for inspection, without bringing the rows back (empty while
-        stashed). Holding it across a training forward keeps the table from being stashed."""
-        return self._flat.weights if self.stashed else self.tier.flat.weights
+        """The rows' tensor, for inspection (empty while stashed: the same tensor). Holding a
+        view of it across a training forward keeps the table from being stashed."""
+        return self._away if self.stashed else _rows_of(self.tier)[0]
 
     def device_bytes(self) -> int:
         """Bytes the rows hold on the device right now (0 while stashed; the columns parked on
-        the device meanwhile not included), read without bringing them back."""
-        weights = self._flat.weights if self.stashed else self.tier.flat.weights
-        return weights.untyped_storage().nbytes()
+        the device meanwhile not included)."""
+        return self.rows().untyped_storage().nbytes()
 
     @property
     def parked_bytes(self) -> int:
@@ -283,22 +229,16 @@ class TableStash:
     # -- stash ---------------------------------------------------------------------------------
     def stash(self) -> bool:
         """Copy the stashed columns to host memory and release the rows' device storage.
-        Returns False (and warns once) when something else holds the rows, e.g. a view of
-        them kept across a training step: it would read an empty table (or keep the memory
-        and go stale), so the rows stay (a ``state_dict`` holds copies: it does not)."""
+        Returns False (and warns once) when something else holds that storage, e.g. a view
+        of the rows kept across a training step: it would keep the memory and go stale, so
+        the rows stay (a ``state_dict`` holds copies: it does not).
+
+        Whether anything else holds it is known only once the table's own tensors have let
+        go (:func:`_other_holders`); the rows are then put back as they were, and the copy
+        made meanwhile is dropped."""
         if self.stashed:
             return True
-        flat = self.tier.flat
-        weights = flat.weights
-        others = _other_holders(weights) + self._holders_among_parts(weights)
-        if others:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"table {self.name!r}: {others} tensors besides the table view its rows "
-                    f"(a view of its weights kept across a training step?), so its rows stay on the "
-                    f"device this step instead of being stashed", RuntimeWarning, stacklevel=3)
-            return False
+        weights, flats, _ = _rows_of(self.tier)
         t = self._t
         d2h, _ = t.side_streams()
         forward = t.current_stream()
@@ -306,58 +246,54 @@ class TableStash:
         for stream in self._extra:         # rows a prefetch wrote are in place
             t.wait_stream(d2h, stream)
         t.wait_event(d2h, self._restored_event)  # the last restore has read the host buffer
-        host = self._host_buffer(weights)
-        t.copy(host, self._part(weights, self._cols), d2h)
+        self._copy_out(weights, d2h)
+        stashed_event = t.record_event(d2h)
+        # the block may serve another allocation only after the copy stream has passed the
+        # event the allocator records there when the block is freed, i.e. after the copy
+        t.record_stream(weights, d2h)
+        place = (weights.storage_offset(), tuple(weights.shape), tuple(weights.stride()))
+        views = [_View(flat, flat.weights.storage_offset(), tuple(flat.weights.shape),
+                       tuple(flat.weights.stride()))
+                 for flat in flats if flat.weights is not weights]
+        storage = weights.untyped_storage()
+        released = weakref.ref(storage)
+        t.release(weights)
+        for view in views:  # the tables' views of the group's rows go too
+            t.release(view.flat.weights)
+        del storage
+        if _other_holders(released):
+            self._put_back(released(), weights, place, views)
+            self._kept = None
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"table {self.name!r}: other tensors besides the table view its rows (a "
+                    f"view of its weights kept across a training step?), so its rows stay on "
+                    f"the device this step instead of being stashed", RuntimeWarning,
+                    stacklevel=3)
+            return False
+        self._away, self._views, self._shape = weights, views, place[1]
+        self._stashed_event, self._forward = stashed_event, forward
+        self.stashes += 1
+        return True
+
+    def _copy_out(self, weights: torch.Tensor, d2h) -> None:
+        """Enqueue the copy of the stashed columns to the host buffer, and of the kept ones
+        to a compact device buffer (no view of the rows outlives it)."""
+        t = self._t
+        t.copy(self._host_buffer(weights), self._part(weights, self._cols), d2h)
         if self._keep is not None:
             keep = self._part(weights, self._keep)
             self._kept = t.device_buffer(keep.shape, weights.dtype, weights.device, d2h)
             t.copy(self._kept, keep, d2h)
-        self._stashed_event = t.record_event(d2h)
-        # the block may serve another allocation only after the copy stream has passed the
-        # event the allocator records there when the block is freed, i.e. after the copy
-        t.record_stream(weights, d2h)
-        self._shape = tuple(weights.shape)
-        self._parts = self._parts_of(weights)
-        t.release(weights)
-        for part in self._parts:  # the tables' views of the group's rows go too
-            if part.view:
-                t.release(part.flat.weights)
-            part.tier.flat = PartStashed(part, self)
-        self._flat, self._forward = flat, forward
-        self._stand_in = StashedRows(flat, self)
-        self.tier.flat = self._stand_in
-        self.stashes += 1
-        return True
 
-    def _part_tiers(self) -> List:
-        parts = getattr(self.tier, "parts", None)
-        return [] if parts is None else parts()
-
-    def _holders_among_parts(self, weights: torch.Tensor) -> int:
-        """What :func:`_other_holders` counted of ``weights`` that the record's parts hold
-        (their views of it, or the tensor itself for a group of one on its table's own
-        arrays), taken back; plus other references to those views. Torch keeps ``weights``
-        alive from views sliced from it (their ``_base``), not from views that only share
-        its storage (as ``torch.load`` rebuilds them)."""
-        expected = 0
-        based = False
-        for tier in self._part_tiers():
-            view = tier.flat.weights
-            if view is weights:
-                expected -= 1  # the table's attribute: a second holder of the same tensor
-            else:
-                expected += _other_refs(view) - 1  # one view of the storage, counted there
-                based = based or storage_refs.sliced_from(view, weights)
-        return expected - (_REFS_VIEWS_ADD if based else 0)
-
-    def _parts_of(self, weights: torch.Tensor) -> List[_Part]:
-        """The record's parts, as they hold ``weights``."""
-        parts = []
-        for tier in self._part_tiers():
-            view = tier.flat.weights
-            parts.append(_Part(tier, tier.flat, view is not weights, view.storage_offset(),
-                               tuple(view.shape), tuple(view.stride())))
-        return parts
+    @staticmethod
+    def _put_back(storage, weights: torch.Tensor, place, views: List[_View]) -> None:
+        """Point the released tensors at ``storage`` again, as they were (``place``: the
+        rows' offset, shape and stride in it)."""
+        weights.set_(storage, *place)
+        for view in views:
+            view.flat.weights.set_(storage, view.offset, view.shape, view.stride)
 
     def _host_buffer(self, weights: torch.Tensor) -> torch.Tensor:
         shape = (weights.shape[0], self._cols[1] - self._cols[0])
@@ -368,15 +304,15 @@ class TableStash:
         return self._host
 
     # -- restore -------------------------------------------------------------------------------
-    def restore(self, sync_event=None) -> None:
-        """Bring the rows back (no-op when they are in place), replay the row
-        initializations made meanwhile, and order the streams that use the rows after it.
-        ``sync_event``: an event the copy must also wait for (TorchRec's threaded restore)."""
+    def restore(self, sync_event=None, *, on_access: bool = False) -> None:
+        """Bring the rows back (no-op when they are in place), make the row initializations
+        held meanwhile, and order the streams that use the rows after it. ``sync_event``: an
+        event the copy must also wait for (TorchRec's threaded restore); ``on_access``: an
+        access to the rows, not a restore call, asks (counted in ``restores_on_access``)."""
         if not self.stashed:
             return
         t = self._t
-        flat, forward = self._flat, self._forward
-        weights = flat.weights
+        weights, forward = self._away, self._forward
         _, h2d = t.side_streams()
         t.reallocate(weights, self._shape, h2d)
         t.wait_event(h2d, sync_event)
@@ -389,114 +325,32 @@ class TableStash:
         self._restored_event = t.record_event(h2d)
         t.wait_event(forward, self._restored_event)
         storage = weights.untyped_storage()
-        for part in self._parts:  # the tables' views see the rows again
-            if part.view:
-                part.flat.weights.set_(storage, part.offset, part.shape, part.stride)
-            if isinstance(part.tier.flat, PartStashed):
-                part.tier.flat = part.flat
-        self._parts = []
-        if self.tier.flat is self._stand_in:
-            self.tier.flat = flat
-        self._flat, self._stand_in = None, None
-        journal, self._journal = self._journal, []
-        with t.on(forward):
-            for entry in journal:
-                t.wait_event(forward, entry.ready)
-                entry.replay(flat)
-                for tensor in entry.tensors:
-                    t.record_stream(tensor, forward)
-        self.replayed_inits += len(journal)
+        for view in self._views:  # the tables' views see the rows again
+            view.flat.weights.set_(storage, view.offset, view.shape, view.stride)
+        self._away, self._views = None, []
+        self._write_held(forward)
         ready = t.record_event(forward)
         for stream in {t.current_stream(), *self._extra} - {forward, None}:
             t.wait_event(stream, ready)
         self.restores += 1
+        self.restores_on_access += on_access
 
-    def journal(self, replay: Callable[[object], None], tensors: Sequence[torch.Tensor]) -> None:
-        """Record a row initialization made while the rows are away: ``replay(flat)`` makes it
-        on the rows once they are back (``tensors``: what it reads)."""
-        stream = self._t.current_stream()
-        self._journal.append(_JournaledWrite(replay, tuple(tensors),
-                                             self._t.record_event(stream), stream))
-
-    def real_rows(self):
-        """The tier's FlatTable with its rows in place (restoring them if away)."""
-        flat = self._flat
-        if flat is None:
-            return self.tier.flat
-        self.restores_on_access += 1
-        self.restore()
-        return flat
-
-
-class StashedRows:
-    """Stands in for a tier's :class:`~dynemb.rows.flat_table.FlatTable` while its rows are
-    stashed: see the module docstring for what it answers, records or restores."""
-
-    def __init__(self, flat, stash: TableStash):
-        object.__setattr__(self, "_flat", flat)
-        object.__setattr__(self, "_stash", stash)
-
-    @property
-    def capacity(self) -> int:
-        return self._stash._shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self._flat.weights.device
-
-    @property
-    def stands_in_for(self):
-        """The flat table whose rows are away (read without bringing them back)."""
-        return self._flat
-
-    def initialize_where(self, slots, keys, mask, initializer, *, seed, table_id) -> None:
-        self._stash.journal(lambda flat: flat.initialize_where(
-            slots, keys, mask, initializer, seed=seed, table_id=table_id), (slots, keys, mask))
-
-    def write_new_rows(self, write, tensors) -> None:
-        """A table group's initialization of new rows (see
-        :class:`~dynemb.tables.group_storage.GroupFlat`), made once the rows are back."""
-        self._stash.journal(write, tensors)
-
-    def __getattr__(self, name):
-        if name in _SHAPE_ONLY:
-            return getattr(self._flat, name)
-        return getattr(self._stash.real_rows(), name)
-
-    def __setattr__(self, name, value):
-        setattr(self._stash.real_rows(), name, value)
-
-    def __repr__(self) -> str:
-        return f"StashedRows({self._stash.name!r}, {self.capacity} rows away)"
-
-
-class PartStashed(StashedRows):
-    """Stands in for the flat table of a table of a group while the group's rows are
-    stashed: its sizes answer as they were, an ``initialize_where`` is recorded and made
-    once the rows are back, anything else brings the group's rows back first."""
-
-    def __init__(self, part: _Part, stash: TableStash):
-        super().__init__(part.flat, stash)
-        object.__setattr__(self, "_rows", part.shape[0])
-
-    @property
-    def capacity(self) -> int:
-        return self._rows
-
-    def initialize_where(self, slots, keys, mask, initializer, *, seed, table_id) -> None:
-        flat = self._flat
-        self._stash.journal(lambda _: flat.initialize_where(
-            slots, keys, mask, initializer, seed=seed, table_id=table_id), (slots, keys, mask))
-
-    def __getattr__(self, name):
-        if name in _SHAPE_ONLY:
-            return getattr(self._flat, name)
-        self._stash.real_rows()
-        return getattr(self._flat, name)
-
-    def __setattr__(self, name, value):
-        self._stash.real_rows()
-        setattr(self._flat, name, value)
-
-    def __repr__(self) -> str:
-        return f"PartStashed({self._stash.name!r}, {self.capacity} rows away)"
+    def _write_held(self, forward) -> None:
+        """Make, on the forward stream, the row initializations the record and the flat
+        tables held while the rows were away, in the order they came."""
+        _, flats, record = _rows_of(self.tier)
+        held = [(source, write, tensors) for source in record + flats
+                for write, tensors in source.take_held_writes()]
+        if not held:
+            return
+        t = self._t
+        # what the initializations read was made on the prefetch (or current) stream
+        makers = {t.current_stream(), *self._extra} - {forward, None}
+        with t.on(forward):
+            for stream in makers:
+                t.wait_stream(forward, stream)
+            for source, write, tensors in held:
+                write(source)
+                for tensor in tensors:
+                    t.record_stream(tensor, forward)
+        self.replayed_inits += len(held)

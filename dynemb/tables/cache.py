@@ -142,8 +142,7 @@ class CacheTable(HbmDirectTable):
 
         The rows stay cached (nothing is evicted, no pin or score changes). Rows go in slot
         order, ``chunk_rows`` at a time (the live slots of each chunk found by the table's
-        export kernel). A stashed table's rows come back first (any access to its rows does,
-        see :mod:`dynemb.stashing`). Rows of a lookup awaiting its backward are written as
+        export kernel). Rows of a lookup awaiting its backward are written as
         they are now: the backward then updates the cached row, which wins over the stored
         copy as always; flush again after it for a store that holds that update too. Rows
         the store evicts to take these count in ``store_evictions``.

@@ -58,36 +58,6 @@ def per_table_sums(values: Optional[torch.Tensor], segments: Segments) -> torch.
         0, segments.table_of, values.to(torch.int64).to(segments.table_of.device))
 
 
-class GroupFlat:
-    """The group's rows, one tensor ``weights`` [rows, width] (each table's flat table is a
-    view of its part; a group of one on its table's own arrays shares the tensor itself)."""
-
-    def __init__(self, weights: torch.Tensor):
-        self.weights = weights
-
-    def write_new_rows(self, write, tensors: Sequence[torch.Tensor]) -> None:
-        """Run ``write(self)`` (it initializes new rows, reading ``tensors``) now. A stand-in
-        for rows that are away (memory stashing) records it and runs it once they are
-        back."""
-        write(self)
-
-
-class GroupRows:
-    """A group's rows as memory stashing (:mod:`dynemb.stashing`) sees a table's tier:
-    ``flat`` holds them (a :class:`GroupFlat`, or a stand-in while they are away) and
-    :meth:`parts` are the tiers of the group's tables, whose flat tables view them."""
-
-    def __init__(self, weights: torch.Tensor, tables: Sequence[DynamicTable],
-                 tier_name: str = "tier"):
-        self.flat = GroupFlat(weights)
-        self._tables = tables
-        self.tier_name = tier_name
-
-    def parts(self) -> List:
-        """The tiers of the group's tables, in group order."""
-        return [getattr(table, self.tier_name) for table in self._tables]
-
-
 class GroupStorage:
     """The arrays of a group's ``tables`` and each table's part of them (see the module
     docstring). Building it moves each table into its part, copying it, unless the group
@@ -151,33 +121,23 @@ class GroupStorage:
         return getattr(table, self.tier_name)
 
     @property
-    def rows(self) -> GroupRows:
-        """The group's rows (the tensor behind :attr:`weights`) as memory stashing moves
-        them."""
-        return self._rows
-
-    @property
-    def weights(self) -> torch.Tensor:
-        """[rows, width]: every table's rows, each in its part (brought back first if
-        memory stashing moved them away)."""
-        return self.rows.flat.weights
-
-    @weights.setter
-    def weights(self, value: torch.Tensor) -> None:
-        if "_rows" in self.__dict__:
-            self._rows.flat.weights = value
-        else:
-            self._rows = GroupRows(value, self.tables, self.tier_name)
-
-    @property
     def row_dtype(self) -> torch.dtype:
-        """The rows' dtype, read without bringing stashed rows back."""
+        """The rows' dtype."""
         return self.tables[0].row_layout.dtype
 
     def write_new_rows(self, write, tensors: Sequence[torch.Tensor]) -> None:
-        """``write(flat)`` initializes new rows of the group's ``flat.weights`` now, or, while
-        memory stashing has the rows away, once they are back (``tensors``: what it reads)."""
-        self.rows.flat.write_new_rows(write, tensors)
+        """``write(self)`` initializes new rows of :attr:`weights` (reading ``tensors``) now;
+        or, while :attr:`weights` is empty (whoever holds the rows let their memory go for a
+        while), once they are back: :meth:`take_held_writes` hands it over."""
+        if self.weights.shape[0] == 0:
+            self.__dict__.setdefault("_held_writes", []).append((write, tuple(tensors)))
+        else:
+            write(self)
+
+    def take_held_writes(self) -> List:
+        """The row initializations :meth:`write_new_rows` held, oldest first, as
+        ``(write, tensors)``: ``write(self)`` makes one; they are forgotten here."""
+        return self.__dict__.pop("_held_writes", [])
 
     def _lay_out(self) -> None:
         """Place every table in its part of the group's arrays, by the tables' capacities."""
@@ -257,20 +217,15 @@ class GroupStorage:
     def __getstate__(self) -> Dict:
         state = dict(self.__dict__)
         state.pop("_batches", None)  # weak references do not pickle
-        state["_parts"] = [(a, w(), c) for a, w, c in state["_parts"]]  # (nor do these)
+        state.pop("_held_writes", None)  # (nor do closures; none while the rows are there)
         return state
-
-    def __setstate__(self, state: Dict) -> None:
-        self.__dict__.update(state)
-        self._parts = [(a, weakref.ref(w), c) for a, w, c in self._parts]
 
     def _parts_of(self, table: DynamicTable):
         """The table's arrays, as the group placed them (to tell whether they were
-        replaced); its rows by a weak reference: memory stashing releases the rows only where
-        nothing but their tables holds them."""
+        replaced)."""
         tier = self.tier_of(table)
         counters = table.counters.values if self.keeps_counters else None
-        return tier.hash.arrays, weakref.ref(tier.flat.weights), counters
+        return tier.hash.arrays, tier.flat.weights, counters
 
     def _allocate_and_move_in(self) -> None:
         """The group's arrays, each table copied into its part of them."""
@@ -333,7 +288,7 @@ class GroupStorage:
         table = self.tables[t]
         arrays, weights, counters = self._parts[t]
         return (self.tier_of(table).hash.arrays is arrays
-                and _weights_in_place(self.tier_of(table)) is weights()
+                and self.tier_of(table).flat.weights is weights
                 and not (self.keeps_counters and table.counters.values is not counters))
 
     @property
@@ -382,12 +337,3 @@ def _owns_its_arrays(tier: Tier, counters) -> bool:
     memory alive)."""
     tensors = (tier.hash.arrays.keys, tier.flat.weights, counters.values)
     return all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
-
-
-def _weights_in_place(tier: Tier) -> torch.Tensor:
-    """The tier's rows tensor, read without bringing its rows back: while memory stashing
-    has them away, its flat table is a stand-in that names the flat table it stands in for
-    (``stands_in_for``); the tensor keeps its identity while away."""
-    flat = tier.flat
-    return getattr(flat, "stands_in_for", flat).weights
-

@@ -91,12 +91,6 @@ class TieredGroup:
     def tables(self) -> List[DynamicTable]:
         return self.storage.tables
 
-    @property
-    def rows(self):
-        """The device tiers' rows, as memory stashing moves them (a DEFAULT table alone
-        stashes its device tier)."""
-        return self.storage.rows
-
     def intact(self, tables: Mapping[str, DynamicTable]) -> bool:
         """Whether ``tables`` still holds the group's tables, both tiers of each in their
         parts of the records."""

@@ -167,11 +167,5 @@ class TableGroup:
         the last batch's count too)."""
         self._prefetch.failures.check(wait)
 
-    @property
-    def rows(self):
-        """The group's rows, as memory stashing moves them (see
-        :class:`~dynemb.tables.group_storage.GroupRows`)."""
-        return self.storage.rows
-
     def __repr__(self) -> str:
         return f"TableGroup({list(self.names)}, rows={self.storage.row_offset[-1]})"
