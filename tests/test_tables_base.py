@@ -5,15 +5,17 @@ import torch
 
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.tables import DynamicTable
+from dynemb.types import EMPTY_KEY
 from table_builder import DIM, build, prefetch, rows_of, start_rows, update
 
 
 def test_prefetch_dedups_and_counts_occurrences():
     table = build()
     batch = prefetch(table, torch.tensor([5, 7, 5]), occurrences=torch.tensor([2, 1, 3]))
-    assert sorted(batch.keys.tolist()) == [5, 7]
+    # padded to the input's length with EMPTY_KEY (count 0), which no input key points to
+    assert sorted(batch.keys.tolist()) == sorted([5, 7, EMPTY_KEY])
     assert batch.keys[batch.inverse].tolist() == [5, 7, 5]
-    assert dict(zip(batch.keys.tolist(), batch.counts.tolist())) == {5: 5, 7: 1}
+    assert dict(zip(batch.keys.tolist(), batch.counts.tolist())) == {5: 5, 7: 1, EMPTY_KEY: 0}
     prefetch(table, torch.tensor([7, 7]))
     stats = table.stats()
     assert (stats["lookups"], stats["unique_keys"], stats["inserts"], stats["hits"]) == (

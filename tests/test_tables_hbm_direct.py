@@ -4,6 +4,7 @@ rescoring, and unseen keys read the eval initializer."""
 import torch
 
 from dynemb import Initializer, InitializerKind, ScorePolicy, StorageMode
+from dynemb.types import EMPTY_KEY
 from table_builder import DIM, build, prefetch, rows_of, start_rows, update
 
 
@@ -11,7 +12,9 @@ def test_training_prefetch_inserts_and_starts_new_rows():
     table = build()
     assert type(table).__name__ == "HbmDirectTable" and table.mode is StorageMode.HBM_DIRECT
     batch = prefetch(table, torch.tensor([7, 9, 7]))
-    assert table.tier.hash.size() == 2 and (batch.slots >= 0).all()
+    # the unique keys are padded to the input's length: EMPTY_KEY (count 0) has no slot
+    assert batch.keys.tolist() == [7, 9, EMPTY_KEY] and batch.counts.tolist() == [2, 1, 0]
+    assert table.tier.hash.size() == 2 and batch.slots.ge(0).tolist() == [True, True, False]
     torch.testing.assert_close(rows_of(batch), start_rows([7, 9, 7]))
 
 
