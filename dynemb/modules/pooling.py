@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from dynemb.backends.device_values import values_on
 from dynemb.modules.dynamic_core import DynamicCore
@@ -68,18 +67,13 @@ def pool_all(core: DynamicCore, tables: Sequence[TableBags], size: int,
 
 
 def pool_batch(out: torch.Tensor, batch: LookupBatch, members: Members) -> None:
-    """A batch's tables' bags into their columns of ``out`` [B, C]: by the pooling kernel
+    """A batch's tables' bags into their columns of ``out`` [B, C], by the pooling kernel
     straight from the rows :meth:`~dynemb.tables.lookup_batch.LookupBatch.pooling_rows`
-    names, or by ``embedding_bag`` over the batch's unique rows (each bag sums the same rows
-    in the same order as its table alone); in one call for all the tables when they pool
-    alike, else one per table."""
+    names; in one call for all the tables when they pool alike, else one per table."""
     source = batch.pooling_rows()
     uniform = len({bags.mode for _, bags in members}) == 1
     for part in ([members] if uniform else [[m] for m in members]):
-        if source.by_kernel:
-            _pool_by_kernel(out, batch, source, part)
-        else:
-            _pool_by_embedding_bag(out, batch, source, part)
+        _pool_by_kernel(out, batch, source, part)
 
 
 def _pool_by_kernel(out: torch.Tensor, batch: LookupBatch, source: PoolingRows,
@@ -91,24 +85,6 @@ def _pool_by_kernel(out: torch.Tensor, batch: LookupBatch, source: PoolingRows,
     batch.kernels.pool_bags(source.rows, source.index, _bag_offsets(part, starts), scale,
                             part[0][1].mode == "mean", size, _columns(part, dim, out.device),
                             dim, out)
-
-
-def _pool_by_embedding_bag(out: torch.Tensor, batch: LookupBatch, source: PoolingRows,
-                           part: Members) -> None:
-    size, dim = out.shape[0], batch.dim
-    bounds = [batch.key_range(name) for name, _ in part]
-    ids = _joined([source.index[lo:hi] for lo, hi in bounds])
-    starts = [0]
-    for lo, hi in bounds[:-1]:
-        starts.append(starts[-1] + hi - lo)
-    weights = (_joined([bags.weights for _, bags in part])
-               if part[0][1].weights is not None else None)
-    pooled = F.embedding_bag(ids, source.rows, _bag_offsets(part, starts),
-                             mode=part[0][1].mode, per_sample_weights=weights,
-                             include_last_offset=True)  # [bags, D]
-    columns = (_columns(part, dim, out.device)[:, None]
-               + torch.arange(dim, device=out.device)).reshape(-1)
-    out[:, columns] = pooled.view(-1, size, dim).transpose(0, 1).reshape(size, -1)
 
 
 def _bag_offsets(part: Members, starts: Sequence[int]) -> torch.Tensor:

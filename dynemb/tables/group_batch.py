@@ -140,10 +140,8 @@ class GroupBatch(LookupBatch):
         storage = self.storage
         if self.fallback is None and not storage.serves_elsewhere and \
                 storage.row_dtype == torch.float32:
-            return PoolingRows(storage.weights, self.slots.index_select(0, self.inverse),
-                               by_kernel=True)
-        return PoolingRows(self.unique_rows().contiguous(), self.inverse,
-                           by_kernel=True)
+            return PoolingRows(storage.weights, self.slots.index_select(0, self.inverse))
+        return PoolingRows(self.unique_rows().contiguous(), self.inverse)
 
     def applied_to(self, name: str) -> bool:
         return name in self.applied

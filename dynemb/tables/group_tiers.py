@@ -237,7 +237,7 @@ class TieredBatch(LookupBatch):
 
     def pooling_rows(self) -> PoolingRows:
         """The unique rows, pooled by the pooling kernel."""
-        return PoolingRows(self._looked_up_rows().contiguous(), self.inverse, by_kernel=True)
+        return PoolingRows(self._looked_up_rows().contiguous(), self.inverse)
 
     def _looked_up_rows(self) -> torch.Tensor:
         """[U, dim] float32: each unique key's row, claimed (training) or found (eval) at the

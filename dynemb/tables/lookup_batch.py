@@ -14,7 +14,7 @@ of batch they hold:
 - **forward, per occurrence**: :meth:`lookup_occurrences` (one gather, split into parts,
   e.g. one per feature of each member);
 - **forward, pooled**: :meth:`pooling_rows` (the rows to pool from and the row of each
-  input key, by the pooling kernel of :attr:`kernels` or ``embedding_bag``);
+  input key, pooled by the pooling kernel of :attr:`kernels`);
 - **backward**: :meth:`occurrence_grads` of the parts' gradients (or a pooled gradient built
   over ``inverse``, reading it strided where :attr:`reads_strided_grads`), then
   :meth:`apply_gradients` for the members ``taking`` a gradient, each at its own step, once
@@ -40,13 +40,11 @@ from dynemb.rows.optimizers import OccurrenceGrads
 
 class PoolingRows(NamedTuple):
     """Where a batch's bags pool from: ``rows`` and, for each input key, its row in them
-    (``index`` [N]). ``by_kernel``: the pooling kernel reads ``rows`` [R, W >= dim] in place
-    (only their first ``dim`` columns); else ``rows`` are [U, dim] float32 unique rows, pooled
-    by ``embedding_bag`` as TorchRec's EBC pools."""
+    (``index`` [N]); the pooling kernel reads ``rows`` [R, W >= dim] in place (only their
+    first ``dim`` columns)."""
 
     rows: torch.Tensor
     index: torch.Tensor
-    by_kernel: bool
 
 
 class LookupBatch:
