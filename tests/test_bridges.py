@@ -21,8 +21,7 @@ from torchrec.distributed.train_pipeline import experimental_pipelines, train_pi
 from torchrec.distributed.train_pipeline import utils as pipeline_utils  # noqa: E402
 
 from dynemb.bridges import (device_assert, ems_pipelines, memory_stashing,  # noqa: E402
-                            prefetch_pipeline,
-                            storage_refs)
+                            prefetch_pipeline)
 
 Manager = torchrec_stashing.MemoryStashingManager
 
@@ -125,33 +124,6 @@ def test_the_prefetch_step_and_its_helper_are_where_the_bridge_reads_them():
     assert pipeline._data_dist_stream is None
     assert pipeline._pipelined_modules == [] and pipeline._device == torch.device("cpu")
     assert callable(pipeline._stream_context)
-
-
-# -- storage_refs: torch's use count of a storage --------------------------------------------
-
-def test_views_of_a_tensor_are_counted():
-    assert storage_refs.can_count_views()
-    rows = torch.zeros(4, 2)
-    assert storage_refs.other_views(rows) == 0
-    views = [rows[:1], rows.view(8)]
-    assert storage_refs.other_views(rows) == 2
-    del views
-    assert storage_refs.other_views(rows) == 0
-
-
-def test_a_view_sliced_from_a_tensor_is_told_from_one_rebuilt_by_torch_load():
-    import io
-    rows = torch.zeros(4, 2)
-    view = rows[1:]
-    assert storage_refs.sliced_from(view, rows) and not storage_refs.sliced_from(rows, view)
-    buffer = io.BytesIO()
-    torch.save({"rows": rows, "view": view}, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer)
-    rows, view = loaded["rows"], loaded["view"]
-    # the view shares the loaded storage, not the loaded tensor
-    assert view.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
-    assert not storage_refs.sliced_from(view, rows)
 
 
 # -- device_assert: torch's asynchronous assert ----------------------------------------------

@@ -13,7 +13,6 @@ on the pinned versions before anything else does:
   prefetch where there is no stream (its ``_prefetch`` step, ``_prefetch_embeddings``);
 - :mod:`~dynemb.bridges.kjt_all_to_all`: TorchRec's ``KJTAllToAll`` with a header ahead of
   its splits exchange (the sharded modules' step check);
-- :mod:`~dynemb.bridges.storage_refs`: torch's use count of a tensor's storage;
 - :mod:`~dynemb.bridges.device_assert`: torch's assert that runs on the device;
 - :mod:`~dynemb.bridges.optimizer_marks`: the attributes torch's
   ``_apply_optimizer_in_backward`` leaves on a parameter (``_optimizer_classes``,

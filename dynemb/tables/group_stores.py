@@ -100,8 +100,8 @@ class GroupStores:
         alone. If a table alone fails (its store raised), ``undo(tables)`` is
         called with it and the tables after it, whose rows were not filled, and the error
         goes on."""
-        inserting = np.flatnonzero(
-            per_table_sums(claim.inserted, segments).cpu().numpy()).tolist()
+        inserting = [t for t, n in enumerate(per_table_sums(claim.inserted, segments).tolist())
+                     if n]  # one read of the device
         storage = self.storage
         keys, slots, inserted, prev_keys, prev_scores, unique_bounds = claim
         run = np.zeros(len(storage.tables), dtype=np.bool_)
