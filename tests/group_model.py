@@ -1,0 +1,227 @@
+"""Pure-Python model of a table group (``dynemb.tables.groups``): the reference of
+tests/test_group_reference.py, sharing nothing with the group engine.
+
+A group is modelled as what it promises to be: tables that each claim their own keys, at
+their own clock, in their own buckets, exactly as alone. Each table is a
+:class:`ModelEmbeddingTable`: the hash tables of its storage mode (:class:`ModelTable`, whose
+claim states the score and eviction rules), its rows (embedding and optimizer state, float32)
+and its counters:
+
+- HBM_DIRECT and HOST_ONLY: one hash table of ``capacity`` slots;
+- CACHE: a cache of ``device_rows`` slots over a store: an evicted key's row and score go to
+  the store (written back), a key inserted into the cache takes its row and score from the
+  store when the store has it (loaded; the score as ``ScoredHashTable.restore_scores``
+  documents), else its initial row; the store keeps its copy (a cached row wins over it);
+- DEFAULT: a device tier of ``device_rows`` slots and a host tier of the rest, each key in the
+  tier its hash routes it to (:func:`key_reference.routes_to_first`); a tier evicts by score
+  and the evicted row is dropped.
+
+Every training step ticks the clock of each table (each tier), whether or not its feature
+has ids. A batch's keys stay pinned until the backward of a table whose output reaches the
+loss; a table whose output does not keeps them pinned until the next training forward has
+claimed its own keys (:meth:`ModelGroup.forward`).
+
+Rows start from :func:`key_reference.initial_rows` (computed here from the documented
+rules, not read from the table), and are updated by SGD or AdaGrad from each unique key's
+summed gradient, in float32.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from key_reference import routes_to_first
+from reference_model import Claim, ModelTable
+
+#: the counters the model keeps (``DynamicTable.stats`` names)
+COUNTED = ("lookups", "unique_keys", "hits", "misses", "inserts", "evictions", "write_backs",
+           "loads")
+MODES = ("hbm_direct", "cache", "host_only", "default")
+
+
+class ModelEmbeddingTable:
+    """One table of a group (see the module docstring). ``initial_row(key)``: the row the
+    table's initializer gives ``key`` [dim]; ``optimizer``: "sgd" or "adagrad"."""
+
+    def __init__(self, mode: str, *, capacity: int, device_rows: int, bucket_size: int,
+                 policy: str, dim: int, optimizer: str,
+                 initial_row: Callable[[int], Sequence[float]], eps: float = 1e-8):
+        assert mode in MODES and optimizer in ("sgd", "adagrad")
+        self.mode = mode
+        self.dim = dim
+        self.optimizer = optimizer
+        self.eps = np.float32(eps)
+        self.width = dim * (2 if optimizer == "adagrad" else 1)
+        self._initial_row = initial_row
+        b = bucket_size
+        if mode == "default":
+            host_rows = -(-(capacity - device_rows) // b) * b
+            self.tiers = {"device": ModelTable(device_rows // b, b, policy),
+                          "host": ModelTable(host_rows // b, b, policy)}
+        elif mode == "cache":
+            self.tiers = {"device": ModelTable(device_rows // b, b, policy)}
+        else:
+            self.tiers = {"device": ModelTable(capacity // b, b, policy)}
+        self.rows: Dict[int, np.ndarray] = {}  # every key the tiers hold
+        self.store: Dict[int, tuple] = {}  # CACHE: key -> (row, score)
+        self.counters = dict.fromkeys(COUNTED, 0)
+        self.steps = 0
+
+    # -- where keys live ----------------------------------------------------------------------
+    def capacity_of(self, tier: str) -> int:
+        t = self.tiers[tier]
+        return t.num_buckets * t.bucket_size
+
+    def tier_of(self, key: int) -> str:
+        if self.mode != "default":
+            return "device"
+        first = self.capacity_of("device")
+        return "device" if routes_to_first(key, first, first + self.capacity_of("host")) \
+            else "host"
+
+    def split(self, keys: Sequence[int]) -> Dict[str, List[int]]:
+        """``keys`` by the tier each goes to, in order (every tier named, maybe empty)."""
+        out: Dict[str, List[int]] = {tier: [] for tier in self.tiers}
+        for k in keys:
+            out[self.tier_of(k)].append(k)
+        return out
+
+    def refused(self, keys: Sequence[int]) -> set:
+        """The new keys of ``keys`` in buckets that could not take them all (the keys a test
+        leaves out of a batch so that it trains)."""
+        out = set()
+        for tier, part in self.split(keys).items():
+            table = self.tiers[tier]
+            for b in table.overflowing(part):
+                out.update(table.missing_by_bucket(part)[b])
+        return out
+
+    # -- a training step ----------------------------------------------------------------------
+    def claim(self, keys: Sequence[int], given: int = 0) -> Dict[str, Claim]:
+        """The claim of a training batch's ``keys`` in each tier (each tier's clock ticks),
+        counted; :meth:`settle` finishes it."""
+        claims = {tier: self.tiers[tier].claim(part, given)
+                  for tier, part in self.split(keys).items()}
+        unique = len(set(keys))
+        hits = sum(len(c.hits) for c in claims.values())
+        c = self.counters
+        c["lookups"] += len(keys)
+        c["unique_keys"] += unique
+        c["hits"] += hits
+        c["misses"] += unique - hits
+        return claims
+
+    def settle(self, claims: Dict[str, Claim], held: Dict[str, set]) -> None:
+        """Finish :meth:`claim` given the keys each tier holds after it (``held``, to adopt
+        the table's choice among equal scores): evicted rows dropped (CACHE: written back),
+        new rows loaded from the store (CACHE) or initialized; counted."""
+        c = self.counters
+        for tier, claim in claims.items():
+            table = self.tiers[tier]
+            table.settle(claim, held[tier])
+            for k, score in claim.evicted.items():
+                row = self.rows.pop(k)
+                if self.mode == "cache":
+                    self.store[k] = (row, score)
+                    c["write_backs"] += 1
+            c["evictions"] += len(claim.evicted)
+            for k in claim.inserted:
+                if self.mode == "cache" and k in self.store:
+                    row, score = self.store[k]
+                    self.rows[k] = row.copy()
+                    entry = table.entries[k]
+                    entry.score = table.restored_score(entry.score, score)
+                    c["loads"] += 1
+                else:
+                    row = np.zeros(self.width, dtype=np.float32)
+                    row[:self.dim] = np.asarray(self._initial_row(k), dtype=np.float64)
+                    self.rows[k] = row
+            c["inserts"] += len(claim.inserted)
+
+    def unpin(self, keys: Sequence[int]) -> None:
+        for tier, part in self.split(set(keys)).items():
+            self.tiers[tier].unpin(part)
+
+    def update(self, keys: Sequence[int], grads: np.ndarray, lr: float) -> None:
+        """The fused update of the rows of ``keys`` from the gradient of each occurrence
+        (``grads`` [len(keys), dim] float32), summed per unique key."""
+        summed: Dict[int, np.ndarray] = {}
+        for k, g in zip(keys, grads):
+            summed[k] = summed[k] + g if k in summed else g.astype(np.float32).copy()
+        lr = np.float32(lr)
+        for k, g in summed.items():
+            row = self.rows[k]
+            w = row[:self.dim]
+            if self.optimizer == "sgd":
+                row[:self.dim] = w - lr * g
+            else:
+                acc = row[self.dim:] + g * g
+                row[:self.dim] = w - lr * g / (np.sqrt(acc) + self.eps)
+                row[self.dim:] = acc
+        self.steps += 1
+
+    # -- what can be compared -----------------------------------------------------------------
+    def held(self) -> Dict[str, set]:
+        return {tier: set(t.entries) for tier, t in self.tiers.items()}
+
+    def current_rows(self) -> Dict[int, np.ndarray]:
+        """The row each stored key reads: a cached row over the store's copy."""
+        out = {k: row for k, (row, _) in self.store.items()}
+        out.update(self.rows)
+        return out
+
+    def sizes(self) -> Dict[str, int]:
+        """``rows_device`` and ``rows_backing`` as ``stats`` reports them."""
+        size = len(self.tiers["device"].entries)
+        return {"hbm_direct": dict(rows_device=size, rows_backing=0),
+                "host_only": dict(rows_device=0, rows_backing=size),
+                "cache": dict(rows_device=size, rows_backing=len(self.store)),
+                "default": dict(rows_device=size,
+                                rows_backing=len(self.tiers.get("host", self.tiers["device"])
+                                                 .entries))}[self.mode]
+
+
+class ModelGroup:
+    """Tables that train as one group: each claims, evicts, scores and counts its own keys as
+    alone; the group only says when pins end (see the module docstring)."""
+
+    def __init__(self, tables: Dict[str, ModelEmbeddingTable]):
+        self.tables = tables
+        self._awaiting: Dict[str, List[int]] = {}  # pins waiting for a backward
+
+    def refused(self, batch: Dict[str, List[int]]) -> Dict[str, set]:
+        return {name: self.tables[name].refused(keys) for name, keys in batch.items()}
+
+    def claim(self, batch: Dict[str, List[int]], given: Optional[Dict[str, int]] = None
+              ) -> Dict[str, Dict[str, Claim]]:
+        """A training forward's claim: each table's keys (``batch``, every table named) at
+        its own next clock (``given``: CUSTOMIZED scores per table)."""
+        given = given or {}
+        return {name: self.tables[name].claim(keys, given.get(name, 0))
+                for name, keys in batch.items()}
+
+    def forward(self, batch: Dict[str, List[int]], claims: Dict[str, Dict[str, Claim]],
+                held: Dict[str, Dict[str, set]]) -> Dict[str, np.ndarray]:
+        """Finish the forward whose :meth:`claim` made ``claims`` (``held``: per table and
+        tier, the keys held after it), end the pins the previous step left, and return each
+        table's rows of ``batch`` [len(keys), dim]."""
+        for name, claim in claims.items():
+            self.tables[name].settle(claim, held[name])
+        for name, keys in self._awaiting.items():  # after this batch pinned its own keys
+            self.tables[name].unpin(keys)
+        self._awaiting = {name: list(set(keys)) for name, keys in batch.items()}
+        out = {}
+        for name, keys in batch.items():
+            t = self.tables[name]
+            out[name] = np.stack([t.rows[k][:t.dim] for k in keys]) if keys else \
+                np.zeros((0, t.dim), dtype=np.float32)
+        return out
+
+    def backward(self, batch: Dict[str, List[int]], grads: Dict[str, np.ndarray],
+                 lr: float) -> None:
+        """The backward of the tables in ``grads`` (each occurrence's gradient): their rows
+        updated, their pins ended; the other tables' pins wait for the next forward."""
+        for name, g in grads.items():
+            self.tables[name].update(batch[name], g, lr)
+            self.tables[name].unpin(self._awaiting.pop(name))

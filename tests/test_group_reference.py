@@ -1,0 +1,221 @@
+"""A group of tables against a model that shares nothing with the group engine
+(tests/group_model.py, over the hash-table rules of tests/reference_model.py): four tables of
+different capacities in one group of a ``DynamicEmbCollection``, trained step by step on
+random batches (keys shared across tables, duplicates in a batch, buckets of 4 so that
+evictions happen, tables left out of the loss at times so that their pins last into the next
+step), in every storage mode, under every score policy, on both backends.
+
+After each step, per table: the keys each tier holds and their scores, the clock, the pinned
+keys, the counters, every stored row with its optimizer state (``read_rows``), the step
+count; and the forward's outputs. Initial rows come from tests/key_reference.py (the
+documented initializer rules), never read back from a table; updates are SGD or AdaGrad on
+gradients that are multiples of 1/8, so that their sums are exact in any order and rows
+compare bit for bit.
+
+What the model cannot know, the test adopts after checking it: which of the keys of equal
+lowest score a full bucket evicts (the model checks that exactly as many of them went as the
+rules say, see ``ModelTable.settle``). CACHE is modelled whole, store included: write-backs
+(row and score), loads (row, and the score ``ScoredHashTable.restore_scores`` documents),
+the store's own copy (compared through ``store.find``); so is DEFAULT (each key in the tier
+its hash routes it to, both tiers' keys, scores and clocks compared). Batches leave out
+the new keys of a bucket that could not take them all (the model says which), so that no
+step is refused.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torchrec import EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from conftest import BACKENDS, ON_GPU
+from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
+                    OptimizerConfig, OptimizerType, ScorePolicy, StorageMode)
+from group_model import COUNTED, ModelEmbeddingTable, ModelGroup
+from key_reference import initial_rows
+
+DIM = 4
+BUCKET = 4
+LR = 0.5
+INIT = Initializer(InitializerKind.UNIFORM, low=-0.5, high=0.5)
+#: per table: (max_capacity, the device rows of a CACHE or DEFAULT table)
+SPECS = {"t0": (16, 8), "t1": (24, 12), "t2": (8, 4), "t3": (32, 12)}
+FEATURES = {name: f"f{name[1:]}" for name in SPECS}
+#: ids every table draws from (so tables share keys), a few far from 0
+POOL = list(range(28)) + [2**62 + 5, -(2**40) - 3, -1, 2**63 - 1]
+SAMPLES = 3  # per feature and batch, each of 0 to 3 ids
+MODES = [StorageMode.HBM_DIRECT, StorageMode.CACHE, StorageMode.HOST_ONLY,
+         StorageMode.DEFAULT]
+SIMULATED = not ON_GPU
+
+
+def optimizer_for(mode: StorageMode, policy: ScorePolicy) -> OptimizerType:
+    """SGD or AdaGrad, so that each meets every mode and every policy."""
+    return (OptimizerType.ADAGRAD if (MODES.index(mode) + list(ScorePolicy).index(policy)) % 2
+            else OptimizerType.SGD)
+
+
+def table_options(mode: StorageMode, policy: ScorePolicy, optimizer: OptimizerType):
+    row_bytes = 4 * DIM * (2 if optimizer is OptimizerType.ADAGRAD else 1)
+    out = {}
+    for name, (capacity, device_rows) in SPECS.items():
+        budget = {StorageMode.HBM_DIRECT: None, StorageMode.HOST_ONLY: 0}.get(
+            mode, device_rows * row_bytes)
+        out[name] = DynamicEmbTableOptions(
+            max_capacity=capacity, bucket_size=BUCKET, score_strategy=policy,
+            initializer=INIT, local_hbm_for_values=budget,
+            caching=mode is StorageMode.CACHE)
+    return out
+
+
+def build(mode, policy, optimizer, backend, device):
+    configs = [EmbeddingConfig(name=name, embedding_dim=DIM, num_embeddings=capacity,
+                               feature_names=[FEATURES[name]])
+               for name, (capacity, _) in SPECS.items()]
+    ec = DynamicEmbCollection(configs, table_options=table_options(mode, policy, optimizer),
+                              optimizer=OptimizerConfig(optimizer, learning_rate=LR),
+                              device=torch.device(device), backend=backend)
+    assert ec.table_groups() == [tuple(SPECS)]  # one group of four
+    assert set(ec.storage_modes().values()) == {mode}
+    model = ModelGroup({
+        name: ModelEmbeddingTable(
+            mode.value, capacity=capacity, device_rows=device_rows, bucket_size=BUCKET,
+            policy=policy.value, dim=DIM, optimizer=optimizer.value,
+            initial_row=_initial_row(ec, name))
+        for name, (capacity, device_rows) in SPECS.items()})
+    return ec, model
+
+
+def _initial_row(ec, name):
+    """The row the table's initializer gives a key, by the documented rules (its seed and
+    id are configuration, read once)."""
+    table = ec.tables[name]
+    seed, table_id = table.options.seed, table.table_id
+    return lambda key: initial_rows(INIT, [key], DIM, seed=seed, table_id=table_id)[0]
+
+
+def draw_batch(rng: np.random.Generator, model: ModelGroup):
+    """Per table, ``SAMPLES`` lists of ids (some empty; duplicates, hot ids), without the new
+    keys of any bucket that could not take them all."""
+    hot = rng.choice(POOL, 4, replace=False)
+    samples = {}
+    for name in SPECS:
+        most = 0 if rng.random() < 0.15 else 3  # at times a table without ids
+        samples[name] = [[int(hot[rng.integers(4)]) if rng.random() < 0.3
+                          else int(POOL[rng.integers(len(POOL))])
+                          for _ in range(rng.integers(0, most + 1))] for _ in range(SAMPLES)]
+    refused = model.refused({name: sum(s, []) for name, s in samples.items()})
+    return {name: [[k for k in sample if k not in refused[name]] for sample in s]
+            for name, s in samples.items()}
+
+
+def kjt_of(samples, device):
+    lengths, values = [], []
+    for name in SPECS:
+        for sample in samples[name]:
+            lengths.append(len(sample))
+            values += sample
+    return KeyedJaggedTensor.from_lengths_sync(
+        [FEATURES[n] for n in SPECS], torch.tensor(values, dtype=torch.int64),
+        torch.tensor(lengths, dtype=torch.int64)).to(device)
+
+
+def held_by(table, mode):
+    """{tier: {key: score}} of a table, as its hash tables export them."""
+    tiers = {"device": table.tier}
+    if mode is StorageMode.DEFAULT:
+        tiers["host"] = table.host_tier
+    out = {}
+    for tier, t in tiers.items():
+        exported = t.hash.export()
+        out[tier] = dict(zip(exported.keys.tolist(), exported.scores.tolist()))
+    return out
+
+
+def stacked(rows, width):
+    return np.stack(rows) if rows else np.zeros((0, width), dtype=np.float32)
+
+
+def check_tables(ec, model: ModelGroup, mode, device):
+    stats = ec.stats()
+    probe = torch.tensor(POOL, dtype=torch.int64, device=device)
+    for name, ref in model.tables.items():
+        table = ec.tables[name]
+        held = held_by(table, mode)
+        for tier, t in ref.tiers.items():
+            assert held[tier] == t.scores(), (name, tier)
+            hash_table = table.tier.hash if tier == "device" else table.host_tier.hash
+            assert hash_table.clock == t.clock, (name, tier)
+            assert hash_table.pinned_count() == sum(e.pins > 0 for e in t.entries.values()), \
+                (name, tier)
+        assert {k: stats[name][k] for k in COUNTED} == ref.counters, name
+        for k, v in ref.sizes().items():
+            assert stats[name][k] == v, (name, k)
+        rows, found = ec.read_rows(name, probe, with_state=True)
+        current = ref.current_rows()
+        assert found.tolist() == [k in current for k in POOL], name
+        expected = stacked([current[k] for k in POOL if k in current], ref.width)
+        assert np.array_equal(rows[found].cpu().numpy(), expected), name
+        if mode is StorageMode.CACHE:
+            stored, in_store, scores = table.store.find(probe)
+            assert in_store.tolist() == [k in ref.store for k in POOL], name
+            expected = stacked([ref.store[k][0] for k in POOL if k in ref.store], ref.width)
+            assert np.array_equal(stored[in_store].cpu().numpy(), expected), name
+            assert scores[in_store].tolist() == [ref.store[k][1] for k in POOL
+                                                 if k in ref.store], name
+        assert ec.steps[name] == ref.steps, name
+
+
+def train(mode, policy, backend, device, steps, seed):
+    optimizer = optimizer_for(mode, policy)
+    ec, model = build(mode, policy, optimizer, backend, device)
+    rng = np.random.default_rng(seed)
+    for step in range(steps):
+        samples = draw_batch(rng, model)
+        batch = {name: sum(s, []) for name, s in samples.items()}
+        given = ({name: int(rng.integers(0, 5)) for name in SPECS}
+                 if policy is ScorePolicy.CUSTOMIZED else None)
+        taking = [name for name in SPECS if rng.random() < 0.75] or ["t0"]
+        grads = {name: rng.integers(-4, 5, (len(batch[name]), DIM)).astype(np.float32) / 8
+                 for name in taking}
+        # the engine
+        if given is not None:
+            ec.set_scores(given)
+        out = ec(kjt_of(samples, device))
+        loss = sum((out[FEATURES[name]].values()
+                    * torch.from_numpy(grads[name]).to(device)).sum() for name in taking)
+        loss.backward()
+        # the model
+        claims = model.claim(batch, given)
+        held = {name: {tier: set(keys) for tier, keys in held_by(ec.tables[name], mode).items()}
+                for name in SPECS}
+        expected = model.forward(batch, claims, held)
+        for name in SPECS:
+            got = out[FEATURES[name]].values().detach().cpu().numpy()
+            assert np.array_equal(got, expected[name]), (step, name)
+        model.backward(batch, grads, LR)
+        check_tables(ec, model, mode, device)
+    return ec, model
+
+
+def _cases():
+    cases = []
+    for backend, device in BACKENDS:
+        for mode in MODES:
+            for policy in ScorePolicy:
+                if mode is StorageMode.CACHE and policy is ScorePolicy.NO_EVICTION:
+                    continue  # refused by the options: a cache must evict
+                cases.append(pytest.param(backend, device, mode, policy,
+                                          id=f"{backend}-{mode.value}-{policy.value}"))
+    return cases
+
+
+@pytest.mark.parametrize("backend,device,mode,policy", _cases())
+def test_a_group_trains_as_the_model_of_its_tables(backend, device, mode, policy):
+    slow = backend == "cuda" and SIMULATED
+    ec, model = train(mode, policy, backend, device, steps=10 if slow else 14,
+                      seed=list(ScorePolicy).index(policy) + 10 * MODES.index(mode))
+    stats = ec.stats()
+    if policy is not ScorePolicy.NO_EVICTION:  # the run exercised eviction
+        assert sum(s["evictions"] for s in stats.values()) > 0
