@@ -22,8 +22,8 @@ loss; a table whose output does not keeps them pinned until the next training fo
 claimed its own keys (:meth:`ModelGroup.forward`).
 
 Rows start from :func:`key_reference.initial_rows` (computed here from the documented
-rules, not read from the table), and are updated by SGD or AdaGrad from each unique key's
-summed gradient, in float32.
+rules, not read from the table), and are updated by SGD, AdaGrad, Adam or row-wise AdaGrad
+from each unique key's summed gradient, in float32 (:class:`ModelOptimizer`).
 """
 from __future__ import annotations
 
@@ -40,19 +40,62 @@ COUNTED = ("lookups", "unique_keys", "hits", "misses", "inserts", "evictions", "
 MODES = ("hbm_direct", "cache", "host_only", "default")
 
 
+class ModelOptimizer:
+    """The optimizers' documented rules (fbgemm's, ``kernels/optim_common.py`` states them), in
+    float32 on a row ``[embedding | state]``: ``kind`` is an ``OptimizerType`` value; state
+    starts at 0 (``initial_accumulator_value`` 0)."""
+
+    def __init__(self, kind: str, eps: float = 1e-8, beta1: float = 0.9, beta2: float = 0.999,
+                 weight_decay: float = 0.0, max_gradient: Optional[float] = None):
+        assert kind in ("sgd", "adagrad", "adam", "rowwise_adagrad")
+        self.kind = kind
+        self.eps, self.beta1, self.beta2, self.weight_decay = (
+            np.float32(x) for x in (eps, beta1, beta2, weight_decay))
+        self._betas = (beta1, beta2)
+        self.max_gradient = max_gradient
+
+    def state_dim(self, dim: int) -> int:
+        return {"sgd": 0, "adagrad": dim, "adam": 2 * dim, "rowwise_adagrad": 1}[self.kind]
+
+    def apply(self, row: np.ndarray, g: np.ndarray, dim: int, lr: float, step: int) -> None:
+        """One step of ``row`` (in place) with the summed gradient ``g``; ``step``: the
+        table's steps so far, this one included (Adam's bias correction)."""
+        lr, eps, wd, one = np.float32(lr), self.eps, self.weight_decay, np.float32(1)
+        w = row[:dim]
+        if self.kind == "sgd":
+            row[:dim] = w - lr * g
+        elif self.kind == "adagrad":
+            acc = row[dim:] + g * g
+            row[:dim] = w - lr * g / (np.sqrt(acc) + eps)
+            row[dim:] = acc
+        elif self.kind == "adam":
+            b1, b2 = self.beta1, self.beta2
+            bias1, bias2 = (np.float32(1.0 - b ** step) for b in self._betas)
+            m = b1 * row[dim:2 * dim] + (one - b1) * g
+            v = b2 * row[2 * dim:] + (one - b2) * g * g
+            row[:dim] = w - lr * (m / bias1 / (np.sqrt(v / bias2) + eps) + wd * w)
+            row[dim:2 * dim], row[2 * dim:] = m, v
+        else:  # row-wise AdaGrad: L2 weight decay joins the squared gradient
+            x = g + wd * w
+            acc = row[dim] + np.float32((x * x).sum(dtype=np.float32) / np.float32(dim))
+            multiplier = lr / (np.sqrt(acc) + eps)
+            row[:dim] = (one - multiplier * wd) * w - multiplier * g
+            row[dim] = acc
+
+
 class ModelEmbeddingTable:
     """One table of a group (see the module docstring). ``initial_row(key)``: the row the
-    table's initializer gives ``key`` [dim]; ``optimizer``: "sgd" or "adagrad"."""
+    table's initializer gives ``key`` [dim]; ``optimizer``: a :class:`ModelOptimizer`, or the
+    kind of one with its defaults."""
 
     def __init__(self, mode: str, *, capacity: int, device_rows: int, bucket_size: int,
-                 policy: str, dim: int, optimizer: str,
-                 initial_row: Callable[[int], Sequence[float]], eps: float = 1e-8):
-        assert mode in MODES and optimizer in ("sgd", "adagrad")
+                 policy: str, dim: int, optimizer, initial_row: Callable[[int], Sequence[float]]):
+        assert mode in MODES
         self.mode = mode
         self.dim = dim
-        self.optimizer = optimizer
-        self.eps = np.float32(eps)
-        self.width = dim * (2 if optimizer == "adagrad" else 1)
+        self.optimizer = optimizer if isinstance(optimizer, ModelOptimizer) else \
+            ModelOptimizer(optimizer)
+        self.width = dim + self.optimizer.state_dim(dim)
         self._initial_row = initial_row
         b = bucket_size
         if mode == "default":
@@ -145,23 +188,19 @@ class ModelEmbeddingTable:
 
     def update(self, keys: Sequence[int], grads: np.ndarray, lr: float) -> None:
         """The fused update of the rows of ``keys`` from the gradient of each occurrence
-        (``grads`` [len(keys), dim] float32), summed per unique key."""
+        (``grads`` [len(keys), dim] float32), clamped (``max_gradient``) and summed per
+        unique key."""
+        opt = self.optimizer
         summed: Dict[int, np.ndarray] = {}
-        for k, g in zip(keys, grads):
-            summed[k] = summed[k] + g if k in summed else g.astype(np.float32).copy()
-        lr = np.float32(lr)
-        for k, g in summed.items():
-            row = self.rows[k]
-            w = row[:self.dim]
-            if self.optimizer == "sgd":
-                row[:self.dim] = w - lr * g
-            else:
-                acc = row[self.dim:] + g * g
-                row[:self.dim] = w - lr * g / (np.sqrt(acc) + self.eps)
-                row[self.dim:] = acc
+        for k, g in zip(keys, np.asarray(grads, dtype=np.float32)):
+            if opt.max_gradient is not None:
+                g = np.clip(g, -np.float32(opt.max_gradient), np.float32(opt.max_gradient))
+            summed[k] = summed[k] + g if k in summed else g.copy()
         self.steps += 1
+        for k, g in summed.items():
+            opt.apply(self.rows[k], g, self.dim, lr, self.steps)
 
-    # -- what can be compared -----------------------------------------------------------------
+        # -- what can be compared -----------------------------------------------------------------
     def held(self) -> Dict[str, set]:
         return {tier: set(t.entries) for tier, t in self.tiers.items()}
 

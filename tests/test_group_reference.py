@@ -32,8 +32,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from conftest import BACKENDS, ON_GPU
 from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, InitializerKind,
                     OptimizerConfig, OptimizerType, ScorePolicy, StorageMode)
-from group_model import COUNTED, ModelEmbeddingTable, ModelGroup
-from key_reference import initial_rows
+from group_model import ModelEmbeddingTable, ModelGroup
+from group_reference import GroupReference, initial_row_of
 
 DIM = 4
 BUCKET = 4
@@ -82,17 +82,9 @@ def build(mode, policy, optimizer, backend, device):
         name: ModelEmbeddingTable(
             mode.value, capacity=capacity, device_rows=device_rows, bucket_size=BUCKET,
             policy=policy.value, dim=DIM, optimizer=optimizer.value,
-            initial_row=_initial_row(ec, name))
+            initial_row=initial_row_of(ec.tables[name]))
         for name, (capacity, device_rows) in SPECS.items()})
     return ec, model
-
-
-def _initial_row(ec, name):
-    """The row the table's initializer gives a key, by the documented rules (its seed and
-    id are configuration, read once)."""
-    table = ec.tables[name]
-    seed, table_id = table.options.seed, table.table_id
-    return lambda key: initial_rows(INIT, [key], DIM, seed=seed, table_id=table_id)[0]
 
 
 def draw_batch(rng: np.random.Generator, model: ModelGroup):
@@ -121,81 +113,26 @@ def kjt_of(samples, device):
         torch.tensor(lengths, dtype=torch.int64)).to(device)
 
 
-def held_by(table, mode):
-    """{tier: {key: score}} of a table, as its hash tables export them."""
-    tiers = {"device": table.tier}
-    if mode is StorageMode.DEFAULT:
-        tiers["host"] = table.host_tier
-    out = {}
-    for tier, t in tiers.items():
-        exported = t.hash.export()
-        out[tier] = dict(zip(exported.keys.tolist(), exported.scores.tolist()))
-    return out
-
-
-def stacked(rows, width):
-    return np.stack(rows) if rows else np.zeros((0, width), dtype=np.float32)
-
-
-def check_tables(ec, model: ModelGroup, mode, device):
-    stats = ec.stats()
-    probe = torch.tensor(POOL, dtype=torch.int64, device=device)
-    for name, ref in model.tables.items():
-        table = ec.tables[name]
-        held = held_by(table, mode)
-        for tier, t in ref.tiers.items():
-            assert held[tier] == t.scores(), (name, tier)
-            hash_table = table.tier.hash if tier == "device" else table.host_tier.hash
-            assert hash_table.clock == t.clock, (name, tier)
-            assert hash_table.pinned_count() == sum(e.pins > 0 for e in t.entries.values()), \
-                (name, tier)
-        assert {k: stats[name][k] for k in COUNTED} == ref.counters, name
-        for k, v in ref.sizes().items():
-            assert stats[name][k] == v, (name, k)
-        rows, found = ec.read_rows(name, probe, with_state=True)
-        current = ref.current_rows()
-        assert found.tolist() == [k in current for k in POOL], name
-        expected = stacked([current[k] for k in POOL if k in current], ref.width)
-        assert np.array_equal(rows[found].cpu().numpy(), expected), name
-        if mode is StorageMode.CACHE:
-            stored, in_store, scores = table.store.find(probe)
-            assert in_store.tolist() == [k in ref.store for k in POOL], name
-            expected = stacked([ref.store[k][0] for k in POOL if k in ref.store], ref.width)
-            assert np.array_equal(stored[in_store].cpu().numpy(), expected), name
-            assert scores[in_store].tolist() == [ref.store[k][1] for k in POOL
-                                                 if k in ref.store], name
-        assert ec.steps[name] == ref.steps, name
-
-
 def train(mode, policy, backend, device, steps, seed):
     optimizer = optimizer_for(mode, policy)
     ec, model = build(mode, policy, optimizer, backend, device)
+    ref = GroupReference(ec, model, exact=True)
     rng = np.random.default_rng(seed)
-    for step in range(steps):
+    for _ in range(steps):
         samples = draw_batch(rng, model)
-        batch = {name: sum(s, []) for name, s in samples.items()}
         given = ({name: int(rng.integers(0, 5)) for name in SPECS}
                  if policy is ScorePolicy.CUSTOMIZED else None)
         taking = [name for name in SPECS if rng.random() < 0.75] or ["t0"]
-        grads = {name: rng.integers(-4, 5, (len(batch[name]), DIM)).astype(np.float32) / 8
-                 for name in taking}
-        # the engine
+        grads = {FEATURES[name]: rng.integers(-4, 5, (sum(map(len, samples[name])), DIM))
+                 .astype(np.float32) / 8 for name in taking}
         if given is not None:
             ec.set_scores(given)
-        out = ec(kjt_of(samples, device))
-        loss = sum((out[FEATURES[name]].values()
-                    * torch.from_numpy(grads[name]).to(device)).sum() for name in taking)
-        loss.backward()
-        # the model
-        claims = model.claim(batch, given)
-        held = {name: {tier: set(keys) for tier, keys in held_by(ec.tables[name], mode).items()}
-                for name in SPECS}
-        expected = model.forward(batch, claims, held)
-        for name in SPECS:
-            got = out[FEATURES[name]].values().detach().cpu().numpy()
-            assert np.array_equal(got, expected[name]), (step, name)
-        model.backward(batch, grads, LR)
-        check_tables(ec, model, mode, device)
+        kjt = kjt_of(samples, device)
+        out = ec(kjt)
+        sum((out[f].values() * torch.from_numpy(g).to(device)).sum()
+            for f, g in grads.items()).backward()
+        ref.step(kjt, out, lambda f, rows: grads.get(f), scores=given, lr=LR)
+        ref.check(probe=POOL)
     return ec, model
 
 
@@ -214,7 +151,7 @@ def _cases():
 @pytest.mark.parametrize("backend,device,mode,policy", _cases())
 def test_a_group_trains_as_the_model_of_its_tables(backend, device, mode, policy):
     slow = backend == "cuda" and SIMULATED
-    ec, model = train(mode, policy, backend, device, steps=10 if slow else 14,
+    ec, model = train(mode, policy, backend, device, steps=8 if slow else 12,
                       seed=list(ScorePolicy).index(policy) + 10 * MODES.index(mode))
     stats = ec.stats()
     if policy is not ScorePolicy.NO_EVICTION:  # the run exercised eviction

@@ -1,0 +1,168 @@
+"""The model of a module's tables (tests/group_model.py) stepped beside the module, and what
+is compared: the reference that the group tests check a table group against, in place of (or
+beside) the same tables run one by one.
+
+:class:`GroupReference` builds one :class:`~group_model.ModelEmbeddingTable` per table of a
+``DynamicEmbCollection`` from its configuration (mode, capacities, bucket size, policy,
+optimizer, initializer; or takes a model built by the test), follows each training step of
+the module (:meth:`GroupReference.step`: the module's forward and backward ran, the model's
+claim, forward and backward follow, the outputs compared) and compares the tables with the
+model (:meth:`GroupReference.check`). It reads the tables through what they show: their
+hash tables' exports, clocks and pin counts, ``stats``, ``read_rows``, a CACHE table's
+``store.find`` and the module's ``steps``.
+
+Not modelled (a test that needs them keeps its other checks): admission, growth, prefetches
+ahead of the forward, eval lookups, pooled outputs, float16 / bfloat16 rows.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from dynemb.options import StorageMode
+from group_model import COUNTED, ModelEmbeddingTable, ModelGroup, ModelOptimizer
+from key_reference import initial_rows
+
+#: ``grad_of(feature, rows)``: the gradient [n, dim] of a feature's output rows (the model's),
+#: or None where the feature's output does not reach the loss
+GradOf = Callable[[str, np.ndarray], Optional[np.ndarray]]
+
+
+def model_of(module) -> ModelGroup:
+    """The model of ``module``'s tables, read from their configuration (no growth: every
+    table at its ``max_capacity``)."""
+    config = module.optimizer_config
+    assert config.initial_accumulator_value == 0
+    optimizer = ModelOptimizer(config.type.value, eps=config.eps, beta1=config.beta1,
+                               beta2=config.beta2, weight_decay=config.weight_decay,
+                               max_gradient=config.max_gradient)
+    tables = {}
+    for name, table in module.tables.items():
+        layout, options = table.layout, table.options
+        assert table.admission is None, "admission is not modelled"
+        if table.mode is StorageMode.HBM_DIRECT:
+            assert layout.init_capacity == layout.max_capacity, "growth is not modelled"
+        tables[name] = ModelEmbeddingTable(
+            table.mode.value, capacity=layout.max_capacity, device_rows=layout.device_capacity,
+            bucket_size=layout.bucket_size, policy=options.score_strategy.value, dim=table.dim,
+            optimizer=optimizer, initial_row=initial_row_of(table))
+    return ModelGroup(tables)
+
+
+def initial_row_of(table) -> Callable[[int], List[float]]:
+    """The row ``table``'s initializer gives a key, by the documented rules (its seed and id
+    are configuration)."""
+    init, dim = table.options.initializer, table.dim
+    seed, table_id = table.options.seed, table.table_id
+    return lambda key: initial_rows(init, [key], dim, seed=seed, table_id=table_id)[0]
+
+
+def held_by(table) -> Dict[str, Dict[int, int]]:
+    """{tier: {key: score}} of a table, as its hash tables export them."""
+    out = {}
+    for tier, hash_table in tiers_of(table).items():
+        exported = hash_table.export()
+        out[tier] = dict(zip(exported.keys.tolist(), exported.scores.tolist()))
+    return out
+
+
+def tiers_of(table):
+    tiers = {"device": table.tier.hash}
+    if table.mode is StorageMode.DEFAULT:
+        tiers["host"] = table.host_tier.hash
+    return tiers
+
+
+def stacked(rows, width: int) -> np.ndarray:
+    return np.stack(rows) if rows else np.zeros((0, width), dtype=np.float32)
+
+
+class GroupReference:
+    """``module``'s tables as the model sees them (see the module docstring); ``model``: one
+    the test built itself (default: :func:`model_of`). ``exact``: rows and outputs compare
+    bit for bit (gradients whose sums are exact in any order), else to float32 rounding."""
+
+    def __init__(self, module, model: Optional[ModelGroup] = None, exact: bool = False):
+        self.module = module
+        self.model = model if model is not None else model_of(module)
+        self.exact = exact
+        self.table_of = {f: config.name for config in module.table_configs()
+                         for f in config.feature_names}
+        self.seen: Dict[str, set] = {name: set() for name in self.model.tables}
+
+    def step(self, kjt, out, grad_of: GradOf, scores: Optional[Dict[str, int]] = None,
+             lr: Optional[float] = None) -> None:
+        """The model's training step on ``kjt`` after the module's (its forward gave ``out``
+        and its backward ran): the claim, the forward, whose rows must equal ``out``, and the
+        backward with the gradients ``grad_of`` gives (at ``lr``, default the optimizer's
+        learning rate). ``scores``: the CUSTOMIZED scores of the step."""
+        features = {f: kjt[f].values().tolist() for f in kjt.keys() if f in self.table_of}
+        batch: Dict[str, List[int]] = {name: [] for name in self.model.tables}
+        for f, ids in features.items():
+            batch[self.table_of[f]] += ids
+        for name, keys in batch.items():
+            self.seen[name].update(keys)
+        model = self.model
+        claims = model.claim(batch, scores)
+        held = {name: {tier: set(keys) for tier, keys in held_by(self.module.tables[name])
+                       .items()} for name in batch}
+        rows = model.forward(batch, claims, held)
+        grads: Dict[str, List[np.ndarray]] = {name: [] for name in batch}
+        taking = set()
+        at = {name: 0 for name in batch}
+        for f, ids in features.items():
+            name = self.table_of[f]
+            mine = rows[name][at[name]:at[name] + len(ids)]
+            at[name] += len(ids)
+            self.compare(out[f].values().detach().cpu().numpy(), mine, f"output of {f}")
+            g = grad_of(f, mine)
+            if g is not None:
+                taking.add(name)
+            grads[name].append(np.zeros_like(mine) if g is None else
+                               np.asarray(g, dtype=np.float32))
+        lr = self.module.optimizer_config.learning_rate if lr is None else lr
+        model.backward(batch, {name: np.concatenate(grads[name]) for name in taking}, lr)
+
+    def compare(self, got: np.ndarray, expected: np.ndarray, what: str) -> None:
+        if self.exact:
+            assert np.array_equal(got, expected), what
+        else:
+            np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6, err_msg=what)
+
+    def check(self, probe: Optional[List[int]] = None) -> None:
+        """Every table against the model: each tier's keys and scores, clock and pinned keys;
+        the counters and sizes ``stats`` reports; the rows (optimizer state included) of the
+        keys ``probe`` (default: every key the steps looked up), a CACHE table's store; the
+        module's step of each table."""
+        module = self.module
+        stats = module.stats()
+        for name, ref in self.model.tables.items():
+            table = module.tables[name]
+            held, hash_tables = held_by(table), tiers_of(table)
+            for tier, t in ref.tiers.items():
+                assert held[tier] == t.scores(), (name, tier)
+                assert hash_tables[tier].clock == t.clock, (name, tier)
+                pinned = sum(e.pins > 0 for e in t.entries.values())
+                assert hash_tables[tier].pinned_count() == pinned, (name, tier)
+            assert {k: stats[name][k] for k in COUNTED} == ref.counters, name
+            for k, v in ref.sizes().items():
+                assert stats[name][k] == v, (name, k)
+            keys = sorted(self.seen[name]) if probe is None else list(probe)
+            tensor = torch.tensor(keys, dtype=torch.int64, device=module.device)
+            rows, found = module.read_rows(name, tensor, with_state=True)
+            current = ref.current_rows()
+            assert found.tolist() == [k in current for k in keys], name
+            self.compare(rows[found].cpu().numpy(),
+                         stacked([current[k] for k in keys if k in current], ref.width),
+                         f"rows of {name}")
+            if table.mode is StorageMode.CACHE:
+                stored, in_store, scores = table.store.find(tensor)
+                assert in_store.tolist() == [k in ref.store for k in keys], name
+                self.compare(stored[in_store].cpu().numpy(),
+                             stacked([ref.store[k][0] for k in keys if k in ref.store],
+                                     ref.width), f"stored rows of {name}")
+                assert scores[in_store].tolist() == [ref.store[k][1] for k in keys
+                                                     if k in ref.store], name
+            assert module.steps[name] == ref.steps, name
