@@ -94,8 +94,8 @@ class GroupReference:
 
     def step(self, kjt, out, grad_of: GradOf, scores: Optional[Dict[str, int]] = None,
              lr: Optional[float] = None) -> None:
-        """The model's training step on ``kjt`` after the module's (its forward gave ``out``
-        and its backward ran): the claim, the forward, whose rows must equal ``out``, and the
+        """The model's training step on ``kjt`` after the module's (its forward gave ``out``,
+        by feature a ``JaggedTensor`` or its values, and its backward ran): the claim, the forward, whose rows must equal ``out``, and the
         backward with the gradients ``grad_of`` gives (at ``lr``, default the optimizer's
         learning rate). ``scores``: the CUSTOMIZED scores of the step."""
         features = {f: kjt[f].values().tolist() for f in kjt.keys() if f in self.table_of}
@@ -116,7 +116,8 @@ class GroupReference:
             name = self.table_of[f]
             mine = rows[name][at[name]:at[name] + len(ids)]
             at[name] += len(ids)
-            self.compare(out[f].values().detach().cpu().numpy(), mine, f"output of {f}")
+            got = out[f] if isinstance(out[f], torch.Tensor) else out[f].values()
+            self.compare(got.detach().cpu().numpy(), mine, f"output of {f}")
             g = grad_of(f, mine)
             if g is not None:
                 taking.add(name)

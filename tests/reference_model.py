@@ -11,6 +11,7 @@ the model of a table group (:mod:`group_model`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Dict, Iterable, List, Optional
 
 M64 = (1 << 64) - 1
@@ -26,6 +27,7 @@ def mix64(x: int) -> int:
     return x
 
 
+@lru_cache(maxsize=1 << 16)
 def bucket_of(key: int, num_buckets: int) -> int:
     return ((mix64(key) >> 32) * num_buckets) >> 32
 
@@ -81,16 +83,19 @@ class ModelTable:
         return {(k, e.slot, e.score) for k, e in self.entries.items()}
 
     # -- a whole claim by the rules, without slots ----------------------------------------------
-    def bucket_members(self, bucket: int) -> List[int]:
-        return [k for k in self.entries if bucket_of(k, self.num_buckets) == bucket]
+    def by_bucket(self) -> Dict[int, List[int]]:
+        """The live keys of each bucket that holds some."""
+        out: Dict[int, List[int]] = {}
+        for k in self.entries:
+            out.setdefault(bucket_of(k, self.num_buckets), []).append(k)
+        return out
 
-    def candidates(self, bucket: int, batch) -> List[int]:
-        """The keys a new key of ``bucket`` may evict: live, unpinned and not of the call's
-        ``batch`` (no key the call found or claimed); none under NO_EVICTION."""
+    def candidates(self, members: List[int], batch) -> List[int]:
+        """Of a bucket's live keys ``members``, those a new key may evict: unpinned and not
+        of the call's ``batch`` (no key the call found or claimed); none under NO_EVICTION."""
         if self.policy == "no_eviction":
             return []
-        return [k for k in self.bucket_members(bucket)
-                if self.entries[k].pins == 0 and k not in batch]
+        return [k for k in members if self.entries[k].pins == 0 and k not in batch]
 
     def missing_by_bucket(self, keys) -> Dict[int, List[int]]:
         """The keys of ``keys`` the table lacks, unique, by bucket."""
@@ -102,10 +107,13 @@ class ModelTable:
 
     def overflowing(self, keys) -> set:
         """The buckets where a claim of ``keys`` would leave a new key without a slot."""
-        batch = set(keys)
-        return {b for b, new in self.missing_by_bucket(keys).items()
-                if len(new) > self.bucket_size - len(self.bucket_members(b))
-                + len(self.candidates(b, batch))}
+        batch, members = set(keys), self.by_bucket()
+        out = set()
+        for b, new in self.missing_by_bucket(keys).items():
+            live = members.get(b, [])
+            if len(new) > self.bucket_size - len(live) + len(self.candidates(live, batch)):
+                out.add(b)
+        return out
 
     def claim(self, keys, given: int = 0, pin: bool = True) -> "Claim":
         """One ``find_or_insert`` of the batch ``keys`` (duplicates allowed; ``given``: the
@@ -126,11 +134,13 @@ class ModelTable:
             e.score = self.hit_score(e.score, counts[k], given)
         evicted: Dict[int, int] = {}
         ties: List[tuple] = []
+        members = self.by_bucket()
         for b, new in missing.items():
-            need = len(new) - (self.bucket_size - len(self.bucket_members(b)))
+            live = members.get(b, [])
+            need = len(new) - (self.bucket_size - len(live))
             if need <= 0:
                 continue
-            ranked = sorted(self.candidates(b, batch), key=lambda k: self.entries[k].score)
+            ranked = sorted(self.candidates(live, batch), key=lambda k: self.entries[k].score)
             boundary = self.entries[ranked[need - 1]].score
             sure = [k for k in ranked if self.entries[k].score < boundary]
             tied = [k for k in ranked if self.entries[k].score == boundary]

@@ -25,6 +25,7 @@ from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.groups import GroupBatch
 from dynemb.types import ScorePolicy, TableFullError
 from failing_store import FailingStore
+from group_reference import GroupReference
 
 FEATURES = [f"f{i}" for i in range(4)]
 
@@ -89,6 +90,13 @@ def train_both(grouped, alone, gen: torch.Generator, steps: int) -> None:
         step(grouped, kjt), step(alone, kjt)
 
 
+def loss_gradient(weights=(1.0, 2.0, 0.0, 0.5)):
+    """What :func:`step`'s loss gives each output row (None: left out of the loss), for the
+    group model (tests/group_reference.py)."""
+    by_feature = dict(zip(FEATURES, weights))
+    return lambda f, rows: 2 * by_feature[f] * rows if by_feature[f] else None
+
+
 def refusal_messages(modules, kjt, match):
     """The ``TableFullError`` message each module raises for a training forward of ``kjt``
     (it must raise one matching ``match``)."""
@@ -108,16 +116,21 @@ def grouped_names(module):
 @pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.LFU_LRU,
                                     ScorePolicy.STEP, ScorePolicy.CUSTOMIZED])
 def test_a_grouped_module_trains_bit_for_bit_as_its_tables_one_by_one(optimizer, policy):
+    """Against the tables one by one, and against the group model."""
     grouped, alone = twins(optimizer, policy)
     assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
     assert grouped_names(alone) == [("t0",), ("t1",), ("t2",), ("t3",)]  # groups of one
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(7)
     for i in range(25):
         kjt = batch(gen)
         scores = ({f"t{t}": 1000 + 7 * i + t for t in range(4)}
                   if policy is ScorePolicy.CUSTOMIZED else None)
-        assert_same_outputs(step(grouped, kjt, scores=scores), step(alone, kjt, scores=scores))
+        out = step(grouped, kjt, scores=scores)
+        assert_same_outputs(out, step(alone, kjt, scores=scores))
+        reference.step(kjt, out, loss_gradient(), scores=scores)
     assert_same_module(grouped, alone)
+    reference.check()
     stats = grouped.stats()
     assert stats["t3"]["evictions"] > 0 and stats["t2"]["evictions"] > 0  # the run evicts
     assert grouped.steps["t2"] == 0  # its output never reached a loss: never updated
@@ -134,12 +147,16 @@ def test_grouped_cache_tables_train_bit_for_bit_as_alone(optimizer, policy):
                for i, rows in enumerate((96, 96, 64, 128))}
     grouped, alone = twins(optimizer, policy, table_options=options)
     assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(8)
     for i in range(20):
         kjt = batch(gen)
         weights = (1.0, 2.0, 0.5, 0.5)
-        assert_same_outputs(step(grouped, kjt, weights), step(alone, kjt, weights))
+        out = step(grouped, kjt, weights)
+        assert_same_outputs(out, step(alone, kjt, weights))
+        reference.step(kjt, out, loss_gradient(weights))
     assert_same_module(grouped, alone)
+    reference.check()
     stats = grouped.stats()
     assert all(s["write_backs"] > 0 and s["loads"] > 0 for s in stats.values())
     for name in grouped.tables:

@@ -18,8 +18,9 @@ from dynemb import FrequencyAdmission
 from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.group_tiers import TieredBatch
 from dynemb.types import ScorePolicy
+from group_reference import GroupReference
 from test_table_groups import (FEATURES, assert_same_module, assert_same_outputs, batch,
-                               configs, refusal_messages, step)
+                               configs, loss_gradient, refusal_messages, step)
 
 #: each table's device rows (its budget, in rows of the widest optimizer state: fewer
 #: device rows than ids, so its host tier holds the rest)
@@ -61,15 +62,20 @@ def scores_at(i, policy):
 @pytest.mark.parametrize("optimizer", list(OptimizerType))
 @pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.CUSTOMIZED])
 def test_default_tables_group_and_train_bit_for_bit_as_alone(optimizer, policy):
+    """Against the tables one by one, and against the group model."""
     grouped, alone = tiered_twins(optimizer, policy)
     assert grouped.table_groups() == [("t0", "t1", "t2", "t3")]
     assert alone.table_groups() == [("t0",), ("t1",), ("t2",), ("t3",)]  # groups of one
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(7)
     for i in range(20):
         kjt = batch(gen)
         scores = scores_at(i, policy)
-        assert_same_outputs(step(grouped, kjt, scores=scores), step(alone, kjt, scores=scores))
+        out = step(grouped, kjt, scores=scores)
+        assert_same_outputs(out, step(alone, kjt, scores=scores))
+        reference.step(kjt, out, loss_gradient(), scores=scores)
     assert_same_module(grouped, alone)
+    reference.check()
     stats = grouped.stats()
     for name in ("t0", "t3"):  # both tiers hold rows, and both evicted
         assert stats[name]["rows_device"] > 0 and stats[name]["rows_backing"] > 0
