@@ -16,10 +16,12 @@ and its counters:
   tier its hash routes it to (:func:`key_reference.routes_to_first`); a tier evicts by score
   and the evicted row is dropped.
 
-Every training step ticks the clock of each table (each tier), whether or not its feature
-has ids. A batch's keys stay pinned until the backward of a table whose output reaches the
-loss; a table whose output does not keeps them pinned until the next training forward has
-claimed its own keys (:meth:`ModelGroup.forward`).
+Every training claim ticks the clock of each table (each tier), whether or not its feature
+has ids; the claim is made at the prefetch (inline, or ahead of the forward), a DEFAULT
+table's in the forward. A batch's keys stay pinned from its claim until the backward of a
+table whose output reaches the loss; a table whose output does not keeps them pinned until
+the next training forward has claimed its own keys (:meth:`ModelGroup.forward`); a batch
+prefetched and dropped ends its pins (:meth:`ModelGroup.release`).
 
 Rows start from :func:`key_reference.initial_rows` (computed here from the documented
 rules, not read from the table), and are updated by SGD, AdaGrad, Adam or row-wise AdaGrad
@@ -141,18 +143,21 @@ class ModelEmbeddingTable:
         return out
 
     # -- a training step ----------------------------------------------------------------------
-    def claim(self, keys: Sequence[int], given: int = 0) -> Dict[str, Claim]:
+    def count_lookups(self, keys: Sequence[int]) -> None:
+        self.counters["lookups"] += len(keys)
+        self.counters["unique_keys"] += len(set(keys))
+
+    def claim(self, keys: Sequence[int], given: int = 0,
+              count_lookups: bool = True) -> Dict[str, Claim]:
         """The claim of a training batch's ``keys`` in each tier (each tier's clock ticks),
-        counted; :meth:`settle` finishes it."""
+        counted (its lookups too, with ``count_lookups``); :meth:`settle` finishes it."""
         claims = {tier: self.tiers[tier].claim(part, given)
                   for tier, part in self.split(keys).items()}
-        unique = len(set(keys))
+        if count_lookups:
+            self.count_lookups(keys)
         hits = sum(len(c.hits) for c in claims.values())
-        c = self.counters
-        c["lookups"] += len(keys)
-        c["unique_keys"] += unique
-        c["hits"] += hits
-        c["misses"] += unique - hits
+        self.counters["hits"] += hits
+        self.counters["misses"] += len(set(keys)) - hits
         return claims
 
     def settle(self, claims: Dict[str, Claim], held: Dict[str, set]) -> None:
@@ -223,7 +228,9 @@ class ModelEmbeddingTable:
 
 class ModelGroup:
     """Tables that train as one group: each claims, evicts, scores and counts its own keys as
-    alone; the group only says when pins end (see the module docstring)."""
+    alone; the group only says when pins end (see the module docstring). A training step is
+    :meth:`claim` (at the prefetch; a DEFAULT table's at the forward), :meth:`settle`,
+    :meth:`forward` and :meth:`backward`."""
 
     def __init__(self, tables: Dict[str, ModelEmbeddingTable]):
         self.tables = tables
@@ -232,23 +239,26 @@ class ModelGroup:
     def refused(self, batch: Dict[str, List[int]]) -> Dict[str, set]:
         return {name: self.tables[name].refused(keys) for name, keys in batch.items()}
 
-    def claim(self, batch: Dict[str, List[int]], given: Optional[Dict[str, int]] = None
-              ) -> Dict[str, Dict[str, Claim]]:
-        """A training forward's claim: each table's keys (``batch``, every table named) at
-        its own next clock (``given``: CUSTOMIZED scores per table)."""
+    def claim(self, batch: Dict[str, List[int]], given: Optional[Dict[str, int]] = None,
+              count_lookups: bool = True) -> Dict[str, Dict[str, Claim]]:
+        """The claim of the tables of ``batch`` (table -> its keys) each at its own next
+        clock (``given``: CUSTOMIZED scores per table); ``count_lookups``: the lookups and
+        unique keys are counted here (not where a prefetch counted them)."""
         given = given or {}
-        return {name: self.tables[name].claim(keys, given.get(name, 0))
+        return {name: self.tables[name].claim(keys, given.get(name, 0), count_lookups)
                 for name, keys in batch.items()}
 
-    def forward(self, batch: Dict[str, List[int]], claims: Dict[str, Dict[str, Claim]],
-                held: Dict[str, Dict[str, set]]) -> Dict[str, np.ndarray]:
-        """Finish the forward whose :meth:`claim` made ``claims`` (``held``: per table and
-        tier, the keys held after it), end the pins the previous step left, and return each
-        table's rows of ``batch`` [len(keys), dim]."""
+    def settle(self, claims: Dict[str, Dict[str, Claim]],
+               held: Dict[str, Dict[str, set]]) -> None:
+        """Finish ``claims`` (``held``: per table and tier, the keys held after them)."""
         for name, claim in claims.items():
             self.tables[name].settle(claim, held[name])
-        for name, keys in self._awaiting.items():  # after this batch pinned its own keys
-            self.tables[name].unpin(keys)
+
+    def forward(self, batch: Dict[str, List[int]]) -> Dict[str, np.ndarray]:
+        """A training forward of the claimed ``batch`` (every table named): the pins the
+        previous forward left end (after this batch pinned its own keys); returns each
+        table's rows of ``batch`` [len(keys), dim]."""
+        self.end_awaiting()
         self._awaiting = {name: list(set(keys)) for name, keys in batch.items()}
         out = {}
         for name, keys in batch.items():
@@ -264,3 +274,14 @@ class ModelGroup:
         for name, g in grads.items():
             self.tables[name].update(batch[name], g, lr)
             self.tables[name].unpin(self._awaiting.pop(name))
+
+    def end_awaiting(self) -> None:
+        """End the pins of the last forward's tables whose backward did not come."""
+        for name, keys in self._awaiting.items():
+            self.tables[name].unpin(keys)
+        self._awaiting = {}
+
+    def release(self, batch: Dict[str, List[int]]) -> None:
+        """End the pins of a claimed batch that no forward took."""
+        for name, keys in batch.items():
+            self.tables[name].unpin(set(keys))

@@ -6,16 +6,18 @@ beside) the same tables run one by one.
 ``DynamicEmbCollection`` from its configuration (mode, capacities, bucket size, policy,
 optimizer, initializer; or takes a model built by the test), follows each training step of
 the module (:meth:`GroupReference.step`: the module's forward and backward ran, the model's
-claim, forward and backward follow, the outputs compared) and compares the tables with the
+claim, forward and backward follow, the outputs compared; :meth:`GroupReference.prefetch`
+for batches prefetched ahead) and compares the tables with the
 model (:meth:`GroupReference.check`). It reads the tables through what they show: their
 hash tables' exports, clocks and pin counts, ``stats``, ``read_rows``, a CACHE table's
 ``store.find`` and the module's ``steps``.
 
-Not modelled (a test that needs them keeps its other checks): admission, growth, prefetches
-ahead of the forward, eval lookups, pooled outputs, float16 / bfloat16 rows.
+Not modelled (a test that needs them keeps its other checks): admission, growth, eval
+lookups, pooled outputs, float16 / bfloat16 rows.
 """
 from __future__ import annotations
 
+import collections
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -91,24 +93,66 @@ class GroupReference:
         self.table_of = {f: config.name for config in module.table_configs()
                          for f in config.feature_names}
         self.seen: Dict[str, set] = {name: set() for name in self.model.tables}
+        self._queue: collections.deque = collections.deque()  # prefetched batches
 
-    def step(self, kjt, out, grad_of: GradOf, scores: Optional[Dict[str, int]] = None,
-             lr: Optional[float] = None) -> None:
-        """The model's training step on ``kjt`` after the module's (its forward gave ``out``,
-        by feature a ``JaggedTensor`` or its values, and its backward ran): the claim, the forward, whose rows must equal ``out``, and the
-        backward with the gradients ``grad_of`` gives (at ``lr``, default the optimizer's
-        learning rate). ``scores``: the CUSTOMIZED scores of the step."""
+    def _batch(self, kjt):
+        """({feature: its ids}, {table: the ids of its features}) of ``kjt``."""
         features = {f: kjt[f].values().tolist() for f in kjt.keys() if f in self.table_of}
         batch: Dict[str, List[int]] = {name: [] for name in self.model.tables}
         for f, ids in features.items():
             batch[self.table_of[f]] += ids
         for name, keys in batch.items():
             self.seen[name].update(keys)
-        model = self.model
-        claims = model.claim(batch, scores)
+        return features, batch
+
+    def _claims_in_forward(self, name: str) -> bool:
+        return self.model.tables[name].mode == "default"
+
+    def _settle(self, claims) -> None:
         held = {name: {tier: set(keys) for tier, keys in held_by(self.module.tables[name])
-                       .items()} for name in batch}
-        rows = model.forward(batch, claims, held)
+                       .items()} for name in claims}
+        self.model.settle(claims, held)
+
+    def prefetch(self, kjt, scores: Optional[Dict[str, int]] = None) -> None:
+        """The module prefetched ``kjt`` for training ahead of its forward (``scores``: the
+        CUSTOMIZED scores then): the tables claim now, but DEFAULT tables, which count the
+        lookups now and claim in the forward. Call it after the module's step that followed
+        the prefetch (no claim of these tables since)."""
+        features, batch = self._batch(kjt)
+        now = {n: keys for n, keys in batch.items() if not self._claims_in_forward(n)}
+        for name, keys in batch.items():
+            if name not in now:
+                self.model.tables[name].count_lookups(keys)
+        self._settle(self.model.claim(now, scores))
+        self._queue.append((features, batch, scores))
+
+    def clear_prefetched(self) -> None:
+        """The module's ``clear_prefetched``: queued batches end their pins, and so do the
+        last forward's tables whose backward did not come."""
+        for _, batch, _ in self._queue:
+            self.model.release({n: k for n, k in batch.items()
+                                if not self._claims_in_forward(n)})
+        self._queue.clear()
+        self.model.end_awaiting()
+
+    def step(self, kjt, out, grad_of: GradOf, scores: Optional[Dict[str, int]] = None,
+             lr: Optional[float] = None) -> None:
+        """The model's training step on ``kjt`` after the module's (its forward gave ``out``,
+        by feature a ``JaggedTensor`` or its values, and its backward ran): the claim (of
+        the batch :meth:`prefetch` queued, if any), the forward, whose rows must equal
+        ``out``, and the backward with the gradients ``grad_of`` gives (at ``lr``, default
+        the optimizer's learning rate). ``scores``: the CUSTOMIZED scores of the step (of
+        its prefetch, for a queued batch)."""
+        model = self.model
+        if self._queue:
+            features, batch, scores = self._queue.popleft()
+            assert features == {f: kjt[f].values().tolist() for f in features}
+            late = {n: keys for n, keys in batch.items() if self._claims_in_forward(n)}
+            self._settle(model.claim(late, scores, count_lookups=False))
+        else:
+            features, batch = self._batch(kjt)
+            self._settle(model.claim(batch, scores))
+        rows = model.forward(batch)
         grads: Dict[str, List[np.ndarray]] = {name: [] for name in batch}
         taking = set()
         at = {name: 0 for name in batch}
