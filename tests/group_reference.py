@@ -27,8 +27,8 @@ from dynemb.options import StorageMode
 from group_model import COUNTED, ModelEmbeddingTable, ModelGroup, ModelOptimizer
 from key_reference import initial_rows
 
-#: ``grad_of(feature, rows)``: the gradient [n, dim] of a feature's output rows (the model's),
-#: or None where the feature's output does not reach the loss
+#: ``grad_of(output, rows)``: the gradient [n, dim] of an output's rows (the model's), or None
+#: where the output does not reach the loss; outputs are named as the module names them
 GradOf = Callable[[str, np.ndarray], Optional[np.ndarray]]
 
 
@@ -90,17 +90,21 @@ class GroupReference:
         self.module = module
         self.model = model if model is not None else model_of(module)
         self.exact = exact
-        self.table_of = {f: config.name for config in module.table_configs()
-                         for f in config.feature_names}
+        #: (output name, feature, table) of every output, in the tables' order: a feature
+        #: that several tables read has an output per table, "feature@table" (TorchRec's)
+        self.outputs = [(name, f, config.name) for config, names in
+                        zip(module.table_configs(), module.embedding_names_by_table())
+                        for f, name in zip(config.feature_names, names)]
         self.seen: Dict[str, set] = {name: set() for name in self.model.tables}
         self._queue: collections.deque = collections.deque()  # prefetched batches
 
     def _batch(self, kjt):
-        """({feature: its ids}, {table: the ids of its features}) of ``kjt``."""
-        features = {f: kjt[f].values().tolist() for f in kjt.keys() if f in self.table_of}
+        """({feature: its ids}, {table: the ids of its features, output after output}) of
+        ``kjt``."""
+        features = {f: kjt[f].values().tolist() for _, f, _ in self.outputs}
         batch: Dict[str, List[int]] = {name: [] for name in self.model.tables}
-        for f, ids in features.items():
-            batch[self.table_of[f]] += ids
+        for _, f, name in self.outputs:
+            batch[name] += features[f]
         for name, keys in batch.items():
             self.seen[name].update(keys)
         return features, batch
@@ -156,13 +160,14 @@ class GroupReference:
         grads: Dict[str, List[np.ndarray]] = {name: [] for name in batch}
         taking = set()
         at = {name: 0 for name in batch}
-        for f, ids in features.items():
-            name = self.table_of[f]
-            mine = rows[name][at[name]:at[name] + len(ids)]
-            at[name] += len(ids)
-            got = out[f] if isinstance(out[f], torch.Tensor) else out[f].values()
-            self.compare(got.detach().cpu().numpy(), mine, f"output of {f}")
-            g = grad_of(f, mine)
+        for output, f, name in self.outputs:
+            n = len(features[f])
+            mine = rows[name][at[name]:at[name] + n]
+            at[name] += n
+            got = out[output] if isinstance(out[output], torch.Tensor) else \
+                out[output].values()
+            self.compare(got.detach().cpu().numpy(), mine, f"output {output}")
+            g = grad_of(output, mine)
             if g is not None:
                 taking.add(name)
             grads[name].append(np.zeros_like(mine) if g is None else

@@ -371,11 +371,15 @@ def test_host_only_tables_of_a_module_on_the_host_group_and_match_their_twin():
     grouped, alone = twins(OptimizerType.ADAM, ScorePolicy.LFU, table_options=options)
     assert {m.name for m in grouped.storage_modes().values()} == {"HOST_ONLY", "HBM_DIRECT"}
     assert grouped_names(grouped) == [("t0", "t1", "t3"), ("t2",)]
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(31)
     for _ in range(15):
         kjt = batch(gen)
-        assert_same_outputs(step(grouped, kjt), step(alone, kjt))
+        out = step(grouped, kjt)
+        assert_same_outputs(out, step(alone, kjt))
+        reference.step(kjt, out, loss_gradient())
     assert_same_module(grouped, alone)
+    reference.check()
     assert grouped.stats()["t1"]["evictions"] > 0 and grouped.stats()["t1"]["rows_device"] == 0
     for module in (grouped, alone):
         module.eval()
@@ -407,6 +411,8 @@ def test_tables_of_several_features_and_a_shared_feature_match_their_twin():
     grouped, alone = (DynamicEmbCollection(tables, table_options=options, optimizer=config,
                                            group_tables=g) for g in (True, False))
     assert grouped_names(grouped) == [("t0", "t1", "t2")]
+    used = ("f0", "f1@t2", "f3")
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(21)
     for i in range(16):
         kjt = batch(gen) if i % 3 else KeyedJaggedTensor.from_lengths_sync(
@@ -415,13 +421,14 @@ def test_tables_of_several_features_and_a_shared_feature_match_their_twin():
         outs = []
         for module in (grouped, alone):
             out = module(kjt)
-            used = [name for name in out if name in ("f0", "f1@t2", "f3")]
-            loss = sum((out[name].values() ** 2).sum() for name in used)
+            loss = sum((out[name].values() ** 2).sum() for name in out if name in used)
             loss.backward()
             outs.append(out)
         assert sorted(outs[0]) == sorted(outs[1])
         assert_same_outputs(*outs)
+        reference.step(kjt, outs[0], lambda name, rows: 2 * rows if name in used else None)
     assert_same_module(grouped, alone)
+    reference.check()
     assert grouped.stats()["t1"]["lookups"] > 0 and grouped.stats()["t0"]["evictions"] > 0
 
 
@@ -622,18 +629,21 @@ def test_a_table_with_no_free_row_raises_as_it_does_alone():
 
 def test_skipped_backwards_and_batches_prefetched_ahead_match_the_twin():
     grouped, alone = twins(OptimizerType.ADAM, ScorePolicy.LFU)
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(12)
     kjts = [batch(gen) for _ in range(12)]
     for i in range(0, 12, 3):
-        for module in (grouped, alone):  # two batches queued ahead of their forwards
-            module.prefetch(kjts[i]), module.prefetch(kjts[i + 1])
+        for kjt in kjts[i:i + 2]:  # two batches queued ahead of their forwards
+            grouped.prefetch(kjt), reference.prefetch(kjt), alone.prefetch(kjt)
         for j, backward in ((i, True), (i + 1, False), (i + 2, True)):
             outs = [m(kjts[j]) for m in (grouped, alone)]
             assert_same_outputs(*outs)
             if backward:  # else: as if an exception came between forward and backward
                 for out in outs:
                     sum((out[f].values() ** 2).sum() for f in FEATURES).backward()
+            reference.step(kjts[j], outs[0], lambda f, rows: 2 * rows if backward else None)
     assert_same_module(grouped, alone)
+    reference.check()
     assert grouped.steps == {"t0": 8, "t1": 8, "t2": 8, "t3": 8}
 
 
