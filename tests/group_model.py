@@ -87,12 +87,14 @@ class ModelOptimizer:
 
 class ModelEmbeddingTable:
     """One table of a group (see the module docstring). ``initial_row(key)``: the row the
-    table's initializer gives ``key`` [dim]; ``optimizer``: a :class:`ModelOptimizer`, or the
-    kind of one with its defaults."""
+    table's initializer gives ``key`` [dim] (``eval_row(key)``: its eval initializer);
+    ``optimizer``: a :class:`ModelOptimizer`, or the kind of one with its defaults."""
 
     def __init__(self, mode: str, *, capacity: int, device_rows: int, bucket_size: int,
-                 policy: str, dim: int, optimizer, initial_row: Callable[[int], Sequence[float]]):
+                 policy: str, dim: int, optimizer, initial_row: Callable[[int], Sequence[float]],
+                 eval_row: Optional[Callable[[int], Sequence[float]]] = None):
         assert mode in MODES
+        self._eval_row = eval_row
         self.mode = mode
         self.dim = dim
         self.optimizer = optimizer if isinstance(optimizer, ModelOptimizer) else \
@@ -186,6 +188,32 @@ class ModelEmbeddingTable:
                     row[:self.dim] = np.asarray(self._initial_row(k), dtype=np.float64)
                     self.rows[k] = row
             c["inserts"] += len(claim.inserted)
+
+    def lookup(self, keys: Sequence[int]) -> np.ndarray:
+        """An eval (or ``no_grad``) lookup of ``keys``: their rows [len(keys), dim], a stored
+        key's row (a CACHE table's missing from the cache: the store's, not loaded), else
+        its eval initializer's; nothing claimed, rescored or pinned; the lookups, unique
+        keys, hits (keys the tiers hold) and misses counted."""
+        current = self.current_rows()
+        unique = set(keys)
+        hits = sum(k in self.rows for k in unique)
+        c = self.counters
+        c["lookups"] += len(keys)
+        c["unique_keys"] += len(unique)
+        c["hits"] += hits
+        c["misses"] += len(unique) - hits
+        rows = [current[k][:self.dim] if k in current else
+                np.asarray(self._eval_row(k), dtype=np.float64).astype(np.float32)
+                for k in keys]
+        return np.stack(rows) if rows else np.zeros((0, self.dim), dtype=np.float32)
+
+    def flush(self) -> int:
+        """A CACHE table's ``flush``: every cached row and its score written to the store (and
+        kept); returns how many."""
+        assert self.mode == "cache"
+        for k, e in self.tiers["device"].entries.items():
+            self.store[k] = (self.rows[k].copy(), e.score)
+        return len(self.tiers["device"].entries)
 
     def unpin(self, keys: Sequence[int]) -> None:
         for tier, part in self.split(set(keys)).items():

@@ -12,8 +12,9 @@ model (:meth:`GroupReference.check`). It reads the tables through what they show
 hash tables' exports, clocks and pin counts, ``stats``, ``read_rows``, a CACHE table's
 ``store.find`` and the module's ``steps``.
 
-Not modelled (a test that needs them keeps its other checks): admission, growth, eval
-lookups, pooled outputs, float16 / bfloat16 rows.
+:meth:`GroupReference.lookup` follows an eval (or ``no_grad``) lookup. Not modelled (a test
+that needs them keeps its other checks): admission, growth, late backwards, pooled outputs,
+float16 / bfloat16 rows.
 """
 from __future__ import annotations
 
@@ -49,14 +50,15 @@ def model_of(module) -> ModelGroup:
         tables[name] = ModelEmbeddingTable(
             table.mode.value, capacity=layout.max_capacity, device_rows=layout.device_capacity,
             bucket_size=layout.bucket_size, policy=options.score_strategy.value, dim=table.dim,
-            optimizer=optimizer, initial_row=initial_row_of(table))
+            optimizer=optimizer, initial_row=initial_row_of(table),
+            eval_row=initial_row_of(table, options.eval_initializer))
     return ModelGroup(tables)
 
 
-def initial_row_of(table) -> Callable[[int], List[float]]:
-    """The row ``table``'s initializer gives a key, by the documented rules (its seed and id
-    are configuration)."""
-    init, dim = table.options.initializer, table.dim
+def initial_row_of(table, init=None) -> Callable[[int], List[float]]:
+    """The row ``table``'s initializer (or ``init``) gives a key, by the documented rules
+    (the table's seed and id are configuration)."""
+    init, dim = table.options.initializer if init is None else init, table.dim
     seed, table_id = table.options.seed, table.table_id
     return lambda key: initial_rows(init, [key], dim, seed=seed, table_id=table_id)[0]
 
@@ -75,6 +77,12 @@ def tiers_of(table):
     if table.mode is StorageMode.DEFAULT:
         tiers["host"] = table.host_tier.hash
     return tiers
+
+
+def _in_output_order(parts: Dict[str, List[np.ndarray]], outputs) -> List[np.ndarray]:
+    """The parts of each table, listed output after output (``outputs``' order)."""
+    taken = {name: iter(p) for name, p in parts.items()}
+    return [next(taken[name]) for _, _, name in outputs]
 
 
 def stacked(rows, width: int) -> np.ndarray:
@@ -156,17 +164,10 @@ class GroupReference:
         else:
             features, batch = self._batch(kjt)
             self._settle(model.claim(batch, scores))
-        rows = model.forward(batch)
+        parts = self._compare_outputs(features, model.forward(batch), out)
         grads: Dict[str, List[np.ndarray]] = {name: [] for name in batch}
         taking = set()
-        at = {name: 0 for name in batch}
-        for output, f, name in self.outputs:
-            n = len(features[f])
-            mine = rows[name][at[name]:at[name] + n]
-            at[name] += n
-            got = out[output] if isinstance(out[output], torch.Tensor) else \
-                out[output].values()
-            self.compare(got.detach().cpu().numpy(), mine, f"output {output}")
+        for (output, _, name), mine in zip(self.outputs, _in_output_order(parts, self.outputs)):
             g = grad_of(output, mine)
             if g is not None:
                 taking.add(name)
@@ -174,6 +175,38 @@ class GroupReference:
                                np.asarray(g, dtype=np.float32))
         lr = self.module.optimizer_config.learning_rate if lr is None else lr
         model.backward(batch, {name: np.concatenate(grads[name]) for name in taking}, lr)
+
+    def flush(self) -> Dict[str, int]:
+        """The module's ``flush``: each CACHE table's cached rows written to its store;
+        returns how many per table, as the module does."""
+        return {name: t.flush() for name, t in self.model.tables.items() if t.mode == "cache"}
+
+    def eval(self) -> None:
+        """The module left training (``module.eval()``): the pins of the last forward's
+        tables whose backward did not come end."""
+        self.model.end_awaiting()
+
+    def lookup(self, kjt, out) -> None:
+        """The model's eval (or ``no_grad``) lookup of ``kjt`` after the module's, whose
+        outputs ``out`` must equal its rows."""
+        features, batch = self._batch(kjt)
+        rows = {name: self.model.tables[name].lookup(keys) for name, keys in batch.items()}
+        self._compare_outputs(features, rows, out)
+
+    def _compare_outputs(self, features, rows, out) -> Dict[str, List[np.ndarray]]:
+        """Compare each output of ``out`` with its part of its table's ``rows``; returns
+        those parts, by table, in output order."""
+        parts: Dict[str, List[np.ndarray]] = {name: [] for name in rows}
+        at = {name: 0 for name in rows}
+        for output, f, name in self.outputs:
+            n = len(features[f])
+            mine = rows[name][at[name]:at[name] + n]
+            at[name] += n
+            got = out[output] if isinstance(out[output], torch.Tensor) else \
+                out[output].values()
+            self.compare(got.detach().cpu().numpy(), mine, f"output {output}")
+            parts[name].append(mine)
+        return parts
 
     def compare(self, got: np.ndarray, expected: np.ndarray, what: str) -> None:
         if self.exact:

@@ -84,10 +84,15 @@ def assert_same_outputs(out_a, out_b):
         assert torch.equal(out_a[f].lengths(), out_b[f].lengths()), f
 
 
-def train_both(grouped, alone, gen: torch.Generator, steps: int) -> None:
+def train_both(grouped, alone, gen: torch.Generator, steps: int, reference=None) -> None:
+    """``steps`` steps of both modules; ``reference``, a ``GroupReference`` of ``grouped``,
+    follows them."""
     for _ in range(steps):
         kjt = batch(gen)
-        step(grouped, kjt), step(alone, kjt)
+        out = step(grouped, kjt)
+        step(alone, kjt)
+        if reference is not None:
+            reference.step(kjt, out, loss_gradient())
 
 
 def loss_gradient(weights=(1.0, 2.0, 0.0, 0.5)):
@@ -163,15 +168,19 @@ def test_grouped_cache_tables_train_bit_for_bit_as_alone(optimizer, policy):
         keys = torch.arange(2000)
         got, want = (m.read_rows(name, keys, with_state=True) for m in (grouped, alone))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert grouped.flush() == alone.flush()
-    grouped.eval(), alone.eval()  # keys cached, keys only in the stores, keys never seen
-    for _ in range(3):
+    flushed = grouped.flush()
+    assert flushed == alone.flush() == reference.flush()
+    grouped.eval(), alone.eval(), reference.eval()
+    for _ in range(3):  # keys cached, keys only in the stores, keys never seen
         kjt = batch(gen, vocab=(2000, 2000, 2000, 4000))
         state = grouped.prefetch(kjt)
         assert state.batches["t0"] is state.batches["t3"]  # one eval lookup for the group
         alone.prefetch(kjt)
-        assert_same_outputs(grouped(kjt), alone(kjt))
+        out = grouped(kjt)
+        assert_same_outputs(out, alone(kjt))
+        reference.lookup(kjt, out)
     assert_same_module(grouped, alone)
+    reference.check()
 
 
 def test_a_store_that_raises_mid_claim_leaves_no_pins_in_either_twin():
@@ -453,14 +462,20 @@ def test_a_full_table_evicts_only_its_own_keys():
 
 def test_eval_and_no_grad_lookups_match_their_twin():
     grouped, alone = twins(OptimizerType.ADAGRAD)
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(5)
-    train_both(grouped, alone, gen, 6)
+    train_both(grouped, alone, gen, 6, reference)
     kjt = batch(gen)
     with torch.no_grad():
-        assert_same_outputs(grouped(kjt), alone(kjt))
-    grouped.eval(), alone.eval()
-    assert_same_outputs(grouped(kjt), alone(kjt))
+        out = grouped(kjt)
+        assert_same_outputs(out, alone(kjt))
+        reference.lookup(kjt, out)
+    grouped.eval(), alone.eval(), reference.eval()
+    out = grouped(kjt)
+    assert_same_outputs(out, alone(kjt))
+    reference.lookup(kjt, out)
     assert_same_module(grouped, alone)
+    reference.check()
 
 
 EVAL_INITIALIZERS = [Initializer(InitializerKind.NORMAL, mean=0.5, std=0.1),
@@ -480,9 +495,10 @@ def test_a_grouped_eval_lookup_is_one_group_batch_and_matches_its_twin():
     grouped, alone = [DynamicEmbCollection(configs(), table_options=options, optimizer=config,
                                            group_tables=g) for g in (True, False)]
     assert grouped.table_groups() == [("t0", "t1", "t2", "t3")]
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(7)
-    train_both(grouped, alone, gen, 5)
-    grouped.eval(), alone.eval()
+    train_both(grouped, alone, gen, 5, reference)
+    grouped.eval(), alone.eval(), reference.eval()
     for _ in range(3):  # seen and unseen keys: vocabularies larger than what trained
         kjt = batch(gen, vocab=(3000, 3000, 3000, 3000))
         state = grouped.prefetch(kjt)
@@ -492,9 +508,11 @@ def test_a_grouped_eval_lookup_is_one_group_batch_and_matches_its_twin():
         assert grouped.tables["t1"].has_batches_in_flight()
         out_g, out_a = grouped(kjt), alone(kjt)
         assert_same_outputs(out_g, out_a)
+        reference.lookup(kjt, out_g)
         unseen = out_g["f2"].values()[(out_g["f2"].values() == 3.0).all(1)]
         assert unseen.numel() > 0  # t2's eval_initializer answered for its unseen keys
     assert_same_module(grouped, alone)
+    reference.check()
     assert not any(t.has_batches_in_flight() for t in grouped.tables.values())
     assert sum(int(t.tier.hash.pinned_count()) for t in grouped.tables.values()) == 0
     assert grouped.stats()["t0"]["misses"] > 0

@@ -224,7 +224,8 @@ def test_grouped_cache_tables_train_as_alone_on_the_cuda_kernels(pooled):
         reference.check()
     stats = grouped.stats()
     assert all(s["write_backs"] > 0 and s["loads"] > 0 for s in stats.values())
-    assert grouped.flush() == alone.flush()
+    flushed = grouped.flush()
+    assert flushed == alone.flush()
     grouped.eval(), alone.eval()
     with torch.no_grad():
         kjt = batch(gen, 3, per_table=9, vocab=100)  # cached, only stored, never seen
@@ -235,6 +236,11 @@ def test_grouped_cache_tables_train_as_alone_on_the_cuda_kernels(pooled):
     for f in dense_g:
         assert torch.equal(dense_g[f].cpu(), dense_a[f].cpu()), f
     assert_same_rows(grouped, alone, keys)
+    if reference is not None:
+        assert reference.flush() == flushed
+        reference.eval()
+        reference.lookup(kjt, out_g)
+        reference.check()
     assert sum(int(t.tier.hash.pinned_count()) for t in grouped.tables.values()) == 0
 
 
@@ -318,10 +324,15 @@ def test_grouped_eval_lookups_match_alone_on_the_cuda_kernels(pooled):
                              device=DEVICE, backend=KERNELS, group_tables=g)
                       for g in (True, False)]
     assert grouped.table_groups() == [("t0", "t1", "t2")]
+    reference = None if pooled else GroupReference(grouped)  # (the model does not pool)
+    used = ["f0", "f1", "f2"]
     gen = torch.Generator().manual_seed(4)
     for _ in range(2):
         kjt = batch(gen, 3)
-        train(grouped, kjt, ["f0", "f1", "f2"]), train(alone, kjt, ["f0", "f1", "f2"])
+        out_g = train(grouped, kjt, used)
+        train(alone, kjt, used)
+        if reference is not None:
+            reference.step(kjt, out_g, squares_gradient(used))
     grouped.eval(), alone.eval()
     with torch.no_grad():
         kjt = batch(gen, 3, vocab=200)  # ids never trained, too
@@ -331,6 +342,10 @@ def test_grouped_eval_lookups_match_alone_on_the_cuda_kernels(pooled):
     dense_g, dense_a = dense(out_g, pooled), dense(out_a, pooled)
     for f in dense_g:
         assert torch.equal(dense_g[f].cpu(), dense_a[f].cpu()), f
+    if reference is not None:
+        reference.eval()
+        reference.lookup(kjt, out_g)
+        reference.check()
     if not pooled:
         assert bool((dense_g["f2"] == 4.0).all(1).any())  # t2's eval row, for an unseen id
     assert_same_tables(grouped, alone, torch.arange(200, device=DEVICE))

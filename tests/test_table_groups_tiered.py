@@ -113,21 +113,28 @@ def test_eval_and_no_grad_lookups_of_default_groups_match_their_twin():
                                                bucket_size=32, seed=3 + i,
                                                eval_initializer=initializers[i])
     grouped, alone = tiered_twins(OptimizerType.ADAGRAD, options=options)
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(5)
     for _ in range(6):
         kjt = batch(gen)
-        step(grouped, kjt), step(alone, kjt)
+        out = step(grouped, kjt)
+        step(alone, kjt)
+        reference.step(kjt, out, loss_gradient())
     kjt = batch(gen, vocab=(3000, 3000, 3000, 3000))
     with torch.no_grad():
-        assert_same_outputs(grouped(kjt), alone(kjt))
-    grouped.eval(), alone.eval()
+        out = grouped(kjt)
+        assert_same_outputs(out, alone(kjt))
+        reference.lookup(kjt, out)
+    grouped.eval(), alone.eval(), reference.eval()
     for _ in range(2):
         kjt = batch(gen, vocab=(3000, 3000, 3000, 3000))
         grouped.prefetch(kjt), alone.prefetch(kjt)  # eval batches queued ahead
         out = grouped(kjt)
         assert_same_outputs(out, alone(kjt))
+        reference.lookup(kjt, out)
         assert (out["f0"].values() == 3.0).all(1).any()  # t0's unseen keys: its eval rows
     assert_same_module(grouped, alone)
+    reference.check()
     for table in grouped.tables.values():
         assert not table.has_batches_in_flight()
         assert int(table.tier.hash.pinned_count()) == 0
