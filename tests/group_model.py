@@ -219,15 +219,19 @@ class ModelEmbeddingTable:
         for tier, part in self.split(set(keys)).items():
             self.tiers[tier].unpin(part)
 
-    def update(self, keys: Sequence[int], grads: np.ndarray, lr: float) -> None:
+    def update(self, keys: Sequence[int], grads: np.ndarray, lr: float,
+               scales: Optional[np.ndarray] = None) -> None:
         """The fused update of the rows of ``keys`` from the gradient of each occurrence
-        (``grads`` [len(keys), dim] float32), clamped (``max_gradient``) and summed per
-        unique key."""
+        (``grads`` [len(keys), dim] float32), clamped (``max_gradient``), times its scale
+        (``scales`` [len(keys)]: a pooled id's weight, or its MEAN bag's 1 / length) and
+        summed per unique key."""
         opt = self.optimizer
         summed: Dict[int, np.ndarray] = {}
-        for k, g in zip(keys, np.asarray(grads, dtype=np.float32)):
+        for i, (k, g) in enumerate(zip(keys, np.asarray(grads, dtype=np.float32))):
             if opt.max_gradient is not None:
                 g = np.clip(g, -np.float32(opt.max_gradient), np.float32(opt.max_gradient))
+            if scales is not None:
+                g = g * np.float32(scales[i])
             summed[k] = summed[k] + g if k in summed else g.copy()
         self.steps += 1
         for k, g in summed.items():
@@ -296,11 +300,12 @@ class ModelGroup:
         return out
 
     def backward(self, batch: Dict[str, List[int]], grads: Dict[str, np.ndarray],
-                 lr: float) -> None:
-        """The backward of the tables in ``grads`` (each occurrence's gradient): their rows
-        updated, their pins ended; the other tables' pins wait for the next forward."""
+                 lr: float, scales: Optional[Dict[str, np.ndarray]] = None) -> None:
+        """The backward of the tables in ``grads`` (each occurrence's gradient; ``scales``:
+        its scale, see :meth:`ModelEmbeddingTable.update`): their rows updated, their pins
+        ended; the other tables' pins wait for the next forward."""
         for name, g in grads.items():
-            self.tables[name].update(batch[name], g, lr)
+            self.tables[name].update(batch[name], g, lr, (scales or {}).get(name))
             self.tables[name].unpin(self._awaiting.pop(name))
 
     def end_awaiting(self) -> None:

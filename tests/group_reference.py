@@ -12,9 +12,10 @@ model (:meth:`GroupReference.check`). It reads the tables through what they show
 hash tables' exports, clocks and pin counts, ``stats``, ``read_rows``, a CACHE table's
 ``store.find`` and the module's ``steps``.
 
-:meth:`GroupReference.lookup` follows an eval (or ``no_grad``) lookup. Not modelled (a test
-that needs them keeps its other checks): admission, growth, late backwards, pooled outputs,
-float16 / bfloat16 rows.
+:meth:`GroupReference.lookup` follows an eval (or ``no_grad``) lookup; the outputs of a
+pooled module (``DynamicEmbBagCollection``: SUM or MEAN bags, weighted or not) are pooled
+from the model's rows. Not modelled (a test that needs them keeps its other checks):
+admission, growth, late backwards, float16 / bfloat16 rows.
 """
 from __future__ import annotations
 
@@ -98,10 +99,14 @@ class GroupReference:
         self.module = module
         self.model = model if model is not None else model_of(module)
         self.exact = exact
+        configs = module.table_configs()
+        #: a pooled module's tables: their pooling, "SUM" or "MEAN" (none: a sequence module)
+        self.pooling = {c.name: c.pooling.value for c in configs if hasattr(c, "pooling")}
+        names = (module.embedding_names_by_table() if not self.pooling else
+                 [c.feature_names for c in configs])
         #: (output name, feature, table) of every output, in the tables' order: a feature
         #: that several tables read has an output per table, "feature@table" (TorchRec's)
-        self.outputs = [(name, f, config.name) for config, names in
-                        zip(module.table_configs(), module.embedding_names_by_table())
+        self.outputs = [(name, f, config.name) for config, names in zip(configs, names)
                         for f, name in zip(config.feature_names, names)]
         self.seen: Dict[str, set] = {name: set() for name in self.model.tables}
         self._queue: collections.deque = collections.deque()  # prefetched batches
@@ -164,17 +169,70 @@ class GroupReference:
         else:
             features, batch = self._batch(kjt)
             self._settle(model.claim(batch, scores))
-        parts = self._compare_outputs(features, model.forward(batch), out)
+        bags = self._bags(kjt)
+        parts = self._compare_outputs(features, model.forward(batch), out, bags)
         grads: Dict[str, List[np.ndarray]] = {name: [] for name in batch}
+        scales: Dict[str, List[np.ndarray]] = {name: [] for name in batch}
         taking = set()
-        for (output, _, name), mine in zip(self.outputs, _in_output_order(parts, self.outputs)):
-            g = grad_of(output, mine)
+        for (output, f, name), mine in zip(self.outputs, _in_output_order(parts, self.outputs)):
+            if name in self.pooling:  # the gradient of each bag, passed to each of its ids
+                g = grad_of(output, self._pool(name, mine, *bags[f]))
+                g, scale = (None, None) if g is None else self._id_grads(name, g, *bags[f])
+                scales[name].append(np.ones(len(mine), np.float32) if g is None else scale)
+            else:
+                g = grad_of(output, mine)
             if g is not None:
                 taking.add(name)
             grads[name].append(np.zeros_like(mine) if g is None else
                                np.asarray(g, dtype=np.float32))
         lr = self.module.optimizer_config.learning_rate if lr is None else lr
-        model.backward(batch, {name: np.concatenate(grads[name]) for name in taking}, lr)
+        model.backward(batch, {name: np.concatenate(grads[name]) for name in taking}, lr,
+                       {name: np.concatenate(scales[name]) for name in taking
+                        if name in self.pooling})
+
+    # -- pooled modules -------------------------------------------------------------------------
+    def _bags(self, kjt) -> Dict[str, tuple]:
+        """{feature: (its bags' lengths, its ids' weights or None)} of a pooled module's
+        ``kjt`` (empty for a sequence module)."""
+        if not self.pooling:
+            return {}
+        out = {}
+        for _, f, _ in self.outputs:
+            jt = kjt[f]
+            weights = jt.weights_or_none()
+            out[f] = (jt.lengths().tolist(),
+                      None if weights is None else weights.cpu().numpy().astype(np.float32))
+        return out
+
+    def _pool(self, table: str, rows: np.ndarray, lengths, weights) -> np.ndarray:
+        """[bags, dim]: each bag's rows, weighted, summed (MEAN: over its length)."""
+        out = np.zeros((len(lengths), rows.shape[1]), dtype=np.float32)
+        at = 0
+        for b, n in enumerate(lengths):
+            for i in range(at, at + n):
+                out[b] += rows[i] if weights is None else rows[i] * weights[i]
+            if self.pooling[table] == "MEAN" and n:
+                out[b] /= np.float32(n)
+            at += n
+        return out
+
+    def _id_grads(self, table: str, bag_grads: np.ndarray, lengths, weights):
+        """(each id's gradient before clipping, its scale): its bag's gradient (a MEAN bag's
+        over its length, first, where gradients are clipped) and its weight (a MEAN bag's
+        1 / length where they are not), as ``OptimizerConfig.max_gradient`` documents."""
+        mean = self.pooling[table] == "MEAN"
+        clipped = self.module.optimizer_config.max_gradient is not None
+        grads, scales = [], []
+        for b, n in enumerate(lengths):
+            divisor = np.float32(max(n, 1))
+            for _ in range(n):
+                grads.append(bag_grads[b] / divisor if mean and clipped else bag_grads[b])
+                scales.append(np.float32(1) / divisor if mean and not clipped else
+                              np.float32(1))
+        scales = np.asarray(scales, dtype=np.float32)
+        if weights is not None:
+            scales = weights * scales
+        return stacked(grads, bag_grads.shape[1]), scales
 
     def flush(self) -> Dict[str, int]:
         """The module's ``flush``: each CACHE table's cached rows written to its store;
@@ -191,20 +249,22 @@ class GroupReference:
         outputs ``out`` must equal its rows."""
         features, batch = self._batch(kjt)
         rows = {name: self.model.tables[name].lookup(keys) for name, keys in batch.items()}
-        self._compare_outputs(features, rows, out)
+        self._compare_outputs(features, rows, out, self._bags(kjt))
 
-    def _compare_outputs(self, features, rows, out) -> Dict[str, List[np.ndarray]]:
-        """Compare each output of ``out`` with its part of its table's ``rows``; returns
-        those parts, by table, in output order."""
+    def _compare_outputs(self, features, rows, out, bags) -> Dict[str, List[np.ndarray]]:
+        """Compare each output of ``out`` with its part of its table's ``rows`` (pooled as
+        ``bags`` say, in a pooled module); returns those parts, by table, in output order."""
         parts: Dict[str, List[np.ndarray]] = {name: [] for name in rows}
         at = {name: 0 for name in rows}
+        dense = out.to_dict() if self.pooling else out
         for output, f, name in self.outputs:
             n = len(features[f])
             mine = rows[name][at[name]:at[name] + n]
             at[name] += n
-            got = out[output] if isinstance(out[output], torch.Tensor) else \
-                out[output].values()
-            self.compare(got.detach().cpu().numpy(), mine, f"output {output}")
+            got = dense[output] if isinstance(dense[output], torch.Tensor) else \
+                dense[output].values()
+            expected = self._pool(name, mine, *bags[f]) if name in self.pooling else mine
+            self.compare(got.detach().cpu().numpy(), expected, f"output {output}")
             parts[name].append(mine)
         return parts
 
