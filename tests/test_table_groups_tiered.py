@@ -176,6 +176,7 @@ def test_pooled_default_tables_group_and_match_their_twin():
                                               optimizer=config, group_tables=g)
                       for g in (True, False))
     assert grouped.table_groups() == [("t0", "t1", "t2", "t3")]
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(23)
     for _ in range(10):
         kjt = batch(gen)
@@ -183,9 +184,11 @@ def test_pooled_default_tables_group_and_match_their_twin():
         for module in (grouped, alone):
             out = module(kjt)
             (out.values() ** 2).sum().backward()
-            outs.append(out.values())
-        assert torch.equal(outs[0], outs[1])
+            outs.append(out)
+        assert torch.equal(outs[0].values(), outs[1].values())
+        reference.step(kjt, outs[0], lambda f, pooled: 2 * pooled)
     assert_same_module(grouped, alone)
+    reference.check()
 
 
 def test_late_backwards_state_dicts_and_pickles_of_default_groups_match_their_twin():
