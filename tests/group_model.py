@@ -7,7 +7,8 @@ their own clock, in their own buckets, exactly as alone. Each table is a
 claim states the score and eviction rules), its rows (embedding and optimizer state, float32)
 and its counters:
 
-- HBM_DIRECT and HOST_ONLY: one hash table of ``capacity`` slots;
+- HBM_DIRECT and HOST_ONLY: one hash table of ``capacity`` slots (HBM_DIRECT: maybe growing
+  to it);
 - CACHE: a cache of ``device_rows`` slots over a store: an evicted key's row and score go to
   the store (written back), a key inserted into the cache takes its row and score from the
   store when the store has it (loaded; the score as ``ScoredHashTable.restore_scores``
@@ -88,12 +89,16 @@ class ModelOptimizer:
 class ModelEmbeddingTable:
     """One table of a group (see the module docstring). ``initial_row(key)``: the row the
     table's initializer gives ``key`` [dim] (``eval_row(key)``: its eval initializer);
-    ``optimizer``: a :class:`ModelOptimizer`, or the kind of one with its defaults."""
+    ``optimizer``: a :class:`ModelOptimizer`, or the kind of one with its defaults. An
+    HBM_DIRECT table may start at ``init_capacity`` and grow up to ``capacity`` at the load
+    factor ``grow_at`` (:meth:`ModelTable.grow_for`)."""
 
     def __init__(self, mode: str, *, capacity: int, device_rows: int, bucket_size: int,
                  policy: str, dim: int, optimizer, initial_row: Callable[[int], Sequence[float]],
-                 eval_row: Optional[Callable[[int], Sequence[float]]] = None):
+                 eval_row: Optional[Callable[[int], Sequence[float]]] = None,
+                 init_capacity: Optional[int] = None, grow_at: Optional[float] = None):
         assert mode in MODES
+        assert grow_at is None or mode == "hbm_direct"
         self._eval_row = eval_row
         self.mode = mode
         self.dim = dim
@@ -109,7 +114,9 @@ class ModelEmbeddingTable:
         elif mode == "cache":
             self.tiers = {"device": ModelTable(device_rows // b, b, policy)}
         else:
-            self.tiers = {"device": ModelTable(capacity // b, b, policy)}
+            start = capacity if init_capacity is None else init_capacity
+            self.tiers = {"device": ModelTable(start // b, b, policy, grow_at=grow_at,
+                                               max_capacity=capacity)}
         self.rows: Dict[int, np.ndarray] = {}  # every key the tiers hold
         self.store: Dict[int, tuple] = {}  # CACHE: key -> (row, score)
         self.counters = dict.fromkeys(COUNTED, 0)

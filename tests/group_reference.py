@@ -15,7 +15,7 @@ hash tables' exports, clocks and pin counts, ``stats``, ``read_rows``, a CACHE t
 :meth:`GroupReference.lookup` follows an eval (or ``no_grad``) lookup; the outputs of a
 pooled module (``DynamicEmbBagCollection``: SUM or MEAN bags, weighted or not) are pooled
 from the model's rows. Not modelled (a test that needs them keeps its other checks):
-admission, growth, late backwards, float16 / bfloat16 rows.
+admission, late backwards, float16 / bfloat16 rows.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ GradOf = Callable[[str, np.ndarray], Optional[np.ndarray]]
 
 
 def model_of(module) -> ModelGroup:
-    """The model of ``module``'s tables, read from their configuration (no growth: every
-    table at its ``max_capacity``)."""
+    """The model of ``module``'s tables, read from their configuration (an HBM_DIRECT table
+    whose ``init_capacity`` is below its ``max_capacity`` grows at ``max_load_factor``)."""
     config = module.optimizer_config
     assert config.initial_accumulator_value == 0
     optimizer = ModelOptimizer(config.type.value, eps=config.eps, beta1=config.beta1,
@@ -46,10 +46,12 @@ def model_of(module) -> ModelGroup:
     for name, table in module.tables.items():
         layout, options = table.layout, table.options
         assert table.admission is None, "admission is not modelled"
-        if table.mode is StorageMode.HBM_DIRECT:
-            assert layout.init_capacity == layout.max_capacity, "growth is not modelled"
+        grows = table.mode is StorageMode.HBM_DIRECT and layout.init_capacity < \
+            layout.max_capacity
         tables[name] = ModelEmbeddingTable(
             table.mode.value, capacity=layout.max_capacity, device_rows=layout.device_capacity,
+            init_capacity=layout.init_capacity if grows else None,
+            grow_at=options.max_load_factor if grows else None,
             bucket_size=layout.bucket_size, policy=options.score_strategy.value, dim=table.dim,
             optimizer=optimizer, initial_row=initial_row_of(table),
             eval_row=initial_row_of(table, options.eval_initializer))
@@ -285,6 +287,7 @@ class GroupReference:
             table = module.tables[name]
             held, hash_tables = held_by(table), tiers_of(table)
             for tier, t in ref.tiers.items():
+                assert hash_tables[tier].capacity == t.capacity, (name, tier)
                 assert held[tier] == t.scores(), (name, tier)
                 assert hash_tables[tier].clock == t.clock, (name, tier)
                 pinned = sum(e.pins > 0 for e in t.entries.values())

@@ -49,6 +49,9 @@ class ModelTable:
     #              "lfu_lru"
     entries: Dict[int, Entry] = field(default_factory=dict)
     clock: int = 0
+    #: growth (of :meth:`claim`): the load factor a claim may not pass, and the largest size
+    grow_at: Optional[float] = None
+    max_capacity: Optional[int] = None
 
     def slot_range(self, key: int) -> range:
         b = bucket_of(key, self.num_buckets)
@@ -115,12 +118,47 @@ class ModelTable:
                 out.add(b)
         return out
 
+    @property
+    def capacity(self) -> int:
+        return self.num_buckets * self.bucket_size
+
+    def grow_for(self, keys) -> None:
+        """A table that grows (``grow_at``) grows before a claim of ``keys``: to the
+        smallest doubling that keeps its keys and the missing ones at most ``grow_at`` of its
+        slots; then, while the claim would evict a key or leave one without a slot, by one
+        doubling; never past ``max_capacity`` (in whole buckets)."""
+        if self.grow_at is None:
+            return
+        missing = self.missing_by_bucket(keys)
+        after = len(self.entries) + sum(map(len, missing.values()))
+        if after > self.grow_at * self.capacity:
+            self._double_to(int(after / self.grow_at) + 1)
+        while self._displaces(keys) and self._double_to(self.capacity + 1):
+            pass
+
+    def _displaces(self, keys) -> bool:
+        members = self.by_bucket()
+        return any(len(new) > self.bucket_size - len(members.get(b, []))
+                   for b, new in self.missing_by_bucket(keys).items())
+
+    def _double_to(self, needed: int) -> bool:
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        capacity = min(capacity, self.max_capacity // self.bucket_size * self.bucket_size)
+        if capacity <= self.capacity:
+            return False
+        self.num_buckets = capacity // self.bucket_size
+        return True
+
     def claim(self, keys, given: int = 0, pin: bool = True) -> "Claim":
         """One ``find_or_insert`` of the batch ``keys`` (duplicates allowed; ``given``: the
         CUSTOMIZED score of each) at the table's next clock: hits rescored, new keys scored
         at insertion, each full bucket evicting its lowest-score candidates
-        (:meth:`candidates`), every key of the batch pinned when ``pin``. A batch some bucket
-        cannot take raises :class:`ModelFull` and changes nothing."""
+        (:meth:`candidates`), every key of the batch pinned when ``pin``; a table that grows
+        grows first (:meth:`grow_for`). A batch some bucket cannot take raises
+        :class:`ModelFull` and changes nothing (but growth)."""
+        self.grow_for(keys)
         full = self.overflowing(keys)
         if full:
             raise ModelFull(full)

@@ -56,7 +56,8 @@ def optimizer_for(mode: StorageMode, policy: ScorePolicy) -> OptimizerType:
             else OptimizerType.SGD)
 
 
-def table_options(mode: StorageMode, policy: ScorePolicy, optimizer: OptimizerType):
+def table_options(mode: StorageMode, policy: ScorePolicy, optimizer: OptimizerType,
+                  init_capacity=None):
     row_bytes = 4 * DIM * (2 if optimizer is OptimizerType.ADAGRAD else 1)
     out = {}
     for name, (capacity, device_rows) in SPECS.items():
@@ -64,16 +65,19 @@ def table_options(mode: StorageMode, policy: ScorePolicy, optimizer: OptimizerTy
             mode, device_rows * row_bytes)
         out[name] = DynamicEmbTableOptions(
             max_capacity=capacity, bucket_size=BUCKET, score_strategy=policy,
-            initializer=INIT, local_hbm_for_values=budget,
+            initializer=INIT, local_hbm_for_values=budget, init_capacity=init_capacity,
             caching=mode is StorageMode.CACHE)
     return out
 
 
-def build(mode, policy, optimizer, backend, device):
+def build(mode, policy, optimizer, backend, device, init_capacity=None):
+    """The module and its model; ``init_capacity``: HBM_DIRECT tables start there and grow
+    (at the options' default ``max_load_factor``, 0.75)."""
     configs = [EmbeddingConfig(name=name, embedding_dim=DIM, num_embeddings=capacity,
                                feature_names=[FEATURES[name]])
                for name, (capacity, _) in SPECS.items()]
-    ec = DynamicEmbCollection(configs, table_options=table_options(mode, policy, optimizer),
+    ec = DynamicEmbCollection(configs, table_options=table_options(mode, policy, optimizer,
+                                                                   init_capacity),
                               optimizer=OptimizerConfig(optimizer, learning_rate=LR),
                               device=torch.device(device), backend=backend)
     assert ec.table_groups() == [tuple(SPECS)]  # one group of four
@@ -82,7 +86,8 @@ def build(mode, policy, optimizer, backend, device):
         name: ModelEmbeddingTable(
             mode.value, capacity=capacity, device_rows=device_rows, bucket_size=BUCKET,
             policy=policy.value, dim=DIM, optimizer=optimizer.value,
-            initial_row=initial_row_of(ec.tables[name]))
+            initial_row=initial_row_of(ec.tables[name]), init_capacity=init_capacity,
+            grow_at=None if init_capacity is None else 0.75)
         for name, (capacity, device_rows) in SPECS.items()})
     return ec, model
 
@@ -113,9 +118,9 @@ def kjt_of(samples, device):
         torch.tensor(lengths, dtype=torch.int64)).to(device)
 
 
-def train(mode, policy, backend, device, steps, seed):
+def train(mode, policy, backend, device, steps, seed, init_capacity=None):
     optimizer = optimizer_for(mode, policy)
-    ec, model = build(mode, policy, optimizer, backend, device)
+    ec, model = build(mode, policy, optimizer, backend, device, init_capacity)
     ref = GroupReference(ec, model, exact=True)
     rng = np.random.default_rng(seed)
     for _ in range(steps):
@@ -156,3 +161,17 @@ def test_a_group_trains_as_the_model_of_its_tables(backend, device, mode, policy
     stats = ec.stats()
     if policy is not ScorePolicy.NO_EVICTION:  # the run exercised eviction
         assert sum(s["evictions"] for s in stats.values()) > 0
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=[b for b, _ in BACKENDS])
+@pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU], ids=lambda p: p.value)
+def test_tables_that_grow_grow_as_the_model_of_its_tables(backend, device, policy):
+    """HBM_DIRECT tables from one bucket each: each grows, in the group, where the model
+    says a table grows (past its load factor, or where a claim would evict), and holds,
+    scores and counts as the model."""
+    slow = backend == "cuda" and SIMULATED
+    ec, model = train(StorageMode.HBM_DIRECT, policy, backend, device,
+                      steps=8 if slow else 12, seed=3, init_capacity=BUCKET)
+    grown = [t.tier.hash.capacity for t in ec.tables.values()]
+    assert grown == [t.tiers["device"].capacity for t in model.tables.values()]
+    assert grown != [BUCKET] * len(SPECS)

@@ -688,17 +688,25 @@ def growing_options(policy=ScorePolicy.LRU, init=64):
 @pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.STEP,
                                     ScorePolicy.CUSTOMIZED])
 def test_tables_that_grow_grow_in_their_group_bit_for_bit_as_alone(policy):
+    """Against the tables one by one, and against the group model (which grows each table
+    by its own rule, see ``ModelTable.grow_for``)."""
     grouped, alone = twins(OptimizerType.ADAM, policy, table_options=growing_options(policy))
     assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(21)
     capacities = []
     for i in range(25):
         kjt = batch(gen)
         scores = ({f"t{t}": 500 + 3 * i + t for t in range(4)}
                   if policy is ScorePolicy.CUSTOMIZED else None)
-        assert_same_outputs(step(grouped, kjt, scores=scores), step(alone, kjt, scores=scores))
+        out = step(grouped, kjt, scores=scores)
+        assert_same_outputs(out, step(alone, kjt, scores=scores))
+        reference.step(kjt, out, loss_gradient(), scores=scores)
         capacities.append([t.tier.hash.capacity for t in grouped.tables.values()])
+        assert capacities[-1] == [t.tiers["device"].capacity
+                                  for t in reference.model.tables.values()], i
     assert_same_module(grouped, alone)
+    reference.check()
     assert capacities[-1] == [512, 256, 128, 1024]  # from 64: each grew to its max_capacity
     assert len({tuple(c) for c in capacities}) > 3  # over several steps, one doubling or more
     assert [t.tier.hash.capacity for t in alone.tables.values()] == capacities[-1]

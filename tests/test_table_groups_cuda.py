@@ -130,11 +130,13 @@ def test_grouped_tables_that_grow_grow_as_alone_on_the_cuda_kernels():
         tables(2), table_options=options, device=DEVICE, backend=KERNELS, group_tables=g,
         optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05)) for g in (True, False))
     assert grouped.table_groups() == [("t0", "t1")]
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(3)
     kjts = [batch(gen, 2, per_table=9) for _ in range(5)]
     capacities = []
     for module in (grouped, alone):
         module.prefetch(kjts[0])
+    reference.prefetch(kjts[0])
     for i in range(4):
         outs = []
         for module in (grouped, alone):
@@ -142,10 +144,13 @@ def test_grouped_tables_that_grow_grow_as_alone_on_the_cuda_kernels():
             outs.append(train(module, kjts[i], ["f0", "f1"]))
         for f in outs[0]:
             assert torch.equal(outs[0][f], outs[1][f]), (i, f)
+        reference.prefetch(kjts[i + 1])
+        reference.step(kjts[i], outs[0], squares_gradient(["f0", "f1"]))
         capacities.append(grouped.tables["t0"].tier.hash.capacity)
     assert capacities[-1] == alone.tables["t0"].tier.hash.capacity == 64 > capacities[0]
-    grouped.clear_prefetched(), alone.clear_prefetched()
+    grouped.clear_prefetched(), alone.clear_prefetched(), reference.clear_prefetched()
     assert_same_tables(grouped, alone, torch.arange(40, device=DEVICE))
+    reference.check()
 
 
 def test_padding_does_not_make_a_table_grow_grouped_or_alone():
