@@ -25,6 +25,7 @@ from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.groups import GroupBatch
 from dynemb.types import EMPTY_KEY, ScorePolicy, TableFullError
 from failing_store import FailingStore
+from group_reference import GroupReference
 
 FEATURES = [f"f{i}" for i in range(4)]
 
@@ -83,10 +84,22 @@ def assert_same_outputs(out_a, out_b):
         assert torch.equal(out_a[f].lengths(), out_b[f].lengths()), f
 
 
-def train_both(grouped, alone, gen: torch.Generator, steps: int) -> None:
+def train_both(grouped, alone, gen: torch.Generator, steps: int, reference=None) -> None:
+    """``steps`` steps of both modules; ``reference``, a ``GroupReference`` of ``grouped``,
+    follows them."""
     for _ in range(steps):
         kjt = batch(gen)
-        step(grouped, kjt), step(alone, kjt)
+        out = step(grouped, kjt)
+        step(alone, kjt)
+        if reference is not None:
+            reference.step(kjt, out, loss_gradient())
+
+
+def loss_gradient(weights=(1.0, 2.0, 0.0, 0.5)):
+    """What :func:`step`'s loss gives each output row (None: left out of the loss), for the
+    group model (tests/group_reference.py)."""
+    by_feature = dict(zip(FEATURES, weights))
+    return lambda f, rows: 2 * by_feature[f] * rows if by_feature[f] else None
 
 
 def refusal_messages(modules, kjt, match):
@@ -108,16 +121,21 @@ def grouped_names(module):
 @pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.LFU_LRU,
                                     ScorePolicy.STEP, ScorePolicy.CUSTOMIZED])
 def test_a_grouped_module_trains_bit_for_bit_as_its_tables_one_by_one(optimizer, policy):
+    """Against the tables one by one, and against the group model."""
     grouped, alone = twins(optimizer, policy)
     assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
     assert grouped_names(alone) == [("t0",), ("t1",), ("t2",), ("t3",)]  # groups of one
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(7)
     for i in range(25):
         kjt = batch(gen)
         scores = ({f"t{t}": 1000 + 7 * i + t for t in range(4)}
                   if policy is ScorePolicy.CUSTOMIZED else None)
-        assert_same_outputs(step(grouped, kjt, scores=scores), step(alone, kjt, scores=scores))
+        out = step(grouped, kjt, scores=scores)
+        assert_same_outputs(out, step(alone, kjt, scores=scores))
+        reference.step(kjt, out, loss_gradient(), scores=scores)
     assert_same_module(grouped, alone)
+    reference.check()
     stats = grouped.stats()
     assert stats["t3"]["evictions"] > 0 and stats["t2"]["evictions"] > 0  # the run evicts
     assert grouped.steps["t2"] == 0  # its output never reached a loss: never updated
@@ -134,27 +152,35 @@ def test_grouped_cache_tables_train_bit_for_bit_as_alone(optimizer, policy):
                for i, rows in enumerate((96, 96, 64, 128))}
     grouped, alone = twins(optimizer, policy, table_options=options)
     assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(8)
     for i in range(20):
         kjt = batch(gen)
         weights = (1.0, 2.0, 0.5, 0.5)
-        assert_same_outputs(step(grouped, kjt, weights), step(alone, kjt, weights))
+        out = step(grouped, kjt, weights)
+        assert_same_outputs(out, step(alone, kjt, weights))
+        reference.step(kjt, out, loss_gradient(weights))
     assert_same_module(grouped, alone)
+    reference.check()
     stats = grouped.stats()
     assert all(s["write_backs"] > 0 and s["loads"] > 0 for s in stats.values())
     for name in grouped.tables:
         keys = torch.arange(2000)
         got, want = (m.read_rows(name, keys, with_state=True) for m in (grouped, alone))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert grouped.flush() == alone.flush()
-    grouped.eval(), alone.eval()  # keys cached, keys only in the stores, keys never seen
-    for _ in range(3):
+    flushed = grouped.flush()
+    assert flushed == alone.flush() == reference.flush()
+    grouped.eval(), alone.eval(), reference.eval()
+    for _ in range(3):  # keys cached, keys only in the stores, keys never seen
         kjt = batch(gen, vocab=(2000, 2000, 2000, 4000))
         state = grouped.prefetch(kjt)
         assert state.batches["t0"] is state.batches["t3"]  # one eval lookup for the group
         alone.prefetch(kjt)
-        assert_same_outputs(grouped(kjt), alone(kjt))
+        out = grouped(kjt)
+        assert_same_outputs(out, alone(kjt))
+        reference.lookup(kjt, out)
     assert_same_module(grouped, alone)
+    reference.check()
 
 
 def test_a_store_that_raises_mid_claim_leaves_no_pins_in_either_twin():
@@ -354,11 +380,15 @@ def test_host_only_tables_of_a_module_on_the_host_group_and_match_their_twin():
     grouped, alone = twins(OptimizerType.ADAM, ScorePolicy.LFU, table_options=options)
     assert {m.name for m in grouped.storage_modes().values()} == {"HOST_ONLY", "HBM_DIRECT"}
     assert grouped_names(grouped) == [("t0", "t1", "t3"), ("t2",)]
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(31)
     for _ in range(15):
         kjt = batch(gen)
-        assert_same_outputs(step(grouped, kjt), step(alone, kjt))
+        out = step(grouped, kjt)
+        assert_same_outputs(out, step(alone, kjt))
+        reference.step(kjt, out, loss_gradient())
     assert_same_module(grouped, alone)
+    reference.check()
     assert grouped.stats()["t1"]["evictions"] > 0 and grouped.stats()["t1"]["rows_device"] == 0
     for module in (grouped, alone):
         module.eval()
@@ -390,6 +420,8 @@ def test_tables_of_several_features_and_a_shared_feature_match_their_twin():
     grouped, alone = (DynamicEmbCollection(tables, table_options=options, optimizer=config,
                                            group_tables=g) for g in (True, False))
     assert grouped_names(grouped) == [("t0", "t1", "t2")]
+    used = ("f0", "f1@t2", "f3")
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(21)
     for i in range(16):
         kjt = batch(gen) if i % 3 else KeyedJaggedTensor.from_lengths_sync(
@@ -398,13 +430,14 @@ def test_tables_of_several_features_and_a_shared_feature_match_their_twin():
         outs = []
         for module in (grouped, alone):
             out = module(kjt)
-            used = [name for name in out if name in ("f0", "f1@t2", "f3")]
-            loss = sum((out[name].values() ** 2).sum() for name in used)
+            loss = sum((out[name].values() ** 2).sum() for name in out if name in used)
             loss.backward()
             outs.append(out)
         assert sorted(outs[0]) == sorted(outs[1])
         assert_same_outputs(*outs)
+        reference.step(kjt, outs[0], lambda name, rows: 2 * rows if name in used else None)
     assert_same_module(grouped, alone)
+    reference.check()
     assert grouped.stats()["t1"]["lookups"] > 0 and grouped.stats()["t0"]["evictions"] > 0
 
 
@@ -429,14 +462,20 @@ def test_a_full_table_evicts_only_its_own_keys():
 
 def test_eval_and_no_grad_lookups_match_their_twin():
     grouped, alone = twins(OptimizerType.ADAGRAD)
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(5)
-    train_both(grouped, alone, gen, 6)
+    train_both(grouped, alone, gen, 6, reference)
     kjt = batch(gen)
     with torch.no_grad():
-        assert_same_outputs(grouped(kjt), alone(kjt))
-    grouped.eval(), alone.eval()
-    assert_same_outputs(grouped(kjt), alone(kjt))
+        out = grouped(kjt)
+        assert_same_outputs(out, alone(kjt))
+        reference.lookup(kjt, out)
+    grouped.eval(), alone.eval(), reference.eval()
+    out = grouped(kjt)
+    assert_same_outputs(out, alone(kjt))
+    reference.lookup(kjt, out)
     assert_same_module(grouped, alone)
+    reference.check()
 
 
 EVAL_INITIALIZERS = [Initializer(InitializerKind.NORMAL, mean=0.5, std=0.1),
@@ -456,9 +495,10 @@ def test_a_grouped_eval_lookup_is_one_group_batch_and_matches_its_twin():
     grouped, alone = [DynamicEmbCollection(configs(), table_options=options, optimizer=config,
                                            group_tables=g) for g in (True, False)]
     assert grouped.table_groups() == [("t0", "t1", "t2", "t3")]
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(7)
-    train_both(grouped, alone, gen, 5)
-    grouped.eval(), alone.eval()
+    train_both(grouped, alone, gen, 5, reference)
+    grouped.eval(), alone.eval(), reference.eval()
     for _ in range(3):  # seen and unseen keys: vocabularies larger than what trained
         kjt = batch(gen, vocab=(3000, 3000, 3000, 3000))
         state = grouped.prefetch(kjt)
@@ -468,9 +508,11 @@ def test_a_grouped_eval_lookup_is_one_group_batch_and_matches_its_twin():
         assert grouped.tables["t1"].has_batches_in_flight()
         out_g, out_a = grouped(kjt), alone(kjt)
         assert_same_outputs(out_g, out_a)
+        reference.lookup(kjt, out_g)
         unseen = out_g["f2"].values()[(out_g["f2"].values() == 3.0).all(1)]
         assert unseen.numel() > 0  # t2's eval_initializer answered for its unseen keys
     assert_same_module(grouped, alone)
+    reference.check()
     assert not any(t.has_batches_in_flight() for t in grouped.tables.values())
     assert sum(int(t.tier.hash.pinned_count()) for t in grouped.tables.values()) == 0
     assert grouped.stats()["t0"]["misses"] > 0
@@ -605,18 +647,21 @@ def test_a_table_with_no_free_row_raises_as_it_does_alone():
 
 def test_skipped_backwards_and_batches_prefetched_ahead_match_the_twin():
     grouped, alone = twins(OptimizerType.ADAM, ScorePolicy.LFU)
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(12)
     kjts = [batch(gen) for _ in range(12)]
     for i in range(0, 12, 3):
-        for module in (grouped, alone):  # two batches queued ahead of their forwards
-            module.prefetch(kjts[i]), module.prefetch(kjts[i + 1])
+        for kjt in kjts[i:i + 2]:  # two batches queued ahead of their forwards
+            grouped.prefetch(kjt), reference.prefetch(kjt), alone.prefetch(kjt)
         for j, backward in ((i, True), (i + 1, False), (i + 2, True)):
             outs = [m(kjts[j]) for m in (grouped, alone)]
             assert_same_outputs(*outs)
             if backward:  # else: as if an exception came between forward and backward
                 for out in outs:
                     sum((out[f].values() ** 2).sum() for f in FEATURES).backward()
+            reference.step(kjts[j], outs[0], lambda f, rows: 2 * rows if backward else None)
     assert_same_module(grouped, alone)
+    reference.check()
     assert grouped.steps == {"t0": 8, "t1": 8, "t2": 8, "t3": 8}
 
 
@@ -643,17 +688,25 @@ def growing_options(policy=ScorePolicy.LRU, init=64):
 @pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.STEP,
                                     ScorePolicy.CUSTOMIZED])
 def test_tables_that_grow_grow_in_their_group_bit_for_bit_as_alone(policy):
+    """Against the tables one by one, and against the group model (which grows each table
+    by its own rule, see ``ModelTable.grow_for``)."""
     grouped, alone = twins(OptimizerType.ADAM, policy, table_options=growing_options(policy))
     assert grouped_names(grouped) == [("t0", "t1", "t2", "t3")]
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(21)
     capacities = []
     for i in range(25):
         kjt = batch(gen)
         scores = ({f"t{t}": 500 + 3 * i + t for t in range(4)}
                   if policy is ScorePolicy.CUSTOMIZED else None)
-        assert_same_outputs(step(grouped, kjt, scores=scores), step(alone, kjt, scores=scores))
+        out = step(grouped, kjt, scores=scores)
+        assert_same_outputs(out, step(alone, kjt, scores=scores))
+        reference.step(kjt, out, loss_gradient(), scores=scores)
         capacities.append([t.tier.hash.capacity for t in grouped.tables.values()])
+        assert capacities[-1] == [t.tiers["device"].capacity
+                                  for t in reference.model.tables.values()], i
     assert_same_module(grouped, alone)
+    reference.check()
     assert capacities[-1] == [512, 256, 128, 1024]  # from 64: each grew to its max_capacity
     assert len({tuple(c) for c in capacities}) > 3  # over several steps, one doubling or more
     assert [t.tier.hash.capacity for t in alone.tables.values()] == capacities[-1]

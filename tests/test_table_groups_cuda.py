@@ -14,6 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from conftest import BACKENDS
 from failing_store import FailingStore
+from group_reference import GroupReference
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
                     Initializer, InitializerKind, OptimizerConfig, OptimizerType)
 from dynemb.backends.numba_backends import CudaBackend
@@ -63,6 +64,12 @@ def train(module, kjt, used):
     return values
 
 
+def squares_gradient(used):
+    """What :func:`train`'s loss gives each output row (None: left out of the loss), for the
+    group model (tests/group_reference.py)."""
+    return lambda f, rows: 2 * rows if f in used else None
+
+
 def assert_same_tables(a, b, keys):
     """Rows (with optimizer state) of ``keys`` and every counter, table by table: the slots
     the two chose may differ (concurrent claims), what they hold may not."""
@@ -94,6 +101,7 @@ def test_grouped_tables_train_as_alone_on_the_cuda_kernels(optimizer, pooled):
     grouped, alone = twins(3, optimizer, capacity=128, pooled=pooled)
     assert grouped.table_groups() == [("t0", "t1", "t2")]
     assert alone.table_groups() == [("t0",), ("t1",), ("t2",)]
+    reference = None if pooled else GroupReference(grouped)  # (the model does not pool)
     gen = torch.Generator().manual_seed(1)
     for step in range(3):
         kjt = batch(gen, 3)
@@ -102,8 +110,12 @@ def test_grouped_tables_train_as_alone_on_the_cuda_kernels(optimizer, pooled):
         assert out_g.keys() == out_a.keys()
         for f in out_g:
             assert torch.equal(out_g[f], out_a[f]), f
+        if reference is not None:
+            reference.step(kjt, out_g, squares_gradient(used))
     assert_same_tables(grouped, alone, torch.arange(40, device=DEVICE))
     assert grouped.steps == alone.steps
+    if reference is not None:
+        reference.check()
 
 
 def test_grouped_tables_that_grow_grow_as_alone_on_the_cuda_kernels():
@@ -118,11 +130,13 @@ def test_grouped_tables_that_grow_grow_as_alone_on_the_cuda_kernels():
         tables(2), table_options=options, device=DEVICE, backend=KERNELS, group_tables=g,
         optimizer=OptimizerConfig(OptimizerType.ADAM, learning_rate=0.05)) for g in (True, False))
     assert grouped.table_groups() == [("t0", "t1")]
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(3)
     kjts = [batch(gen, 2, per_table=9) for _ in range(5)]
     capacities = []
     for module in (grouped, alone):
         module.prefetch(kjts[0])
+    reference.prefetch(kjts[0])
     for i in range(4):
         outs = []
         for module in (grouped, alone):
@@ -130,10 +144,13 @@ def test_grouped_tables_that_grow_grow_as_alone_on_the_cuda_kernels():
             outs.append(train(module, kjts[i], ["f0", "f1"]))
         for f in outs[0]:
             assert torch.equal(outs[0][f], outs[1][f]), (i, f)
+        reference.prefetch(kjts[i + 1])
+        reference.step(kjts[i], outs[0], squares_gradient(["f0", "f1"]))
         capacities.append(grouped.tables["t0"].tier.hash.capacity)
     assert capacities[-1] == alone.tables["t0"].tier.hash.capacity == 64 > capacities[0]
-    grouped.clear_prefetched(), alone.clear_prefetched()
+    grouped.clear_prefetched(), alone.clear_prefetched(), reference.clear_prefetched()
     assert_same_tables(grouped, alone, torch.arange(40, device=DEVICE))
+    reference.check()
 
 
 def test_padding_does_not_make_a_table_grow_grouped_or_alone():
@@ -197,17 +214,23 @@ def test_grouped_cache_tables_train_as_alone_on_the_cuda_kernels(pooled):
     assert grouped.storage_modes()["t0"].name == "CACHE"
     assert grouped.table_groups() == [("t0", "t1", "t2")]
     assert alone.table_groups() == [("t0",), ("t1",), ("t2",)]
+    reference = None if pooled else GroupReference(grouped)  # (the model does not pool)
     gen = torch.Generator().manual_seed(5)
     for step in range(8):
         kjt = batch(gen, 3, per_table=9, vocab=60)
         out_g, out_a = (train(m, kjt, ["f0", "f2"]) for m in (grouped, alone))
         for f in out_g:
             assert torch.equal(out_g[f], out_a[f]), (step, f)
+        if reference is not None:
+            reference.step(kjt, out_g, squares_gradient(["f0", "f2"]))
     keys = torch.arange(100, device=DEVICE)
     assert_same_rows(grouped, alone, keys)
+    if reference is not None:
+        reference.check()
     stats = grouped.stats()
     assert all(s["write_backs"] > 0 and s["loads"] > 0 for s in stats.values())
-    assert grouped.flush() == alone.flush()
+    flushed = grouped.flush()
+    assert flushed == alone.flush()
     grouped.eval(), alone.eval()
     with torch.no_grad():
         kjt = batch(gen, 3, per_table=9, vocab=100)  # cached, only stored, never seen
@@ -218,6 +241,11 @@ def test_grouped_cache_tables_train_as_alone_on_the_cuda_kernels(pooled):
     for f in dense_g:
         assert torch.equal(dense_g[f].cpu(), dense_a[f].cpu()), f
     assert_same_rows(grouped, alone, keys)
+    if reference is not None:
+        assert reference.flush() == flushed
+        reference.eval()
+        reference.lookup(kjt, out_g)
+        reference.check()
     assert sum(int(t.tier.hash.pinned_count()) for t in grouped.tables.values()) == 0
 
 
@@ -301,10 +329,15 @@ def test_grouped_eval_lookups_match_alone_on_the_cuda_kernels(pooled):
                              device=DEVICE, backend=KERNELS, group_tables=g)
                       for g in (True, False)]
     assert grouped.table_groups() == [("t0", "t1", "t2")]
+    reference = None if pooled else GroupReference(grouped)  # (the model does not pool)
+    used = ["f0", "f1", "f2"]
     gen = torch.Generator().manual_seed(4)
     for _ in range(2):
         kjt = batch(gen, 3)
-        train(grouped, kjt, ["f0", "f1", "f2"]), train(alone, kjt, ["f0", "f1", "f2"])
+        out_g = train(grouped, kjt, used)
+        train(alone, kjt, used)
+        if reference is not None:
+            reference.step(kjt, out_g, squares_gradient(used))
     grouped.eval(), alone.eval()
     with torch.no_grad():
         kjt = batch(gen, 3, vocab=200)  # ids never trained, too
@@ -314,6 +347,10 @@ def test_grouped_eval_lookups_match_alone_on_the_cuda_kernels(pooled):
     dense_g, dense_a = dense(out_g, pooled), dense(out_a, pooled)
     for f in dense_g:
         assert torch.equal(dense_g[f].cpu(), dense_a[f].cpu()), f
+    if reference is not None:
+        reference.eval()
+        reference.lookup(kjt, out_g)
+        reference.check()
     if not pooled:
         assert bool((dense_g["f2"] == 4.0).all(1).any())  # t2's eval row, for an unseen id
     assert_same_tables(grouped, alone, torch.arange(200, device=DEVICE))
@@ -326,16 +363,24 @@ def test_grouped_eval_lookups_match_alone_on_the_cuda_kernels(pooled):
 def test_customized_scores_and_half_rows_train_as_alone(policy, dtype):
     grouped, alone = twins(3, OptimizerType.ROWWISE_ADAGRAD, policy, capacity=128, dtype=dtype)
     assert grouped.table_groups() == [("t0", "t1", "t2")]
+    # (the model keeps float32 rows)
+    reference = GroupReference(grouped) if dtype is None else None
     gen = torch.Generator().manual_seed(2)
     for step in range(3):
         kjt = batch(gen, 3)
+        scores = ({"t0": 10 * step, "t1": 7 - step, "t2": 3}
+                  if policy is ScorePolicy.CUSTOMIZED else None)
         for module in (grouped, alone):
-            if policy is ScorePolicy.CUSTOMIZED:
-                module.set_scores({"t0": 10 * step, "t1": 7 - step, "t2": 3})
+            if scores is not None:
+                module.set_scores(scores)
         out_g, out_a = (train(m, kjt, ["f0", "f1", "f2"]) for m in (grouped, alone))
         for f in out_g:
             assert torch.equal(out_g[f], out_a[f]), f
+        if reference is not None:
+            reference.step(kjt, out_g, squares_gradient(["f0", "f1", "f2"]), scores=scores)
     assert_same_tables(grouped, alone, torch.arange(40, device=DEVICE))
+    if reference is not None:
+        reference.check()
     if policy is ScorePolicy.CUSTOMIZED:  # each table's keys took its own score
         for table, given, last in (("t0", {0, 10, 20}, 20), ("t1", {7, 6, 5}, 5),
                                    ("t2", {3}, 3)):

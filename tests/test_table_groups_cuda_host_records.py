@@ -2,7 +2,8 @@
 host memory: HOST_ONLY groups (their one record on the host, claimed by the host kernels, the
 rows read and updated where the module is) and DEFAULT groups (a device record on CUDA and a
 host record by the host kernels). Each trains bit for bit as its tables in groups of one
-(``group_tables=False``), and refuses keys where and as they do."""
+(``group_tables=False``), and refuses keys where and as they do; without admission or
+pooling, each also trains as the group model (tests/group_reference.py)."""
 from __future__ import annotations
 
 import pytest
@@ -13,29 +14,40 @@ from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTab
                     Initializer, InitializerKind, OptimizerConfig, OptimizerType)
 from dynemb.options import StorageMode
 from dynemb.types import ScorePolicy, TableFullError
+from group_reference import GroupReference
 from test_table_groups_cuda import (DEVICE, DIM, KERNELS, assert_same_tables, batch, dense,
-                                    tables, train)
+                                    squares_gradient, tables, train)
 
 
-def train_ahead(grouped, alone, kjts, scores=None):
+def train_ahead(grouped, alone, kjts, scores=None, reference=None):
     """Both modules train on ``kjts[:-1]``, each step's batch prefetched one step ahead, an
     output left out of the loss at odd steps (``scores(step)``: a CUSTOMIZED score per table,
-    -1 for the first prefetch); the outputs of every step are equal."""
+    -1 for the first prefetch); the outputs of every step are equal, and ``reference`` (a
+    ``GroupReference`` of ``grouped``) follows each step."""
+    given = scores or (lambda step: None)
     for module in (grouped, alone):
         if scores is not None:
             module.set_scores(scores(-1))
         module.prefetch(kjts[0])
+    if reference is not None:
+        reference.prefetch(kjts[0], given(-1))
     for step in range(len(kjts) - 1):
         outs = []
+        used = ["f0", "f2"] if step % 2 else ["f0", "f1", "f2"]
         for module in (grouped, alone):
             if scores is not None:
                 module.set_scores(scores(step))
             module.prefetch(kjts[step + 1])
-            used = ["f0", "f2"] if step % 2 else ["f0", "f1", "f2"]
             outs.append(train(module, kjts[step], used))
         for f in outs[0]:
             assert torch.equal(outs[0][f], outs[1][f]), (step, f)
+        if reference is not None:
+            reference.prefetch(kjts[step + 1], given(step))
+            reference.step(kjts[step], outs[0], squares_gradient(used))
     grouped.clear_prefetched(), alone.clear_prefetched()
+    if reference is not None:
+        reference.clear_prefetched()
+        reference.check()
 
 
 def eval_alike(grouped, alone, kjt, pooled):
@@ -80,7 +92,10 @@ def test_host_only_tables_group_on_the_cuda_kernels_as_alone(admits, pooled):
     assert storage.serve_kernels.name == "cuda"
     gen = torch.Generator().manual_seed(8)
     vocab = 60 if admits else 120  # with admission, ids seen twice take rows
-    train_ahead(grouped, alone, [batch(gen, 3, per_table=12, vocab=vocab) for _ in range(9)])
+    # the group model (tests/group_reference.py) neither pools nor admits
+    reference = None if pooled or admits else GroupReference(grouped)
+    train_ahead(grouped, alone, [batch(gen, 3, per_table=12, vocab=vocab) for _ in range(9)],
+                reference=reference)
     stats = grouped.stats()
     assert all(s["evictions"] > 0 for s in stats.values())
     if admits:
@@ -123,8 +138,10 @@ def test_default_tables_group_on_the_cuda_kernels_as_alone(policy, admits, poole
     vocab, per_table = (60, 18) if admits else (300, 12)
     scores = ((lambda step: {f"t{i}": 100 + 3 * step + i for i in range(3)})
               if policy is ScorePolicy.CUSTOMIZED else None)
+    # the group model (tests/group_reference.py) neither pools nor admits
+    reference = None if pooled or admits else GroupReference(grouped)
     train_ahead(grouped, alone, [batch(gen, 3, per_table=per_table, vocab=vocab)
-                                 for _ in range(9)], scores)
+                                 for _ in range(9)], scores, reference)
     stats = grouped.stats()
     assert all(s["rows_device"] > 0 and s["rows_backing"] > 0 for s in stats.values())
     if admits:

@@ -1,9 +1,11 @@
 """Table groups under DynamicEmbBagCollection: a grouped pooled module and the same tables
 pooled one by one (``group_tables=False``) agree bit for bit (outputs, rows, optimizer state,
 scores, counters), with SUM and MEAN bags, per-id weights, several features per table, and
-tables that pool differently in one group."""
+tables that pool differently in one group; in float32 training, the grouped module also
+agrees with the group model (tests/group_reference.py)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
@@ -13,6 +15,7 @@ from dynemb import DynamicEmbBagCollection, DynamicEmbTableOptions
 from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.groups import GroupBatch
 from dynemb.types import ScorePolicy
+from group_reference import GroupReference
 
 FEATURES = ["a", "b", "c", "d", "e"]
 BATCH = 6
@@ -68,7 +71,7 @@ POOLINGS = [
 def test_a_grouped_bag_module_trains_bit_for_bit_as_its_tables_one_by_one(
         poolings, weighted, clip, optimizer):
     grouped, alone = twins(poolings, optimizer, weighted, clip)
-    train_alike(grouped, alone, weighted, steps=15, seed=1)
+    train_alike(grouped, alone, weighted, steps=15, seed=1, reference=GroupReference(grouped))
     assert sum(s["evictions"] for s in grouped.stats().values()) > 0
 
 
@@ -78,7 +81,7 @@ def test_grouped_host_only_bag_tables_train_bit_for_bit_as_alone(poolings, weigh
                            local_hbm_for_values=0)
     assert {m.name for m in grouped.storage_modes().values()} == {"HOST_ONLY"}
     assert grouped.table_groups() == [("t0", "t1", "t2"), ("t3",)]
-    train_alike(grouped, alone, weighted, steps=12, seed=4)
+    train_alike(grouped, alone, weighted, steps=12, seed=4, reference=GroupReference(grouped))
     assert sum(s["evictions"] for s in grouped.stats().values()) > 0
 
 
@@ -106,11 +109,13 @@ def test_a_grouped_bag_module_trains_as_its_tables_one_by_one_after_one_table_is
     train_alike(grouped, alone, False, steps=3, seed=6)
 
 
-def train_alike(grouped, alone, weighted, steps, seed, device="cpu", by_key=False):
+def train_alike(grouped, alone, weighted, steps, seed, device="cpu", by_key=False,
+                reference=None):
     """Both modules train on the same batches; outputs, then state and counters, are equal
     bit for bit. ``by_key``: the state is compared key by key (rows, optimizer state), not
     slot by slot: on a GPU, concurrent inserts into one bucket may take its slots in
-    another order."""
+    another order. ``reference``: a ``GroupReference`` of ``grouped`` (float32 rows) that
+    follows the steps and is compared with it at the end."""
     assert grouped.table_groups() == [("t0", "t1", "t2"), ("t3",)]  # t3: a group of one
     gen = torch.Generator().manual_seed(seed)
     probe = torch.randn(BATCH, 8 * 4 + 4, generator=gen).to(device)
@@ -121,7 +126,13 @@ def train_alike(grouped, alone, weighted, steps, seed, device="cpu", by_key=Fals
         assert out_g.keys() == out_a.keys()
         (out_g.values() * probe).sum().backward()
         (out_a.values() * probe).sum().backward()
+        if reference is not None:
+            starts = dict(zip(out_g.keys(), np.cumsum([0] + out_g.length_per_key())))
+            reference.step(kjt, out_g, lambda f, pooled: probe[:, starts[f]:starts[f]
+                                                                + pooled.shape[1]].cpu().numpy())
     assert grouped.stats() == alone.stats()
+    if reference is not None:
+        reference.check()
     if by_key:
         keys = torch.arange(700, device=device)
         for name in grouped.tables:
@@ -148,15 +159,18 @@ def test_a_grouped_bag_module_pools_eval_lookups_as_its_tables_one_by_one(
     """Eval and no_grad lookups of a group in one batch (unseen keys read their eval
     initializer's rows, pooled like stored ones): the same bits, counters and state."""
     grouped, alone = twins(poolings, OptimizerType.ADAM, weighted, clip)
-    train_alike(grouped, alone, weighted, steps=4, seed=2)
+    reference = GroupReference(grouped)
+    train_alike(grouped, alone, weighted, steps=4, seed=2, reference=reference)
     gen = torch.Generator().manual_seed(9)
     for mode in ("no_grad", "eval", "eval"):
         if mode == "eval":
-            grouped.eval(), alone.eval()
+            grouped.eval(), alone.eval(), reference.eval()
         with torch.no_grad():
             kjt = batch(gen, weighted)
             out_g, out_a = grouped(kjt), alone(kjt)
         assert torch.equal(out_g.values(), out_a.values()), mode
+        reference.lookup(kjt, out_g)
+    reference.check()
     state_g, state_a = grouped.state_dict(), alone.state_dict()
     for key in state_g:
         assert torch.equal(state_g[key], state_a[key]), key
@@ -178,7 +192,8 @@ def test_a_grouped_bag_module_on_the_cuda_kernels_trains_as_its_tables_one_by_on
     assert name == "cuda"
     grouped, alone = twins(poolings, OptimizerType.ADAM, weighted, clip, backend="cuda",
                            device=torch.device(device), capacity=256)
-    train_alike(grouped, alone, weighted, steps=3, seed=3, device=device, by_key=True)
+    train_alike(grouped, alone, weighted, steps=3, seed=3, device=device, by_key=True,
+                reference=GroupReference(grouped))
     assert sum(s["evictions"] for s in grouped.stats().values()) == 0
 
 

@@ -18,8 +18,9 @@ from dynemb import FrequencyAdmission
 from dynemb.rows.optimizers import OptimizerConfig, OptimizerType
 from dynemb.tables.group_tiers import TieredBatch
 from dynemb.types import ScorePolicy
+from group_reference import GroupReference
 from test_table_groups import (FEATURES, assert_same_module, assert_same_outputs, batch,
-                               configs, refusal_messages, step)
+                               configs, loss_gradient, refusal_messages, step)
 
 #: each table's device rows (its budget, in rows of the widest optimizer state: fewer
 #: device rows than ids, so its host tier holds the rest)
@@ -61,15 +62,20 @@ def scores_at(i, policy):
 @pytest.mark.parametrize("optimizer", list(OptimizerType))
 @pytest.mark.parametrize("policy", [ScorePolicy.LRU, ScorePolicy.LFU, ScorePolicy.CUSTOMIZED])
 def test_default_tables_group_and_train_bit_for_bit_as_alone(optimizer, policy):
+    """Against the tables one by one, and against the group model."""
     grouped, alone = tiered_twins(optimizer, policy)
     assert grouped.table_groups() == [("t0", "t1", "t2", "t3")]
     assert alone.table_groups() == [("t0",), ("t1",), ("t2",), ("t3",)]  # groups of one
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(7)
     for i in range(20):
         kjt = batch(gen)
         scores = scores_at(i, policy)
-        assert_same_outputs(step(grouped, kjt, scores=scores), step(alone, kjt, scores=scores))
+        out = step(grouped, kjt, scores=scores)
+        assert_same_outputs(out, step(alone, kjt, scores=scores))
+        reference.step(kjt, out, loss_gradient(), scores=scores)
     assert_same_module(grouped, alone)
+    reference.check()
     stats = grouped.stats()
     for name in ("t0", "t3"):  # both tiers hold rows, and both evicted
         assert stats[name]["rows_device"] > 0 and stats[name]["rows_backing"] > 0
@@ -107,21 +113,28 @@ def test_eval_and_no_grad_lookups_of_default_groups_match_their_twin():
                                                bucket_size=32, seed=3 + i,
                                                eval_initializer=initializers[i])
     grouped, alone = tiered_twins(OptimizerType.ADAGRAD, options=options)
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(5)
     for _ in range(6):
         kjt = batch(gen)
-        step(grouped, kjt), step(alone, kjt)
+        out = step(grouped, kjt)
+        step(alone, kjt)
+        reference.step(kjt, out, loss_gradient())
     kjt = batch(gen, vocab=(3000, 3000, 3000, 3000))
     with torch.no_grad():
-        assert_same_outputs(grouped(kjt), alone(kjt))
-    grouped.eval(), alone.eval()
+        out = grouped(kjt)
+        assert_same_outputs(out, alone(kjt))
+        reference.lookup(kjt, out)
+    grouped.eval(), alone.eval(), reference.eval()
     for _ in range(2):
         kjt = batch(gen, vocab=(3000, 3000, 3000, 3000))
         grouped.prefetch(kjt), alone.prefetch(kjt)  # eval batches queued ahead
         out = grouped(kjt)
         assert_same_outputs(out, alone(kjt))
+        reference.lookup(kjt, out)
         assert (out["f0"].values() == 3.0).all(1).any()  # t0's unseen keys: its eval rows
     assert_same_module(grouped, alone)
+    reference.check()
     for table in grouped.tables.values():
         assert not table.has_batches_in_flight()
         assert int(table.tier.hash.pinned_count()) == 0
@@ -163,6 +176,7 @@ def test_pooled_default_tables_group_and_match_their_twin():
                                               optimizer=config, group_tables=g)
                       for g in (True, False))
     assert grouped.table_groups() == [("t0", "t1", "t2", "t3")]
+    reference = GroupReference(grouped)
     gen = torch.Generator().manual_seed(23)
     for _ in range(10):
         kjt = batch(gen)
@@ -170,9 +184,11 @@ def test_pooled_default_tables_group_and_match_their_twin():
         for module in (grouped, alone):
             out = module(kjt)
             (out.values() ** 2).sum().backward()
-            outs.append(out.values())
-        assert torch.equal(outs[0], outs[1])
+            outs.append(out)
+        assert torch.equal(outs[0].values(), outs[1].values())
+        reference.step(kjt, outs[0], lambda f, pooled: 2 * pooled)
     assert_same_module(grouped, alone)
+    reference.check()
 
 
 def test_late_backwards_state_dicts_and_pickles_of_default_groups_match_their_twin():
