@@ -57,9 +57,12 @@ def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, ou
 def gather_rows_cpu(weights, slots, index, dim, out):
     """``out[i, :dim] = weights[slots[index[i]], :dim]``, zeros where the slot is -1 (or past
     ``weights``: nothing is read out of bounds)."""
+    rows = weights.shape[0]
     for i in prange(index.size):
         s = slots[index[i]]
-        if s >= 0 and s < weights.shape[0]:
-            out[i, :dim] = weights[s, :dim]
+        if s >= 0 and s < rows:
+            for j in range(dim):  # element by element: no array view per row
+                out[i, j] = weights[s, j]
         else:
-            out[i, :dim] = 0.0
+            for j in range(dim):
+                out[i, j] = float32(0.0)

@@ -232,28 +232,42 @@ class TieredBatch(LookupBatch):
     # -- forward -------------------------------------------------------------------------------
     def lookup_occurrences(self, sizes: Optional[Sequence[int]] = None
                            ) -> Tuple[torch.Tensor, ...]:
-        rows = self._looked_up_rows()
-        return rows.index_select(0, self.inverse).split(list(self._part_sizes(sizes)))
+        rows = self._looked_up_rows(self.inverse)  # gathered per input key at once
+        return rows.split(list(self._part_sizes(sizes)))
 
     def pooling_rows(self) -> PoolingRows:
         """The unique rows, pooled by the pooling kernel."""
-        return PoolingRows(self._looked_up_rows().contiguous(), self.inverse)
+        return PoolingRows(self._looked_up_rows(), self.inverse)
 
-    def _looked_up_rows(self) -> torch.Tensor:
-        """[U, dim] float32: each unique key's row, claimed (training) or found (eval) at the
-        first call; an eval batch ends its pins once it has read them."""
+    def _looked_up_rows(self, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[len(index), dim] float32: the row of the unique key at each of ``index`` (None:
+        every unique key's), claimed (training) or found (eval) at the first call; an eval
+        batch ends its pins once it has read them. Each tier's float32 rows are gathered by
+        the kernel (a key without a slot there: zeros), the host tier's on the host."""
         if self.slots is None:
             self._claim() if self.training else self._find()
         group = self.group
-        dim = self.dim
-        on_host = (self.host_slots >= 0).to(self.device)
-        device_rows = group.storage.weights[:, :dim].index_select(0, self.slots.clamp(min=0))
-        host_rows = group.host.weights[:, :dim].index_select(0, self.host_slots.clamp(min=0))
-        host_rows = host_rows.to(self.device, non_blocking=True)
-        rows = torch.where(on_host[:, None], host_rows, device_rows).float()
-        stored = (on_host | (self.slots >= 0))[:, None]
-        # keys stored in neither tier: their fallback row (eval, admission), else zeros
-        rows = torch.where(stored, rows, 0.0 if self.fallback is None else self.fallback)
+        storage, host, dim = group.storage, group.host, self.dim
+        if index is None:
+            index = torch.arange(self.keys.numel(), device=self.device)
+        on_host = (self.host_slots >= 0).to(self.device).index_select(0, index)[:, None]
+        if storage.weights.dtype == torch.float32 and host.weights.dtype == torch.float32:
+            rows = torch.empty(index.numel(), dim, device=self.device)
+            storage.kernels.gather_rows(storage.weights, self.slots, index, dim, rows)
+            host_rows = torch.empty(index.numel(), dim, device=host.device)
+            host.kernels.gather_rows(host.weights, self.host_slots, index.to(host.device),
+                                     dim, host_rows)
+            rows = torch.where(on_host, host_rows.to(self.device, non_blocking=True), rows)
+        else:  # float16 / bfloat16 rows
+            slots = self.slots.index_select(0, index)
+            host_slots = self.host_slots.index_select(0, index.to(host.device))
+            device_rows = storage.weights[:, :dim].index_select(0, slots.clamp(min=0))
+            host_rows = host.weights[:, :dim].index_select(0, host_slots.clamp(min=0))
+            rows = torch.where(on_host, host_rows.to(self.device, non_blocking=True),
+                               torch.where((slots >= 0)[:, None], device_rows, 0)).float()
+        if self.fallback is not None:  # keys stored in neither tier: their fallback row
+            stored = on_host | (self.slots >= 0).index_select(0, index)[:, None]
+            rows = torch.where(stored, rows, self.fallback.index_select(0, index))
         if not self.training:
             self.release()
         return rows
