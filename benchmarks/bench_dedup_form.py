@@ -146,7 +146,7 @@ def plot(report: Dict, path) -> None:
     save_figure(fig, path)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> Dict:
     parser = new_parser(__doc__)
     parser.add_argument("--tables", type=int, nargs="+")
     parser.add_argument("--ids", type=int, help="ids per step, over all tables")
@@ -156,6 +156,7 @@ def main(argv=None) -> None:
     fill_defaults(args, QUICK, FULL)
     report = run(args)
     write_report(report, args.out_dir, report_stem("dedup_form_cpu", args.quick), plot)
+    return report
 
 
 if __name__ == "__main__":

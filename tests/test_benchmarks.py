@@ -259,3 +259,17 @@ def test_stash_groups_benchmark_quick(tmp_path):
         width = 32  # SGD rows: the embedding only
         assert row["stashed_mib"] * 2 ** 20 >= row["tables"] * row["rows_per_table"] * width * 4
     assert (tmp_path / "stash_groups_cpu_quick.png").stat().st_size > 0
+
+
+def test_dedup_form_benchmark_quick(tmp_path):
+    """Exact and padded unique keys on the host kernels: the same slots and rows in both forms
+    (the run checks both), every table count reported, the ratio that of the medians."""
+    from benchmarks import bench_dedup_form
+    report = bench_dedup_form.main(["--quick", "--out-dir", str(tmp_path)])
+    assert [r["tables"] for r in report["results"]] == report["config"]["tables"]
+    for row in report["results"]:
+        assert 0 < row["unique_share"] < 1
+        assert len(row["exact_steps_ms"]) == len(row["padded_steps_ms"]) == \
+            report["config"]["steps"]
+        assert row["padded_over_exact"] == pytest.approx(row["padded_ms"] / row["exact_ms"])
+    assert (tmp_path / "dedup_form_cpu_quick.png").stat().st_size > 0
