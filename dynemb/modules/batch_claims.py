@@ -3,11 +3,11 @@
 Every claim comes before any row is filled: a table that refuses the batch (its buckets full
 of pinned rows, or NO_EVICTION and full) raises while the claims of the tables before it can
 still be taken back exactly (keys, scores, sizes, clocks, pins), so a refused batch changes
-no table. What cannot be taken back runs after every claim that can: a CUDA group's prefetch
-(which never refuses at once: its failures are reported at a later prefetch), and the tables
-whose prefetch is more than a claim (DEFAULT, which claims in forward, and admission, which
-counts keys before it claims). Filling the rows comes last; a store that fails there takes
-back its own table's claim and those not yet filled.
+no table (on the CUDA kernels a claim never refuses at once: its refused keys are reported
+at a later prefetch, ``dynemb.tables.group_failures``). What cannot be taken back runs after
+every claim that can: the tables whose prefetch is more than a claim (DEFAULT, which claims
+in forward, and admission, which counts keys before it claims). Filling the rows comes last;
+a store that fails there takes back its own table's claim and those not yet filled.
 
 The prefetch runs over the module's groups (:mod:`dynemb.tables.groups`: every table is in
 one, a group of one where it has no partner), a :class:`~dynemb.tables.groups.TableGroup` or

@@ -24,7 +24,7 @@ functions over the record, one code path on every kernel backend: the training p
 the eval lookup (:mod:`dynemb.tables.group_prefetch`; CACHE tables write their evicted rows
 back and load their new rows through :mod:`dynemb.tables.group_stores`; keys that find no
 slot: :mod:`dynemb.tables.group_failures`); the update (:mod:`dynemb.tables.group_update`);
-the gather and the release (the record's own). Which tables group:
+the gather (the batch's, :class:`GroupBatch`) and the release (the record's). Which tables group:
 :func:`~dynemb.tables.group_signature.group_signature`.
 
 Example::
