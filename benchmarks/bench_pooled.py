@@ -228,10 +228,10 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
                   (_PooledOutputAwaitable, "_wait_impl",
                    "forward.reduce-scatter: wait (+ MEAN divide)")]
         from dynemb.tables.group_batch import GroupBatch
-        from dynemb.tables.group_prefetch import GroupPrefetch
+        from dynemb.tables.groups import TableGroup
         from dynemb.tables import group_update
-        parts += [(GroupPrefetch, "claim_batch", f"{compute}.resolve ids (group prefetch)"),
-                  (GroupPrefetch, "finish_batch", f"{compute}.resolve ids (group prefetch)"),
+        parts += [(TableGroup, "claim_batch", f"{compute}.resolve ids (group prefetch)"),
+                  (TableGroup, "finish_batch", f"{compute}.resolve ids (group prefetch)"),
                   (GroupBatch, "pooling_rows", f"{compute}.gather rows (group lookup)"),
                   (group_update, "fused_update",
                    "backward.fused optimizer update")]

@@ -267,9 +267,9 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
         parts += [(d, "route", f"{send}.dedup+route") for d in sharded._input_dists]
         from dynemb.tables import group_update
         from dynemb.tables.group_batch import GroupBatch
-        from dynemb.tables.group_prefetch import GroupPrefetch
-        parts += [(GroupPrefetch, "claim_batch", f"{lookup}.resolve ids"),
-                  (GroupPrefetch, "finish_batch", f"{lookup}.resolve ids"),
+        from dynemb.tables.groups import TableGroup
+        parts += [(TableGroup, "claim_batch", f"{lookup}.resolve ids"),
+                  (TableGroup, "finish_batch", f"{lookup}.resolve ids"),
                   (GroupBatch, "lookup_occurrences", f"{lookup}.gather rows"),
                   (group_update, "fused_update",
                    "backward.fused optimizer update")]

@@ -54,7 +54,6 @@ from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfi
                     OptimizerType, StorageMode)
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.tables.group_batch import GroupBatch
-from dynemb.tables.group_prefetch import GroupPrefetch
 from dynemb.tables.group_storage import GroupStorage
 from dynemb.tables.groups import TableGroup
 
@@ -696,13 +695,13 @@ def profile_phases():
         ("backward grads (occurrence CSR per row)", dynemb.rows.occurrence_grads, "occurrence_csr",
          ("dynemb/rows/occurrence_grads.py", "occurrence_csr")),
         # a group's phases (dynemb.tables.groups): every table is in one
-        ("dedup", GroupPrefetch, "dedup", ("dynemb/tables/group_prefetch.py", "dedup")),
-        ("find_or_insert (claim, pin)", GroupPrefetch, "claim",
-         ("dynemb/tables/group_prefetch.py", "claim")),
-        ("counters of the claim", GroupPrefetch, "_count",
-         ("dynemb/tables/group_prefetch.py", "_count")),
-        ("new rows' initializer", GroupPrefetch, "initialize",
-         ("dynemb/tables/group_prefetch.py", "initialize")),
+        ("dedup", TableGroup, "dedup", ("dynemb/tables/groups.py", "dedup")),
+        ("find_or_insert (claim, pin)", TableGroup, "claim",
+         ("dynemb/tables/groups.py", "claim")),
+        ("counters of the claim", TableGroup, "_count",
+         ("dynemb/tables/groups.py", "_count")),
+        ("new rows' initializer", TableGroup, "initialize",
+         ("dynemb/tables/groups.py", "initialize")),
         ("gather (rows per occurrence)", GroupBatch, "lookup_occurrences",
          ("dynemb/tables/group_batch.py", "lookup_occurrences")),
         ("fused update (kernel)", dynemb.tables.group_update, "update_rows_in_place",

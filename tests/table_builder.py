@@ -1,6 +1,6 @@
 """One dynamic table built directly (no collection), or in a one-table collection, for the
 tests of dynemb/tables/; a bare table runs its batches as a group of one
-(:func:`dynemb.tables.groups.group_of_one`), as a module runs it."""
+(:func:`dynemb.tables.grouping.group_of_one`), as a module runs it."""
 import weakref
 
 import torch
@@ -12,7 +12,7 @@ from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, Initializer, I
 from dynemb.options import choose_storage_mode
 from dynemb.rows.occurrence_grads import OccurrenceGrads
 from dynemb.tables import build_table
-from dynemb.tables.groups import group_of_one
+from dynemb.tables.grouping import group_of_one
 from key_reference import initial_rows
 
 DIM = 4

@@ -947,7 +947,8 @@ def test_a_group_of_one_works_on_its_tables_arrays_without_a_copy():
     """A lone table's group takes its arrays as they are (no second copy of a table that
     may fill most of the device); a table that was part of a bigger group is copied out of
     it, so that the old group's memory goes."""
-    from dynemb.tables.groups import TableGroup, group_tables
+    from dynemb.tables.groups import TableGroup
+    from dynemb.tables.grouping import group_tables
     module = DynamicEmbCollection(configs()[:1], group_tables=False)
     table = module.tables["t0"]
     pointers = (table.tier.hash.arrays.keys.data_ptr(), table.tier.flat.weights.data_ptr(),

@@ -1,4 +1,4 @@
-"""Table groups on the CUDA kernels (dynemb.tables.group_prefetch; numba's simulator without a
+"""Table groups on the CUDA kernels (dynemb.tables.groups; numba's simulator without a
 GPU): a grouped module trains as its tables one by one (groups of one) on the same kernels,
 its step's launches do not grow with the number of tables, a key without a slot is reported
 as a table alone reports it, and the segmented dedup against a plain Python model. Groups

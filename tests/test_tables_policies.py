@@ -9,7 +9,7 @@ from dynemb import DynamicEmbTableOptions, OptimizerConfig, StorageMode
 from dynemb.rows.hash_table import SLOT_BYTES
 from dynemb.options import choose_storage_mode
 from dynemb.tables import build_table
-from dynemb.tables.group_signature import GROUPED_MODES
+from dynemb.tables.grouping import GROUPED_MODES
 from dynemb.tables.policies import POLICIES, EvictedRows, NewRows, storage_policy
 import dynemb.tables.allocation_checks as allocation_checks
 

@@ -136,6 +136,11 @@ class DynamicTable(CheckpointTiers):
                                     table_id=self.table_id, kernels=self.kernels)
         return admitted, fallback
 
+    @property
+    def rounds_with_noise(self) -> bool:
+        """Whether the table's updates round float16 / bfloat16 rows with noise."""
+        return self.tier.flat.weights.dtype != torch.float32 and self.options.stochastic_rounding
+
     def full_error(self, failed_keys: torch.Tensor, tier: Optional[Tier] = None,
                    remap: Optional[torch.Tensor] = None) -> TableFullError:
         """The error of a training claim whose ``failed_keys`` found no slot in ``tier``

@@ -156,7 +156,7 @@ class CacheTable(HbmDirectTable):
             ...                              config_dtype=torch.float32)
             >>> table = CacheTable("t", 0, 4, layout, options, OptimizerConfig(),
             ...                    torch.device("cpu"))
-            >>> from dynemb.tables.groups import group_of_one
+            >>> from dynemb.tables.grouping import group_of_one
             >>> keys = torch.tensor([3, 5, 8])
             >>> group_of_one(table).prefetch([keys], [None], [None]).release()  # 3 rows cached
             >>> table.store.size(), table.flush(), table.store.size()

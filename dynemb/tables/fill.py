@@ -2,7 +2,7 @@
 
 :func:`fill_to_load_factor` inserts distinct random keys in batches through the path a
 training step takes, each table as a group of one over its arrays
-(:func:`~dynemb.tables.groups.group_of_one`: its prefetch, its forward's lookup, then the
+(:func:`~dynemb.tables.grouping.group_of_one`: its prefetch, its forward's lookup, then the
 pins end): new rows
 start from the table's initializer, scores and evictions follow the table's policy, a CACHE
 table writes evicted rows to its store, and the counters count the fill as lookups and
@@ -31,7 +31,7 @@ import torch
 
 from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
-from dynemb.tables.groups import group_of_one
+from dynemb.tables.grouping import group_of_one
 from dynemb.types import ScorePolicy
 
 #: Keys inserted per batch at most (and at most a quarter of the slots).

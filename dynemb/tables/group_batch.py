@@ -67,7 +67,6 @@ class GroupBatch(LookupBatch):
         #: between ``TableGroup.claim_batch`` and ``finish_batch``: the claim whose rows are
         #: not filled
         self.pending = None
-        storage.batch_made(self)
 
     @property
     def names(self) -> Tuple[str, ...]:

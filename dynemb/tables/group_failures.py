@@ -1,6 +1,6 @@
 """When a key that found no slot becomes an error: the one failure policy of a table group.
 
-A claim (:mod:`dynemb.tables.group_prefetch`) counts each table's refused keys (its bucket
+A claim (:mod:`dynemb.tables.groups`) counts each table's refused keys (its bucket
 full of pinned rows, or NO_EVICTION and full) into a tensor on the group's device, on every
 backend. What happens next depends only on whether the host may wait for that count:
 

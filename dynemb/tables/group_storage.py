@@ -7,7 +7,7 @@ table never meets, or evicts, another table's. The tables stay whole tables: the
 tables, flat tables and counters are views of their parts. The record is a record: the
 arrays, each table's part of them (laid out again when a table grows), the group's batches
 (weakly) and the end of their pins. The phases (the prefetch and eval lookup with their
-admission, growth and undo, :mod:`dynemb.tables.group_prefetch`; the gather,
+admission, growth and undo, :mod:`dynemb.tables.groups`; the gather,
 :mod:`dynemb.tables.group_batch`; the update, :mod:`dynemb.tables.group_update`; the CACHE
 stores) are objects or functions over it, and it knows none of them.
 
@@ -39,7 +39,6 @@ import torch
 from dynemb.backends.protocol import Segments, TableArrays
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.tables.base import DynamicTable
-from dynemb.tables.group_signature import rounds_with_noise
 from dynemb.tables.tier import Tier
 from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
 
@@ -68,7 +67,7 @@ class GroupStorage:
     ``keeps_counters``: the tables' counters are views of the record's :attr:`counters` (one
     record per table keeps them; the other's ``counters`` is None). ``in_place``: a group of
     one works on its table's arrays as they are, even where they are views of another
-    group's (:func:`~dynemb.tables.groups.group_of_one`)."""
+    group's (:func:`~dynemb.tables.grouping.group_of_one`)."""
 
     def __init__(self, tables: Sequence[DynamicTable], tier: str = "tier",
                  keeps_counters: bool = True, in_place: bool = False):
@@ -106,7 +105,7 @@ class GroupStorage:
         #: one (group_signature), drawn from its table's seed and id as the table alone does
         self.rounding = (dict(stochastic_rounding=True, seed=first.options.seed,
                               table_id=first.table_id)
-                         if rounds_with_noise(first) else dict(stochastic_rounding=False))
+                         if first.rounds_with_noise else dict(stochastic_rounding=False))
 
     @property
     def serves_elsewhere(self) -> bool:

@@ -94,7 +94,7 @@ class GroupStores:
 
     def fill(self, claim, segments: Segments, undo, initialize) -> None:
         """Write back and load the rows of ``claim`` (the group's, as
-        :class:`~dynemb.tables.group_prefetch.Claim` holds it; ``segments``: its tables'
+        :class:`~dynemb.tables.groups.Claim` holds it; ``segments``: its tables'
         entries) for the tables that inserted a key: in one kernel call where it can (keys
         not in the store: ``initialize(slots, keys, mask, segments)``), the rest each
         alone. If a table alone fails (its store raised), ``undo(tables)`` is
