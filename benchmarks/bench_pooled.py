@@ -229,11 +229,11 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
                    "forward.reduce-scatter: wait (+ MEAN divide)")]
         from dynemb.tables.group_batch import GroupBatch
         from dynemb.tables.groups import TableGroup
-        from dynemb.tables import group_update
+        from dynemb.tables import group_batch
         parts += [(TableGroup, "claim_batch", f"{compute}.resolve ids (group prefetch)"),
                   (TableGroup, "finish_batch", f"{compute}.resolve ids (group prefetch)"),
                   (GroupBatch, "pooling_rows", f"{compute}.gather rows (group lookup)"),
-                  (group_update, "fused_update",
+                  (group_batch, "fused_update",
                    "backward.fused optimizer update")]
     else:
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable

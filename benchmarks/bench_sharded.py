@@ -265,13 +265,13 @@ def _timed_parts(method: str, dmp, pipeline) -> List[Tuple[Any, str, str]]:
                   (sharded, "output_dist", "forward.rows all-to-all: start"),
                   (DynamicEmbOutputAwaitable, "_wait_impl", "forward.rows all-to-all: wait")]
         parts += [(d, "route", f"{send}.dedup+route") for d in sharded._input_dists]
-        from dynemb.tables import group_update
+        from dynemb.tables import group_batch
         from dynemb.tables.group_batch import GroupBatch
         from dynemb.tables.groups import TableGroup
         parts += [(TableGroup, "claim_batch", f"{lookup}.resolve ids"),
                   (TableGroup, "finish_batch", f"{lookup}.resolve ids"),
                   (GroupBatch, "lookup_occurrences", f"{lookup}.gather rows"),
-                  (group_update, "fused_update",
+                  (group_batch, "fused_update",
                    "backward.fused optimizer update")]
     else:
         from torchrec.distributed.embedding import EmbeddingCollectionAwaitable

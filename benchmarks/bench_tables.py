@@ -41,7 +41,7 @@ import dynemb.modules.collection
 import dynemb.modules.dynamic_core
 import dynemb.rows.occurrence_grads
 import dynemb.tables.group_storage
-import dynemb.tables.group_update
+import dynemb.tables.group_batch
 import dynemb.tables.groups
 from benchmarks.common import (ROOT, add_run_options, check, config_of, fill_defaults,
                                git_state, load_before_run, machine_info, new_parser,
@@ -704,7 +704,7 @@ def profile_phases():
          ("dynemb/tables/groups.py", "initialize")),
         ("gather (rows per occurrence)", GroupBatch, "lookup_occurrences",
          ("dynemb/tables/group_batch.py", "lookup_occurrences")),
-        ("fused update (kernel)", dynemb.tables.group_update, "update_rows_in_place",
+        ("fused update (kernel)", dynemb.tables.group_batch, "update_rows_in_place",
          ("dynemb/rows/optimizers.py", "fused_update")),
         ("release pins", GroupStorage, "release",
          ("dynemb/tables/group_storage.py", "release")),

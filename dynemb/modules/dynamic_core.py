@@ -36,7 +36,7 @@ from dynemb.modules.prefetch import PrefetchState, check_state_matches, prefetch
 from dynemb.stashing.collection_stash import CollectionStash
 from dynemb.modules.table_inputs import TableInputs, split_by_table
 from dynemb.tables import DynamicTable
-from dynemb.tables.batch import check_batch_score, check_score
+from dynemb.tables.lookup_batch import check_batch_score, check_score
 from dynemb.tables.groups import TableGroup
 from dynemb.tables.grouping import group_tables
 from dynemb.tables.lookup_batch import LookupBatch

@@ -25,7 +25,7 @@ import torch
 from dynemb.rows.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.base import DynamicTable
-from dynemb.tables.batch import TableBatch
+from dynemb.tables.lookup_batch import TableBatch
 from dynemb.tables.cache import CacheTable
 from dynemb.tables.hbm_direct import HbmDirectTable
 from dynemb.tables.host_only import HostOnlyTable

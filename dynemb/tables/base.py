@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -26,11 +26,56 @@ from dynemb.rows.initializers import Initializer
 from dynemb.rows.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.checkpoint_tiers import CheckpointTiers
-from dynemb.tables.held_batches import HeldBatches
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows, storage_bytes
 from dynemb.tables.tier import Tier
 from dynemb.types import EMPTY_KEY, TableFullError
 from dynemb.foundations.validation import canonical_device, check_keys
+
+
+class HeldBatches:
+    """Batches by identity, in the order they took their pins; adding and dropping one costs
+    the same whatever their number.
+
+    Example::
+
+        >>> held = HeldBatches()
+        >>> a, b = object(), object()
+        >>> held.add(a), held.add(b), held.drop(a)
+        (None, None, None)
+        >>> list(held) == [b], len(held)
+        (True, 1)
+    """
+
+    def __init__(self, batches: Iterable[Any] = ()):
+        self._by_id = {id(b): b for b in batches}
+
+    def add(self, batch: Any) -> None:
+        self._by_id[id(batch)] = batch
+
+    def drop(self, batch: Any) -> None:
+        self._by_id.pop(id(batch), None)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._by_id.values())
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def describe(self) -> str:
+        """Who holds the pins, for error messages."""
+        if not self._by_id:
+            return "no other batch: this batch alone has more keys than its buckets hold"
+        queued = sum(1 for b in self if not b.consumed)
+        return (f"{queued} prefetched batches not yet consumed by forward and "
+                f"{len(self) - queued} looked-up batches waiting for their backward (their "
+                f"pins end at their backward or at the next training forward)")
+
+    # ids are not kept by pickling: the unpickled batches are keyed again
+    def __getstate__(self):
+        return list(self)
+
+    def __setstate__(self, batches) -> None:
+        self._by_id = {id(b): b for b in batches}
 
 
 class DynamicTable(CheckpointTiers):

@@ -8,8 +8,7 @@ tables, flat tables and counters are views of their parts. The record is a recor
 arrays, each table's part of them (laid out again when a table grows), the group's batches
 (weakly) and the end of their pins. The phases (the prefetch and eval lookup with their
 admission, growth and undo, :mod:`dynemb.tables.groups`; the gather,
-:mod:`dynemb.tables.group_batch`; the update, :mod:`dynemb.tables.group_update`; the CACHE
-stores) are objects or functions over it, and it knows none of them.
+:mod:`dynemb.tables.group_batch`, with the update; the CACHE stores) are objects or functions over it, and it knows none of them.
 
 Example::
 
@@ -111,7 +110,7 @@ class GroupStorage:
     def serves_elsewhere(self) -> bool:
         """Whether the module reads the rows on another device, or updates them by other
         kernels, than the record's: each gather copies the rows to :attr:`serve_device`, and
-        the update runs there (:func:`~dynemb.tables.group_update.fused_update`)."""
+        the update runs there (:func:`~dynemb.tables.group_batch.fused_update`)."""
         return (self.serve_device != self.device
                 or self.serve_kernels.name != self.kernels.name)
 

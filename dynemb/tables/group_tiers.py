@@ -57,12 +57,10 @@ from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.foundations.key_mixing import routes_to_first
 from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.base import DynamicTable
-from dynemb.tables.batch import TableBatch
-from dynemb.tables.group_batch import GroupBatch, key_bounds_of
+from dynemb.tables.group_batch import GroupBatch, key_bounds_of, live_slots, update_rows
 from dynemb.tables.group_storage import per_table_sums
-from dynemb.tables.group_update import live_slots, update_rows
 from dynemb.tables.groups import TableGroup, unique_per_table
-from dynemb.tables.lookup_batch import LookupBatch, PoolingRows
+from dynemb.tables.lookup_batch import LookupBatch, PoolingRows, TableBatch
 from dynemb.types import EMPTY_KEY
 
 _COUNTER = {name: i for i, name in enumerate(COUNTER_NAMES)}

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import Dict, Hashable, List, Mapping, Optional, Union
 
-import torch
-
 from dynemb.options import StorageMode
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_tiers import TieredGroup

@@ -9,8 +9,8 @@ everything read per table is unchanged). The group is the record and its trainin
 and eval lookup, one code path on every kernel backend: one dedup, one claim, one fill and
 one count for all its tables, each with the results its table alone would give, and nothing
 read back on the host that a steady step does not need. A batch is a
-:class:`~dynemb.tables.group_batch.GroupBatch` (its gather and release); the backward is
-:mod:`dynemb.tables.group_update`; keys that find no slot,
+:class:`~dynemb.tables.group_batch.GroupBatch` (its gather, its backward's fused update and
+its release); keys that find no slot,
 :mod:`dynemb.tables.group_failures`; a CACHE group's stores,
 :mod:`dynemb.tables.group_stores`. DEFAULT tables group as two of these behind a router
 (:mod:`dynemb.tables.group_tiers`).
