@@ -102,7 +102,7 @@ def test_what_a_module_allocates_up_front_is_checked_together_before_any_table(m
     rows (each fits) are refused together, before any is built."""
     import dynemb.tables.allocation_checks as checks
     import dynemb.tables as tables_package
-    monkeypatch.setattr(checks, "_memory_of",
+    monkeypatch.setattr(checks, "total_memory",
                         lambda device: 64 << 20 if device.type == "cpu" else None)
     built = []
     real_build = tables_package.build_table

@@ -91,7 +91,7 @@ ERRORS = {
 
 @pytest.mark.parametrize("mode", list(StorageMode), ids=lambda m: m.name)
 def test_an_allocation_beyond_memory_is_worded_by_the_mode(mode, monkeypatch):
-    monkeypatch.setattr(allocation_checks, "_memory_of", lambda device: 8 << 10)
+    monkeypatch.setattr(allocation_checks, "total_memory", lambda device: 8 << 10)
     with pytest.raises(ValueError) as err:
         allocation_checks.check_allocation(layout_of(mode), OPTIONS[mode], name="t",
                                            device=torch.device("cpu"))

@@ -1,7 +1,9 @@
-"""Small host values (sizes, bounds, clocks) sent to the device without stalling the host."""
+"""What the layers above ask of a device by its type: small host values (sizes, bounds,
+clocks) sent to it without stalling the host, and how much memory it has."""
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from typing import Optional, Sequence
 
 import torch
 
@@ -21,3 +23,21 @@ def values_on(values: Sequence, dtype: torch.dtype, device: torch.device) -> tor
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def total_memory(device: torch.device) -> Optional[int]:
+    """Total bytes of ``device``'s memory (host RAM for the CPU); None where unknown.
+
+    Example::
+
+        >>> total_memory(torch.device("cpu")) > 0, total_memory(torch.device("meta"))
+        (True, None)
+    """
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError, RuntimeError, AssertionError):
+        pass
+    return None

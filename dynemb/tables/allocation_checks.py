@@ -4,11 +4,11 @@ that allocate less named in the error. What a table allocates up front, and how 
 allocate less, is its storage policy's (:mod:`dynemb.tables.policies`)."""
 from __future__ import annotations
 
-import os
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 
+from dynemb.backends.device_values import total_memory
 from dynemb.rows.hash_table import SLOT_BYTES
 from dynemb.options import DynamicEmbTableOptions, TableLayout
 from dynemb.tables.policies import storage_policy
@@ -31,7 +31,7 @@ def check_allocation(layout: TableLayout, options: DynamicEmbTableOptions, *, na
         ValueError: table 't': the 151284754176 rows allocated up front (init_capacity, ...
     """
     for where, nbytes in _upfront_bytes(layout, device).items():
-        total = _memory_of(where)
+        total = total_memory(where)
         if total is not None and nbytes > total:
             upfront_rows = storage_policy(layout.mode).upfront_rows_text(layout, options)
             raise ValueError(
@@ -64,7 +64,7 @@ def check_allocations(tables: Sequence[Tuple[str, TableLayout, DynamicEmbTableOp
             totals[where] = totals.get(where, 0) + nbytes
             by_table.setdefault(where, []).append((nbytes, name, layout))
     for where, nbytes in totals.items():
-        total = _memory_of(where)
+        total = total_memory(where)
         if total is None or nbytes <= total:
             continue
         largest = sorted(by_table[where], key=lambda entry: -entry[0])
@@ -89,18 +89,6 @@ def _upfront_bytes(layout: TableLayout, device: torch.device) -> Dict[torch.devi
 
 def _allocate_less(layout: TableLayout) -> str:
     return storage_policy(layout.mode).allocate_less_text(layout)
-
-
-def _memory_of(device: torch.device) -> Optional[int]:
-    """Total bytes of ``device``'s memory (host RAM for CPU); None where unknown."""
-    try:
-        if device.type == "cuda":
-            return torch.cuda.get_device_properties(device).total_memory
-        if device.type == "cpu":
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError, RuntimeError, AssertionError):
-        pass
-    return None
 
 
 def _gib(n: int) -> str:
