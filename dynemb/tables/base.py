@@ -262,10 +262,6 @@ class DynamicTable(CheckpointTiers):
         state.pop("_record", None)  # a weak reference: placed again by its group
         return state
 
-    def _initialize(self, tier: Tier, result, keys: torch.Tensor) -> None:
-        tier.flat.initialize_where(result.slots, keys, result.inserted, self.options.initializer,
-                                   seed=self.options.seed, table_id=self.table_id)
-
     def hold_group_batch(self, batch) -> None:
         """A batch of the table's group (:mod:`dynemb.tables.groups`) pins rows of this
         table until :meth:`drop_group_batch`."""

@@ -95,10 +95,13 @@ class CacheTable(HbmDirectTable):
         scores[real] = some_scores.to(self.device)
         return rows, found, scores
 
-    def _fill_new_rows(self, keys: torch.Tensor, result) -> None:
-        """Write the evicted rows back, then load the new keys' rows. A store other than the
-        host store (a disk, a user's) is read first: if that read fails, nothing was written
-        to the store or counted, and the claim is undone as for a failed write."""
+    def fill_claimed_rows(self, keys: torch.Tensor, result) -> None:
+        """After its group's claim of ``keys`` (``result``, a
+        :class:`~dynemb.types.FindOrInsertResult` in the table's own slots), where the group
+        cannot move the rows itself (:mod:`dynemb.tables.group_stores`): write the evicted
+        rows back, then load the new keys' rows. A store other than the host store (a disk,
+        a user's) is read first: if that read fails, nothing was written to the store or
+        counted, and the claim is undone as for a failed write."""
         if isinstance(self.store, HostBackingStore):
             self._write_back(result)
             self._load(keys, result)

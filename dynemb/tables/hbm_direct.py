@@ -53,17 +53,6 @@ class HbmDirectTable(DynamicTable):
         """
         return PlannedRows(device_rows=layout.max_capacity)
 
-    def fill_claimed_rows(self, keys: torch.Tensor, result) -> None:
-        """What the table does with the rows a claim of ``keys`` gave (``result``, a
-        :class:`~dynemb.types.FindOrInsertResult` in its own slots) when its group made the
-        claim (:mod:`dynemb.tables.groups`): CACHE writes the evicted rows back and loads
-        the new ones from its store."""
-        self._fill_new_rows(keys, result)
-
-    def _fill_new_rows(self, keys: torch.Tensor, result) -> None:
-        """Rows of keys inserted by this claim start from the initializer."""
-        self._initialize(self.tier, result, keys.to(self.tier.device))
-
     # -- checkpoint ----------------------------------------------------------------------------
     def _insert_saved_rows(self, keys: torch.Tensor, scores: torch.Tensor,
                            rows: torch.Tensor) -> None:

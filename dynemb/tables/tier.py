@@ -35,12 +35,3 @@ class Tier:
             max_capacity=layout.max_capacity if grow else None)
         self.flat = FlatTable(capacity, dim, optimizer_state_dim=state_dim, dtype=layout.dtype,
                               device=self.device, kernels=self.kernels)
-
-    def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """Whole rows (embedding and state) at ``slots`` [U]; -1 entries read row 0."""
-        return self.flat.weights.index_select(0, slots.clamp(min=0))
-
-    def still_stored(self, slots: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """[U] bool: ``slots[i] >= 0`` and it still holds ``keys[i]`` (no host sync)."""
-        return (slots >= 0) & (self.hash.keys_at(slots) == keys.to(self.device))
-
