@@ -304,26 +304,22 @@ class GroupStorage:
                                   prev_scores[lo:hi], None, None)
 
     def release(self, batch, tables: Optional[Sequence[int]] = None) -> None:
-        """End ``batch``'s pins of ``tables`` (indices; None: all), once per table."""
+        """End ``batch``'s pins of ``tables`` (indices; None: all), once per table: one pin
+        of each of its slots (-1: none) of those tables."""
         if not batch.pinned:
             return
         ending = (set(batch.unreleased) if tables is None
                   else batch.unreleased.intersection(tables))
         if not ending:
             return
-        self.unpin(batch.slots, batch.unique_bounds, ending)
+        slots, bounds = batch.slots, batch.unique_bounds
+        if len(ending) < len(self.tables):
+            slots = torch.cat([slots[bounds[t]:bounds[t + 1]] for t in sorted(ending)])
+        self.kernels.add_refcounts(self.arrays, slots, -1)
         batch.unreleased -= ending
         for t in ending:
             self.tables[t].drop_group_batch(batch)
         batch.pinned = bool(batch.unreleased)
-
-    def unpin(self, slots: torch.Tensor, unique_bounds: Sequence[int], tables) -> None:
-        """End one pin of each of ``slots`` [U] (-1: none) of ``tables`` (indices; each
-        table's slots at ``unique_bounds[t]:unique_bounds[t + 1]``)."""
-        if len(tables) < len(self.tables):
-            slots = torch.cat([slots[unique_bounds[t]:unique_bounds[t + 1]]
-                               for t in sorted(tables)])
-        self.kernels.add_refcounts(self.arrays, slots, -1)
 
     def __repr__(self) -> str:
         return f"GroupStorage({list(self.names)}, rows={self.row_offset[-1]})"
