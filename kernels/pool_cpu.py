@@ -54,15 +54,21 @@ def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, ou
 
 
 @njit(cache=True, parallel=prange_loops())
-def gather_rows_cpu(weights, slots, index, dim, out):
-    """``out[i, :dim] = weights[slots[index[i]], :dim]``, zeros where the slot is -1 (or past
-    ``weights``: nothing is read out of bounds)."""
+def gather_rows_cpu(weights, slots, index, dim, fallback, out):
+    """``out[i, :dim] = weights[slots[index[i]], :dim]``; where the slot is -1 (or past
+    ``weights``: nothing is read out of bounds) ``fallback[index[i], :dim]``, or zeros when
+    ``fallback`` has no rows."""
     rows = weights.shape[0]
+    has_fallback = fallback.shape[0] > 0
     for i in prange(index.size):
-        s = slots[index[i]]
+        u = index[i]
+        s = slots[u]
         if s >= 0 and s < rows:
             for j in range(dim):  # element by element: no array view per row
                 out[i, j] = weights[s, j]
+        elif has_fallback:
+            for j in range(dim):
+                out[i, j] = fallback[u, j]
         else:
             for j in range(dim):
                 out[i, j] = float32(0.0)

@@ -45,6 +45,7 @@ _MIN_PARALLEL_KEYS = 16384
 _MIN_PARTITIONED_KEYS = 4096
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NO_LOOKUPS = np.empty(0, dtype=np.int64)  # add_claim_counts without lookups: 1 per key
+_NO_ROWS = np.empty((0, 1), dtype=np.float32)  # gather_rows without fallback rows: zeros
 
 
 class CpuBackend:
@@ -205,9 +206,10 @@ class CpuBackend:
         pool_cpu.pool_bags_cpu(n(weights), n(occ_slots), n(offsets), n(scale), bool(mean),
                                int(batch), n(cols), int(dim), n(out))
 
-    def gather_rows(self, weights, slots, index, dim, out):
+    def gather_rows(self, weights, slots, index, dim, out, fallback=None):
         n = self._np
-        pool_cpu.gather_rows_cpu(n(weights), n(slots), n(index), int(dim), n(out))
+        rows = _NO_ROWS if fallback is None else self._dense(fallback)
+        pool_cpu.gather_rows_cpu(n(weights), n(slots), n(index), int(dim), rows, n(out))
 
     def dedup_segments(self, keys, segments, num_buckets=None):
         """Each table's unique keys in first-occurrence order, or with ``num_buckets`` sorted

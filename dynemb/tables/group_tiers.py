@@ -252,8 +252,11 @@ class TieredBatch(LookupBatch):
             index = torch.arange(self.keys.numel(), device=self.device)
         on_host = (self.host_slots >= 0).to(self.device).index_select(0, index)[:, None]
         if storage.weights.dtype == torch.float32 and host.weights.dtype == torch.float32:
+            # a key without a device row: its fallback row (eval, admission), else zeros;
+            # the host tier's rows replace those of the keys it holds
             rows = torch.empty(index.numel(), dim, device=self.device)
-            storage.kernels.gather_rows(storage.weights, self.slots, index, dim, rows)
+            storage.kernels.gather_rows(storage.weights, self.slots, index, dim, rows,
+                                        self.fallback)
             host_rows = torch.empty(index.numel(), dim, device=host.device)
             host.kernels.gather_rows(host.weights, self.host_slots, index.to(host.device),
                                      dim, host_rows)
@@ -265,9 +268,9 @@ class TieredBatch(LookupBatch):
             host_rows = host.weights[:, :dim].index_select(0, host_slots.clamp(min=0))
             rows = torch.where(on_host, host_rows.to(self.device, non_blocking=True),
                                torch.where((slots >= 0)[:, None], device_rows, 0)).float()
-        if self.fallback is not None:  # keys stored in neither tier: their fallback row
-            stored = on_host | (self.slots >= 0).index_select(0, index)[:, None]
-            rows = torch.where(stored, rows, self.fallback.index_select(0, index))
+            if self.fallback is not None:  # keys stored in neither tier: their fallback row
+                stored = on_host | (slots >= 0)[:, None]
+                rows = torch.where(stored, rows, self.fallback.index_select(0, index))
         if not self.training:
             self.release()
         return rows
