@@ -54,10 +54,10 @@ def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, ou
 
 
 @njit(cache=True, parallel=prange_loops())
-def gather_rows_cpu(weights, slots, index, dim, fallback, out):
+def gather_rows_cpu(weights, slots, index, dim, fallback, keep, out):
     """``out[i, :dim] = weights[slots[index[i]], :dim]``; where the slot is -1 (or past
-    ``weights``: nothing is read out of bounds) ``fallback[index[i], :dim]``, or zeros when
-    ``fallback`` has no rows."""
+    ``weights``: nothing is read out of bounds) nothing with ``keep``, else
+    ``fallback[index[i], :dim]``, or zeros when ``fallback`` has no rows."""
     rows = weights.shape[0]
     has_fallback = fallback.shape[0] > 0
     for i in prange(index.size):
@@ -66,6 +66,8 @@ def gather_rows_cpu(weights, slots, index, dim, fallback, out):
         if s >= 0 and s < rows:
             for j in range(dim):  # element by element: no array view per row
                 out[i, j] = weights[s, j]
+        elif keep:
+            continue
         elif has_fallback:
             for j in range(dim):
                 out[i, j] = fallback[u, j]

@@ -35,10 +35,10 @@ def pool_bags_kernel(weights, occ_slots, offsets, scale, mean, batch, cols, dim,
 
 
 @cuda.jit
-def gather_rows_kernel(weights, slots, index, dim, fallback, out):
+def gather_rows_kernel(weights, slots, index, dim, fallback, keep, out):
     """One thread per output cell ``(i, j)``: ``out[i, j] = weights[slots[index[i]], j]``;
-    where the slot is -1 (or past ``weights``: nothing is read out of bounds)
-    ``fallback[index[i], j]``, or 0 when ``fallback`` has no rows."""
+    where the slot is -1 (or past ``weights``: nothing is read out of bounds) nothing with
+    ``keep``, else ``fallback[index[i], j]``, or 0 when ``fallback`` has no rows."""
     t = cuda.grid(1)
     i = t // dim
     if i >= index.size:
@@ -48,6 +48,8 @@ def gather_rows_kernel(weights, slots, index, dim, fallback, out):
     s = slots[u]
     if s >= 0 and s < weights.shape[0]:
         out[i, j] = weights[s, j]
+    elif keep:
+        return
     elif fallback.shape[0] > 0:
         out[i, j] = fallback[u, j]
     else:

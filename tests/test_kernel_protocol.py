@@ -279,3 +279,24 @@ def test_gather_rows_reads_the_fallback_row_of_a_key_without_a_slot(name, device
     want = torch.where(stored[:, None], weights[slots[index].clamp(min=0), :4],
                        fallback[index].nan_to_num())
     assert torch.equal(on[3].cpu(), want)
+
+
+@pytest.mark.parametrize("name,device", BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_gather_rows_keeps_the_rows_of_keys_without_a_slot(name, device):
+    """A DEFAULT group's two tiers gathered into one output: the second gather (``keep``)
+    writes only the rows of the keys it holds, the first's stay."""
+    kernels, device = get_backend(name), torch.device(device)
+    gen = torch.Generator().manual_seed(8)
+    first, second = torch.randn(50, 7, generator=gen), torch.randn(30, 5, generator=gen)
+    first_slots = torch.tensor([3, -1, 49, -1, -1])
+    second_slots = torch.tensor([-1, 7, -1, 29, -1])  # key 4 in neither: the first's zeros
+    index = torch.randint(0, 5, (40,), generator=gen)
+    out = torch.full((40, 4), float("nan"))
+    on = [t.to(device) for t in (first, first_slots, second, second_slots, index, out)]
+    kernels.gather_rows(on[0], on[1], on[4], 4, on[5])
+    kernels.gather_rows(on[2], on[3], on[4], 4, on[5], keep=True)
+    in_first, in_second = first_slots[index] >= 0, second_slots[index] >= 0
+    want = torch.where(in_second[:, None], second[second_slots[index].clamp(min=0), :4],
+                       torch.where(in_first[:, None], first[first_slots[index].clamp(min=0), :4],
+                                   0.0))
+    assert torch.equal(on[5].cpu(), want)

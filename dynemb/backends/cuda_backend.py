@@ -253,13 +253,14 @@ class CudaBackend:
                      a(weights), a(occ_slots), a(offsets), a(scale), bool(mean), int(batch),
                      a(cols), int(dim), a(out))
 
-    def gather_rows(self, weights, slots, index, dim, out, fallback=None):
+    def gather_rows(self, weights, slots, index, dim, out, fallback=None, keep=False):
         """One thread per output cell (``pool_cuda.gather_rows_kernel``)."""
         a = self._arr
         if fallback is None:
             fallback = self._no_rows(out.device)
         self._launch(self._pool.gather_rows_kernel, index.numel() * int(dim), a(weights),
-                     a(slots), a(index), int(dim), a(fallback.contiguous()), a(out))
+                     a(slots), a(index), int(dim), a(fallback.contiguous()), bool(keep),
+                     a(out))
 
     def dedup_segments(self, keys, segments, num_buckets=None):
         """Each table's sorted unique keys at the start of its part of the output, padded

@@ -206,10 +206,11 @@ class CpuBackend:
         pool_cpu.pool_bags_cpu(n(weights), n(occ_slots), n(offsets), n(scale), bool(mean),
                                int(batch), n(cols), int(dim), n(out))
 
-    def gather_rows(self, weights, slots, index, dim, out, fallback=None):
+    def gather_rows(self, weights, slots, index, dim, out, fallback=None, keep=False):
         n = self._np
         rows = _NO_ROWS if fallback is None else self._dense(fallback)
-        pool_cpu.gather_rows_cpu(n(weights), n(slots), n(index), int(dim), rows, n(out))
+        pool_cpu.gather_rows_cpu(n(weights), n(slots), n(index), int(dim), rows, bool(keep),
+                                 n(out))
 
     def dedup_segments(self, keys, segments, num_buckets=None):
         """Each table's unique keys in first-occurrence order, or with ``num_buckets`` sorted

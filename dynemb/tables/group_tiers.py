@@ -250,18 +250,24 @@ class TieredBatch(LookupBatch):
         storage, host, dim = group.storage, group.host, self.dim
         if index is None:
             index = torch.arange(self.keys.numel(), device=self.device)
-        on_host = (self.host_slots >= 0).to(self.device).index_select(0, index)[:, None]
         if storage.weights.dtype == torch.float32 and host.weights.dtype == torch.float32:
             # a key without a device row: its fallback row (eval, admission), else zeros;
             # the host tier's rows replace those of the keys it holds
             rows = torch.empty(index.numel(), dim, device=self.device)
             storage.kernels.gather_rows(storage.weights, self.slots, index, dim, rows,
                                         self.fallback)
-            host_rows = torch.empty(index.numel(), dim, device=host.device)
-            host.kernels.gather_rows(host.weights, self.host_slots, index.to(host.device),
-                                     dim, host_rows)
-            rows = torch.where(on_host, host_rows.to(self.device, non_blocking=True), rows)
+            if not host.serves_elsewhere:  # over them in place: one pass over the keys each
+                host.kernels.gather_rows(host.weights, self.host_slots, index, dim, rows,
+                                         keep=True)
+            else:
+                host_rows = torch.empty(index.numel(), dim, device=host.device)
+                host.kernels.gather_rows(host.weights, self.host_slots, index.to(host.device),
+                                         dim, host_rows)
+                on_host = (self.host_slots >= 0).to(self.device).index_select(0, index)
+                rows = torch.where(on_host[:, None], host_rows.to(self.device,
+                                                                  non_blocking=True), rows)
         else:  # float16 / bfloat16 rows
+            on_host = (self.host_slots >= 0).to(self.device).index_select(0, index)[:, None]
             slots = self.slots.index_select(0, index)
             host_slots = self.host_slots.index_select(0, index.to(host.device))
             device_rows = storage.weights[:, :dim].index_select(0, slots.clamp(min=0))
