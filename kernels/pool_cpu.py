@@ -60,7 +60,12 @@ def gather_rows_cpu(weights, slots, index, dim, fallback, keep, out):
     ``fallback[index[i], :dim]``, or zeros when ``fallback`` has no rows."""
     rows = weights.shape[0]
     has_fallback = fallback.shape[0] > 0
-    for i in prange(index.size):
+    n = index.size
+    for i in prange(n):
+        if i + PREFETCH_DISTANCE < n:  # rows are scattered over a large table: overlap
+            ahead = slots[index[i + PREFETCH_DISTANCE]]  # their misses (a hint, never a fault)
+            if ahead >= 0 and ahead < rows:
+                prefetch_row(weights, ahead, dim)
         u = index[i]
         s = slots[u]
         if s >= 0 and s < rows:
