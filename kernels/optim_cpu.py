@@ -90,6 +90,8 @@ def fused_update_cpu(weights, slots, src, offsets, order, scale, clip, chunks, k
     ``OptimizerConfig.initial_accumulator_value``). Scalars are float32.
     """
     n = slots.size
+    while n > 0 and slots[n - 1] < 0:  # a group's padding (no slot) comes last: split the
+        n -= 1                         # rows up to the last one updated among the threads
     chunks = max(1, min(n, chunks))
     width = weights.shape[1]
     for c in prange(chunks):

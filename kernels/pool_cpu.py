@@ -54,15 +54,28 @@ def pool_bags_cpu(weights, occ_slots, offsets, scale, mean, batch, cols, dim, ou
 
 
 @njit(cache=True, parallel=prange_loops())
-def gather_rows_cpu(weights, slots, index, dim, out):
-    """``out[i, :dim] = weights[slots[index[i]], :dim]``, zeros where the slot is -1 (or past
-    ``weights``: nothing is read out of bounds)."""
+def gather_rows_cpu(weights, slots, index, dim, fallback, keep, out):
+    """``out[i, :dim] = weights[slots[index[i]], :dim]``; where the slot is -1 (or past
+    ``weights``: nothing is read out of bounds) nothing with ``keep``, else
+    ``fallback[index[i], :dim]``, or zeros when ``fallback`` has no rows."""
     rows = weights.shape[0]
-    for i in prange(index.size):
-        s = slots[index[i]]
+    has_fallback = fallback.shape[0] > 0
+    n = index.size
+    for i in prange(n):
+        if i + PREFETCH_DISTANCE < n:  # rows are scattered over a large table: overlap
+            ahead = slots[index[i + PREFETCH_DISTANCE]]  # their misses (a hint, never a fault)
+            if ahead >= 0 and ahead < rows:
+                prefetch_row(weights, ahead, dim)
+        u = index[i]
+        s = slots[u]
         if s >= 0 and s < rows:
             for j in range(dim):  # element by element: no array view per row
                 out[i, j] = weights[s, j]
+        elif keep:
+            continue
+        elif has_fallback:
+            for j in range(dim):
+                out[i, j] = fallback[u, j]
         else:
             for j in range(dim):
                 out[i, j] = float32(0.0)

@@ -35,13 +35,22 @@ def pool_bags_kernel(weights, occ_slots, offsets, scale, mean, batch, cols, dim,
 
 
 @cuda.jit
-def gather_rows_kernel(weights, slots, index, dim, out):
-    """One thread per output cell ``(i, j)``: ``out[i, j] = weights[slots[index[i]], j]``, 0
-    where the slot is -1 (or past ``weights``: nothing is read out of bounds)."""
+def gather_rows_kernel(weights, slots, index, dim, fallback, keep, out):
+    """One thread per output cell ``(i, j)``: ``out[i, j] = weights[slots[index[i]], j]``;
+    where the slot is -1 (or past ``weights``: nothing is read out of bounds) nothing with
+    ``keep``, else ``fallback[index[i], j]``, or 0 when ``fallback`` has no rows."""
     t = cuda.grid(1)
     i = t // dim
     if i >= index.size:
         return
     j = t - i * dim
-    s = slots[index[i]]
-    out[i, j] = weights[s, j] if s >= 0 and s < weights.shape[0] else float32(0.0)
+    u = index[i]
+    s = slots[u]
+    if s >= 0 and s < weights.shape[0]:
+        out[i, j] = weights[s, j]
+    elif keep:
+        return
+    elif fallback.shape[0] > 0:
+        out[i, j] = fallback[u, j]
+    else:
+        out[i, j] = float32(0.0)

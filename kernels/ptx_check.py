@@ -72,7 +72,7 @@ def launch_signatures():
         "init_rows_at_group_kernel": (rows, k64, k64, mask, k64, i64, k64, k64, k64, f64v,
                                       f64v, f64v, f64v),
         "add_claim_counts_kernel": (k64, k64, k64, mask, k64, k64, nt.Array(i64, 2, "C")),
-        "gather_rows_kernel": (rows, k64, k64, i64, rows),
+        "gather_rows_kernel": (rows, k64, k64, i64, rows, b1, rows),
         "run_starts_kernel": (k64, k64, k64),
         "place_runs_kernel": (k64,) * 8,
         "piece_counts_kernel": (k64, i64, k64),

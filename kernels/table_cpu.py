@@ -21,6 +21,30 @@ from .hashing import (bucket_base_and_start, bucket_index, is_live_key, partitio
 from .scoring import INT64_MAX, reads_counts, score_on_hit, score_on_insert
 
 
+@njit(cache=True, inline="always")
+def live_end(keys, lo, hi):
+    """The end of ``keys[lo:hi]`` without its trailing ``EMPTY_KEY`` padding. A group's
+    dedup pads each table's unique keys at the end of its segment; the host kernels claim up
+    to there and write the padding's outputs without probing, so a step costs what its unique
+    keys cost, not what its input keys do (a backward scan over the padding only)."""
+    while hi > lo and keys[hi - 1] == EMPTY_KEY:
+        hi -= 1
+    return hi
+
+
+@njit(cache=True)
+def pad_claim_outputs(lo, hi, out_slots, out_inserted, out_prev_keys, out_prev_scores,
+                      out_failed):
+    """The outputs of a claim of ``EMPTY_KEY`` padding at ``[lo, hi)``: no slot, nothing
+    inserted or failed, no previous key (what ``_claim_range`` writes for a padding key)."""
+    for j in range(lo, hi):
+        out_slots[j] = -1
+        out_inserted[j] = False
+        out_failed[j] = False
+        out_prev_keys[j] = EMPTY_KEY
+        out_prev_scores[j] = 0
+
+
 @njit(cache=True, parallel=prange_loops())
 def find_cpu(tbl_keys, num_buckets, bucket_size, keys, out_slots):
     """``out_slots[i]`` = slot of ``keys[i]`` or -1. Duplicates allowed; nothing is written."""
@@ -488,16 +512,21 @@ def scratch_size(n, parts, policy):
 
 
 @njit(cache=True)
-def _count_by_partition(ukeys, num_buckets, parts, bounds, part_of):
-    """``part_of[i]``: the partition of key ``i`` (``parts`` contiguous ranges of buckets, see
-    ``partition_multiplier``); ``bounds[p]``: where partition ``p`` starts in
-    partition order. Returns True when the keys are in partition order already."""
+def _count_by_partition(ukeys, n, num_buckets, parts, bounds, part_of):
+    """``part_of[i]``: the partition of key ``i < n`` (``parts`` contiguous ranges of buckets,
+    see ``partition_multiplier``); ``bounds[p]``: where partition ``p`` starts in
+    partition order. Returns True when the keys are in partition order already.
+
+    An ``EMPTY_KEY`` (padding, or a key routed elsewhere) claims nothing: it goes with the
+    key before it, so that it never breaks an order the live keys are in."""
     bounds[:] = 0
     in_order = True
     last = 0
     multiplier = partition_multiplier(parts, num_buckets)
-    for i in range(ukeys.size):
-        p = partition_of_bucket(bucket_index(ukeys[i], num_buckets), multiplier)
+    for i in range(n):
+        key = ukeys[i]
+        p = last if key == EMPTY_KEY else partition_of_bucket(bucket_index(key, num_buckets),
+                                                              multiplier)
         part_of[i] = p
         bounds[p + 1] += 1
         in_order = in_order and p >= last
@@ -508,12 +537,11 @@ def _count_by_partition(ukeys, num_buckets, parts, bounds, part_of):
 
 
 @njit(cache=True)
-def _sort_by_partition(ukeys, counts, given, policy, parts, bounds, rank, scratch):
+def _sort_by_partition(ukeys, n, counts, given, policy, parts, bounds, rank, scratch):
     """Copies of the keys (and of what the policy reads of counts / given) ordered by
     partition, stably: partition ``p``'s keys are ``[bounds[p], bounds[p + 1])``. ``rank[i]``
     holds key ``i``'s partition on entry (``_count_by_partition``), where it went on return.
-    Everything is carved out of ``scratch``; returns the rest of it."""
-    n = ukeys.size
+    Everything is carved out of ``scratch``; returns the rest of it (keys ``i < n`` only)."""
     cursor = scratch[:parts]
     keys = scratch[parts:parts + n]
     rest = scratch[parts + n:]
@@ -551,9 +579,12 @@ def find_or_insert_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_s
     ``parts`` > 1: the keys are first copied in bucket order (``parts`` partitions of the
     buckets, ``scratch`` of ``scratch_size`` words), unless they come in that order already
     (``dedup_bucket_order_cpu``), and threads split the partitions; 1: the whole batch in
-    order, on one thread.
+    order, on one thread. Trailing ``EMPTY_KEY`` padding (a group's dedup) is not walked:
+    its outputs are written as such (``live_end``).
     """
-    n = ukeys.size
+    n = live_end(ukeys, 0, ukeys.size)
+    pad_claim_outputs(n, ukeys.size, out_slots, out_inserted, out_prev_keys, out_prev_scores,
+                      out_failed)
     if parts == 1:
         added, evicted, failed = _claim_range(
             tbl_keys, tbl_scores, refcnt, num_buckets, bucket_size, ukeys, counts, given, policy,
@@ -568,7 +599,7 @@ def find_or_insert_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_s
     stats = scratch[parts + 1 + n:4 * parts + 1 + n].reshape((parts, 3))
     stats[:] = 0
     chunks = min(parts, CLAIM_CHUNKS)
-    if _count_by_partition(ukeys, num_buckets, parts, bounds, rank):
+    if _count_by_partition(ukeys, n, num_buckets, parts, bounds, rank):
         # already in bucket order (dedup_bucket_order_cpu): claim in place
         for c in prange(chunks):
             work = _new_work(bucket_size)
@@ -581,7 +612,7 @@ def find_or_insert_cpu(tbl_keys, tbl_scores, refcnt, size, num_buckets, bucket_s
         out_stats[0] = stats[:, 2].sum()
         out_stats[1] = stats[:, 1].sum()
         return
-    keys, side, rest = _sort_by_partition(ukeys, counts, given, policy, parts, bounds, rank,
+    keys, side, rest = _sort_by_partition(ukeys, n, counts, given, policy, parts, bounds, rank,
                                           scratch[4 * parts + 1 + n:])
     # One record per key (slot, previous key, previous score, flag), 32 bytes: a single cache
     # line to read when the results go back to batch order. The flag column takes both

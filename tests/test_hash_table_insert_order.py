@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from dynemb.kernels import table_cpu
+from dynemb.kernels.hashing import bucket_index
 from dynemb.kernels.constants import (EMPTY_KEY, POLICY_CUSTOMIZED, POLICY_LFU, POLICY_LFU_LRU,
                                       POLICY_LRU, POLICY_NO_EVICTION, POLICY_STEP,
                                       TOMBSTONE_KEY)
@@ -95,3 +96,54 @@ def test_bucket_order_matches_the_two_pass_kernels(policy, bucket_size, fill_key
         for name in want_arrays:
             np.testing.assert_array_equal(got_arrays[name], want_arrays[name],
                                           err_msg=f"table {name}, {parts} partitions")
+
+
+@pytest.mark.parametrize("policy", [POLICY_LRU, POLICY_LFU, POLICY_CUSTOMIZED])
+def test_bucket_ordered_keys_with_empty_entries_are_claimed_in_place(policy):
+    """Keys in bucket order with ``EMPTY_KEY`` among them (a DEFAULT group's keys routed to
+    the other tier) and after them (a group's dedup pads each table's unique keys to its
+    input count) are claimed where they stand: the claim writes no scratch past its
+    bounds, ranks and stats (sorting them by bucket would, and would cost a copy of the
+    batch and a pass to put the results back), and gives what the two-pass kernels give;
+    an ``EMPTY_KEY`` gets no slot, nothing inserted or failed, no previous key."""
+    bucket_size = 32
+    rng = np.random.default_rng(policy)
+    base = make_arrays(rng, bucket_size, 600)
+    stored = base["keys"][base["keys"] > TOMBSTONE_KEY]
+    fresh = np.setdiff1d(np.arange(-9000, 9000), stored)
+    live = np.concatenate([rng.choice(stored, 150, replace=False),
+                           rng.choice(fresh, 900, replace=False)]).astype(np.int64)
+    num_buckets = CAPACITY // bucket_size
+    buckets = np.array([bucket_index(k, num_buckets) for k in live])
+    live = live[np.argsort(buckets, kind="stable")]  # the order dedup_bucket_order_cpu gives
+    batch = live.copy()
+    batch[rng.random(live.size) < 0.3] = EMPTY_KEY  # routed to the other tier
+    batch = np.concatenate([batch, np.full(700, EMPTY_KEY, dtype=np.int64)])  # padding
+    want_arrays = {k: v.copy() for k, v in base.items()}
+    want = run_two_pass(want_arrays, bucket_size, batch, policy, 9, True, True)
+    assert want["stats"][1] > 0  # buckets overflow: evictions happen
+    parts = num_buckets
+    in_place = batch.size + 4 * parts + 1  # bounds, ranks, stats
+    sentinel = np.int64(-777)
+    scratch = np.full(table_cpu.scratch_size(batch.size, parts, policy), sentinel)
+    got_arrays = {k: v.copy() for k, v in base.items()}
+    n = batch.size
+    counts = np.arange(1, n + 1, dtype=np.int64) % 4 + 1
+    given = (np.arange(n, dtype=np.int64) * 7) % 11
+    got = dict(slots=np.empty(n, np.int64), inserted=np.empty(n, np.bool_),
+               prev_keys=np.empty(n, np.int64), prev_scores=np.empty(n, np.int64),
+               failed=np.empty(n, np.bool_), stats=np.empty(2, np.int64))
+    table_cpu.find_or_insert_cpu(
+        got_arrays["keys"], got_arrays["scores"], got_arrays["refcnt"], got_arrays["size"],
+        num_buckets, bucket_size, batch, counts, given, policy, 9, True, True, parts, scratch,
+        got["slots"], got["inserted"], got["prev_keys"], got["prev_scores"], got["failed"],
+        got["stats"])
+    assert (scratch[in_place:] == sentinel).all(), "the claim sorted the keys"
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    for name in want_arrays:
+        np.testing.assert_array_equal(got_arrays[name], want_arrays[name], err_msg=name)
+    empty = batch == EMPTY_KEY
+    assert (got["slots"][empty] == -1).all() and not got["inserted"][empty].any()
+    assert not got["failed"][empty].any() and (got["prev_keys"][empty] == EMPTY_KEY).all()
+    assert (got["prev_scores"][empty] == 0).all()

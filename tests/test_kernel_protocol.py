@@ -258,3 +258,45 @@ def test_gather_rows_reads_each_occurrences_row_and_zeros_without_a_slot(name, d
     kernels.gather_rows(on[0], on[1], on[2], 4, on[3])
     want = torch.where((slots[index] >= 0)[:, None], weights[slots[index].clamp(min=0), :4], 0.0)
     assert torch.equal(on[3].cpu(), want)
+
+
+@pytest.mark.parametrize("name,device", BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_gather_rows_reads_the_fallback_row_of_a_key_without_a_slot(name, device):
+    """An eval or admission batch's occurrences: a key with a slot reads its stored row, one
+    without reads its own fallback row (counted by unique index, as the slots are); rows of
+    the fallback that no slot-less key owns are never read (here NaN)."""
+    kernels, device = get_backend(name), torch.device(device)
+    gen = torch.Generator().manual_seed(6)
+    weights = torch.randn(50, 7, generator=gen)  # 4 embedding columns, 3 of state
+    slots = torch.tensor([3, -1, 49, 0, -1, -1])
+    fallback = torch.randn(6, 4, generator=gen)
+    fallback[slots >= 0] = float("nan")
+    index = torch.randint(0, 6, (40,), generator=gen)
+    out = torch.full((40, 4), float("nan"))
+    on = [t.to(device) for t in (weights, slots, index, out, fallback)]
+    kernels.gather_rows(on[0], on[1], on[2], 4, on[3], on[4])
+    stored = slots[index] >= 0
+    want = torch.where(stored[:, None], weights[slots[index].clamp(min=0), :4],
+                       fallback[index].nan_to_num())
+    assert torch.equal(on[3].cpu(), want)
+
+
+@pytest.mark.parametrize("name,device", BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_gather_rows_keeps_the_rows_of_keys_without_a_slot(name, device):
+    """A DEFAULT group's two tiers gathered into one output: the second gather (``keep``)
+    writes only the rows of the keys it holds, the first's stay."""
+    kernels, device = get_backend(name), torch.device(device)
+    gen = torch.Generator().manual_seed(8)
+    first, second = torch.randn(50, 7, generator=gen), torch.randn(30, 5, generator=gen)
+    first_slots = torch.tensor([3, -1, 49, -1, -1])
+    second_slots = torch.tensor([-1, 7, -1, 29, -1])  # key 4 in neither: the first's zeros
+    index = torch.randint(0, 5, (40,), generator=gen)
+    out = torch.full((40, 4), float("nan"))
+    on = [t.to(device) for t in (first, first_slots, second, second_slots, index, out)]
+    kernels.gather_rows(on[0], on[1], on[4], 4, on[5])
+    kernels.gather_rows(on[2], on[3], on[4], 4, on[5], keep=True)
+    in_first, in_second = first_slots[index] >= 0, second_slots[index] >= 0
+    want = torch.where(in_second[:, None], second[second_slots[index].clamp(min=0), :4],
+                       torch.where(in_first[:, None], first[first_slots[index].clamp(min=0), :4],
+                                   0.0))
+    assert torch.equal(on[5].cpu(), want)

@@ -82,6 +82,13 @@ class CudaBackend:
             self._empty[device] = torch.empty(0, dtype=torch.int64, device=device)
         return self._empty[device]
 
+    def _no_rows(self, device: torch.device) -> torch.Tensor:
+        """An empty [0, 1] float32 tensor on ``device``: ``gather_rows`` without fallback rows."""
+        key = ("rows", device)
+        if key not in self._empty:
+            self._empty[key] = torch.empty(0, 1, dtype=torch.float32, device=device)
+        return self._empty[key]
+
     def _arr(self, t: torch.Tensor):
         """A kernel argument: the tensor itself on a GPU (``_launch`` hands it to numba),
         its numpy view under the simulator."""
@@ -246,11 +253,14 @@ class CudaBackend:
                      a(weights), a(occ_slots), a(offsets), a(scale), bool(mean), int(batch),
                      a(cols), int(dim), a(out))
 
-    def gather_rows(self, weights, slots, index, dim, out):
+    def gather_rows(self, weights, slots, index, dim, out, fallback=None, keep=False):
         """One thread per output cell (``pool_cuda.gather_rows_kernel``)."""
         a = self._arr
+        if fallback is None:
+            fallback = self._no_rows(out.device)
         self._launch(self._pool.gather_rows_kernel, index.numel() * int(dim), a(weights),
-                     a(slots), a(index), int(dim), a(out))
+                     a(slots), a(index), int(dim), a(fallback.contiguous()), bool(keep),
+                     a(out))
 
     def dedup_segments(self, keys, segments, num_buckets=None):
         """Each table's sorted unique keys at the start of its part of the output, padded

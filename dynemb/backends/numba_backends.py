@@ -45,6 +45,7 @@ _MIN_PARALLEL_KEYS = 16384
 _MIN_PARTITIONED_KEYS = 4096
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NO_LOOKUPS = np.empty(0, dtype=np.int64)  # add_claim_counts without lookups: 1 per key
+_NO_ROWS = np.empty((0, 1), dtype=np.float32)  # gather_rows without fallback rows: zeros
 
 
 class CpuBackend:
@@ -139,6 +140,12 @@ class CpuBackend:
         """(unique keys, inverse, counts): in first-occurrence order, or with ``num_buckets``
         sorted by bucket of a table of that many buckets (ties in first-occurrence order),
         the order its ``find_or_insert`` claims them in."""
+        unique, inverse, counts, u = self._dedup_into(keys, num_buckets)
+        return unique[:u], inverse, counts[:u]
+
+    def _dedup_into(self, keys, num_buckets):
+        """:meth:`dedup` into arrays of the keys' length: (unique, inverse, counts, how many
+        unique keys lead ``unique`` and ``counts``)."""
         n = keys.numel()
         unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
         parts = dedup_cpu.dedup_parts(n)
@@ -152,7 +159,7 @@ class CpuBackend:
             u = dedup_cpu.dedup_bucket_order_cpu(keys.numpy(), num_buckets, parts, chunks,
                                                  scratch, unique.numpy(), inverse.numpy(),
                                                  counts.numpy())
-        return unique[:u], inverse, counts[:u]
+        return unique, inverse, counts, u
 
     def add_refcounts(self, table: TableArrays, slots, delta):
         table_cpu.add_refcounts_cpu(self._np(table.refcnt), self._np(slots), delta)
@@ -199,9 +206,11 @@ class CpuBackend:
         pool_cpu.pool_bags_cpu(n(weights), n(occ_slots), n(offsets), n(scale), bool(mean),
                                int(batch), n(cols), int(dim), n(out))
 
-    def gather_rows(self, weights, slots, index, dim, out):
+    def gather_rows(self, weights, slots, index, dim, out, fallback=None, keep=False):
         n = self._np
-        pool_cpu.gather_rows_cpu(n(weights), n(slots), n(index), int(dim), n(out))
+        rows = _NO_ROWS if fallback is None else self._dense(fallback)
+        pool_cpu.gather_rows_cpu(n(weights), n(slots), n(index), int(dim), rows, bool(keep),
+                                 n(out))
 
     def dedup_segments(self, keys, segments, num_buckets=None):
         """Each table's unique keys in first-occurrence order, or with ``num_buckets`` sorted
@@ -211,11 +220,9 @@ class CpuBackend:
         n = keys.numel()
         if segments.count == 1 and n:  # a group of one: the table's own (parallel) dedup
             buckets = None if num_buckets is None else int(self._host(num_buckets)[0])
-            unique, inverse, counts = self.dedup(keys, buckets or None)
-            u = unique.numel()
-            if u < n:
-                unique = torch.cat([unique, unique.new_full((n - u,), EMPTY_KEY)])
-                counts = torch.cat([counts, counts.new_zeros(n - u)])
+            unique, inverse, counts, u = self._dedup_into(keys, buckets or None)
+            unique[u:] = EMPTY_KEY  # padded in place
+            counts[u:] = 0
             return unique, inverse, counts, segments
         unique, inverse, counts = (torch.empty(n, dtype=torch.int64) for _ in range(3))
         unique_bounds = np.empty(segments.count + 1, dtype=np.int64)

@@ -335,9 +335,14 @@ class KernelBackend(Protocol):
         for ``k`` in ``offsets[q]:offsets[q + 1]`` (times ``scale[k]`` if not empty; divided
         by the length if ``mean``) into ``out[b, cols[i]:cols[i] + dim]``."""
 
-    def gather_rows(self, weights, slots, index, dim: int, out) -> None:
+    def gather_rows(self, weights, slots, index, dim: int, out, fallback=None,
+                    keep: bool = False) -> None:
         """``out[i] = weights[slots[index[i]], :dim]`` (float32 rows, ``out`` [N, dim]
-        float32), zeros where that slot is -1: each occurrence's row in one launch."""
+        float32); where that slot is -1, ``fallback[index[i], :dim]`` (float32 [U, >= dim]:
+        the rows of keys without a slot, e.g. an eval lookup's initializer rows; only those
+        rows are read), zeros without ``fallback``, and nothing with ``keep`` (``out[i]``
+        stays: a second table's rows gathered over a first's): each occurrence's row in one
+        launch."""
 
     def dedup_segments(self, keys, segments: Segments, num_buckets=None
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Segments]:

@@ -112,19 +112,29 @@ class GroupBatch(LookupBatch):
         if storage.serves_elsewhere:  # the rows cross to the module once per unique key
             return self.unique_rows().index_select(0, self.inverse).split(sizes)
         weights, dim = storage.weights, storage.dim
-        if weights.dtype == torch.float32:  # one launch; a key without a slot: zeros
+        if weights.dtype == torch.float32:
+            # one launch; a key without a slot: its fallback row (eval, admission), else zeros
             rows = torch.empty(self.inverse.numel(), dim, device=weights.device)
-            storage.kernels.gather_rows(weights, self.slots, self.inverse, dim, rows)
-            if self.fallback is None:
-                return rows.split(sizes)
-            stored = self.slots.index_select(0, self.inverse) >= 0
-        else:
-            slots = self.slots.index_select(0, self.inverse)
-            stored = slots >= 0
-            rows = weights[:, :dim].index_select(0, slots.clamp(min=0)).float()
+            storage.kernels.gather_rows(weights, self.slots, self.inverse, dim, rows,
+                                        self.fallback)
+            return rows.split(sizes)
+        slots = self.slots.index_select(0, self.inverse)
+        rows = weights[:, :dim].index_select(0, slots.clamp(min=0)).float()
         # eval, admission: a key not stored reads its fallback row; else zeros
         missing = 0.0 if self.fallback is None else self.fallback.index_select(0, self.inverse)
-        return torch.where(stored[:, None], rows, missing).split(sizes)
+        return torch.where((slots >= 0)[:, None], rows, missing).split(sizes)
+
+    def gather_over(self, rows: torch.Tensor) -> bool:
+        """Write the row of each input key that has a slot here over ``rows`` [N, dim]
+        float32, in place, the others left as they are (a DEFAULT group's host tier over its
+        device tier's rows: one pass over the input keys each). False, and nothing written,
+        where the rows are not read where the module reads them or are not float32."""
+        storage = self.storage
+        if storage.serves_elsewhere or storage.weights.dtype != torch.float32:
+            return False
+        storage.kernels.gather_rows(storage.weights, self.slots, self.inverse, storage.dim,
+                                    rows, keep=True)
+        return True
 
     def unique_rows(self) -> torch.Tensor:
         """[U, dim] float32 on the module's device: each unique key's row; an eval batch's

@@ -242,16 +242,19 @@ class TieredBatch(LookupBatch):
         """[N or U, dim] float32: the row of each input key (else each unique key), claimed
         (training) or found (eval) at the first call; an eval batch ends its pins once it has
         read them. Each tier's batch gathers its keys' rows, zeros where a key is not in its
-        tier; a key is in one tier at most, so their sum is the key's row."""
+        tier (a key is in one tier at most, so their sum is the key's row); per input key,
+        the host tier writes its rows over the device tier's where it can."""
         if self.tiers is None:
             self._claim() if self.training else self._find()
+        device_part, host_part = self.tiers
         if by_input_key:
-            rows = [part.lookup_occurrences([self.inverse.numel()])[0] for part in self.tiers]
-            index = self.inverse
+            rows, index = device_part.lookup_occurrences([self.inverse.numel()])[0], self.inverse
+            if not host_part.gather_over(rows):
+                rows.add_(host_part.lookup_occurrences([index.numel()])[0].to(
+                    self.device, non_blocking=True))
         else:
-            rows = [part.unique_rows() for part in self.tiers]
-            index = None
-        rows = rows[0].add_(rows[1].to(self.device, non_blocking=True))
+            rows, index = device_part.unique_rows(), None
+            rows.add_(host_part.unique_rows().to(self.device, non_blocking=True))
         if self.fallback is not None:  # keys stored in neither tier: their fallback row
             stored = (self.tiers[0].slots >= 0) | (self.tiers[1].slots >= 0).to(self.device)
             fallback = self.fallback

@@ -527,8 +527,10 @@ class TableGroup:
     def eval_rows(self, keys: torch.Tensor, where: torch.Tensor,
                   segments: Segments) -> torch.Tensor:
         """[U, dim] float32: the eval initializer's rows of ``keys`` where ``where``, each from
-        its own table's; zeros elsewhere."""
-        rows = torch.zeros(keys.numel(), self.storage.dim, device=self.device)
+        its own table's. The other rows are not written (a key with a row reads its row: see
+        the fallback of the kernels' ``gather_rows``), so that a batch's padding costs no
+        memory traffic."""
+        rows = torch.empty(keys.numel(), self.storage.dim, device=self.device)
         self.storage.kernels.init_rows_at_group(
             rows, torch.arange(keys.numel(), device=self.device), keys, where, segments,
             self.storage.dim, self.seeds, self.table_ids, self.eval_kinds, *self.eval_params)
