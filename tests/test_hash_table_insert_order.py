@@ -31,14 +31,16 @@ def make_arrays(rng, bucket_size, fill_keys):
     return arrays
 
 
-def run(arrays, bucket_size, keys, policy, clock, allow_evict, pin, parts):
+def run(arrays, bucket_size, keys, policy, clock, allow_evict, pin, parts, scratch=None):
+    """One claim of ``keys`` by the kernel (``scratch``: its scratch array, else a new one)."""
     n = keys.size
     counts = np.arange(1, n + 1, dtype=np.int64) % 4 + 1
     given = (np.arange(n, dtype=np.int64) * 7) % 11
     out = dict(slots=np.empty(n, np.int64), inserted=np.empty(n, np.bool_),
                prev_keys=np.empty(n, np.int64), prev_scores=np.empty(n, np.int64),
                failed=np.empty(n, np.bool_), stats=np.empty(2, np.int64))
-    scratch = np.empty(table_cpu.scratch_size(n, parts, policy), dtype=np.int64)
+    if scratch is None:
+        scratch = np.empty(table_cpu.scratch_size(n, parts, policy), dtype=np.int64)
     table_cpu.find_or_insert_cpu(
         arrays["keys"], arrays["scores"], arrays["refcnt"], arrays["size"],
         CAPACITY // bucket_size, bucket_size, keys, counts, given, policy, clock, allow_evict,
@@ -127,17 +129,7 @@ def test_bucket_ordered_keys_with_empty_entries_are_claimed_in_place(policy):
     sentinel = np.int64(-777)
     scratch = np.full(table_cpu.scratch_size(batch.size, parts, policy), sentinel)
     got_arrays = {k: v.copy() for k, v in base.items()}
-    n = batch.size
-    counts = np.arange(1, n + 1, dtype=np.int64) % 4 + 1
-    given = (np.arange(n, dtype=np.int64) * 7) % 11
-    got = dict(slots=np.empty(n, np.int64), inserted=np.empty(n, np.bool_),
-               prev_keys=np.empty(n, np.int64), prev_scores=np.empty(n, np.int64),
-               failed=np.empty(n, np.bool_), stats=np.empty(2, np.int64))
-    table_cpu.find_or_insert_cpu(
-        got_arrays["keys"], got_arrays["scores"], got_arrays["refcnt"], got_arrays["size"],
-        num_buckets, bucket_size, batch, counts, given, policy, 9, True, True, parts, scratch,
-        got["slots"], got["inserted"], got["prev_keys"], got["prev_scores"], got["failed"],
-        got["stats"])
+    got = run(got_arrays, bucket_size, batch, policy, 9, True, True, parts, scratch)
     assert (scratch[in_place:] == sentinel).all(), "the claim sorted the keys"
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
