@@ -47,7 +47,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -175,6 +175,7 @@ class TieredBatch(LookupBatch):
         self.consumed = False
         self.applied: set = set()
         self.pending = None
+        self._segments_on: Dict[torch.device, Segments] = {}
 
     # -- members -------------------------------------------------------------------------------
     @property
@@ -284,7 +285,12 @@ class TieredBatch(LookupBatch):
                 torch.where(valid & ~on_device, self.keys, EMPTY_KEY).to(host))
 
     def _segments(self, tiers: TableGroup) -> Segments:
-        return Segments(self.unique_bounds, tiers.storage.device)
+        """The tables' segments of the unique keys on ``tiers``' device, made once per
+        device (their per-entry tables are built at first use)."""
+        device = tiers.storage.device
+        if device not in self._segments_on:
+            self._segments_on[device] = Segments(self.unique_bounds, device)
+        return self._segments_on[device]
 
     def _tier_batches(self, slots: Sequence[torch.Tensor]) -> None:
         """The batch of each tier's group, holding ``slots`` (device, host) pinned; the
@@ -309,7 +315,7 @@ class TieredBatch(LookupBatch):
     def _find(self) -> None:
         """The eval forward: find each key in its tier, pin it until the rows are read; the
         keys in neither read their table's eval initializer row."""
-        device_tiers, host_tiers = self.group.tiers
+        device_tiers = self.group.tiers[0]
         slots = [tiers.find(keys, self._segments(tiers), pin=True)
                  for tiers, keys in zip(self.group.tiers, self._routes())]
         self._tier_batches(slots)
@@ -322,7 +328,7 @@ class TieredBatch(LookupBatch):
     def _claim(self) -> None:
         """The training forward: admission, the host tiers' claim, then the device tiers'
         (see the module docstring), new rows initialized, the claims counted."""
-        device_tiers, host_tiers = self.group.tiers
+        device_tiers = self.group.tiers[0]
         keys = self._routes()
         if device_tiers.storage.admits:  # each table admits its keys, stored in either tier
             present = [tiers.find(tier_keys, self._segments(tiers)) >= 0
@@ -361,8 +367,9 @@ class TieredBatch(LookupBatch):
         for t, (claim, _) in claims.items():
             tiers = self.group.tiers[t]
             tiers.undo(claim, self._segments(tiers))
-        refusing, _, t = min((refusing, order, t) for order, t in enumerate((1, 0))
-                             if (refusing := claims[t][1]) is not None)
+        first = min((claims[t][1], order, t) for order, t in enumerate((1, 0))
+                    if claims[t][1] is not None)  # by table, then the host tier first
+        refusing, _, t = first
         raise self.group.tiers[t].refusal(claims[t][0], refusing)
 
     # -- backward ------------------------------------------------------------------------------
