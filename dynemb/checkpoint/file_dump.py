@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -53,7 +56,8 @@ class DumpInfo:
 
 def dump(module: torch.nn.Module, path: Union[str, os.PathLike], *,
          since: Union[DumpInfo, str, os.PathLike, None] = None,
-         chunk_rows: int = CHUNK_ROWS) -> DumpInfo:
+         chunk_rows: int = CHUNK_ROWS,
+         blocking: bool = True) -> Union[DumpInfo, "PendingDump"]:
     """Write every dynamic table of ``module`` (a :class:`~dynemb.DynamicEmbCollection`, a
     sharded one, or any module holding them) to the checkpoint directory ``path``.
 
@@ -90,11 +94,37 @@ def dump(module: torch.nn.Module, path: Union[str, os.PathLike], *,
         >>> delta = dump(ec, f"{root}/delta1", since=full)   # rows 3 and 4 changed
         >>> delta.kind, delta.rows, delta.previous == full.id
         ('delta', 2, True)
+
+    With ``blocking=False`` the call returns a :class:`PendingDump` once it has copied what
+    the files will hold (the entries of this dump, in host memory, chunk by chunk); a
+    background thread writes the files while training goes on. The files are the tables
+    as they were at the call: rows changed afterwards are not in them, and the next delta
+    records those changes. ``wait()`` returns the :class:`DumpInfo` (or raises what
+    the writing raised); a delta after it names that info::
+
+        >>> pending = dump(ec, f"{root}/full2", blocking=False)
+        >>> step([5])                                     # training goes on meanwhile
+        >>> info = pending.wait()
+        >>> info.rows                                     # the 4 rows held at the call
+        4
+        >>> dump(ec, f"{root}/delta2", since=info).rows   # row 5, trained after the call
+        1
     """
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be a bool, got {blocking!r}")
+    if blocking:
+        return _dump(module, path, since, chunk_rows, None)
+    return _dump(module, path, since, chunk_rows, [])
+
+
+def _dump(module, path, since, chunk_rows: int, deferred: Optional[List]):
+    """A blocking dump (``deferred`` None) or the snapshot of a non-blocking one: its files
+    are gathered into ``deferred`` and written by :data:`_BACKGROUND`."""
     start = time.perf_counter()
     check_int(chunk_rows, "chunk_rows")
     scan = module_tables(module)
     final = Path(path) / rank_dir_name(scan.rank, scan.world_size)
+    _check_not_in_flight(final, "a dump to")
     previous = None if since is None else _latest_dump(scan, since, final)
     dump_id = uuid.uuid4().hex
     remove_stale(final)
@@ -109,24 +139,147 @@ def dump(module: torch.nn.Module, path: Union[str, os.PathLike], *,
             # file name (255 bytes, with the tier, content and chunk after it)
             stem = f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', key)[:STEM_NAME_CHARS]}"
             tracker = table.changes if previous is not None else None
-            tables[key]["tiers"] = _TableWriter(writer, stem, table, chunk_rows).write(tracker)
-        writer.write_manifest({
+            tables[key]["tiers"] = _TableWriter(writer, stem, table, chunk_rows,
+                                                deferred).write(tracker)
+        manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION,
             "kind": "full" if previous is None else "delta", "id": dump_id,
             "previous": previous, "created": utc_now(), "rank": scan.rank,
-            "world_size": scan.world_size, "tables": tables})
-        commit(tmp, final)
+            "world_size": scan.world_size, "tables": tables}
+        if deferred is None:
+            writer.write_manifest(manifest)
+            commit(tmp, final)
     except BaseException:
         wait_for_writes()  # nothing may land in tmp after it is removed
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # the next delta follows this dump from here: what changes after the snapshot is its
     for collection in scan.collections.values():
         start_tracking(collection.tables, dump_id, collection.generation)
+    finish = functools.partial(_dump_info, str(path), dump_id, previous, scan, tables, writer,
+                               start)
+    if deferred is None:
+        return finish()
+    return PendingDump(str(path), final, dump_id, deferred, writer, manifest, tmp, finish,
+                       snapshot_seconds=time.perf_counter() - start)
+
+
+def _dump_info(path: str, dump_id: str, previous: Optional[str], scan: ModuleTables,
+               tables: Dict, writer: DirectoryWriter, start: float) -> DumpInfo:
     tiers = [t for table in tables.values() for t in table["tiers"].values()]
-    return DumpInfo(str(path), dump_id, "full" if previous is None else "delta", previous,
+    return DumpInfo(path, dump_id, "full" if previous is None else "delta", previous,
                     scan.rank, scan.world_size, rows=sum(t["rows"] for t in tiers),
                     deleted=sum(t["deleted"] for t in tiers), bytes=writer.bytes,
                     files=writer.files + 1, seconds=time.perf_counter() - start)
+
+
+# a non-blocking dump's files are written on this thread, one dump after the other
+_BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix="dynemb-dump-background")
+_LOCK = threading.Lock()
+#: rank directories a non-blocking dump is writing
+_IN_FLIGHT: Set[Path] = set()
+#: ids of non-blocking dumps whose writing failed: no delta may follow them
+_FAILED: Set[str] = set()
+
+
+def _check_not_in_flight(rank_dir: Path, what: str) -> None:
+    with _LOCK:
+        busy = rank_dir.resolve() in _IN_FLIGHT
+    if busy:
+        raise ValueError(f"{what} {rank_dir}: a non-blocking dump is still writing it; "
+                         f"wait() for it first")
+
+
+class PendingDump:
+    """A dump being written in the background (:func:`dump` with ``blocking=False``).
+
+    The snapshot was taken when :func:`dump` returned (``snapshot_seconds``: the stall it
+    cost; ``snapshot_bytes``: the host memory its copy holds until the files are written,
+    freed file by file). :meth:`wait` returns the :class:`DumpInfo` once the files are
+    committed, or raises what the writing raised (the checkpoint that was at the path then
+    stays as it was, and the next dump of the tables must be a full one). Call it once: a
+    second call raises ``RuntimeError``. Its ``seconds`` run from the call to the commit.
+
+    Example::
+
+        >>> import tempfile
+        >>> ec = DynamicEmbCollection([EmbeddingConfig(name="t", embedding_dim=4,
+        ...                                            num_embeddings=64, feature_names=["f"])])
+        >>> pending = dump(ec, tempfile.mkdtemp(), blocking=False)
+        >>> pending.wait().kind
+        'full'
+        >>> pending.done()
+        True
+        >>> pending.wait()
+        Traceback (most recent call last):
+        ...
+        RuntimeError: dump ... was already waited on: wait() gives its DumpInfo once ...
+    """
+
+    def __init__(self, path: str, rank_dir: Path, dump_id: str, files: List,
+                 writer: DirectoryWriter, manifest: Dict, tmp: Path, finish,
+                 snapshot_seconds: float):
+        self.path, self.id, self.snapshot_seconds = path, dump_id, snapshot_seconds
+        self.snapshot_bytes = sum(t.numel() * t.element_size()
+                                  for _, _, tensors, _ in files for t in tensors.values())
+        self._rank_dir = rank_dir.resolve()
+        self._waited = False
+        with _LOCK:
+            _IN_FLIGHT.add(self._rank_dir)
+        self._future = _BACKGROUND.submit(self._write, files, writer, manifest, tmp, finish)
+
+    def _write(self, files: List, writer: DirectoryWriter, manifest: Dict, tmp: Path,
+               finish) -> DumpInfo:
+        try:
+            while files:  # each file's copy is freed once written
+                record, name, tensors, content = files.pop(0)
+                record.update(writer.write(name, tensors, content))
+                del tensors
+            writer.write_manifest(manifest)
+            commit(tmp, self._rank_dir)
+            return finish()
+        except BaseException:
+            files.clear()
+            shutil.rmtree(tmp, ignore_errors=True)
+            with _LOCK:
+                _FAILED.add(self.id)
+            raise
+        finally:
+            with _LOCK:
+                _IN_FLIGHT.discard(self._rank_dir)
+
+    def done(self) -> bool:
+        """The files are written (or the writing failed): :meth:`wait` returns at once."""
+        return self._future.done()
+
+    def wait(self, timeout: Optional[float] = None) -> DumpInfo:
+        """Block until the files are committed; their :class:`DumpInfo`. Raises what the
+        writing raised, ``TimeoutError`` after ``timeout`` seconds (wait again later), and
+        ``RuntimeError`` if called after a wait that returned or raised."""
+        if self._waited:
+            raise RuntimeError(f"dump {self.id} to {self.path} was already waited on: wait() "
+                               f"gives its DumpInfo once (keep what the first call returned)")
+        try:
+            info = self._future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._waited = True
+            raise
+        self._waited = True
+        return info
+
+    def __del__(self):
+        # a failure nobody waited for would otherwise go unseen
+        future = getattr(self, "_future", None)
+        if (future is not None and not self._waited and future.done()
+                and future.exception() is not None):
+            warnings.warn(f"non-blocking dump {self.id} to {self.path} failed and was never "
+                          f"waited on: {future.exception()!r}", RuntimeWarning)
+
+    def __repr__(self) -> str:
+        state = "written" if self.done() else "writing"
+        return f"PendingDump({self.path!r}, id={self.id}, {state})"
 
 
 def describe(table, fqn: str, name: str, step: int) -> Dict:
@@ -151,10 +304,20 @@ def _latest_dump(scan: ModuleTables, since, final: Path) -> str:
         if tracker.generation != collection.generation:
             raise ValueError(f"table {key!r} was loaded from a checkpoint after dump "
                              f"{tracker.dump_id}: write a full dump (since=None)")
+    for key, tracker in trackers.items():
+        with _LOCK:
+            failed = tracker.dump_id in _FAILED
+        if failed:
+            raise ValueError(f"the latest dump of table {key!r} ({tracker.dump_id}, "
+                             f"non-blocking) failed to write its files: no delta can follow "
+                             f"it; write a full dump (since=None)")
+    if isinstance(since, PendingDump):
+        raise TypeError("since is a PendingDump: give the DumpInfo its wait() returns")
     if isinstance(since, DumpInfo):
         since_id, since_dir = since.id, Path(since.path) / final.name
     else:
         since_dir = Path(since) / final.name
+        _check_not_in_flight(since_dir, "since names")
         since_id = read_manifest(since_dir)["id"]
     if since_dir.resolve() == final.resolve():
         raise ValueError(f"a delta cannot be written over the dump it follows ({since_dir}): "
@@ -180,11 +343,14 @@ class _Stream:
     """Entries of one kind for one tier, written in files of exactly ``chunk_rows`` entries
     (the last one fewer). Entries are gathered straight into a chunk-sized staging buffer
     per field; a full buffer is written by the writer thread while the other of two fills:
-    the memory held is two chunks, and no freshly allocated memory is touched per file."""
+    the memory held is two chunks, and no freshly allocated memory is touched per file.
+    With ``deferred`` (a non-blocking dump's snapshot) every full buffer is kept there,
+    unwritten, and a new one fills: the snapshot holds every chunk."""
 
     def __init__(self, writer: DirectoryWriter, stem: str, content: str, chunk_rows: int,
-                 record: Dict, counter: str):
+                 record: Dict, counter: str, deferred: Optional[List] = None):
         self.writer, self.stem, self.content = writer, stem, content
+        self.deferred = deferred
         self.chunk_rows, self.record, self.counter = chunk_rows, record, counter
         self.buffers: List[Dict[str, torch.Tensor]] = [{}, {}]
         self.in_flight: List[Optional[Future]] = [None, None]
@@ -238,8 +404,9 @@ class _Stream:
     def close(self) -> None:
         if self.pending:
             self._flush()
-        for future, n in self.written:
-            self.record["files"].append(future.result())
+        for written, n in self.written:  # a deferred file's record is filled when written
+            self.record["files"].append(written if self.deferred is not None
+                                        else written.result())
             self.record[self.counter] += n
         self.written, self.buffers = [], [{}, {}]
 
@@ -248,6 +415,12 @@ class _Stream:
         name = f"{self.stem}.{self.content}.{self.count:05d}.safetensors"
         self.count += 1
         views = {k: v[:n] for k, v in self.buffers[self.current].items()}
+        if self.deferred is not None:  # a snapshot: the chunk is kept, the next one is new
+            record: Dict = {}
+            self.deferred.append((record, name, views, self.content))
+            self.written.append((record, n))
+            self.buffers[self.current] = {}
+            return
         future = _WRITER.submit(self.writer.write, name, views, self.content)
         self.in_flight[self.current] = future
         self.written.append((future, n))
@@ -260,8 +433,10 @@ class _TableWriter:
     """Writes the tiers of one table: whole (a full dump, the admission counter, a CACHE
     store that evicted rows since the last dump) or what changed (a delta)."""
 
-    def __init__(self, writer: DirectoryWriter, stem: str, table, chunk_rows: int):
+    def __init__(self, writer: DirectoryWriter, stem: str, table, chunk_rows: int,
+                 deferred: Optional[List] = None):
         self.writer, self.stem, self.table, self.chunk_rows = writer, stem, table, chunk_rows
+        self.deferred = deferred
 
     def write(self, tracker) -> Dict[str, Dict]:
         """The tiers' manifest records; ``tracker`` None: everything, else what it saw."""
@@ -292,7 +467,7 @@ class _TableWriter:
 
     def _stream(self, name: str, content: str, record: Dict, counter: str) -> _Stream:
         return _Stream(self.writer, f"{self.stem}.{name}", content, self.chunk_rows, record,
-                       counter)
+                       counter, self.deferred)
 
     def _slot_ranges(self, part: TierParts):
         """``(slots, keys, live)`` of successive slot ranges of ``chunk_rows``."""
