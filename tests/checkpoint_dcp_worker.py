@@ -213,6 +213,38 @@ def save_and_continue(rank, world_size, path, steps_before, steps_after):
             "stats": dmp.module.dyn.stats()}
 
 
+def async_save_and_continue(rank, world_size, path, steps_before, steps_after):
+    """The uninterrupted run of :func:`save_and_continue`, saved with ``dcp.async_save``
+    (``DynamicEmbAsyncStager``, a process group of its own for the background save): the
+    steps after it run while the checkpoint is written (its writer waits until they have)."""
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from dynemb.checkpoint import DynamicEmbAsyncStager
+    trained = threading.Event()
+
+    class HeldWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            assert trained.wait(120), "the steps after the save never ended"
+            return super().write_data(plan, planner)
+
+    dmp = shard(world_size)
+    opt = optimizer(dmp, world_size)
+    batches = global_batches(steps_before + steps_after)
+    before = train(dmp, opt, batches[:steps_before], rank, world_size)
+    saving = dcp.async_save({"model": dmp.state_dict(), "optim": opt.state_dict()},
+                            storage_writer=HeldWriter(path),
+                            async_stager=DynamicEmbAsyncStager(),
+                            process_group=dist.new_group(backend="gloo"))
+    after = train(dmp, opt, batches[steps_before:], rank, world_size, steps_before)
+    written_during_training = saving.done()
+    trained.set()
+    saving.result()
+    return {"before": before, "after": after, "rows": table_rows(dmp),
+            "stats": dmp.module.dyn.stats(), "written_during_training": written_during_training}
+
+
 def load_and_continue(rank, world_size, path, steps_before, steps_after, planner="dynemb"):
     """Build a fresh model on this world size, load the checkpoint, train further."""
     from dynemb.checkpoint import DynamicEmbLoadPlanner

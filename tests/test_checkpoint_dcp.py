@@ -25,15 +25,21 @@ def saved(tmp_path_factory):
     out = {}
     for world in (2, 3):
         path = str(root / f"world{world}")
-        (result,) = _spawn(world, [("save_and_continue", (path, STEPS_BEFORE, STEPS_AFTER))])
-        out[world] = (path, result)
+        jobs = [("save_and_continue", (path, STEPS_BEFORE, STEPS_AFTER))]
+        if world == 2:  # and with dcp.async_save, training while it writes
+            jobs.append(("async_save_and_continue", (path + "_async", STEPS_BEFORE,
+                                                     STEPS_AFTER)))
+        results = _spawn(world, jobs)
+        out[world] = (path, results[0])
+        if world == 2:
+            out["async"] = (path + "_async", results[1])
     return out
 
 
 @pytest.fixture(scope="module")
 def resumed(saved):
     """The checkpoints loaded on other world sizes (and the same one), then trained on."""
-    loads = {1: [2], 2: [3, 2], 3: [2]}  # new world -> saved worlds
+    loads = {1: [2, "async"], 2: [3, 2, "async"], 3: [2]}  # new world -> saved worlds
     out = {}
     for world, sources in loads.items():
         jobs = [("load_and_continue", (saved[s][0], STEPS_BEFORE, STEPS_AFTER))
@@ -164,3 +170,21 @@ def test_a_table_that_differs_is_refused_before_anything_loads(saved, change, me
         dcp.load(state, checkpoint_id=saved[2][0], planner=DynamicEmbLoadPlanner())
     for key, value in ec.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+@pytest.mark.parametrize("target", [2, 1])
+def test_async_save_while_training_resumes_as_the_uninterrupted_run(saved, resumed, target):
+    # dcp.async_save with DynamicEmbAsyncStager: the steps run while it wrote are not in it
+    path, async_run = saved["async"]
+    for rank_result in async_run:
+        assert "error" not in rank_result, rank_result
+        assert rank_result["written_during_training"] is False
+    np.testing.assert_allclose(async_run[0]["after"], saved[2][1][0]["after"], rtol=RTOL,
+                               atol=ATOL)
+    _check_continuation(saved[2][1], resumed[("async", target)])
+    # what was loaded is what the synchronous save of the same step holds
+    same = resumed[(2, target)][0]["loaded_rows"]
+    for name, (rows, count) in same.items():
+        got_rows, got_count = resumed[("async", target)][0]["loaded_rows"][name]
+        np.testing.assert_array_equal(got_count, count)
+        np.testing.assert_array_equal(got_rows, rows)

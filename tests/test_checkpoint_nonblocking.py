@@ -173,3 +173,29 @@ def test_the_snapshot_memory_is_the_dumped_entries(tmp_path):
     assert info.rows == sum(rows.values())
     assert pending.snapshot_bytes == sum(rows[n] * (3 * 8 + width[n] * 4) for n in rows)
     assert file_dump._IN_FLIGHT == set()
+
+
+@pytest.mark.parametrize("stager", ["torch_default", "dynemb"])
+def test_dcp_async_save_of_an_unsharded_module_holds_the_step_it_was_called_at(
+        tmp_path, stager):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from dynemb.checkpoint import DynamicEmbAsyncStager
+    ec = make("cache", "adam", evicting=True)
+    train(ec, KJTS[:8])
+    expected = module_state(ec)
+    kwargs = {"async_stager": DynamicEmbAsyncStager()} if stager == "dynemb" else {}
+    with warnings.catch_warnings():  # torch: "assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        saving = dcp.async_save({"model": ec.state_dict()}, checkpoint_id=tmp_path, **kwargs)
+        train(ec, KJTS[8:16])
+        saving.result()
+        fresh = make("cache", "adam", evicting=True)
+        state = {"model": fresh.state_dict()}
+        dcp.load(state, checkpoint_id=tmp_path)  # DCP's default planner: byte items kept
+    fresh.load_state_dict(state["model"])
+    assert_same_state(module_state(fresh), expected)
+    with pytest.raises(AssertionError):
+        assert_same_state(module_state(ec), expected)

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 class SavedAsBytes(torch.Tensor):
     """A plain tensor but for how DCP saves it (see the module docstring). A copy of it
     (``clone``, ``detach``, ``to``, ``cpu``, ``contiguous``, as a user copying a state dict
-    makes) is one too; anything else computed from it is a plain tensor."""
+    makes, and ``new_empty``, the tensor torch's default ``async_save`` stager fills with
+    its copy) is one too; anything else computed from it is a plain tensor."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -80,4 +81,4 @@ def _plain(value):
 #: What makes a copy of the same entries (which stays a :class:`SavedAsBytes`).
 _COPIES = frozenset({torch.Tensor.clone, torch.clone, torch.Tensor.detach, torch.Tensor.to,
                      torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.contiguous,
-                     torch.Tensor.pin_memory})
+                     torch.Tensor.pin_memory, torch.Tensor.new_empty})
