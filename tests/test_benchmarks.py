@@ -273,3 +273,24 @@ def test_dedup_form_benchmark_quick(tmp_path):
             report["config"]["steps"]
         assert row["padded_over_exact"] == pytest.approx(row["padded_ms"] / row["exact_ms"])
     assert (tmp_path / "dedup_form_cpu_quick.png").stat().st_size > 0
+
+
+def test_dump_stall_benchmark_quick(tmp_path):
+    """Blocking and non-blocking dumps called inside one training loop: every field, the
+    non-blocking dump's rows are the rows at its call (no timing is asserted)."""
+    from benchmarks import bench_dump_stall
+    report = bench_dump_stall.main(["--quick", "--rows", "20000", "--repeats", "2",
+                                    "--work-dir", str(tmp_path), "--out-dir", str(tmp_path)])
+    result = report["result"]
+    assert result["rows"] >= 0.99 * 20_000
+    for repeat in result["repeats"]:
+        blocking, background = repeat["blocking"], repeat["non_blocking"]
+        assert blocking["rows"] >= result["rows"] and background["rows"] >= result["rows"]
+        assert background["snapshot_bytes"] >= background["rows"] * result["row_bytes"]
+        assert background["written_s"] >= background["call_s"] > 0
+        assert repeat["ratio"] == pytest.approx(blocking["stall_s"] / background["stall_s"])
+    assert math.isfinite(result["median"]["ratio"]) and result["median"]["ratio"] > 0
+    saved = json.loads((tmp_path / "dump_stall_cpu_quick.json").read_text())
+    assert saved["result"]["median"] == json.loads(json.dumps(result["median"]))
+    assert (tmp_path / "dump_stall_cpu_quick.png").stat().st_size > 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench_dump_stall_")]
