@@ -437,13 +437,19 @@ def print_summary(m: Dict[str, object]) -> None:
 
 
 def plot(m: Dict[str, object], path: Path) -> Path:
-    """Loss per step (and its running mean) next to held-out HR@10 and the baselines."""
+    """Loss per step (and its running mean) next to held-out HR@10 and the baselines; with
+    ``m["table_metrics"]`` (intervals of :class:`dynemb.metrics.DynamicTableMetrics`), each
+    table's hit rate and load factor over the steps."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax_loss, ax_hr) = plt.subplots(1, 2, figsize=(11, 4))
+    intervals = m.get("table_metrics") or []
+    fig, axes = plt.subplots(1, 3 if intervals else 2, figsize=(16.5 if intervals else 11, 4))
+    ax_loss, ax_hr = axes[:2]
+    if intervals:
+        _plot_table_metrics(axes[2], intervals)
     losses = np.asarray(m["losses"])
     steps = np.arange(1, len(losses) + 1)
     window = max(1, len(losses) // 50)
@@ -463,6 +469,24 @@ def plot(m: Dict[str, object], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_table_metrics(ax, intervals: List[Dict[str, float]]) -> None:
+    """Each table's hit rate (solid) and load factor (dashed) per interval."""
+    steps = [i["step"] for i in intervals]
+    tables = sorted({k.rsplit("/", 1)[0] for k in intervals[0] if k.endswith("/hit_rate")})
+    for color, table in zip(plt_colors(), tables):
+        ax.plot(steps, [i[f"{table}/hit_rate"] for i in intervals], color=color,
+                label=f"{table} hit rate")
+        ax.plot(steps, [i[f"{table}/load_factor"] for i in intervals], color=color,
+                linestyle="--", label=f"{table} load factor")
+    ax.set(xlabel="step", ylim=(0, 1.05),
+           title="tables per interval (summed over ranks)")
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def plt_colors() -> List[str]:
+    return ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:

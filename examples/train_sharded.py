@@ -33,8 +33,16 @@ environment torchrun sets)::
 
     torchrun --nproc_per_node 8 examples/train_sharded.py
 
-Writes ``<out-dir>/train_sharded.png`` (loss and HR@10 curves), ``train_sharded.json``
-(the metrics, the table counters summed over ranks and per rank) and ``<out-dir>/checkpoint``
+Every ``--metrics-every`` steps the tables' metrics over the interval
+(:class:`dynemb.metrics.DynamicTableMetrics`, summed over the ranks: hit rate, load factor,
+inserts, evictions, write-backs, loads, admission rejects) are logged to the JSON and, with
+``--tensorboard DIR``, written as TensorBoard scalars (``pip install 'dynemb[metrics]'``)::
+
+    python examples/train_sharded.py --tensorboard runs/sharded   # then: tensorboard --logdir runs
+
+Writes ``<out-dir>/train_sharded.png`` (loss and HR@10 curves, the tables' hit rate and load
+factor over the steps), ``train_sharded.json`` (the metrics, the table counters summed over
+ranks and per rank, the tables' metrics per interval) and ``<out-dir>/checkpoint``
 (``torch.distributed.checkpoint`` of the whole model and optimizer: ``--resume`` continues
 from it, on any number of ranks); ``main()`` returns the metrics on rank 0.
 """
@@ -51,6 +59,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -69,6 +78,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rank_setup import jsonable, prepare_rank  # noqa: E402
 from spawn import (add_device_argument, add_timeout_argument, rank_device,  # noqa: E402
                    require_positive, run_in_process_group, run_on_ranks)
+from dynemb.metrics import DynamicTableMetrics, TensorBoardWriter  # noqa: E402
+from dynemb.metrics.tensorboard import summary_writer  # noqa: E402
 from train_next_item import (DENSE_LR, OUT_DIR, TOP_K, Config, CountSketch,  # noqa: E402
                              NextItemModel, SessionWorld, build_collection, evaluation_steps,
                              in_batch_loss, plot, print_summary, run_metrics, to_kjt)
@@ -328,9 +339,43 @@ def load_checkpoint(dmp, optimizer, path: Path, tables_on_disk: bool = False) ->
 
 
 # -- training ----------------------------------------------------------------------------------
+class TableLog:
+    """The tables' metrics per interval (every rank updates and computes them together:
+    the values are summed over the ranks), kept for the JSON and the plot and, on rank 0,
+    written to TensorBoard."""
+
+    def __init__(self, dmp, rank: int, tensorboard: Optional[Path]):
+        self.metrics = DynamicTableMetrics(dmp)
+        self.dmp, self.series = dmp, []
+        self.board = (TensorBoardWriter(writer=summary_writer(tensorboard))
+                      if tensorboard is not None and rank == 0 else None)
+        self.logged_at = None
+
+    def log(self, step: int) -> Dict[str, float]:
+        """The interval since the last log (or :meth:`skip`), ending at ``step``."""
+        self.metrics.update(self.dmp)
+        values = {k: float(v) for k, v in self.metrics.compute().items()}
+        self.metrics.reset()
+        self.series.append({"step": step, **values})
+        if self.board is not None:
+            self.board.write(values, step)
+        self.logged_at = step
+        return values
+
+    def skip(self) -> None:
+        """Leave out what the tables counted since the last log (the evaluation's lookups)."""
+        self.metrics.update(self.dmp)
+        self.metrics.reset()
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+
+
 def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: int,
           out_dir: Path, pipeline_kind: str, resume: Optional[Path] = None,
-          disk: Optional[Path] = None, host_cache_mb: int = 0) -> Optional[Dict[str, Any]]:
+          disk: Optional[Path] = None, host_cache_mb: int = 0, metrics_every: int = 0,
+          tensorboard: Optional[Path] = None) -> Optional[Dict[str, Any]]:
     from tqdm import tqdm
     entered = time.perf_counter()    # a fresh machine's first step includes compiling kernels
     to_first_step = float("nan")
@@ -366,6 +411,8 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
 
     losses: List[float] = []
     curve = [(0, sharded_hit_rate(dmp, held_out, catalog, device))]
+    table_log = TableLog(dmp, rank, tensorboard)  # from here: training intervals only
+    metrics_every = metrics_every or max(1, cfg.eval_every // 5)
     cache_rates: List[float] = []
     eval_inserts = 0
     window_start = summed_stats(dmp)["total"]["items"]
@@ -386,22 +433,31 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
             losses.append(float(loss))
             if len(losses) == 1:
                 to_first_step = time.perf_counter() - entered
+            if len(losses) % metrics_every == 0:
+                table_log.log(first_step + len(losses))
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.3f}", hr10=f"{curve[-1][1]:.3f}")
         done = stop
         pipeline.detach()
+        if table_log.logged_at != first_step + done:
+            table_log.log(first_step + done)
+        interval = table_log.series[-1]
         now = summed_stats(dmp)["total"]["items"]
         hits = now["hits"] - window_start["hits"]
         cache_rates.append(hits / max(1, hits + now["misses"] - window_start["misses"]))
         curve.append((stop, sharded_hit_rate(dmp, held_out, catalog, device)))
         window_start = summed_stats(dmp)["total"]["items"]
         eval_inserts += window_start["inserts"] - now["inserts"]   # eval mode stores nothing
+        table_log.skip()     # the evaluation's lookups are no training interval's
         pipeline.attach()    # the next window's first progress() rewrites the model again
         if rank == 0:
             tqdm.write(f"step {stop:5d}  loss {np.mean(losses[-(stop - (curve[-2][0])):]):.3f}  "
                        f"HR@{TOP_K} {curve[-1][1]:.3f}  items cache hit rate "
-                       f"{cache_rates[-1]:.3f}")
+                       f"{cache_rates[-1]:.3f} (its last metrics interval "
+                       f"{interval['ec/items/hit_rate']:.3f}, load factor "
+                       f"{interval['ec/items/load_factor']:.2f})")
     bar.close()
+    table_log.close()
     seconds = time.perf_counter() - start
 
     # the loss curve averaged over ranks; popularity from every rank's stream
@@ -431,6 +487,9 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
         "seconds_to_first_step": to_first_step,
         "first_lr": first_lr,
         "checkpoint": checkpoint,
+        "metrics_every": metrics_every,
+        "table_metrics": table_log.series,
+        "tensorboard": None if tensorboard is None else str(tensorboard),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics["plot"] = str(plot(metrics, out_dir / "train_sharded.png"))
@@ -440,9 +499,27 @@ def train(rank: int, world_size: int, cfg: Config, device: torch.device, seed: i
           f"loss averaged over ranks, table counters summed over ranks; first step done "
           f"{to_first_step:.1f} s after the rank started training")
     print_summary(metrics)
+    print_last_interval(metrics)
     print(f"checkpoint of step {checkpoint['step']}: {checkpoint['path']} "
           f"({checkpoint['mb']:.1f} MB, {checkpoint['seconds']:.2f} s); continue with --resume")
     return metrics
+
+
+def print_last_interval(metrics: Dict[str, Any]) -> None:
+    """The tables' metrics over the last interval, summed over the ranks."""
+    series = metrics["table_metrics"]
+    last = series[-1]
+    since = series[-2]["step"] if len(series) > 1 else metrics["first_step"]
+    tables = sorted({k.rsplit("/", 1)[0] for k in last if k.endswith("/hit_rate")})
+    print(f"tables over steps {since}-{last['step']} (dynemb.metrics, summed over ranks; "
+          f"every {metrics['metrics_every']} steps in the JSON and the plot"
+          + (f", TensorBoard: {metrics['tensorboard']}" if metrics["tensorboard"] else "")
+          + "):")
+    for t in tables:
+        print(f"  {t}: hit rate {last[f'{t}/hit_rate']:.3f}, load factor "
+              f"{last[f'{t}/load_factor']:.2f}, inserts {last[f'{t}/inserts']:.0f}, evictions "
+              f"{last[f'{t}/evictions']:.0f}, admission rejects "
+              f"{last[f'{t}/admission_rejects']:.0f}")
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -454,7 +531,7 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace,
     resume = (args.out_dir / "checkpoint") if args.resume else None
     disk = None if args.disk is None else args.disk / f"rank{rank}"
     metrics = train(rank, world_size, cfg, device, args.seed, args.out_dir, args.pipeline,
-                    resume, disk, args.host_cache_mb)
+                    resume, disk, args.host_cache_mb, args.metrics_every, args.tensorboard)
     # a spawned rank ends with os._exit, which runs no finalizer: free the model (and with
     # it the directories of its stores on disk) now
     gc.collect()
@@ -487,8 +564,20 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--host-cache-mb", type=int, default=0,
                         help="with --disk: a host-memory level of this many MiB per rank in "
                              "front of the disk (default 0: none)")
+    parser.add_argument("--metrics-every", type=int,
+                        help="steps per interval of the tables' metrics (default: a fifth of "
+                             "the evaluation interval, 50; quick 8)")
+    parser.add_argument("--tensorboard", type=Path, metavar="DIR",
+                        help="write the tables' metrics per interval as TensorBoard scalars "
+                             "here (needs pip install 'dynemb[metrics]')")
     args = parser.parse_args(argv)
-    require_positive(parser, args, "steps", "nproc")
+    require_positive(parser, args, "steps", "nproc", "metrics_every")
+    if args.tensorboard is not None:
+        try:
+            importlib.import_module("torch.utils.tensorboard")  # fails without tensorboard
+        except ImportError:
+            parser.error("--tensorboard needs the tensorboard package: pip install "
+                         "'dynemb[metrics]'")
     if args.host_cache_mb < 0 or (args.host_cache_mb and args.disk is None):
         parser.error("--host-cache-mb is a size in MiB >= 0, and goes with --disk")
     return args

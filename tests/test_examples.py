@@ -113,6 +113,20 @@ def test_train_sharded_quick_learns(tmp_path):
     for rank in m["stats_per_rank"]:   # both ranks own a share of each table
         assert rank["items"]["rows_device"] > 0 and rank["users"]["rows_device"] > 0
     assert m["checkpoint"]["step"] == m["steps"]
+    # the tables' metrics per interval, summed over ranks: training intervals only, which
+    # add up to the counters' totals (evaluation inserts, evicts and writes back nothing)
+    series = m["table_metrics"]
+    assert [i["step"] for i in series] == sorted({*range(m["metrics_every"], m["steps"] + 1,
+                                                         m["metrics_every"]),
+                                                  *(s for s, _ in m["hr10_curve"][1:])})
+    for table in ("items", "users"):
+        for name in ("inserts", "evictions", "write_backs", "admission_rejects"):
+            assert sum(i[f"ec/{table}/{name}"] for i in series) == m["stats"][table][name]
+        assert all(0 <= i[f"ec/{table}/hit_rate"] <= 1 for i in series)
+        assert series[-1][f"ec/{table}/load_factor"] == pytest.approx(
+            m["stats"][table]["rows_device"] / m["stats"][table]["device_capacity"])
+    assert series[-1]["ec/items/hit_rate"] > series[0]["ec/items/hit_rate"]
+    assert "tables over steps" in proc.stdout
 
     # --resume on one rank: every row comes back (on its new owner), training goes on
     proc = run_example("train_sharded.py", "--quick", "--out-dir", "out", "--resume",
@@ -206,3 +220,14 @@ def test_train_sharded_with_its_items_on_disk_learns_the_same_and_resumes(tmp_pa
     # every rank's stores went with its tables
     assert [list(d.iterdir()) for d in (tmp_path / "stores").iterdir()] == [[], []]
 
+
+
+def test_train_sharded_tensorboard_names_the_extra_when_tensorboard_is_missing(monkeypatch,
+                                                                               capsys, tmp_path):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
+    from examples import train_sharded
+    with pytest.raises(SystemExit):
+        train_sharded.parse_args(["--tensorboard", str(tmp_path)])
+    assert "--tensorboard needs the tensorboard package: pip install 'dynemb[metrics]'" in \
+        capsys.readouterr().err
