@@ -199,3 +199,39 @@ def test_dcp_async_save_of_an_unsharded_module_holds_the_step_it_was_called_at(
     assert_same_state(module_state(fresh), expected)
     with pytest.raises(AssertionError):
         assert_same_state(module_state(ec), expected)
+
+
+def test_a_dump_still_being_written_at_exit_is_finished(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f"""
+        import time
+        import torch
+        from torchrec import EmbeddingConfig
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+        from dynemb import DynamicEmbCollection, OptimizerConfig
+        from dynemb.checkpoint import dump
+        from dynemb.checkpoint.files import DirectoryWriter
+        write = DirectoryWriter.write
+        def slow(self, *args):  # the interpreter starts exiting before any file is written
+            time.sleep(1)
+            return write(self, *args)
+        DirectoryWriter.write = slow
+        ec = DynamicEmbCollection([EmbeddingConfig(name="t", embedding_dim=4,
+                                                   num_embeddings=64, feature_names=["f"])],
+                                  optimizer=OptimizerConfig())
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2, 3]),
+                                                  torch.tensor([3]))
+        ec(kjt)["f"].values().sum().backward()
+        dump(ec, {str(tmp_path / "ckpt")!r}, chunk_rows=2, blocking=False)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    from torchrec import EmbeddingConfig
+
+    from dynemb import DynamicEmbCollection, OptimizerConfig
+    fresh = DynamicEmbCollection([EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=64,
+                                                  feature_names=["f"])],
+                                 optimizer=OptimizerConfig())
+    assert load(fresh, tmp_path / "ckpt").rows == 3
+    assert fresh.read_rows("t", torch.tensor([1, 2, 3]))[1].all()

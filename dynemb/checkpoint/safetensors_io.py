@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -44,6 +44,17 @@ class SafetensorsError(ValueError):
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _hash_beside(digest, data) -> Optional[Future]:
+    """``digest.update(data)`` on the hashing thread (None: done here, at once, when the
+    interpreter is exiting and takes no new thread work: a non-blocking dump still being
+    written then is finished, not dropped)."""
+    try:
+        return _HASHER.submit(digest.update, data)
+    except RuntimeError:
+        digest.update(data)
+        return None
 
 
 def write_file(path: Path, tensors: Dict[str, torch.Tensor],
@@ -80,9 +91,10 @@ def write_file(path: Path, tensors: Dict[str, torch.Tensor],
             digest.update(piece)
         for tensor in tensors.values():
             data = _bytes_of(tensor)
-            hashed = _HASHER.submit(digest.update, data)
+            hashed = _hash_beside(digest, data)
             f.write(data)
-            hashed.result()
+            if hashed is not None:
+                hashed.result()
         f.flush()
         if sync:
             os.fsync(f.fileno())
