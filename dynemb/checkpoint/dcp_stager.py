@@ -37,7 +37,8 @@ class DynamicEmbAsyncStager(BlockingAsyncStager):
         >>> import torch.distributed.checkpoint as dcp
         >>> from dynemb.checkpoint import DynamicEmbAsyncStager
         >>> ec = DynamicEmbCollection([EmbeddingConfig(name="t", embedding_dim=4,
-        ...                                            num_embeddings=64, feature_names=["f"])])
+        ...                                            num_embeddings=64, feature_names=["f"])],
+        ...                           optimizer=OptimizerConfig())
         >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2]),
         ...                                           torch.tensor([2]))
         >>> ec(kjt)["f"].values().sum().backward()
@@ -47,7 +48,8 @@ class DynamicEmbAsyncStager(BlockingAsyncStager):
         >>> ec(kjt)["f"].values().sum().backward()       # training goes on
         >>> _ = saving.result()                          # the checkpoint is written
         >>> fresh = DynamicEmbCollection([EmbeddingConfig(
-        ...     name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])])
+        ...     name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])],
+        ...     optimizer=OptimizerConfig())
         >>> state = {"model": fresh.state_dict()}
         >>> dcp.load(state, checkpoint_id=path)
         >>> fresh.load_state_dict(state["model"])

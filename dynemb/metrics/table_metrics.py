@@ -70,7 +70,8 @@ class DynamicTableMetrics(Metric):
 
         >>> from dynemb.metrics import DynamicTableMetrics
         >>> ec = DynamicEmbCollection([EmbeddingConfig(name="t", embedding_dim=4,
-        ...                                            num_embeddings=64, feature_names=["f"])])
+        ...                                            num_embeddings=64, feature_names=["f"])],
+        ...                           optimizer=OptimizerConfig())
         >>> def step(ids):
         ...     kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(ids),
         ...                                               torch.tensor([len(ids)]))
