@@ -522,3 +522,13 @@ def test_saving_or_copying_a_disk_backed_module_whole_refuses_and_names_dump():
     for attempt in (lambda: torch.save(on_disk, io.BytesIO()), lambda: copy.deepcopy(on_disk)):
         with pytest.raises(TypeError, match="dynemb.checkpoint.dump"):
             attempt()
+
+
+def test_a_non_blocking_dump_of_a_table_on_disk_is_refused(tmp_path):
+    m = module(disk_store(tempfile.mkdtemp()))
+    step(m, batch(torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match=r"table 't0' keeps its rows on disk .* dump it with "
+                                         r"blocking=True"):
+        dump(m, tmp_path / "ckpt", blocking=False)
+    assert not (tmp_path / "ckpt").exists()
+    assert dump(m, tmp_path / "ckpt").rows > 0

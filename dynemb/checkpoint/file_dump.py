@@ -123,6 +123,8 @@ def _dump(module, path, since, chunk_rows: int, deferred: Optional[List]):
     start = time.perf_counter()
     check_int(chunk_rows, "chunk_rows")
     scan = module_tables(module)
+    if deferred is not None:
+        _check_fits_in_memory(scan)
     final = Path(path) / rank_dir_name(scan.rank, scan.world_size)
     _check_not_in_flight(final, "a dump to")
     previous = None if since is None else _latest_dump(scan, since, final)
@@ -162,6 +164,18 @@ def _dump(module, path, since, chunk_rows: int, deferred: Optional[List]):
         return finish()
     return PendingDump(str(path), final, dump_id, deferred, writer, manifest, tmp, finish,
                        snapshot_seconds=time.perf_counter() - start)
+
+
+def _check_fits_in_memory(scan: ModuleTables) -> None:
+    """A non-blocking dump holds what it writes in host memory: refused for a table whose
+    rows are on disk (a table larger than memory), before anything is copied."""
+    for key, _, collection, name in scan.tables():
+        for tier, part in collection.tables[name].checkpoint_tiers().items():
+            if getattr(part.store, "on_disk", False):
+                raise ValueError(
+                    f"table {key!r} keeps its rows on disk ({part.store!r}): a non-blocking "
+                    f"dump copies what it writes into host memory first; dump it with "
+                    f"blocking=True, which streams the table chunk by chunk")
 
 
 def _dump_info(path: str, dump_id: str, previous: Optional[str], scan: ModuleTables,
