@@ -15,7 +15,6 @@ import torch
 from dynemb.backends.numba_backends import backend_for_device
 from dynemb.rows.flat_table import FlatTable
 from dynemb.rows.hash_table import ScoredHashTable
-from dynemb.rows.row_moves import copy_rows
 from dynemb.types import MAX_BUCKET_SIZE, ScorePolicy
 from dynemb.foundations.validation import canonical_device, check_index_tensor
 
@@ -138,25 +137,6 @@ class HostBackingStore:
         self._table.release(result.slots)
         placed = result.slots >= 0
         weights.index_copy_(0, result.slots[placed], rows[placed].to(weights.dtype))
-
-    def load_into(self, keys: torch.Tensor, dst: torch.Tensor,
-                  dst_slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``find`` that copies the rows of the stored keys straight to ``dst[dst_slots]``
-        (a CPU table of this store's width and dtype) instead of returning them; the other
-        rows of ``dst`` are left alone. Returns ``(found, scores)``."""
-        slots = self._table.find(keys)
-        copy_rows(self._rows.weights, slots, dst, dst_slots, kernels=self._rows.kernels)
-        return slots >= 0, self._table.scores_at(slots)
-
-    def insert_from(self, keys: torch.Tensor, src: torch.Tensor, src_slots: torch.Tensor,
-                    scores: torch.Tensor) -> int:
-        """``insert`` of the rows ``src[src_slots]`` (a CPU table of this store's width and
-        dtype), copied straight from there."""
-        result = self._table.find_or_insert(keys, scores, assume_unique=True)
-        if result.remap is not None:
-            self._rows.remap(result.remap, self._table.capacity)
-        copy_rows(src, src_slots, self._rows.weights, result.slots, kernels=self._rows.kernels)
-        return int(result.evicted.sum())
 
     def export(self, start: int, batch: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[int]]:
         chunk = self._table.export(start, batch)
