@@ -38,7 +38,9 @@ class BackingStore(Protocol):
 
     Optional: ``flush()``, called at the end of a table's ``flush`` (after every cached row
     was inserted): a store with levels of its own writes them through, or makes its copy
-    durable (the disk stores do both).
+    durable (the disk stores do both); ``erase(keys) -> int``, forget ``keys`` (those not
+    stored are skipped), returning how many were stored: a table's rows expire from a store
+    that has it (:mod:`dynemb.tables.expiry`).
 
     Keys and rows come on the table's device; ``find`` may answer on another (a store that
     keeps its rows on the host answers there) and the table moves the answer to its device.
@@ -146,6 +148,10 @@ class HostBackingStore:
 
     def size(self) -> int:
         return self._table.size()
+
+    def erase(self, keys: torch.Tensor) -> int:
+        """Forget ``keys``; returns how many were stored."""
+        return int(self._table.erase(self._to_host(keys)).erased.sum())
 
     def nbytes(self) -> Tuple[int, int]:
         """``(row bytes, hash-table bytes)`` held now (optional for other stores: the table's
