@@ -47,7 +47,7 @@ class AgeModel:
 def module(mode="hbm_direct", backend="cpu", policy=ScorePolicy.LRU, tables=("t",), **extra):
     configs = [EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=4 * VOCAB,
                                feature_names=[f"f_{n}"]) for n in tables]
-    options = DynamicEmbTableOptions(score_strategy=policy, **MODES[mode], **extra)
+    options = DynamicEmbTableOptions(score_strategy=policy, **{**MODES[mode], **extra})
     return DynamicEmbCollection(configs, table_options=options, optimizer=SGD,
                                 backend=backend, device=torch.device("cpu"))
 
@@ -201,3 +201,20 @@ def test_checkpoints_after_an_expiry_hold_the_expired_keys_erased(mode, tmp_path
     keys = torch.tensor(sorted(model.seen))
     assert torch.equal(from_files.read_rows("t", keys, with_state=True)[0],
                        ec.read_rows("t", keys, with_state=True)[0])
+
+
+@pytest.mark.parametrize("host_level", [False, True])
+def test_rows_expire_from_a_disk_store_and_its_host_level(host_level, tmp_path):
+    from dynemb.stores.disk_levels import disk_store
+    factory = disk_store(tmp_path, host_cache_bytes=4608 if host_level else 0)  # 128 rows
+    ec = module("cache", backing_store=factory, local_hbm_for_values=32 * DIM * 4)
+    model, store = AgeModel(ScorePolicy.LRU), ec.tables["t"].store
+    for i, ids in enumerate(batches(seed=21, n=10)):
+        step(ec, ids)
+        model.train(ids)
+        if i in (5, 9):
+            assert store.size() > 0  # rows the cache evicted are on disk
+            assert ec.expire(older_than=3) == {"t": model.expire(lambda key, age: age >= 3)}
+        assert stored(ec) == set(model.seen)
+    assert store.size() == int(store.find(torch.arange(VOCAB))[1].sum())  # kept counting
+    assert ec.stats()["t"]["expired"] > 0
