@@ -218,3 +218,31 @@ def test_rows_expire_from_a_disk_store_and_its_host_level(host_level, tmp_path):
         assert stored(ec) == set(model.seen)
     assert store.size() == int(store.find(torch.arange(VOCAB))[1].sum())  # kept counting
     assert ec.stats()["t"]["expired"] > 0
+
+
+def test_a_sharded_module_expires_each_ranks_share_with_no_collective():
+    """2 gloo ranks against the model of ages over the global batches, keys placed by the
+    pure-Python owner hash; rank 0 expires once more, alone."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from examples.spawn import run_on_ranks
+    from expiry_sharded_worker import run
+    from key_reference import owner
+    from tests import sharded_twin as twin
+    ranks = run_on_ranks(2, run, timeout=300)
+    scenario = twin.Scenario(steps=6, torchrec_twin=False, lonely_step=None)
+    models = {name: AgeModel(ScorePolicy.LRU) for name in ("t0", "t1")}
+    for per_rank in twin.make_batches(scenario, 2):
+        for name, model in models.items():
+            model.train([int(k) for part in per_rank for f in twin.FEATURES
+                         if twin.TABLE_OF[f] == name for k in part[f][1]])
+    for model in models.values():
+        model.expire(lambda key, age: age >= 3)
+    for rank, got in enumerate(ranks):
+        owned = {name: {k for k in model.seen if owner(k, 2, "hash") == rank}
+                 for name, model in models.items()}
+        if rank == 0:
+            owned["t1"] = {k for k in owned["t1"] if k % 2}
+        assert {n: set(keys) for n, keys in got["held"].items()} == owned
+        assert got["erased"][0]["t0"] > 0
