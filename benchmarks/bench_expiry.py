@@ -97,14 +97,14 @@ def plot(report: dict, path: Path) -> None:
     rows = report["rows"]
     fig, ax = pyplot().subplots(figsize=(6, 3.8))
     x = [r["rows"] / 1e6 for r in rows]
-    ax.plot(x, [r["sweep_nothing_ms_per_million_rows"] for r in rows], "o-",
-            label="sweep erasing nothing")
-    ax.plot(x, [r["sweep_half_ms_per_million_rows"] for r in rows], "o-",
-            label="sweep erasing half")
-    ax.plot(x, [r["train_step_ms"] * 1e6 / r["rows"] for r in rows], "o--",
-            label=f"one training step ({report['config']['ids']} ids), per million rows")
+    for key, label in (("sweep_nothing_ms", "sweep erasing nothing"),
+                       ("sweep_half_ms", "sweep erasing half the rows"),
+                       ("train_step_ms", f"one training step of {report['config']['ids']} ids")):
+        ax.plot(x, [r[key] for r in rows], "o-", label=label)
+    per_m = ", ".join(f"{r['sweep_nothing_ms_per_million_rows']:.0f}" for r in rows)
+    ax.set_title(f"a sweep: {per_m} ms per million rows", fontsize=9)
     ax.set_xlabel("rows in the table (millions)")
-    ax.set_ylabel("ms per million rows")
+    ax.set_ylabel("ms")
     ax.legend(fontsize=7)
     save_figure(fig, path)
 
