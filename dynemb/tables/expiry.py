@@ -85,18 +85,20 @@ class ExpiryPlan:
         self.store_keys: Optional[torch.Tensor] = None
 
     def apply(self) -> int:
+        """Erase the planned rows: the store's first, so that a store that fails (a full
+        disk) leaves the cache as it was and no stale copy outlives its cached row."""
         table, erased = self.table, 0
+        if self.store_keys is not None:
+            stale = [keys.to(self.store_keys.device) for _, _, keys in self.tiers]
+            table.store.erase(torch.cat([self.store_keys, *stale]))  # one write
+            erased += self.store_keys.numel()  # (stored when planned; the stale copies: not)
+            if table.changes is not None:
+                table.changes.store_erased = True
         for tier, slots, keys in self.tiers:
             gone = tier.hash.erase(keys).erased
             if table.changes is not None:  # a slot erased is a key that left the tier
                 table.changes.erased(tier, slots[gone], keys[gone])
             erased += int(gone.sum())
-        if self.store_keys is not None:
-            erased += int(table.store.erase(self.store_keys))
-            for _, _, keys in self.tiers:  # the stale copies of keys erased from the cache
-                table.store.erase(keys)
-            if table.changes is not None:
-                table.changes.store_erased = True
         table.expired += erased
         return erased
 
