@@ -294,3 +294,12 @@ def test_dump_stall_benchmark_quick(tmp_path):
     assert saved["result"]["median"] == json.loads(json.dumps(result["median"]))
     assert (tmp_path / "dump_stall_cpu_quick.png").stat().st_size > 0
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench_dump_stall_")]
+
+
+def test_bench_expiry_quick_run_erases_what_the_ages_say(tmp_path):
+    from benchmarks import bench_expiry
+    report = bench_expiry.main(["--quick", "--out-dir", str(tmp_path)])
+    (row,) = report["rows"]
+    assert row["rows"] == 20_000 and 0 < row["erased_half"] < 20_000
+    assert row["sweep_nothing_ms"] > 0 and row["train_step_ms"] > 0
+    assert (tmp_path / "expiry_cpu_quick.png").exists()
