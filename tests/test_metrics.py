@@ -13,9 +13,9 @@ import torch
 from checkpoint_files_models import make
 from checkpoint_models import batches, train
 from conftest import BACKENDS
-from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.metrics import DynamicTableMetrics, TensorBoardWriter
 from dynemb.metrics import tensorboard as tensorboard_module
+from dynemb.metrics.table_metrics import COUNTED
 
 KJTS = batches(24, seed=3, batch=12)
 
@@ -25,7 +25,7 @@ def expected(before, after):
     out = {}
     for table in after:
         b, a = before[table], after[table]
-        diff = {name: a[name] - b[name] for name in COUNTER_NAMES}
+        diff = {name: a[name] - b[name] for name in COUNTED}
         for name, value in diff.items():
             out[f"{table}/{name}"] = value
         looked_up = diff["hits"] + diff["misses"]
@@ -55,22 +55,25 @@ def test_each_interval_is_the_difference_of_the_stats_totals(mode, backend, admi
     train(ec, [k.to(ec.device) for k in KJTS[:2]])  # totals before the metric exists
     metric = DynamicTableMetrics(ec)
     before = ec.stats()
-    seen = {name: 0 for name in COUNTER_NAMES}
+    seen = {name: 0 for name in COUNTED}
     for lo, hi in ((2, 9), (9, 10), (10, 18)):
         train(ec, [k.to(ec.device) for k in KJTS[lo:hi]])
+        if hi == 9:  # rows expired count in their interval
+            assert sum(ec.expire(where=lambda keys, scores: keys % 3 == 0).values()) > 0
         metric.update(ec)
         after = ec.stats()
         computed = metric.compute()
         assert_matches(computed, expected(before, after))
         metric.reset()
         before = after
-        for name in COUNTER_NAMES:
+        for name in COUNTED:
             seen[name] += int(computed[f"t0/{name}"])
     totals = ec.stats()["t0"]
     start = make(mode, "adagrad", evicting=True, admission=admission, backend=backend,
                  device=torch.device(dict(BACKENDS)[backend]))
     train(start, [k.to(start.device) for k in KJTS[:2]])
-    assert seen == {n: totals[n] - start.stats()["t0"][n] for n in COUNTER_NAMES}
+    assert seen == {n: totals[n] - start.stats()["t0"][n] for n in COUNTED}
+    assert seen["expired"] > 0
     moved = "admission_rejects" if admission else "evictions" if mode != "cache" else \
         "write_backs"
     assert seen[moved] > 0 and seen["hits"] > 0 and seen["misses"] > 0
@@ -99,7 +102,7 @@ def test_a_load_starts_the_table_over():
     ec.load_state_dict(saved)  # its counters go back to those saved
     metric.update(ec)
     computed = metric.compute()
-    assert all(int(computed[f"{t}/{n}"]) == 0 for t in ("t0", "t1") for n in COUNTER_NAMES)
+    assert all(int(computed[f"{t}/{n}"]) == 0 for t in ("t0", "t1") for n in COUNTED)
     metric.reset()
     before = ec.stats()
     train(ec, KJTS[10:12])
@@ -125,7 +128,7 @@ def test_a_sharded_model_is_summed_over_its_ranks():
     per_rank = [r["totals"] for r in ranks]
     for interval in range(2):
         before = {t: {n: sum(r[interval][t][n] for r in per_rank)
-                      for n in COUNTER_NAMES + ("rows_device", "device_capacity",
+                      for n in COUNTED + ("rows_device", "device_capacity",
                                                 "rows_backing")}
                   for t in per_rank[0][0]}
         after = {t: {n: sum(r[interval + 1][t][n] for r in per_rank) for n in before[t]}

@@ -3,14 +3,15 @@
 
 ``stats()`` gives running totals since a table was built. A long job watches rates per
 interval: this metric keeps the totals it last read and, at each :meth:`update`, adds what
-changed since to its state (``counts``, one row per table, one column per counter of
-:data:`~dynemb.foundations.counters.COUNTER_NAMES`) and records the tables' sizes then
-(``sizes``: rows on the device, device capacity, rows behind it). :meth:`compute` gives,
-per table,
+changed since to its state (``counts``, one row per table, one column per name of
+:data:`COUNTED`: the counters of :data:`~dynemb.foundations.counters.COUNTER_NAMES` and the
+rows expired) and records the tables' sizes then (``sizes``: rows on the device, device
+capacity, rows behind it). :meth:`compute` gives, per table,
 
 =======================  ====================================================================
 ``<table>/<counter>``    the counter's increase over the interval (lookups, hits, misses,
-                         inserts, evictions, write-backs, loads, admission rejects, ...)
+                         inserts, evictions, write-backs, loads, admission rejects,
+                         expired, ...)
 ``<table>/hit_rate``     hits / (hits + misses) of the interval (NaN without lookups)
 ``<table>/load_factor``  rows on the device / device capacity at the last update
 ``<table>/rows_device``  rows on the device, ``rows_backing`` rows behind it (DEFAULT's host
@@ -28,8 +29,7 @@ its process group and ``sync_on_compute`` options; the interval is ``update`` ..
 ``compute``, ``reset``. The totals it last read are not a state: ``reset`` leaves them, so
 intervals follow one another with nothing counted twice or lost.
 
-Reading the totals reads each table's counters from its device (one small transfer per
-table): call :meth:`update` at the end of an interval, not every step, to keep the steps
+Reading the totals is a ``stats()`` per table (one small device read each): call :meth:`update` at the end of an interval, not every step, to keep the steps
 between free of host synchronizations. A table loaded from a checkpoint or reset since the
 last update (the module's ``generation`` moved) starts over from its new totals: that update
 counts nothing for it.
@@ -45,7 +45,10 @@ from torchmetrics import Metric
 from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.module_interface import DynamicModuleInterface, find_dynamic_modules
 
-#: Sizes recorded per table at each update, in the order of the ``sizes`` state.
+#: Totals of ``stats()`` counted per interval, in the order of the ``counts`` state.
+COUNTED = COUNTER_NAMES + ("expired",)
+#: Sizes of ``stats()`` recorded per table at each update, in the order of the ``sizes``
+#: state.
 SIZE_NAMES = ("rows_device", "device_capacity", "rows_backing")
 
 
@@ -99,21 +102,22 @@ class DynamicTableMetrics(Metric):
         tables = _tables(model)
         self.table_keys: List[str] = [key for key, _, _ in tables]
         n = len(tables)
-        self.add_state("counts", torch.zeros(n, len(COUNTER_NAMES), dtype=torch.int64),
+        self.add_state("counts", torch.zeros(n, len(COUNTED), dtype=torch.int64),
                        dist_reduce_fx="sum")
         self.add_state("sizes", torch.zeros(n, len(SIZE_NAMES), dtype=torch.int64),
                        dist_reduce_fx="sum")
         # not states: reset() keeps them, so the next interval starts where this one ends
-        self._last, self._generations = self._read(tables)
+        self._last, _, self._generations = self._read(tables)
 
     @staticmethod
-    def _read(tables) -> Tuple[torch.Tensor, List[int]]:
-        totals, generations = [], []
-        for _, module, name in tables:
-            table = module.tables[name]
-            totals.append(table.counters.values.detach().to("cpu", torch.int64))
-            generations.append(module.generation)
-        return torch.stack(totals), generations
+    def _read(tables) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+        """The tables' totals [T, len(COUNTED)], sizes [T, len(SIZE_NAMES)] and modules'
+        generations."""
+        stats = [module.tables[name].stats() for _, module, name in tables]
+        totals = torch.tensor([[int(s[n]) for n in COUNTED] for s in stats], dtype=torch.int64)
+        sizes = torch.tensor([[int(s[n]) for n in SIZE_NAMES] for s in stats],
+                             dtype=torch.int64)
+        return totals, sizes, [module.generation for _, module, _ in tables]
 
     def update(self, model: nn.Module) -> None:
         """Add what ``model``'s tables counted since the last update (or construction) and
@@ -123,28 +127,24 @@ class DynamicTableMetrics(Metric):
         if keys != self.table_keys:
             raise ValueError(f"the model's dynamic tables {keys} are not the tables this "
                              f"metric was built for ({self.table_keys})")
-        totals, generations = self._read(tables)
+        totals, sizes, generations = self._read(tables)
         delta = totals - self._last
         for i, (before, now) in enumerate(zip(self._generations, generations)):
             if before != now:  # loaded or reset since: its totals start over from here
                 delta[i] = 0
         self.counts += delta.to(self.counts.device)
-        sizes = []
-        for _, module, name in tables:
-            stats = module.tables[name].stats()
-            sizes.append([int(stats[s]) for s in SIZE_NAMES])
-        self.sizes = torch.tensor(sizes, dtype=torch.int64, device=self.sizes.device)
+        self.sizes = sizes.to(self.sizes.device)
         self._last, self._generations = totals, generations
 
     def compute(self) -> Dict[str, torch.Tensor]:
         """``{"<table>/<name>": value}`` for the interval (see the module docstring);
         summed over the ranks when ``torch.distributed`` is initialized."""
         out: Dict[str, torch.Tensor] = {}
-        hits = COUNTER_NAMES.index("hits")
-        misses = COUNTER_NAMES.index("misses")
+        hits = COUNTED.index("hits")
+        misses = COUNTED.index("misses")
         for i, key in enumerate(self.table_keys):
             counts, sizes = self.counts[i], self.sizes[i]
-            for j, name in enumerate(COUNTER_NAMES):
+            for j, name in enumerate(COUNTED):
                 out[f"{key}/{name}"] = counts[j]
             looked_up = (counts[hits] + counts[misses]).double()
             out[f"{key}/hit_rate"] = counts[hits].double() / looked_up if looked_up > 0 \
