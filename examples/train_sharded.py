@@ -519,7 +519,8 @@ def print_last_interval(metrics: Dict[str, Any]) -> None:
         print(f"  {t}: hit rate {last[f'{t}/hit_rate']:.3f}, load factor "
               f"{last[f'{t}/load_factor']:.2f}, inserts {last[f'{t}/inserts']:.0f}, evictions "
               f"{last[f'{t}/evictions']:.0f}, admission rejects "
-              f"{last[f'{t}/admission_rejects']:.0f}")
+              f"{last[f'{t}/admission_rejects']:.0f}, keys refused a slot "
+              f"{last[f'{t}/refused']:.0f}")
 
 
 # -- processes ---------------------------------------------------------------------------------

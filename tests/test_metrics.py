@@ -194,3 +194,35 @@ def test_the_tensorboard_writer_names_the_extra_when_tensorboard_is_missing(monk
         TensorBoardWriter(writer=object())
     assert tensorboard_module.EXTRA in str(
         pytest.raises(ImportError, tensorboard_module.summary_writer, tmp_path).value)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_keys_refused_a_slot_count_in_their_interval(backend):
+    # 40 distinct keys in one batch of a table of 32 rows: 8 find no slot (the batch pins
+    # the others). The host kernels raise at once; the CUDA kernels at the next prefetch.
+    from torchrec import EmbeddingConfig
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from dynemb import (DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig,
+                        TableFullError)
+    device = torch.device(dict(BACKENDS)[backend])
+    ec = DynamicEmbCollection(
+        [EmbeddingConfig(name="z", embedding_dim=4, num_embeddings=4096, feature_names=["f"])],
+        table_options=DynamicEmbTableOptions(max_capacity=32, bucket_size=32),
+        optimizer=OptimizerConfig(), backend=backend, device=device)
+    metric = DynamicTableMetrics(ec)
+
+    def step(ids):
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(ids),
+                                                  torch.tensor([len(ids)])).to(device)
+        ec(kjt)["f"].values().sum().backward()
+
+    with pytest.raises(TableFullError):
+        step(list(range(100, 140)))
+        step([1])  # CUDA: reported here
+    metric.update(ec)
+    assert int(metric.compute()["z/refused"]) == 8 == ec.stats()["z"]["refused"]
+    metric.reset()
+    step([100])
+    metric.update(ec)
+    assert int(metric.compute()["z/refused"]) == 0

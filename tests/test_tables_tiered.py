@@ -54,7 +54,8 @@ def _tier_state(hash_table):
 
 def _snapshot(ec, keys):
     table = ec.tables["t"]
-    stats = {k: v for k, v in ec.stats()["t"].items() if k not in ("lookups", "unique_keys")}
+    stats = {k: v for k, v in ec.stats()["t"].items()
+             if k not in ("lookups", "unique_keys", "refused")}
     rows, found = ec.read_rows("t", torch.tensor(keys), with_state=True)
     return (stats, rows.tolist(), found.tolist(), _tier_state(table.tier.hash),
             _tier_state(table.host_tier.hash))
@@ -78,5 +79,6 @@ def test_no_eviction_failure_leaves_both_tiers_unchanged(full_tier):
     with pytest.raises(TableFullError, match="Nothing was inserted"):
         train_step(ec, batch)
     assert _snapshot(ec, keys) == before
+    assert ec.stats()["t"]["refused"] == 1   # the fifth key of the full tier
     train_step(ec, [dev[1], host[1]])   # the table keeps working
     assert ec.stats()["t"]["rows_device"] == 2 and ec.stats()["t"]["rows_backing"] == 2

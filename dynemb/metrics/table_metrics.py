@@ -4,14 +4,14 @@
 ``stats()`` gives running totals since a table was built. A long job watches rates per
 interval: this metric keeps the totals it last read and, at each :meth:`update`, adds what
 changed since to its state (``counts``, one row per table, one column per name of
-:data:`COUNTED`: the counters of :data:`~dynemb.foundations.counters.COUNTER_NAMES` and the
-rows expired) and records the tables' sizes then (``sizes``: rows on the device, device
+:data:`COUNTED`: the counters of :data:`~dynemb.foundations.counters.COUNTER_NAMES`, the
+rows expired and the keys refused a slot) and records the tables' sizes then (``sizes``: rows on the device, device
 capacity, rows behind it). :meth:`compute` gives, per table,
 
 =======================  ====================================================================
 ``<table>/<counter>``    the counter's increase over the interval (lookups, hits, misses,
                          inserts, evictions, write-backs, loads, admission rejects,
-                         expired, ...)
+                         expired, refused, ...)
 ``<table>/hit_rate``     hits / (hits + misses) of the interval (NaN without lookups)
 ``<table>/load_factor``  rows on the device / device capacity at the last update
 ``<table>/rows_device``  rows on the device, ``rows_backing`` rows behind it (DEFAULT's host
@@ -46,7 +46,7 @@ from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.module_interface import DynamicModuleInterface, find_dynamic_modules
 
 #: Totals of ``stats()`` counted per interval, in the order of the ``counts`` state.
-COUNTED = COUNTER_NAMES + ("expired",)
+COUNTED = COUNTER_NAMES + ("expired", "refused")
 #: Sizes of ``stats()`` recorded per table at each update, in the order of the ``sizes``
 #: state.
 SIZE_NAMES = ("rows_device", "device_capacity", "rows_backing")

@@ -122,6 +122,8 @@ class DynamicTable(CheckpointTiers):
         self.changes = None
         #: rows erased by expiry since the table was built (:mod:`dynemb.tables.expiry`)
         self.expired = 0
+        #: keys that found no slot (their ``TableFullError`` raised) since the table was built
+        self.refused = 0
         #: the table's clock at its latest ``ttl_steps`` sweep
         self.swept_at = 0
 
@@ -194,8 +196,10 @@ class DynamicTable(CheckpointTiers):
     def full_error(self, failed_keys: torch.Tensor, tier: Optional[Tier] = None,
                    remap: Optional[torch.Tensor] = None) -> TableFullError:
         """The error of a training claim whose ``failed_keys`` found no slot in ``tier``
-        (default: the table's own), after the claim was undone."""
+        (default: the table's own), after the claim was undone; the keys count as
+        ``stats()["refused"]``."""
         tier = self.tier if tier is None else tier
+        self.refused += failed_keys.numel()
         return TableFullError(
             f"table {self.name!r}: {failed_keys.numel()} keys found no slot in "
             f"{self._tier_name(tier)} ({tier.hash.capacity} rows, "
@@ -326,6 +330,7 @@ class DynamicTable(CheckpointTiers):
         out["rows_backing"] = self._rows_backing()
         out["admission_pending"] = 0 if self.admission is None else self.admission.size()
         out["expired"] = self.expired
+        out["refused"] = self.refused
         return out
 
     def expire(self, *, older_than: Optional[int] = None, where=None) -> int:

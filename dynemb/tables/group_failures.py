@@ -32,10 +32,13 @@ from dynemb.types import TableFullError
 
 class GroupFailures:
     """The failure policy of a group of tables ``names`` on ``kernels`` (see the module
-    docstring); counts on ``device``."""
+    docstring); counts on ``device``. ``tables`` (the group's, in order): each one's
+    ``refused`` counts the keys of the error raised later."""
 
-    def __init__(self, names: Sequence[str], kernels, device: torch.device):
+    def __init__(self, names: Sequence[str], kernels, device: torch.device,
+                 tables: Sequence = ()):
         self.names = list(names)
+        self.tables = list(tables)
         #: raise in the claim that refused (else at a later prefetch)
         self.at_once = not kernels.defers_failures
         self.total = torch.zeros(len(names), dtype=torch.int64, device=device)
@@ -72,6 +75,8 @@ class GroupFailures:
             return
         self.total.zero_()
         self.host.zero_()
+        for table, n in zip(self.tables, counts):
+            table.refused += n
         named = ", ".join(f"{name!r}: {n}" for name, n in zip(self.names, counts) if n)
         raise TableFullError(
             f"tables {named} keys of earlier batches found no slot (buckets full of pinned "

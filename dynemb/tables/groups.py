@@ -130,7 +130,7 @@ class TableGroup:
             [t.options.initializer for t in tables], device)
         self.eval_kinds, self.eval_params = _initializers(
             [t.options.eval_initializer for t in tables], device)
-        self.failures = GroupFailures(storage.names, storage.kernels, device)
+        self.failures = GroupFailures(storage.names, storage.kernels, device, storage.tables)
         self._place_tables()
 
     _placed = None  # the storage's layout the device values below are of
