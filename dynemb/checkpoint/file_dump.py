@@ -170,7 +170,7 @@ def _check_fits_in_memory(scan: ModuleTables) -> None:
     """A non-blocking dump holds what it writes in host memory: refused for a table whose
     rows are on disk (a table larger than memory), before anything is copied."""
     for key, _, collection, name in scan.tables():
-        for tier, part in collection.tables[name].checkpoint_tiers().items():
+        for part in collection.tables[name].checkpoint_tiers().values():
             if getattr(part.store, "on_disk", False):
                 raise ValueError(
                     f"table {key!r} keeps its rows on disk ({part.store!r}): a non-blocking "
