@@ -12,6 +12,7 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as WaitTimeout  # the builtin from Python 3.11
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple, Union
 
@@ -275,7 +276,7 @@ class PendingDump:
                                f"gives its DumpInfo once (keep what the first call returned)")
         try:
             info = self._future.result(timeout)
-        except TimeoutError:
+        except WaitTimeout:  # not waited yet: wait again later
             raise
         except BaseException:
             self._waited = True
