@@ -66,13 +66,13 @@ def test_files_are_a_blocking_dump_of_the_same_step_while_training_goes_on(
     kwargs = dict(mode=mode, optimizer="adam", evicting=True, backend=backend,
                   device=torch.device(dict(BACKENDS)[backend]))
     live, twin = make(**kwargs), make(**kwargs)
-    train(live, on(live, KJTS[:10]))
-    train(twin, on(twin, KJTS[:10]))
+    train(live, on(live, KJTS[:6]))
+    train(twin, on(twin, KJTS[:6]))
     assert_same_state(module_state(live), module_state(twin))
 
     pending = dump(live, tmp_path / "live_full", chunk_rows=CHUNK, blocking=False)
     assert isinstance(pending, PendingDump) and pending.snapshot_bytes > 0
-    train(live, on(live, KJTS[10:20]))  # the writer is held: these steps run before any file
+    train(live, on(live, KJTS[6:12]))  # the writer is held: these steps run before any file
     assert not pending.done()
     expected_full = dump(twin, tmp_path / "twin_full", chunk_rows=CHUNK)
     gate.set()
@@ -85,11 +85,13 @@ def test_files_are_a_blocking_dump_of_the_same_step_while_training_goes_on(
         assert_same_state(module_state(live), module_state(twin))
 
     # a delta taken without blocking holds what changed up to its call, not after
-    train(twin, on(twin, KJTS[10:20]))
+    evicted = twin.stats()["t0"]["evictions"]
+    train(twin, on(twin, KJTS[6:12]))
+    assert twin.stats()["t0"]["evictions"] > evicted  # the delta records keys that left
     assert_same_state(module_state(live), module_state(twin))
     gate.clear()
     pending = dump(live, tmp_path / "live_delta", since=full, chunk_rows=CHUNK, blocking=False)
-    train(live, on(live, KJTS[20:30]))
+    train(live, on(live, KJTS[12:18]))
     expected_delta = dump(twin, tmp_path / "twin_delta", since=expected_full, chunk_rows=CHUNK)
     state = module_state(twin)
     gate.set()
@@ -102,7 +104,7 @@ def test_files_are_a_blocking_dump_of_the_same_step_while_training_goes_on(
     assert_same_state(module_state(resumed), state)
 
     # and the next delta follows the non-blocking one: the steps run while it was written
-    train(twin, on(twin, KJTS[20:30]))
+    train(twin, on(twin, KJTS[12:18]))
     later = dump(live, tmp_path / "live_delta2", since=delta)
     load(resumed, [tmp_path / "live_full", tmp_path / "live_delta", tmp_path / "live_delta2"])
     assert later.rows > 0
@@ -164,7 +166,7 @@ def test_a_handle_waits_once_and_a_path_being_written_is_refused(tmp_path, gate)
 
 def test_the_snapshot_memory_is_the_dumped_entries(tmp_path):
     ec = make("hbm_direct")
-    train(ec, KJTS[:10])
+    train(ec, KJTS[:6])
     pending = dump(ec, tmp_path / "a", blocking=False)
     info = pending.wait()
     rows = {n: t.tier.hash.size() for n, t in ec.tables.items()}
