@@ -58,6 +58,11 @@ class DynamicEmbAsyncStager(BlockingAsyncStager):
         2
     """
 
+    def __init__(self, type_check: bool = False):
+        # no cached staging (BlockingAsyncStager's cache_staged_state_dict): the entries'
+        # sizes follow the rows the tables hold, which change from one save to the next
+        super().__init__(cache_staged_state_dict=False, type_check=type_check)
+
     def stage(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         entries: List[Tuple[Tuple, SavedAsBytes]] = []
         staged = super().stage(_hand_over(state_dict, (), entries))
