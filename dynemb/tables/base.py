@@ -161,7 +161,7 @@ class DynamicTable(CheckpointTiers):
 
             >>> fixed = DynamicTable.fixed_memory()
             >>> fixed.other_bytes, fixed.host_other_bytes
-            (88, 0)
+            (104, 0)
         """
         return MemoryBreakdown(other_bytes=len(COUNTER_NAMES) * torch.int64.itemsize)
 
