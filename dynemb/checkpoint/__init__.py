@@ -11,5 +11,6 @@ Exports for serving without a hash table are :mod:`dynemb.serving`.
 from dynemb.checkpoint.dcp_planner import DynamicEmbLoadPlanner
 from dynemb.checkpoint.file_dump import DumpInfo, dump
 from dynemb.checkpoint.file_load import load
+from dynemb.checkpoint.warm_start import warm_start
 
-__all__ = ["DynamicEmbLoadPlanner", "DumpInfo", "dump", "load"]
+__all__ = ["DynamicEmbLoadPlanner", "DumpInfo", "dump", "load", "warm_start"]
