@@ -4,7 +4,8 @@
   scores, clocks, steps, counters): :mod:`~dynemb.checkpoint.module_state`,
   :mod:`~dynemb.checkpoint.table_state`;
 - ``torch.distributed.checkpoint`` on any world size: :class:`DynamicEmbLoadPlanner`;
-- files, full and incremental: :func:`dump`, :func:`load`.
+- files, full and incremental: :func:`dump`, :func:`load`;
+- rows of TorchRec's own tables (a warm start): :func:`warm_start`.
 
 Exports for serving without a hash table are :mod:`dynemb.serving`.
 """
