@@ -11,8 +11,9 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from conftest import BACKENDS
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
-                    OptimizerConfig, OptimizerType, ScorePolicy, StorageMode, TableFullError)
+                    FrequencyAdmission, OptimizerConfig, OptimizerType, ScorePolicy, StorageMode, TableFullError)
 from dynemb.checkpoint import dump, load
 from dynemb.stores.backing_store import HostBackingStore
 
@@ -27,12 +28,13 @@ MODES = {
 ADAGRAD = OptimizerConfig(OptimizerType.ROWWISE_ADAGRAD, learning_rate=0.1)
 
 
-def module(mode, *, backend=None, optimizer=ADAGRAD, dtype=torch.float32, **extra):
+def module(mode, *, backend=None, device=torch.device("cpu"), optimizer=ADAGRAD,
+           dtype=torch.float32, **extra):
     config = EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=200,
                              feature_names=["f"], data_type=_data_type(dtype))
     options = DynamicEmbTableOptions(**{**MODES[mode], **extra})
     ec = DynamicEmbCollection([config], table_options=options, optimizer=optimizer,
-                              backend=backend, device=torch.device("cpu"))
+                              backend=backend, device=device)
     assert ec.storage_modes() == {"t": mode}
     return ec
 
@@ -198,6 +200,20 @@ def test_a_customized_table_takes_given_scores_or_the_module_score():
     assert hash_table.scores_at(hash_table.find(torch.tensor([1, 2]))).tolist() == [55, 9]
 
 
+def test_written_ids_bypass_admission_and_train_at_once():
+    sgd = OptimizerConfig(OptimizerType.SGD, learning_rate=0.5)
+    ec = module(StorageMode.HBM_DIRECT, optimizer=sgd,
+                admission=FrequencyAdmission(threshold=3))
+    written = torch.full((1, DIM), 2.0)
+    ec.write_rows("t", torch.tensor([11]), written)
+    assert ec.stats()["t"]["admission_pending"] == 0
+    out = ec(kjt([11, 12]))["f"].values()  # 11 is stored: trained; 12 waits for admission
+    assert torch.equal(out[0], written[0])
+    out.sum().backward()
+    rows, found = ec.read_rows("t", torch.tensor([11, 12]))
+    assert found.tolist() == [True, False] and torch.equal(rows[0], written[0] - 0.5)
+
+
 def test_a_growing_table_grows_to_take_the_rows():
     ec = module(StorageMode.HBM_DIRECT, init_capacity=32, max_capacity=1024)
     keys = torch.arange(0, 3000, 10)
@@ -255,22 +271,27 @@ def test_an_incremental_dump_after_a_write_holds_the_written_rows(mode):
                        ec.read_rows("t", every, with_state=True)[0])
 
 
+CUDA_DEVICE = torch.device(BACKENDS[1][1])  # a GPU, or the simulator on the CPU
+
+
 @pytest.mark.parametrize("mode", [StorageMode.HBM_DIRECT, StorageMode.DEFAULT],
                          ids=lambda m: m.name)
 def test_the_cuda_kernels_write_the_same_rows(mode):
-    ec = module(mode, backend="cuda", score_strategy=ScorePolicy.LRU)
+    ec = module(mode, backend="cuda", device=CUDA_DEVICE, score_strategy=ScorePolicy.LRU)
     keys = torch.tensor([3, 9, 1 << 33, 70])
     rows = torch.randn(4, DIM)
     ec.write_rows("t", keys, rows, optimizer_state=torch.ones(4, 1))
-    got, found = ec.read_rows("t", keys, with_state=True)
-    assert bool(found.all()) and torch.equal(got, torch.cat([rows, torch.ones(4, 1)], 1))
-    assert torch.equal(ec.eval()(kjt(keys))["f"].values(), rows)
+    got, found = ec.read_rows("t", keys.to(CUDA_DEVICE), with_state=True)
+    assert bool(found.all())
+    assert torch.equal(got.cpu(), torch.cat([rows, torch.ones(4, 1)], 1))
+    out = ec.eval()(kjt(keys).to(CUDA_DEVICE))["f"].values()
+    assert torch.equal(out.cpu(), rows)
     assert ec.stats()["t"]["write_inserts"] == 4
 
 
 def test_the_cuda_kernels_refuse_a_batch_that_does_not_fit():
-    ec = module(StorageMode.HBM_DIRECT, backend="cuda", score_strategy=ScorePolicy.NO_EVICTION,
-                max_capacity=16, bucket_size=16)
+    ec = module(StorageMode.HBM_DIRECT, backend="cuda", device=CUDA_DEVICE,
+                score_strategy=ScorePolicy.NO_EVICTION, max_capacity=16, bucket_size=16)
     ec.write_rows("t", torch.arange(12), torch.ones(12, DIM))
     before = snapshot(ec)
     with pytest.raises(TableFullError, match="found no slot"):

@@ -34,6 +34,7 @@ What a write does to the rest of the table:
 - **batches in flight**: a key held by a prefetched batch keeps its slot and its row is
   replaced in place: that batch's forward reads the written row; a batch awaiting its
   backward applies its update on top of the written row (as to any row's current value);
+- **admission** does not apply (a write is not a lookup): a written key is stored;
 - **counters**: ``write_inserts`` (keys new to the table) and ``write_overwrites`` (keys it
   held, anywhere);
 - **checkpoints**: the slots written are marked for the next incremental dump (the store's
