@@ -97,10 +97,12 @@ def check_write(table: DynamicTable, keys, rows, optimizer_state=None, scores=No
         check_keys(keys, table.device, kernels=table.kernels)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
-    if n and torch.unique(keys).numel() != n:
-        unique, counts = torch.unique(keys, return_counts=True)
-        raise ValueError(f"{where}: keys must be distinct, key {int(unique[counts > 1][0])} "
-                         f"appears {int(counts.max())} times (one row per key)")
+    if n:
+        unique, _, counts = table.kernels.dedup(keys)  # the hash kernel, not a sort
+        if unique.numel() != n:
+            raise ValueError(f"{where}: keys must be distinct, key "
+                             f"{int(unique[counts > 1][0])} appears {int(counts.max())} times "
+                             f"(one row per key)")
     dtype = table.row_layout.dtype
     if not isinstance(rows, torch.Tensor) or rows.shape != (n, table.dim):
         raise ValueError(f"{where}: rows must have shape [{n}, {table.dim}] (one row of the "
@@ -252,18 +254,23 @@ class RowWrite:
             return
         table = self.table
         inserted = evicted = 0
+        layout = table.row_layout
         for part in self._claims:
             group, claim = part.group, part.claim
             storage = group.storage
-            group.initialize(claim, part.segments)  # new rows' state: a new row's
             group.track_changes(claim)
             weights = storage.weights
             slots = claim.slots
             rows = self.data.rows[part.at].to(weights.device)
-            table.row_layout.embeddings(weights).index_copy_(0, slots, rows)
-            if self.data.state is not None:
-                table.row_layout.state(weights).index_copy_(
-                    0, slots, self.data.state[part.at].to(weights.device))
+            state = self.data.state
+            if state is not None or layout.state_dim == 0:  # whole rows, one copy
+                # (half rows upcast and back: exact)
+                whole = rows if state is None else layout.to_physical(
+                    torch.cat([rows.float(), state[part.at].to(weights.device)], 1))
+                weights.index_copy_(0, slots, whole)
+            else:  # a held key keeps its state; a new one starts from a new row's: zeros
+                layout.embeddings(weights).index_copy_(0, slots, rows)
+                layout.state(weights).index_fill_(0, slots[claim.inserted], 0.0)
             scores = storage.arrays.scores
             if self.data.scores is not None:
                 scores.index_copy_(0, slots, self.data.scores[part.at].to(scores.device))
