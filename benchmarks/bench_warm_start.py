@@ -123,6 +123,7 @@ def plot(report: dict, path) -> None:
     cfg = report["config"]
     ax.set_xlabel(f"seconds for {cfg['rows']:,} rows of dim {cfg['dim']} (median of "
                   f"{cfg['repeats']})")
+    ax.set_xlim(0, 1.15 * max(r["median_s"] for r in rows))  # room for the ratios
     ax.invert_yaxis()
     save_figure(fig, path)
 

@@ -64,6 +64,7 @@ import torch
 from dynemb.backends.protocol import Segments
 from dynemb.foundations.key_mixing import routes_to_first
 from dynemb.foundations.validation import check_keys
+from dynemb.rows.row_moves import copy_rows
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.grouping import group_of_one
 from dynemb.tables.groups import Claim, TableGroup
@@ -254,23 +255,22 @@ class RowWrite:
             return
         table = self.table
         inserted = evicted = 0
-        layout = table.row_layout
+        layout, data = table.row_layout, self.data
+        whole = self._whole_rows()
         for part in self._claims:
             group, claim = part.group, part.claim
             storage = group.storage
             group.track_changes(claim)
-            weights = storage.weights
-            slots = claim.slots
-            rows = self.data.rows[part.at].to(weights.device)
-            state = self.data.state
-            if state is not None or layout.state_dim == 0:  # whole rows, one copy
-                # (half rows upcast and back: exact)
-                whole = rows if state is None else layout.to_physical(
-                    torch.cat([rows.float(), state[part.at].to(weights.device)], 1))
-                weights.index_copy_(0, slots, whole)
+            weights, slots = storage.weights, claim.slots
+            if whole is not None:
+                source, at = whole, part.at
             else:  # a held key keeps its state; a new one starts from a new row's: zeros
-                layout.embeddings(weights).index_copy_(0, slots, rows)
-                layout.state(weights).index_fill_(0, slots[claim.inserted], 0.0)
+                source = weights.index_select(0, slots)
+                layout.embeddings(source).copy_(data.rows[part.at].to(weights.device))
+                layout.state(source)[claim.inserted] = 0.0
+                at = torch.arange(slots.numel(), device=slots.device)
+            copy_rows(source.to(weights.device), at.to(weights.device), weights, slots,
+                      kernels=storage.kernels)
             scores = storage.arrays.scores
             if self.data.scores is not None:
                 scores.index_copy_(0, slots, self.data.scores[part.at].to(scores.device))
@@ -286,6 +286,14 @@ class RowWrite:
         table.counters.add_many(write_inserts=inserted, write_overwrites=n - inserted,
                                 evictions=evicted)
 
+    def _whole_rows(self) -> Optional[torch.Tensor]:
+        """Every key's physical row [N, width] where the write gives it whole (the state
+        given, or none to keep), else None."""
+        layout, data = self.table.row_layout, self.data
+        if data.state is not None:  # (half rows upcast and back: exact)
+            return layout.to_physical(torch.cat([data.rows.float(), data.state], 1))
+        return data.rows if layout.state_dim == 0 else None
+
     def _commit_cache(self) -> None:
         table, (keys, rows, state, scores) = self.table, self.data
         slots, cached, stored = self._cache
@@ -296,11 +304,16 @@ class RowWrite:
             if stored is not None:  # the keys not cached: into the store
                 away = ~cached
                 old_rows, found, old_scores = stored
-                physical = torch.where(found[:, None], old_rows.to(layout.dtype),
-                                       torch.zeros_like(old_rows, dtype=layout.dtype))
-                layout.embeddings(physical).copy_(rows[away])
-                if state is not None:
-                    layout.state(physical).copy_(state[away])
+                whole = self._whole_rows()
+                if whole is not None:
+                    physical = whole[away]
+                else:  # a stored key keeps its state; a new one starts from zeros
+                    physical = torch.zeros(int(away.sum()), layout.width, dtype=layout.dtype,
+                                           device=rows.device)
+                    layout.embeddings(physical).copy_(rows[away])
+                    if bool(found.any()):
+                        layout.state(physical)[found] = layout.state(
+                            old_rows[found].to(layout.dtype))
                 store_scores = (scores[away] if scores is not None else torch.where(
                     found, old_scores, self._new_score(hash_table)))
                 dropped = table.store.insert(keys[away], physical, store_scores)
