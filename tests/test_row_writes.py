@@ -274,10 +274,10 @@ def test_an_incremental_dump_after_a_write_holds_the_written_rows(mode):
 CUDA_DEVICE = torch.device(BACKENDS[1][1])  # a GPU, or the simulator on the CPU
 
 
-@pytest.mark.parametrize("mode", [StorageMode.HBM_DIRECT, StorageMode.DEFAULT],
-                         ids=lambda m: m.name)
+@pytest.mark.parametrize("mode", list(MODES), ids=lambda m: m.name)
 def test_the_cuda_kernels_write_the_same_rows(mode):
     ec = module(mode, backend="cuda", device=CUDA_DEVICE, score_strategy=ScorePolicy.LRU)
+    assert ec.tables["t"].kernels.name == "cuda"
     keys = torch.tensor([3, 9, 1 << 33, 70])
     rows = torch.randn(4, DIM)
     ec.write_rows("t", keys, rows, optimizer_state=torch.ones(4, 1))
