@@ -5,7 +5,9 @@ Row ``i`` of a static table becomes id ``i`` of the dynamic table of the same na
 ``ids[name][i]`` from a mapping given per table (the ids the rows were trained for, e.g. the
 raw ids a ``ManagedCollisionEmbeddingCollection`` or a hashing step mapped to rows). The
 source is the module itself (sharded or not, alone or inside ``DistributedModelParallel``) or
-its ``state_dict``; a sharded source's ``ShardedTensor`` gives each rank its local rows.
+its ``state_dict``; a sharded source's ``ShardedTensor`` gives each rank its local rows, so
+a sharded source warm-starts a sharded module (each rank's rows travel to their dynemb
+owners; an unsharded module on each rank would hold only that rank's shard).
 
 Optimizer state comes from TorchRec's fused optimizer (``fused_optimizer.state_dict()`` of a
 sharded module: fbgemm's ``momentum1`` per table) where the optimizers correspond:
