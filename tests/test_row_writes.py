@@ -297,3 +297,25 @@ def test_the_cuda_kernels_refuse_a_batch_that_does_not_fit():
     with pytest.raises(TableFullError, match="found no slot"):
         ec.write_rows("t", torch.arange(50, 56), torch.ones(6, DIM))
     assert_same_state(before, snapshot(ec))
+
+
+@pytest.mark.parametrize("host_cache_bytes", [0, 64 * 1024], ids=["disk", "host+disk"])
+def test_a_cache_table_on_disk_takes_the_rows_in_its_store(tmp_path, host_cache_bytes):
+    pytest.importorskip("rocksdict")
+    from dynemb.stores.disk_levels import disk_store
+    ec = module(StorageMode.CACHE,
+                backing_store=disk_store(tmp_path, host_cache_bytes=host_cache_bytes))
+    for start in range(0, 60, 12):  # most rows go down to the disk store
+        train(ec, torch.arange(start, start + 12))
+    keys = torch.cat([torch.arange(0, 60, 5), torch.arange(5000, 5300)])
+    before = ec.read_rows("t", keys, with_state=True)[0]
+    rows = torch.randn(keys.numel(), DIM)
+    ec.write_rows("t", keys, rows)
+    got, found = ec.read_rows("t", keys, with_state=True)
+    assert bool(found.all()) and torch.equal(got[:, :DIM], rows)
+    held = keys < 60
+    assert torch.equal(got[held, DIM:], before[held, DIM:])  # their state kept
+    assert torch.equal(got[~held, DIM:], torch.zeros(int((~held).sum()), 1))
+    assert ec.stats()["t"]["rows_backing"] >= 300
+    order = torch.tensor([3, 200, 0, 311])
+    assert torch.equal(ec.eval()(kjt(keys[order]))["f"].values(), rows[order])
