@@ -237,6 +237,13 @@ def test_half_rows_and_adam_state_bit_for_bit():
         ec.write_rows("t", keys, rows.float())
 
 
+def test_a_parameter_writes_its_values():
+    ec = module(StorageMode.HBM_DIRECT)
+    weight = torch.nn.Parameter(torch.randn(3, DIM))
+    ec.write_rows("t", torch.tensor([1, 2, 3]), weight)
+    assert torch.equal(ec.read_rows("t", torch.tensor([1, 2, 3]))[0], weight.detach())
+
+
 def test_a_bag_collection_pools_the_written_rows():
     config = EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=64,
                                 feature_names=["f"])

@@ -80,6 +80,10 @@ def test_a_bag_collection_pools_as_the_torchrec_one():
     want, got = source(kjt), dyn.eval()(kjt)
     for f in ("fa", "fb"):
         torch.testing.assert_close(got[f], want[f].detach(), rtol=0, atol=1e-6)
+    exported = to_static(dyn).ebc  # and back: the same rows
+    for config in BAGS:
+        assert torch.equal(exported.embedding_bags[config.name].weight.detach()[:-1],
+                           source.embedding_bags[config.name].weight.detach())
 
 
 @pytest.mark.parametrize("case,match", [

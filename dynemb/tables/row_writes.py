@@ -111,7 +111,7 @@ def check_write(table: DynamicTable, keys, rows, optimizer_state=None, scores=No
     if rows.dtype != dtype:
         raise ValueError(f"{where}: rows are {rows.dtype}, the table holds {dtype} (convert "
                          f"them first: rows are written bit for bit)")
-    rows = rows.to(table.device)
+    rows = rows.detach().to(table.device)  # (a parameter's rows: their values)
     state = None
     if optimizer_state is not None:
         if not isinstance(optimizer_state, torch.Tensor) or optimizer_state.shape != (
@@ -122,7 +122,7 @@ def check_write(table: DynamicTable, keys, rows, optimizer_state=None, scores=No
         if optimizer_state.dtype != torch.float32:
             raise ValueError(f"{where}: optimizer_state must be float32, got "
                              f"{optimizer_state.dtype}")
-        state = optimizer_state.to(table.device)
+        state = optimizer_state.detach().to(table.device)
     if scores is not None:
         if not isinstance(scores, torch.Tensor) or scores.dtype != torch.int64 or \
                 scores.shape != (n,):
