@@ -73,6 +73,10 @@ class ShardingScheme(enum.Enum):
     HASH = "hash"
 
 
+#: Score policies whose scores hold a step, as expiry by age needs (dynemb.tables.expiry).
+TIMED_POLICIES = (ScorePolicy.LRU, ScorePolicy.LFU_LRU, ScorePolicy.STEP)
+
+
 @dataclass(frozen=True)
 class FrequencyAdmission:
     """Admit a key into the table only once it has been seen ``threshold`` times.
@@ -161,6 +165,11 @@ class DynamicEmbTableOptions:
             forward and its backward (a :class:`StashMode`; see :mod:`dynemb.stashing`).
             ``NONE`` unless set, or ``ALL`` when the table's ``EmbeddingConfig`` has
             TorchRec's ``stash_weights=True``.
+        ttl_steps: erase the rows not looked up in this many of the table's steps (training
+            batches), on every tier (:mod:`dynemb.tables.expiry`; the ``LRU``, ``LFU_LRU``
+            and ``STEP`` policies: ``STEP`` counts from insertion). None: rows never expire.
+        expire_every: steps between two sweeps of ``ttl_steps`` (a sweep reads every row's
+            score); default: a tenth of ``ttl_steps``, at least 1.
 
     Example::
 
@@ -188,6 +197,15 @@ class DynamicEmbTableOptions:
     sharding: ShardingScheme = ShardingScheme.HASH
     stochastic_rounding: bool = True
     stash: StashMode = StashMode.NONE
+    ttl_steps: Optional[int] = None
+    expire_every: Optional[int] = None
+
+    @property
+    def sweep_steps(self) -> int:
+        """Steps between two ``ttl_steps`` sweeps (``expire_every`` or its default)."""
+        if self.expire_every is not None:
+            return self.expire_every
+        return max(1, (self.ttl_steps or 0) // 10)
 
     def __post_init__(self):
         for name in ("caching", "stochastic_rounding"):
@@ -225,6 +243,16 @@ class DynamicEmbTableOptions:
         if not isinstance(self.stash, StashMode):
             names = ", ".join(m.name for m in StashMode)
             raise TypeError(f"stash must be a StashMode ({names}), got {self.stash!r}")
+        for name in ("ttl_steps", "expire_every"):  # 0 steps would erase every row
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, minimum=1)
+        if self.expire_every is not None and self.ttl_steps is None:
+            raise ValueError("expire_every sets how often ttl_steps sweeps: set ttl_steps too")
+        if self.ttl_steps is not None and self.score_strategy not in TIMED_POLICIES:
+            timed = ", ".join(p.name for p in TIMED_POLICIES)
+            raise ValueError(f"ttl_steps needs a score_strategy whose scores hold a step "
+                             f"({timed}), got {self.score_strategy.name}; expire such tables "
+                             f"with a predicate over their scores (module.expire(where=...))")
         if (self.init_capacity is not None and self.max_capacity is not None
                 and self.init_capacity > self.max_capacity):
             raise ValueError(f"init_capacity ({self.init_capacity}) exceeds max_capacity "

@@ -14,7 +14,7 @@ from numba import njit, prange
 
 from .constants import EMPTY_KEY
 from .cpu_compile import prange_loops
-from .hashing import bucket_index, is_live_key, mix64, probe
+from .hashing import bucket_index, is_live_key, mix64, probe, routes_to_first
 from .init_common import fill_row
 from .rng import row_stream
 from .table_cpu import _claim_range, _new_work, live_end, pad_claim_outputs
@@ -157,6 +157,28 @@ def find_group_cpu(tbl_keys, row_offset, num_buckets, bucket_size, ukeys, useg, 
             key = ukeys[i]
             s = -1 if key == EMPTY_KEY else probe(part, key, num_buckets[t], bucket_size)
             out_slots[i] = s + first if s >= 0 else -1
+
+
+@njit(cache=True, parallel=prange_loops())
+def route_keys_group_cpu(useg, ukeys, first_rows, total_rows, out_first, out_second):
+    """Each key of table ``t`` (``useg[t]:useg[t + 1]``) to the first of its two tiers
+    (``out_first``) or the second (``out_second``), by ``hashing.routes_to_first`` over
+    ``first_rows[t]`` and ``total_rows[t]``; ``EMPTY_KEY`` in the other, and in both for
+    ``EMPTY_KEY``."""
+    for t in prange(useg.size - 1):
+        first = first_rows[t]
+        total = total_rows[t]
+        for i in range(useg[t], useg[t + 1]):
+            key = ukeys[i]
+            if key == EMPTY_KEY:
+                out_first[i] = EMPTY_KEY
+                out_second[i] = EMPTY_KEY
+            elif routes_to_first(key, first, total):
+                out_first[i] = key
+                out_second[i] = EMPTY_KEY
+            else:
+                out_first[i] = EMPTY_KEY
+                out_second[i] = key
 
 
 @njit(cache=True, parallel=prange_loops())

@@ -14,6 +14,10 @@ _MASK32 = np.int64(0xFFFFFFFF)
 # 0xff51afd7ed558ccd and 0xc4ceb9fe1a85ec53 (the murmur3 64-bit finalizer) as int64.
 MIX_A = np.int64(-49064778989728563)
 MIX_B = np.int64(-4265267296055464877)
+#: 0x9E3779B97F4A7C15 (2**64 / golden ratio) as int64: Fibonacci hashing of a key picks its
+#: tier (:func:`routes_to_first`).
+TIER_MULTIPLIER = np.int64(-7046029254386353131)
+_MASK63 = np.int64(0x7FFFFFFFFFFFFFFF)
 
 
 @njit(cache=True, inline="always")
@@ -87,3 +91,12 @@ def probe(tbl_keys, key, num_buckets, bucket_size):
         if k == EMPTY_KEY:
             return -1
     return -1
+
+
+@njit(cache=True, inline="always")
+def routes_to_first(key, first_rows, total_rows):
+    """Whether ``key`` goes to the first of two tiers of ``first_rows`` and ``total_rows -
+    first_rows`` rows (``dynemb.foundations.key_mixing.routes_to_first`` for torch)."""
+    mixed = key * TIER_MULTIPLIER
+    mixed = (mixed ^ (mixed >> 31)) & _MASK63
+    return mixed % total_rows < first_rows

@@ -273,3 +273,12 @@ def test_dedup_form_benchmark_quick(tmp_path):
             report["config"]["steps"]
         assert row["padded_over_exact"] == pytest.approx(row["padded_ms"] / row["exact_ms"])
     assert (tmp_path / "dedup_form_cpu_quick.png").stat().st_size > 0
+
+
+def test_bench_expiry_quick_run_erases_what_the_ages_say(tmp_path):
+    from benchmarks import bench_expiry
+    report = bench_expiry.main(["--quick", "--out-dir", str(tmp_path)])
+    (row,) = report["rows"]
+    assert row["rows"] == 20_000 and 0 < row["erased_half"] < 20_000
+    assert row["sweep_nothing_ms"] > 0 and row["train_step_ms"] > 0
+    assert (tmp_path / "expiry_cpu_quick.png").exists()

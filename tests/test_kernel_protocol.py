@@ -300,3 +300,30 @@ def test_gather_rows_keeps_the_rows_of_keys_without_a_slot(name, device):
                        torch.where(in_first[:, None], first[first_slots[index].clamp(min=0), :4],
                                    0.0))
     assert torch.equal(on[5].cpu(), want)
+
+
+@pytest.mark.parametrize("name,device", BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_route_keys_group_places_each_key_as_key_mixing_does(name, device):
+    """Each table's keys go to the tier the pure-Python tier hash gives them under that
+    table's rows (hand-checked keys included), ``EMPTY_KEY`` in the other tier and for
+    padding."""
+    from key_reference import routes_to_first
+    from dynemb.types import EMPTY_KEY
+    kernels, device = get_backend(name), torch.device(device)
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randint(0, 2**62, (70,), generator=gen)
+    keys[:4] = torch.tensor([0, 1, 42, 7])  # under (1024, 2048): first, second, first, second
+    keys[30:40] = EMPTY_KEY  # table 0's padding
+    bounds = [0, 40, 40, 70]
+    first_rows, total_rows = torch.tensor([1024, 8, 300]), torch.tensor([2048, 16, 1000])
+    on_first, on_second = (torch.empty(70, dtype=torch.int64, device=device) for _ in range(2))
+    kernels.route_keys_group(Segments(bounds, device), keys.to(device), first_rows.to(device),
+                             total_rows.to(device), on_first, on_second)
+    on_first, on_second = on_first.cpu(), on_second.cpu()
+    assert on_first[:4].tolist() == [0, EMPTY_KEY, 42, EMPTY_KEY]
+    want = torch.tensor([routes_to_first(int(k), int(first_rows[t]), int(total_rows[t]))
+                         for t, k in zip([0] * 40 + [2] * 30, keys.tolist())])
+    valid = keys != EMPTY_KEY
+    assert torch.equal(on_first, torch.where(valid & want, keys, EMPTY_KEY))
+    assert torch.equal(on_second, torch.where(valid & ~want, keys, EMPTY_KEY))
+    assert 0 < int((on_first[40:] != EMPTY_KEY).sum()) < 30  # table 2 splits both ways

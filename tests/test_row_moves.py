@@ -1,5 +1,5 @@
 """Row moves between flat tables (the numba kernels on CPU) against torch indexing, and the
-CACHE table's direct path to its host store against the path through gathered rows."""
+CACHE group's kernel path to its host stores against the path through gathered rows."""
 import pytest
 import torch
 
@@ -8,6 +8,7 @@ from torchrec import EmbeddingConfig
 from dynemb import DynamicEmbCollection, DynamicEmbTableOptions, OptimizerConfig, OptimizerType
 from dynemb.stores.backing_store import HostBackingStore
 from dynemb.rows.row_moves import copy_rows, remap_rows
+from dynemb.tables.group_stores import moves_in_group
 from table_builder import DIM, train_step
 
 
@@ -72,7 +73,7 @@ def test_cache_moves_rows_to_and_from_its_host_store_as_through_gathered_rows(op
             caching=True, bucket_size=16, local_hbm_for_values=64 * width * 4,
             backing_store=lambda w, d, dev, s=store: s(w, d, dev, initial_capacity=128))
         ecs.append(DynamicEmbCollection(tables, table_options=options, optimizer=config))
-    assert ecs[0].tables["t"]._store_moves_rows and not ecs[1].tables["t"]._store_moves_rows
+    assert moves_in_group(ecs[0].tables["t"]) and not moves_in_group(ecs[1].tables["t"])
     gen = torch.Generator().manual_seed(2)
     for _ in range(12):
         ids = torch.randint(0, 3000, (40,), generator=gen)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from dynemb.bridges.numba_launch import KernelLauncher
-from dynemb.backends.protocol import (EMPTY_KEY, TOMBSTONE_KEY, TableArrays, bit_views, claim_args,
-                                   f32, probe_args, rehash_args)
+from dynemb.backends.protocol import (EMPTY_KEY, TIER_MULTIPLIER, TOMBSTONE_KEY, TableArrays,
+                                      bit_views, claim_args, f32, probe_args, rehash_args)
 from dynemb.kernels.constants import cuda_simulator_enabled
 
 _THREADS_PER_BLOCK = 256
@@ -316,6 +316,16 @@ class CudaBackend:
             live = (out_prev_keys != EMPTY_KEY) & (out_prev_keys != TOMBSTONE_KEY)
             columns = torch.stack([out_inserted & ~live, out_inserted & live, out_failed], 1)
             out_stats.zero_().index_add_(0, segments.table_of, columns.to(torch.int64))
+
+    def route_keys_group(self, segments, ukeys, first_rows, total_rows, out_first, out_second):
+        """Element-wise torch ops on the device (no read back): ``hashing.routes_to_first``."""
+        mixed = ukeys * TIER_MULTIPLIER
+        mixed = (mixed ^ (mixed >> 31)) & 0x7FFFFFFFFFFFFFFF
+        table = segments.table_of
+        first = mixed % total_rows[table] < first_rows[table]
+        valid = ukeys != EMPTY_KEY
+        out_first.copy_(torch.where(valid & first, ukeys, EMPTY_KEY))
+        out_second.copy_(torch.where(valid & ~first, ukeys, EMPTY_KEY))
 
     def claim_counts_group(self, segments, slots, inserted, previous_keys, out):
         """Summed per table on the device (one ``index_add_``)."""

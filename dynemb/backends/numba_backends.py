@@ -266,6 +266,11 @@ class CpuBackend:
             policy, h(clocks), allow_evict, True, n(out_slots), n(out_inserted),
             n(out_prev_keys), n(out_prev_scores), n(out_failed), h(out_stats))
 
+    def route_keys_group(self, segments, ukeys, first_rows, total_rows, out_first, out_second):
+        n = self._np
+        groups_cpu.route_keys_group_cpu(segments.bounds, n(ukeys), n(first_rows), n(total_rows),
+                                        n(out_first), n(out_second))
+
     def claim_counts_group(self, segments, slots, inserted, previous_keys, out):
         groups_cpu.claim_counts_group_cpu(segments.bounds, self._np(slots), self._np(inserted),
                                           self._np(previous_keys), self._host(out))

@@ -56,6 +56,8 @@ FMT_BFLOAT16 = round_common.FMT_BFLOAT16
 #: The bucket hash's murmur3 multipliers (``mix64``), for hashes of keys in torch.
 MIX_A = int(hashing.MIX_A)
 MIX_B = int(hashing.MIX_B)
+#: The tier hash's multiplier (``hashing.routes_to_first``), as a Python int.
+TIER_MULTIPLIER = int(hashing.TIER_MULTIPLIER)
 #: ``store_moves_group``'s ``out_stats`` columns per table: rows written back, store keys
 #: evicted, rows loaded, 1 if the table was left for the host.
 STORE_STATS = group_stores_cpu.NUM_STATS
@@ -367,6 +369,14 @@ class KernelBackend(Protocol):
         own clock ``clocks[t]``, exactly as the table alone would claim them; ``sizes`` [T]
         counts each table's live keys. ``out_stats`` [T, 3] int64 (None: not counted): per
         table (keys added, live keys evicted, keys failed)."""
+
+    def route_keys_group(self, segments: Segments, ukeys, first_rows, total_rows, out_first,
+                         out_second) -> None:
+        """Each key of table ``t`` to the first of two tiers of ``first_rows[t]`` and
+        ``total_rows[t] - first_rows[t]`` rows (``out_first``) or to the second
+        (``out_second``), as ``dynemb.foundations.key_mixing.routes_to_first`` places it;
+        ``EMPTY_KEY`` in the other (in both for an ``EMPTY_KEY``). ``first_rows`` and
+        ``total_rows``: [T] int64 on the keys' device."""
 
     def claim_counts_group(self, segments: Segments, slots, inserted, previous_keys,
                            out) -> None:

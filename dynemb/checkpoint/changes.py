@@ -16,7 +16,10 @@ nothing. The table calls it at the few places where keys, scores or rows change:
 - CACHE ``_write_back``: :meth:`ChangeTracker.written_back` logs the keys whose store rows
   were (over)written. Keys the store itself evicts are not logged one by one: the table's
   ``store_evictions`` counter tells the dump that some were, and the dump then writes the
-  store whole.
+  store whole;
+- expiry (:mod:`dynemb.tables.expiry`): :meth:`ChangeTracker.erased` marks the slots of the
+  keys erased from a tier (the keys left it); keys erased from a CACHE store set
+  :attr:`ChangeTracker.store_erased`, and the dump writes the store whole.
 
 A tracked tier costs a bool and an int64 per slot, and its marks are two ``index_copy_`` /
 ``index_fill_`` per call: the training step stays free of host syncs. Over-marking is
@@ -138,6 +141,8 @@ class ChangeTracker:
         self.stored = KeyLog()
         #: the ``store_evictions`` counter at the dump (CACHE)
         self.store_evictions = table.counters.snapshot()["store_evictions"]
+        #: keys expired from the CACHE store since the dump
+        self.store_erased = False
 
     def fits(self, table) -> bool:
         """The tracker follows ``table``'s tiers at their current capacities."""
@@ -153,6 +158,7 @@ class ChangeTracker:
             changes.clear()
         self.stored = KeyLog()
         self.store_evictions = table.counters.snapshot()["store_evictions"]
+        self.store_erased = False
 
     def tier(self, name: str) -> Optional[TierChanges]:
         """The changes of tier ``name`` (one of the table's ``tracked_tiers``), None if
@@ -179,6 +185,10 @@ class ChangeTracker:
 
     def written_back(self, keys: torch.Tensor) -> None:
         self.stored.add(keys)
+
+    def erased(self, tier, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """``keys`` were erased from ``tier``'s ``slots`` (expiry)."""
+        self._of(tier).mark(slots, keys)
 
 
 def start_tracking(tables: Dict[str, object], dump_id: str, generation: int) -> None:

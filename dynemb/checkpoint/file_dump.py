@@ -272,9 +272,9 @@ class _TableWriter:
                 self._whole(name, part, record)
             elif part.store is not None:  # a CACHE backing store: changes logged by key
                 evicted = self.table.counters.snapshot()["store_evictions"]
-                if evicted == tracker.store_evictions:
+                if evicted == tracker.store_evictions and not tracker.store_erased:
                     self._stored(name, part, tracker.stored.keys(), record)
-                else:  # keys the store dropped were not logged: write it whole
+                else:  # keys the store dropped or expired were not logged: write it whole
                     self._whole(name, part, record)
             else:
                 self._changed(name, part, tracker.tier(name), record)

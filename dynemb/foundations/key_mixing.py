@@ -17,12 +17,11 @@ from __future__ import annotations
 import torch
 
 from dynemb.backends.protocol import MIX_A, MIX_B  # the bucket hash's, as Python ints
+from dynemb.backends.protocol import TIER_MULTIPLIER  # the kernels' (hashing.routes_to_first)
 
 #: 0x9E3779B97F4A7C15 (2**64 / golden ratio) as int64: added to a key before mixing, so the
 #: owner rank is not a function of the bucket hash (which mixes the key itself).
 OWNER_RANK_SALT = -7046029254386353131
-#: The same constant as a multiplier: Fibonacci hashing of the key picks its tier.
-TIER_MULTIPLIER = -7046029254386353131
 
 _MASK31 = 0x7FFFFFFF
 _MASK32 = 0xFFFFFFFF

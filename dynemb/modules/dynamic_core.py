@@ -37,6 +37,7 @@ from dynemb.stashing.collection_stash import CollectionStash
 from dynemb.modules.table_inputs import TableInputs, split_by_table
 from dynemb.tables import DynamicTable
 from dynemb.tables.lookup_batch import check_batch_score, check_score
+from dynemb.tables.expiry import plan_expiry
 from dynemb.tables.groups import TableGroup
 from dynemb.tables.grouping import group_tables
 from dynemb.tables.lookup_batch import LookupBatch
@@ -98,6 +99,9 @@ class DynamicCore:
         self._awaiting_backward: List[Tuple[str, LookupBatch]] = []
         self._steps = {name: 0 for name in self.tables}
         self._scores: Dict[str, int] = {}  # CUSTOMIZED tables: what training batches write
+        #: tables with ``ttl_steps``: each training prefetch sweeps those due
+        self._expiring = [name for name, options in self.table_options.items()
+                          if options.ttl_steps is not None]
         self._scored = [name for name, options in self.table_options.items()
                         if options.score_strategy is ScorePolicy.CUSTOMIZED]
         self._generation = 0  # bumped by every checkpoint load: older lookups cannot backward
@@ -368,6 +372,21 @@ class DynamicCore:
         counts = {name: table.flush() for name, table in self.tables.items()}
         return {name: count for name, count in counts.items() if count is not None}
 
+    def expire(self, tables: Optional[Iterable[str]], older_than: Optional[int],
+               where) -> Dict[str, int]:
+        """Rows erased per table (see :meth:`DynamicModule.expire
+        <dynemb.modules.dynamic_module.DynamicModule.expire>`): every table's expiry is
+        planned before any is applied."""
+        names = list(self.tables) if tables is None else (
+            [tables] if isinstance(tables, str) else list(tables))
+        unknown = [n for n in names if n not in self.tables]
+        if unknown:
+            raise KeyError(f"no table {unknown[0]!r} to expire; tables: {list(self.tables)}")
+        self.rows_in_place(names)
+        plans = {n: plan_expiry(self.tables[n], older_than=older_than, where=where)
+                 for n in names}
+        return {name: plan.apply() for name, plan in plans.items()}
+
     def reset(self, tables: Optional[Iterable[str]] = None) -> None:
         """The named tables (every table when None) empty as just built, their steps back to
         0; prefetches and pins end. Unknown names raise ``KeyError`` before anything
@@ -438,6 +457,9 @@ class DynamicCore:
         groups = self._current_groups()
         if training and self._defers_failures:  # earlier batches' keys without a slot (CUDA)
             check_failures(groups)
+        if training and self._expiring:  # ttl_steps: rows unseen for long go before a claim
+            for name in self._expiring:
+                self.tables[name].expire_if_due()
         batches = prefetch_all(groups, per_table, training, self._scores, self._release)
         batches = {name: batches[name] for name in self.tables}
         features = {name: per_table[name][1] for name in self.tables}

@@ -300,6 +300,36 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         """
         return self._core.flush()
 
+    def expire(self, tables: Optional[Iterable[str]] = None, *,
+               older_than: Optional[int] = None, where=None) -> Dict[str, int]:
+        """Erase now, from every tier of each table (``tables``: a name or names, None: all),
+        the rows not looked up in the last ``older_than`` of its steps (its training
+        batches; ``STEP`` tables: inserted that long ago), or those ``where(keys, scores)``
+        chooses ([N] int64 each -> [N] bool, as HierarchicalKV's ``erase_if``). Rows pinned
+        by a batch in flight stay. Returns the rows erased per table, also counted in
+        ``stats()[table]["expired"]``. Every table's expiry is planned before any row goes:
+        an unknown table (``KeyError``), a policy whose scores hold no step with
+        ``older_than``, or a ``where`` that answers wrongly (``ValueError`` / ``TypeError``)
+        erases nothing. See :mod:`dynemb.tables.expiry`; ``ttl_steps`` in the table options
+        sweeps by itself.
+
+        Example::
+
+            >>> ec = DynamicEmbCollection([EmbeddingConfig(
+            ...     name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])])
+            >>> for ids in ([1, 2], [2], [2]):  # key 1 last looked up two steps ago
+            ...     _ = ec(KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(ids),
+            ...                                                torch.tensor([len(ids)])))
+            >>> ec.expire(older_than=2)
+            {'t': 1}
+            >>> ec.expire(where=lambda keys, scores: keys == 2)  # pinned: awaits its backward
+            {'t': 0}
+            >>> ec.stats()["t"]["expired"]
+            1
+        """
+        self._refuse_on_meta("has no rows to expire")
+        return self._core.expire(tables, older_than, where)
+
     # -- lifecycle ---------------------------------------------------------------------------
     def reset_parameters(self, tables: Optional[Iterable[str]] = None) -> None:
         """Empty every table (or only the names in ``tables``) as just constructed (rows,

@@ -151,6 +151,13 @@ class ShardedTables(ShardedDynamicModuleInterface):
         (see :meth:`DynamicEmbCollection.flush`); no collective, each rank flushes its own."""
         return self.local.flush()
 
+    def expire(self, tables=None, *, older_than: Optional[int] = None,
+               where=None) -> Dict[str, int]:
+        """This rank's share of each table expired (see :meth:`DynamicEmbCollection.expire
+        <dynemb.modules.dynamic_module.DynamicModule.expire>`); rows erased here, per table.
+        No collective: each rank sweeps the keys it owns."""
+        return self.local.expire(tables, older_than=older_than, where=where)
+
     def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
         """Rows of the ``keys`` this rank owns (others come back not found)."""
         return self.local.read_rows(table, keys, with_state=with_state)

@@ -15,7 +15,6 @@ import torch
 from dynemb.backends.numba_backends import backend_for_device
 from dynemb.rows.flat_table import FlatTable
 from dynemb.rows.hash_table import ScoredHashTable
-from dynemb.rows.row_moves import copy_rows
 from dynemb.types import MAX_BUCKET_SIZE, ScorePolicy
 from dynemb.foundations.validation import canonical_device, check_index_tensor
 
@@ -39,7 +38,9 @@ class BackingStore(Protocol):
 
     Optional: ``flush()``, called at the end of a table's ``flush`` (after every cached row
     was inserted): a store with levels of its own writes them through, or makes its copy
-    durable (the disk stores do both).
+    durable (the disk stores do both); ``erase(keys) -> int``, forget ``keys`` (those not
+    stored are skipped), returning how many were stored: a table's rows expire from a store
+    that has it (:mod:`dynemb.tables.expiry`).
 
     Keys and rows come on the table's device; ``find`` may answer on another (a store that
     keeps its rows on the host answers there) and the table moves the answer to its device.
@@ -139,25 +140,6 @@ class HostBackingStore:
         placed = result.slots >= 0
         weights.index_copy_(0, result.slots[placed], rows[placed].to(weights.dtype))
 
-    def load_into(self, keys: torch.Tensor, dst: torch.Tensor,
-                  dst_slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``find`` that copies the rows of the stored keys straight to ``dst[dst_slots]``
-        (a CPU table of this store's width and dtype) instead of returning them; the other
-        rows of ``dst`` are left alone. Returns ``(found, scores)``."""
-        slots = self._table.find(keys)
-        copy_rows(self._rows.weights, slots, dst, dst_slots, kernels=self._rows.kernels)
-        return slots >= 0, self._table.scores_at(slots)
-
-    def insert_from(self, keys: torch.Tensor, src: torch.Tensor, src_slots: torch.Tensor,
-                    scores: torch.Tensor) -> int:
-        """``insert`` of the rows ``src[src_slots]`` (a CPU table of this store's width and
-        dtype), copied straight from there."""
-        result = self._table.find_or_insert(keys, scores, assume_unique=True)
-        if result.remap is not None:
-            self._rows.remap(result.remap, self._table.capacity)
-        copy_rows(src, src_slots, self._rows.weights, result.slots, kernels=self._rows.kernels)
-        return int(result.evicted.sum())
-
     def export(self, start: int, batch: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[int]]:
         chunk = self._table.export(start, batch)
         rows = self._rows.weights.index_select(0, chunk.slots)
@@ -166,6 +148,10 @@ class HostBackingStore:
 
     def size(self) -> int:
         return self._table.size()
+
+    def erase(self, keys: torch.Tensor) -> int:
+        """Forget ``keys``; returns how many were stored."""
+        return int(self._table.erase(self._to_host(keys)).erased.sum())
 
     def nbytes(self) -> Tuple[int, int]:
         """``(row bytes, hash-table bytes)`` held now (optional for other stores: the table's

@@ -147,6 +147,17 @@ class HostCachedStore:
     def size(self) -> int:
         return self.disk.size() + self._host_only
 
+    def erase(self, keys: torch.Tensor) -> int:
+        """Forget ``keys`` in both levels (the disk first: if its write fails, neither level
+        changed); returns how many were stored in either."""
+        keys = keys.cpu()
+        in_host = self.host.hash_table.find(keys) >= 0
+        on_disk = self.disk.contains(keys)
+        self.disk.erase(keys[on_disk])
+        self.host.erase(keys[in_host])
+        self._host_only -= int((in_host & ~on_disk).sum())
+        return int((in_host | on_disk).sum())
+
     def nbytes(self) -> Tuple[int, int]:
         """The host level's ``(row bytes, hash-table bytes)`` (its memory)."""
         return self.host.nbytes()

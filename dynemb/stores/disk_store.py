@@ -273,6 +273,14 @@ class DiskBackingStore:
         """Keys stored (kept in the database with the rows: no scan)."""
         return self._size
 
+    def erase(self, keys: torch.Tensor) -> int:
+        """Delete ``keys`` in one atomic write; returns how many were stored."""
+        check_index_tensor(keys, "keys", keys.device)
+        keys = keys.cpu()
+        gone = int(self.contains(keys).sum())
+        self._write(erase=keys, size=self._size - gone)
+        return gone
+
     # -- beyond the protocol -----------------------------------------------------------------
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
         """[N] bool on the CPU: which of ``keys`` are stored (one multi-get, no row decoded)."""

@@ -26,6 +26,7 @@ from dynemb.rows.initializers import Initializer
 from dynemb.rows.optimizers import OptimizerConfig
 from dynemb.options import DynamicEmbTableOptions, StorageMode, TableLayout
 from dynemb.tables.checkpoint_tiers import CheckpointTiers
+from dynemb.tables.expiry import plan_expiry
 from dynemb.tables.memory import MemoryBreakdown, PlannedRows, storage_bytes
 from dynemb.tables.tier import Tier
 from dynemb.types import EMPTY_KEY, TableFullError
@@ -119,6 +120,10 @@ class DynamicTable(CheckpointTiers):
         #: a :class:`~dynemb.checkpoint.changes.ChangeTracker` once checkpoint files track
         #: this table for incremental dumps (told of every claim, growth and update)
         self.changes = None
+        #: rows erased by expiry since the table was built (:mod:`dynemb.tables.expiry`)
+        self.expired = 0
+        #: the table's clock at its latest ``ttl_steps`` sweep
+        self.swept_at = 0
 
     _grows = False  # the device tier doubles up to max_capacity (HBM_DIRECT only)
 
@@ -320,7 +325,23 @@ class DynamicTable(CheckpointTiers):
         out["load_factor"] = rows_device / self.tier.hash.capacity
         out["rows_backing"] = self._rows_backing()
         out["admission_pending"] = 0 if self.admission is None else self.admission.size()
+        out["expired"] = self.expired
         return out
+
+    def expire(self, *, older_than: Optional[int] = None, where=None) -> int:
+        """Erase, from every tier, the rows not looked up in the last ``older_than`` steps,
+        or those ``where(keys, scores)`` chooses; pinned rows stay. Returns the rows erased
+        (counted in ``stats()["expired"]``). See :mod:`dynemb.tables.expiry`."""
+        return plan_expiry(self, older_than=older_than, where=where).apply()
+
+    def expire_if_due(self) -> int:
+        """The ``ttl_steps`` sweep, when ``sweep_steps`` steps passed since the last one
+        (0 rows, and nothing read, otherwise)."""
+        ttl = self.options.ttl_steps
+        if ttl is None or self.tier.hash.clock - self.swept_at < self.options.sweep_steps:
+            return 0
+        self.swept_at = self.tier.hash.clock
+        return self.expire(older_than=ttl)
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """The bytes this table holds right now, by category (what the planner's estimate is

@@ -110,15 +110,6 @@ class CacheTable(HbmDirectTable):
         self._write_back(result)
         self._load(keys, result, stored)
 
-    @property
-    def _store_moves_rows(self) -> bool:
-        """The store copies rows to and from the cache's own table itself (a host store,
-        whose ``find`` and ``insert`` no subclass changed, behind a CPU cache): no gathered
-        rows in between."""
-        kind = type(self.store)
-        return (isinstance(self.store, HostBackingStore) and self.kernels.moves_store_rows
-                and kind.find is HostBackingStore.find and kind.insert is HostBackingStore.insert)
-
     def _write_back(self, result) -> None:
         """Evicted rows go to the store with their scores."""
         evicted = result.evicted
@@ -127,11 +118,7 @@ class CacheTable(HbmDirectTable):
         slots = result.slots[evicted]
         keys = result.previous_keys[evicted]
         scores = result.previous_scores[evicted]
-        if self._store_moves_rows:
-            dropped = self.store.insert_from(keys, self.tier.flat.weights, slots, scores)
-        else:
-            rows = self.tier.flat.weights.index_select(0, slots)
-            dropped = self.store.insert(keys, rows, scores)
+        dropped = self.store.insert(keys, self.tier.flat.weights.index_select(0, slots), scores)
         if self.changes is not None:
             self.changes.written_back(keys)
         self.counters.add("write_backs", slots.numel())
@@ -176,13 +163,8 @@ class CacheTable(HbmDirectTable):
             start = chunk.next_start
             if chunk.keys.numel() == 0:
                 continue
-            weights = self.tier.flat.weights
-            if self._store_moves_rows:
-                dropped += self.store.insert_from(chunk.keys, weights, chunk.slots,
-                                                  chunk.scores)
-            else:
-                dropped += self.store.insert(chunk.keys, weights.index_select(0, chunk.slots),
-                                             chunk.scores)
+            dropped += self.store.insert(
+                chunk.keys, self.tier.flat.weights.index_select(0, chunk.slots), chunk.scores)
             if self.changes is not None:
                 self.changes.written_back(chunk.keys)
             written += chunk.keys.numel()
@@ -205,12 +187,9 @@ class CacheTable(HbmDirectTable):
         if not bool(inserted.any()):
             return
         new_keys, new_slots = keys[inserted], result.slots[inserted]
-        if self._store_moves_rows:
-            found, scores = self.store.load_into(new_keys, self.tier.flat.weights, new_slots)
-        else:
-            rows, found, scores = stored if stored is not None else self._store_find(new_keys)
-            if bool(found.any()):
-                self.tier.flat.weights.index_copy_(0, new_slots[found], rows[found])
+        rows, found, scores = stored if stored is not None else self._store_find(new_keys)
+        if bool(found.any()):
+            self.tier.flat.weights.index_copy_(0, new_slots[found], rows[found])
         if bool(found.any()):
             self.tier.hash.restore_scores(new_slots[found], scores[found])
             self.counters.add("loads", found.sum())

@@ -43,17 +43,18 @@ from dynemb.types import EMPTY_KEY, FindOrInsertResult, ScorePolicy
 
 def per_table_sums(values: Optional[torch.Tensor], segments: Segments) -> torch.Tensor:
     """[T] int64 on the segments' device: ``values`` [N] summed over each table's segment
-    (None: the segments' sizes), in one ``index_add_`` (no host read).
+    (None: the segments' sizes), with no host read.
 
     >>> per_table_sums(torch.tensor([1, 0, 1, 1, 1]), Segments([0, 2, 2, 5])).tolist()
     [1, 0, 3]
     """
     if values is None:
-        values = torch.ones(int(segments.bounds[-1]), dtype=torch.int64,
-                            device=segments.table_of.device)
-    return torch.zeros(segments.count, dtype=torch.int64,
-                       device=segments.table_of.device).index_add_(
-        0, segments.table_of, values.to(torch.int64).to(segments.table_of.device))
+        return segments.on_device.diff()
+    values = values.to(device=segments.device, dtype=torch.int64)
+    if segments.count == 1:
+        return values.sum().reshape(1)
+    return torch.zeros(segments.count, dtype=torch.int64, device=segments.device).index_add_(
+        0, segments.table_of, values)
 
 
 class GroupStorage:

@@ -49,12 +49,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from dynemb.backends.protocol import Segments
 from dynemb.foundations.counters import COUNTER_NAMES
-from dynemb.foundations.key_mixing import routes_to_first
 from dynemb.rows.optimizers import OccurrenceGrads
 from dynemb.tables.base import DynamicTable
 from dynemb.tables.group_batch import GroupBatch, key_bounds_of, live_slots, update_rows
@@ -78,6 +76,7 @@ class TieredGroup:
                                  keeps_counters=False))
         #: the device tiers' record: the tables' counters, the rows a stash moves
         self.storage = self.tiers[0].storage
+        self._tier_rows_of: Optional[Tuple[int, int]] = None  # the layouts _tier_rows is of
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -147,6 +146,19 @@ class TieredGroup:
         storage.counters += counted
         storage.batch_made(batch)
         return batch
+
+    def tier_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """([T] device tier rows, [T] rows of both tiers) of each table, on the device: what
+        :func:`~dynemb.foundations.key_mixing.routes_to_first` routes its keys by (made again
+        when a record laid its tables out anew)."""
+        layouts = tuple(tiers.storage.layouts for tiers in self.tiers)
+        if self._tier_rows_of != layouts:
+            rows = torch.tensor([[t.tier.hash.capacity, t.host_tier.hash.capacity]
+                                 for t in self.tables], dtype=torch.int64)
+            self._tier_rows = (rows[:, 0].to(self.storage.device),
+                               rows.sum(1).to(self.storage.device))
+            self._tier_rows_of = layouts
+        return self._tier_rows
 
     def __repr__(self) -> str:
         return (f"TieredGroup({list(self.names)}, device rows={self.storage.row_offset[-1]}, "
@@ -271,18 +283,11 @@ class TieredBatch(LookupBatch):
         routes it to, EMPTY_KEY in the other (on CUDA the host keys' copy waits for the
         device: one per group and forward)."""
         group = self.group
-        device = self.keys.device
-        sizes = torch.from_numpy(np.diff(np.asarray(self.unique_bounds, dtype=np.int64)))
-        capacities = torch.tensor([[t.tier.hash.capacity, t.host_tier.hash.capacity]
-                                   for t in group.tables], dtype=torch.int64)
-        n = self.keys.numel()
-        per_key = torch.repeat_interleave(capacities, sizes, dim=0, output_size=n).to(device)
-        first, total = per_key[:, 0], per_key[:, 0] + per_key[:, 1]
-        valid = self.keys != EMPTY_KEY
-        on_device = valid & routes_to_first(self.keys, first, total)
-        host = group.tiers[1].storage.device
-        return (torch.where(on_device, self.keys, EMPTY_KEY),
-                torch.where(valid & ~on_device, self.keys, EMPTY_KEY).to(host))
+        first_rows, total_rows = group.tier_rows()
+        on_device, on_host = torch.empty_like(self.keys), torch.empty_like(self.keys)
+        group.storage.kernels.route_keys_group(self._segments(group.tiers[0]), self.keys,
+                                               first_rows, total_rows, on_device, on_host)
+        return on_device, on_host.to(group.tiers[1].storage.device)
 
     def _segments(self, tiers: TableGroup) -> Segments:
         """The tables' segments of the unique keys on ``tiers``' device, made once per

@@ -303,10 +303,7 @@ class TableGroup:
                 break
             self.undo(claim, segments)
             storage.grow_tables(growth)
-        refused = torch.zeros(len(storage.tables), dtype=torch.int64,
-                              device=self.device).index_add_(0, segments.table_of,
-                                                             failed.to(torch.int64))
-        return claim, self.failures.first_refusing(refused)
+        return claim, self.failures.first_refusing(per_table_sums(failed, segments))
 
     def initialize(self, claim: Claim, segments: Segments) -> None:
         """Rows of the claimed keys where ``inserted`` start from their table's initializer."""
