@@ -167,9 +167,9 @@ def test_hand_computed_hbm_direct_adam():
     assert fp.input_bytes == 64 * 3 // 2 * 8              # 96 distinct ids of 192: 768
     assert fp.output_bytes == 64 * 3 * 8 * 4              # float32 rows per occurrence: 6,144
     assert fp.io_bytes == 2 * 768                         # TRAIN_SPARSE_DIST: 2 x input
-    assert fp.device_bytes == 24_576 + 49_152 + 15_368 + 104 + 1_536  # 104: 13 int64 counters
+    assert fp.device_bytes == 24_576 + 49_152 + 15_368 + 88 + 1_536  # 88: 11 int64 counters
     assert fp.host_bytes == 0
-    assert fp.storage() == Storage(hbm=90_736, ddr=0)
+    assert fp.storage() == Storage(hbm=90_720, ddr=0)
 
 
 def test_hand_computed_cache_fp16_sgd_prefetch_pipeline():
@@ -192,7 +192,7 @@ def test_hand_computed_cache_fp16_sgd_prefetch_pipeline():
     assert fp.input_bytes == ids * 8 and fp.prefetch_bytes == ids * 8
     assert fp.output_bytes == ids * 4 * 4                 # float32 out, not fp16
     assert fp.io_bytes == 3 * 2400 + int(7 * 2400)        # 3 x input + (1 + 6) x prefetch
-    assert fp.device_bytes == 4096 + 10_248 + 10_248 + 104 + 24_000
+    assert fp.device_bytes == 4096 + 10_248 + 10_248 + 88 + 24_000
 
 
 def test_hand_computed_default_on_cpu_topology():
@@ -204,7 +204,7 @@ def test_hand_computed_default_on_cpu_topology():
     assert (fp.device_rows, fp.host_rows) == (256, 1408)
     assert fp.host_bytes == 1408 * 32 + 1408 * 20 + 8
     # CPU: one memory, input and output counted once (TorchRec's CPU rule)
-    assert fp.storage() == Storage(hbm=0, ddr=256 * 32 + 256 * 20 + 8 + 104 + fp.host_bytes
+    assert fp.storage() == Storage(hbm=0, ddr=256 * 32 + 256 * 20 + 8 + 88 + fp.host_bytes
                                    + 10 * 8 + 10 * 8 * 4)
 
 

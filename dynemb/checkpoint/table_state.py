@@ -327,11 +327,7 @@ def parse(entries: Dict[str, torch.Tensor], *, rank: int = 0, world_size: int = 
         tiers[name] = SavedTier(capacity, bucket, clock, entries[f"{name}.keys"],
                                 entries[f"{name}.scores"], entries.get(f"{name}.rows"),
                                 slots, tombstones, (live, erased))
-    counters = state[1:]
-    if counters.numel() < len(COUNTER_NAMES):  # saved before the last counters were added
-        counters = torch.cat([counters, counters.new_zeros(len(COUNTER_NAMES) -
-                                                           counters.numel())])
-    return SavedTable(entries["signature"], int(state[0]), counters, tiers, rank, world_size)
+    return SavedTable(entries["signature"], int(state[0]), state[1:], tiers, rank, world_size)
 
 
 def check_format(saved: Optional[torch.Tensor], where: str) -> None:

@@ -20,8 +20,6 @@ COUNTER_NAMES = (
     "admission_rejects",  # distinct keys per batch refused by admission (not stored)
     "store_evictions",    # CACHE: rows the backing store itself evicted (its capacity is full)
     "dropped_updates",    # rows a late backward could not update: evicted after its pins ended
-    "write_inserts",      # rows write_rows gave to keys the table did not hold
-    "write_overwrites",   # rows write_rows replaced (keys held in the device tier, host tier or store)
 )
 _INDEX = {name: i for i, name in enumerate(COUNTER_NAMES)}
 

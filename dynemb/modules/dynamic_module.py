@@ -221,7 +221,7 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         key held keeps its score, a new key scores as one use; a CUSTOMIZED table without
         them takes its :meth:`set_scores` score). Where each storage mode puts the rows
         (a CACHE table: keys not cached go to its backing store), what becomes of rows of
-        batches in flight, and the counters ``write_inserts`` / ``write_overwrites``: see
+        batches in flight, and the counts ``write_inserts`` / ``write_overwrites`` of ``stats()``: see
         :mod:`dynemb.tables.row_writes`.
 
         Example::

@@ -122,6 +122,10 @@ class DynamicTable(CheckpointTiers):
         self.changes = None
         #: rows erased by expiry since the table was built (:mod:`dynemb.tables.expiry`)
         self.expired = 0
+        #: rows ``write_rows`` gave to keys the table did not hold, and rows it replaced,
+        #: since the table was built (:mod:`dynemb.tables.row_writes`)
+        self.write_inserts = 0
+        self.write_overwrites = 0
         #: the table's clock at its latest ``ttl_steps`` sweep
         self.swept_at = 0
 
@@ -166,7 +170,7 @@ class DynamicTable(CheckpointTiers):
 
             >>> fixed = DynamicTable.fixed_memory()
             >>> fixed.other_bytes, fixed.host_other_bytes
-            (104, 0)
+            (88, 0)
         """
         return MemoryBreakdown(other_bytes=len(COUNTER_NAMES) * torch.int64.itemsize)
 
@@ -326,6 +330,8 @@ class DynamicTable(CheckpointTiers):
         out["rows_backing"] = self._rows_backing()
         out["admission_pending"] = 0 if self.admission is None else self.admission.size()
         out["expired"] = self.expired
+        out["write_inserts"] = self.write_inserts
+        out["write_overwrites"] = self.write_overwrites
         return out
 
     def expire(self, *, older_than: Optional[int] = None, where=None) -> int:

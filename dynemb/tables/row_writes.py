@@ -35,8 +35,9 @@ What a write does to the rest of the table:
   replaced in place: that batch's forward reads the written row; a batch awaiting its
   backward applies its update on top of the written row (as to any row's current value);
 - **admission** does not apply (a write is not a lookup): a written key is stored;
-- **counters**: ``write_inserts`` (keys new to the table) and ``write_overwrites`` (keys it
-  held, anywhere);
+- **counts**: ``stats()["write_inserts"]`` (keys new to the table) and
+  ``stats()["write_overwrites"]`` (keys it held, anywhere), kept on the host as
+  ``stats()["expired"]`` is, and like it not saved in checkpoints;
 - **checkpoints**: the slots written are marked for the next incremental dump (the store's
   keys logged, as its write-backs are).
 
@@ -283,8 +284,9 @@ class RowWrite:
                             & (claim.prev_keys != TOMBSTONE_KEY)).sum())
         self._claims = []
         n = self.data.keys.numel()
-        table.counters.add_many(write_inserts=inserted, write_overwrites=n - inserted,
-                                evictions=evicted)
+        table.write_inserts += inserted
+        table.write_overwrites += n - inserted
+        table.counters.add("evictions", evicted)
 
     def _whole_rows(self) -> Optional[torch.Tensor]:
         """Every key's physical row [N, width] where the write gives it whole (the state
@@ -336,7 +338,8 @@ class RowWrite:
         finally:
             hash_table.release(slots)
         n = keys.numel()
-        table.counters.add_many(write_inserts=n - overwritten, write_overwrites=overwritten)
+        table.write_inserts += n - overwritten
+        table.write_overwrites += overwritten
 
     def _new_score(self, hash_table) -> int:
         """The score of one use of a new key now, by the table's policy (a key sent to
