@@ -13,7 +13,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from conftest import BACKENDS
 from dynemb import (DynamicEmbBagCollection, DynamicEmbCollection, DynamicEmbTableOptions,
-                    FrequencyAdmission, OptimizerConfig, OptimizerType, ScorePolicy, StorageMode, TableFullError)
+                    FrequencyAdmission, OptimizerConfig, OptimizerType, ScorePolicy, StashMode,
+                    StorageMode, TableFullError)
 from dynemb.checkpoint import dump, load
 from dynemb.stores.backing_store import HostBackingStore
 
@@ -160,6 +161,20 @@ def test_pinned_rows_are_never_evicted_and_a_prefetched_batch_reads_the_written_
     assert torch.equal(ec.read_rows("t", torch.tensor([5]))[0], written - 0.5)
     ec.write_rows("t", torch.tensor([99]), torch.ones(1, DIM))  # pins ended: it evicts
     assert ec.stats()["t"]["evictions"] == 1
+
+
+def test_a_write_between_a_stashed_forward_and_its_backward_lands_in_the_rows():
+    sgd = OptimizerConfig(OptimizerType.SGD, learning_rate=0.5)
+    ec = module(StorageMode.HBM_DIRECT, optimizer=sgd, stash=StashMode.ALL)
+    ids = torch.tensor([1, 2, 3])
+    out = ec(kjt(ids))["f"].values()  # the rows go to host memory until the backward
+    assert ec.memory_stash is not None
+    written = torch.full((2, DIM), 4.0)
+    ec.write_rows("t", torch.tensor([2, 9]), written)  # brings them back first
+    out.sum().backward()
+    rows, found = ec.read_rows("t", torch.tensor([2, 9]))
+    assert bool(found.all())
+    assert torch.equal(rows, torch.stack([written[0] - 0.5, written[1]]))
 
 
 def test_a_cache_store_that_would_forget_rows_refuses_the_write():

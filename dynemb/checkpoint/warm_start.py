@@ -138,8 +138,9 @@ def _source(source, optimizer_state) -> Tuple[Dict[str, Tuple[int, list]], Mappi
             continue
         name = match.group(1)
         if name in weights:
-            raise ValueError(f"warm_start: the source holds table {name!r} twice ({found_at[name]!r} "
-                             f"and {key!r}); pass the state_dict of one TorchRec module")
+            raise ValueError(f"warm_start: the source holds table {name!r} twice "
+                             f"({found_at[name]!r} and {key!r}); pass the state_dict of one "
+                             f"TorchRec module")
         weights[name], found_at[name] = row_pieces(value, key), key
     if not weights:
         raise ValueError("warm_start: the source holds no TorchRec table weights "
