@@ -92,6 +92,7 @@ def test_a_bag_collection_pools_as_the_torchrec_one():
     ("unknown", r"the source has tables \['extra'\] that the module lacks"),
     ("dim", "the dynamic table's dim is 4"),
     ("ids_of_nothing", r"ids given for tables \['zz'\]"),
+    ("table_twice", "the source holds table 'a' twice"),
 ])
 def test_bad_input_raises_naming_it_and_writes_nothing(case, match):
     source = static_ec().state_dict()
@@ -106,6 +107,8 @@ def test_bad_input_raises_naming_it_and_writes_nothing(case, match):
     elif case == "dim":
         source["embeddings.a.weight"] = torch.zeros(50, 5)
         match = "the dynamic table's dim is 4"
+    elif case == "table_twice":  # two modules' state in one dict
+        source = {**source, **{f"other.{k}": v for k, v in source.items()}}
     else:
         ids = {"zz": torch.arange(3)}
     dyn = DynamicEmbCollection(TABLES, optimizer=SGD)
