@@ -73,7 +73,7 @@ def run_warm_start(rank: int, world_size: int, scenarios: List[Any]) -> List[Dic
         table_options=DynamicEmbTableOptions(bucket_size=16)))
     dyn_dmp = DistributedModelParallel(dyn_model, env=env, device=torch.device("cpu"),
                                        sharders=[DynamicEmbCollectionSharder()])
-    written = warm_start(dyn_dmp.module.ec, torchrec_dmp)  # rows and momentum, collective
+    written = warm_start(dyn_dmp, torchrec_dmp)  # rows and momentum (collective)
     outputs: Dict[str, List[Any]] = {"torchrec": [], "dynemb": []}
     for step in range(3, 7):  # then both, on the same batches
         kjt = _batch(rank, step)

@@ -50,6 +50,16 @@ def _kjt(features, ids_by_feature, lengths_by_feature):
         torch.cat([lengths_by_feature[f] for f in features]))
 
 
+def test_a_model_holding_one_dynamic_module_is_warm_started_through_it():
+    model = torch.nn.ModuleDict({"sparse": DynamicEmbCollection(TABLES, optimizer=SGD),
+                                 "dense": torch.nn.Linear(4, 1)})
+    assert warm_start(model, static_ec()) == {"a": 50, "b": 30}
+    two = torch.nn.ModuleDict({"x": DynamicEmbCollection(TABLES, optimizer=SGD),
+                               "y": DynamicEmbCollection(TABLES, optimizer=SGD)})
+    with pytest.raises(TypeError, match=r"ModuleDict holds 2: \['x', 'y'\], pass one"):
+        warm_start(two, static_ec())
+
+
 def test_a_mapping_of_ids_answers_as_the_torchrec_module_for_those_ids():
     source = static_ec()
     gen = torch.Generator().manual_seed(1)

@@ -44,7 +44,8 @@ from torch import nn
 
 from dynemb.bridges.sharded_tensors import row_pieces
 from dynemb.foundations.validation import check_keys
-from dynemb.module_interface import ShardedDynamicModuleInterface, local_module
+from dynemb.module_interface import (DynamicModuleInterface, ShardedDynamicModuleInterface,
+                                     local_module)
 from dynemb.optimizer_config import OptimizerType
 
 _WEIGHT = re.compile(r"(?:^|\.)(?:embeddings|embedding_bags)\.([^.]+)\.weight$")
@@ -69,7 +70,7 @@ def warm_start(module: nn.Module, source: Any,
     Args:
         module: a :class:`~dynemb.DynamicEmbCollection`, :class:`~dynemb.DynamicEmbBagCollection`
             or their sharded form (then every rank calls, each with its own share of
-            ``source``).
+            ``source``), or a model holding one (``DistributedModelParallel`` included).
         source: a TorchRec ``EmbeddingCollection`` / ``EmbeddingBagCollection``, sharded or
             not, or a model holding one, or such a module's ``state_dict`` (weights under
             ``embeddings.<table>.weight`` / ``embedding_bags.<table>.weight``, any prefix).
@@ -91,11 +92,8 @@ def warm_start(module: nn.Module, source: Any,
         ...             static.embeddings["t"].weight[1:2].detach())
         True
     """
+    module = _dynamic_module(module)
     local = local_module(module)
-    if local is None:
-        raise TypeError(f"warm_start writes into a dynamic module (DynamicEmbCollection, "
-                        f"DynamicEmbBagCollection or their sharded form), got "
-                        f"{type(module).__name__}")
     weights, fused = _source(source, optimizer_state)
     tables = local.tables
     unknown = sorted(set(weights) - set(tables))
@@ -115,6 +113,25 @@ def warm_start(module: nn.Module, source: Any,
     for name, part in planned.items():  # sharded: a collective per table, in name order
         target.write_rows(name, part.keys, part.rows, optimizer_state=part.state)
     return {name: part.keys.numel() for name, part in planned.items()}
+
+
+def _dynamic_module(model: nn.Module) -> nn.Module:
+    """``model`` if it is a dynamic module (or a sharded one), else the one it holds (a
+    model, ``DistributedModelParallel``); ``TypeError`` if it holds none or several."""
+    if local_module(model) is not None:
+        return model
+    found = [(fqn, sub) for fqn, sub in model.named_modules()
+             if isinstance(sub, (ShardedDynamicModuleInterface, DynamicModuleInterface))] \
+        if isinstance(model, nn.Module) else []
+    outer = [(fqn, sub) for fqn, sub in found  # a sharded module's own share is inside it
+             if not any(fqn.startswith(f"{other}.") for other, _ in found if other != fqn)]
+    if len(outer) != 1:
+        held = [fqn for fqn, _ in outer]
+        raise TypeError(f"warm_start writes into one dynamic module (DynamicEmbCollection, "
+                        f"DynamicEmbBagCollection or their sharded form, or a model holding "
+                        f"one); {type(model).__name__} holds {len(outer)}"
+                        + (f": {held}, pass one of them" if held else ""))
+    return outer[0][1]
 
 
 def _source(source, optimizer_state) -> Tuple[Dict[str, Tuple[int, list]], Mapping]:
