@@ -13,7 +13,9 @@ The top level holds what a TorchRec user needs to swap ``EmbeddingCollection`` /
   :class:`ScorePolicy`, :class:`FrequencyAdmission`, :class:`Initializer` /
   :class:`InitializerKind`), and :class:`OptimizerConfig` / :class:`OptimizerType`;
 - what they hand back: :class:`TableFullError` (a table with no slot left),
-  :class:`PrefetchState` (what ``prefetch`` returns).
+  :class:`PrefetchState` (what ``prefetch`` returns);
+- :func:`warm_start`: a dynamic module's rows (and fused optimizer state) from a trained
+  TorchRec ``EmbeddingCollection`` / ``EmbeddingBagCollection``.
 
 Each service has its package: :mod:`dynemb.sharding` (the sharders for
 ``DistributedModelParallel``), :mod:`dynemb.planning` (TorchRec's planner with dynamic
@@ -46,11 +48,12 @@ from dynemb.optimizer_config import OptimizerConfig, OptimizerType
 from dynemb.options import (DynamicEmbTableOptions, FrequencyAdmission, ShardingScheme,
                             StashMode, StorageMode)
 from dynemb.modules.prefetch import PrefetchState
+from dynemb.checkpoint.warm_start import warm_start
 from dynemb.types import ScorePolicy, TableFullError
 
 __all__ = [
     "DynamicEmbCollection", "DynamicEmbBagCollection", "DynamicEmbFusedOptimizer",
     "DynamicEmbTableOptions", "StorageMode", "StashMode", "ShardingScheme", "ScorePolicy",
     "FrequencyAdmission", "Initializer", "InitializerKind", "OptimizerConfig", "OptimizerType",
-    "TableFullError", "PrefetchState",
+    "TableFullError", "PrefetchState", "warm_start",
 ]

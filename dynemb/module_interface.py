@@ -70,6 +70,13 @@ class DynamicModuleInterface(abc.ABC):
         stashing, between a training forward and its backward), before reading or replacing
         the tables' rows directly; nothing to do where nothing moves them."""
 
+    def write_rows(self, table: str, keys: torch.Tensor, rows: torch.Tensor, *,
+                   optimizer_state: Optional[torch.Tensor] = None,
+                   scores: Optional[torch.Tensor] = None) -> None:
+        """Write rows by key into a table, all or nothing (see
+        :mod:`dynemb.tables.row_writes`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not write rows")
+
     @abc.abstractmethod
     def load_tables(self, saved) -> None:
         """Replace the named tables' contents with saved images, all or nothing."""
@@ -88,6 +95,13 @@ class ShardedDynamicModuleInterface(abc.ABC):
     @abc.abstractmethod
     def local(self) -> DynamicModuleInterface:
         """This rank's share of the tables."""
+
+    def write_rows(self, table: str, keys: torch.Tensor, rows: torch.Tensor, *,
+                   optimizer_state: Optional[torch.Tensor] = None,
+                   scores: Optional[torch.Tensor] = None) -> None:
+        """Write rows by key, each to its owner rank, all or nothing over the ranks (a
+        collective, see :mod:`dynemb.sharding.sharded_writes`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not write rows")
 
 
 def find_dynamic_modules(model: nn.Module) -> Dict[str, DynamicModuleInterface]:

@@ -208,3 +208,25 @@ def test_numba_launch_keys_each_overload_by_dtype_and_rank():
     assert numba_launch._signature((torch.zeros(2, 3), 1, True)) == \
         ((torch.float32, 2, -1), int, bool)  # -1: torch's index of the CPU
     assert numba_launch._signature((torch.zeros(4, 3).t(),)) is None  # numba's own launch
+
+
+def test_sharded_tensors_gives_the_local_rows_of_torchrecs_sharded_weights():
+    from torchrec import EmbeddingConfig
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from dynemb.bridges.sharded_tensors import row_pieces
+    from tests.torchrec_twin import TorchRecTwin
+    rows = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    twin = TorchRecTwin([EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=6,
+                                         feature_names=["f"])], {"t": rows},
+                        dict(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1))
+    weight = twin.dmp.state_dict()["ec.embeddings.t.weight"]
+    total, pieces = row_pieces(weight, "t")
+    assert total == 6 and len(pieces) == 1 and pieces[0][0] == 0
+    assert torch.equal(pieces[0][1], rows)
+    (momentum,) = twin.dmp.fused_optimizer.state_dict()["state"]["ec.embeddings.t.weight"]\
+        .values()
+    total, pieces = row_pieces(momentum, "t.momentum1")
+    assert total == 6 and pieces[0][1].shape == (6,)
+    with pytest.raises(ValueError, match="only plain tensors and TorchRec's ShardedTensor"):
+        row_pieces([1, 2], "t")

@@ -231,3 +231,21 @@ def test_train_sharded_tensorboard_names_the_extra_when_tensorboard_is_missing(m
         train_sharded.parse_args(["--tensorboard", str(tmp_path)])
     assert "--tensorboard needs the tensorboard package: pip install 'dynemb[metrics]'" in \
         capsys.readouterr().err
+
+
+def test_warm_start_quick_keeps_torchrecs_rows(tmp_path):
+    """The warm-started module holds TorchRec's trained rows under their raw ids: its loss
+    over the known items is TorchRec's, and far below a cold start's."""
+    run_example("warm_start.py", "--quick", "--out-dir", "out", cwd=tmp_path, timeout=300)
+    m = json.loads((tmp_path / "out" / "warm_start.json").read_text())
+    assert m["warm_rows_equal_torchrec"] and m["rows_written"] == m["items"]
+    assert m["known_loss_warm"] == m["known_loss_torchrec"]
+    assert m["known_loss_cold"] > 10 * m["known_loss_warm"]
+    assert m["stats"]["write_inserts"] == m["items"]
+    assert (tmp_path / "out" / "warm_start.png").exists()
+
+
+def test_warm_start_refuses_bad_arguments(monkeypatch, capsys):
+    example = import_example("warm_start.py", monkeypatch)
+    code, err = refused(example, ["--new-share", "2"], capsys)
+    assert code == 2 and "--new-share must lie in [0, 1]" in err

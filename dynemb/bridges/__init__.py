@@ -17,6 +17,9 @@ on the pinned versions before anything else does:
 - :mod:`~dynemb.bridges.optimizer_marks`: the attributes torch's
   ``_apply_optimizer_in_backward`` leaves on a parameter (``_optimizer_classes``,
   ``_optimizer_kwargs``, ``_in_backward_optimizers``);
+- :mod:`~dynemb.bridges.sharded_tensors`: the local shards of torch's ``ShardedTensor``
+  (``torch.distributed._shard``), what TorchRec's sharded modules hold their weights and
+  fused optimizer state in (a warm start reads them);
 - :mod:`~dynemb.bridges.numba_launch`: numba-cuda's kernel launch (a compiled kernel's
   argument marshalling and driver function), to launch without its per-tensor conversion.
 """

@@ -6,7 +6,8 @@
 - ``torch.distributed.checkpoint`` on any world size: :class:`DynamicEmbLoadPlanner`;
   ``async_save`` with :class:`DynamicEmbAsyncStager`;
 - files, full and incremental, blocking or not: :func:`dump` (:class:`PendingDump`),
-  :func:`load`.
+  :func:`load`;
+- rows of TorchRec's own tables (a warm start): :func:`warm_start`.
 
 Exports for serving without a hash table are :mod:`dynemb.serving`.
 """
@@ -14,5 +15,7 @@ from dynemb.checkpoint.dcp_planner import DynamicEmbLoadPlanner
 from dynemb.checkpoint.dcp_stager import DynamicEmbAsyncStager
 from dynemb.checkpoint.file_dump import DumpInfo, PendingDump, dump
 from dynemb.checkpoint.file_load import load
+from dynemb.checkpoint.warm_start import warm_start
 
-__all__ = ["DynamicEmbAsyncStager", "DynamicEmbLoadPlanner", "DumpInfo", "PendingDump", "dump", "load"]
+__all__ = ["DynamicEmbAsyncStager", "DynamicEmbLoadPlanner", "DumpInfo", "PendingDump", "dump",
+           "load", "warm_start"]

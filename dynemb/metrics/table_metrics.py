@@ -5,8 +5,8 @@
 interval: this metric keeps the totals it last read and, at each :meth:`update`, adds what
 changed since to its state (``counts``, one row per table, one column per name of
 :data:`COUNTED`: the counters of :data:`~dynemb.foundations.counters.COUNTER_NAMES`, the
-rows expired and the keys refused a slot) and records the tables' sizes then (``sizes``: rows on the device, device
-capacity, rows behind it). :meth:`compute` gives, per table,
+rows expired, the keys refused a slot and the rows ``write_rows`` wrote) and records the
+tables' sizes then (``sizes``: rows on the device, device capacity, rows behind it). :meth:`compute` gives, per table,
 
 =======================  ====================================================================
 ``<table>/<counter>``    the counter's increase over the interval (lookups, hits, misses,
@@ -46,7 +46,7 @@ from dynemb.foundations.counters import COUNTER_NAMES
 from dynemb.module_interface import DynamicModuleInterface, find_dynamic_modules
 
 #: Totals of ``stats()`` counted per interval, in the order of the ``counts`` state.
-COUNTED = COUNTER_NAMES + ("expired", "refused")
+COUNTED = COUNTER_NAMES + ("expired", "refused", "write_inserts", "write_overwrites")
 #: Sizes of ``stats()`` recorded per table at each update, in the order of the ``sizes``
 #: state.
 SIZE_NAMES = ("rows_device", "device_capacity", "rows_backing")

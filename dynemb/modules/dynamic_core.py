@@ -41,6 +41,7 @@ from dynemb.tables.expiry import plan_expiry
 from dynemb.tables.groups import TableGroup
 from dynemb.tables.grouping import group_tables
 from dynemb.tables.lookup_batch import LookupBatch
+from dynemb.tables.row_writes import RowWrite, check_write
 from dynemb.modules.table_weights import TableWeights
 from dynemb.types import ScorePolicy
 
@@ -339,6 +340,30 @@ class DynamicCore:
             raise KeyError(f"no table {table!r}; tables: {list(self.tables)}")
         self.rows_in_place([table])
         return self.tables[table].read_rows(keys, with_state=with_state)
+
+    def prepare_write(self, table: str, keys: torch.Tensor, rows: torch.Tensor,
+                      optimizer_state: Optional[torch.Tensor] = None,
+                      scores: Optional[torch.Tensor] = None) -> RowWrite:
+        """A write of rows into ``table``, checked and ready to claim (see
+        :mod:`dynemb.tables.row_writes`): the optimizer settled first (the state's layout
+        is final), stashed rows back. Unknown tables raise ``KeyError``, bad input
+        ``ValueError``; nothing changes."""
+        if table not in self.tables:
+            raise KeyError(f"no table {table!r} to write rows into; tables: "
+                           f"{list(self.tables)}")
+        self.settle_optimizer()
+        self.rows_in_place([table])
+        target = self.tables[table]
+        default = self._scores.get(table)
+        return RowWrite(target, check_write(target, keys, rows, optimizer_state, scores,
+                                            default), default)
+
+    def write_rows(self, table: str, keys: torch.Tensor, rows: torch.Tensor, *,
+                   optimizer_state: Optional[torch.Tensor] = None,
+                   scores: Optional[torch.Tensor] = None) -> None:
+        write = self.prepare_write(table, keys, rows, optimizer_state, scores)
+        write.claim()
+        write.commit()
 
     def flush(self) -> Dict[str, int]:
         """Rows written back per table that keeps a copy of every row (CACHE), see

@@ -202,6 +202,53 @@ class DynamicModule(DynamicModuleInterface, FusedOptimizerModule, ScriptingRefus
         self._refuse_on_meta("has no rows to read")
         return self._core.read_rows(table, keys, with_state=with_state)
 
+    def write_rows(self, table: str, keys: torch.Tensor, rows: torch.Tensor, *,
+                   optimizer_state: Optional[torch.Tensor] = None,
+                   scores: Optional[torch.Tensor] = None) -> None:
+        """Write ``rows`` [N, dim] for ``keys`` [N] into ``table``: a key the table holds
+        has its row replaced, a new key is inserted with it (HierarchicalKV's
+        ``insert_or_assign``); ``read_rows`` and the next forward read them bit for bit.
+        All or nothing: bad input (an unknown table raises ``KeyError``; a row of another
+        dim or dtype, keys not 1-D int64, a key twice or a reserved key, an
+        ``optimizer_state`` of another width, ``scores`` of another shape raise
+        ``ValueError``) and a batch that cannot fit (``TableFullError``) leave every
+        table unchanged.
+
+        ``rows`` are in the table's dtype. ``optimizer_state`` [N, state_dim] float32 is the
+        optimizer state after the embedding in the layout ``read_rows(...,
+        with_state=True)`` returns (default: a key held keeps its state, a new key starts
+        from a new row's); ``scores`` [N] int64 set the keys' scores exactly (default: a
+        key held keeps its score, a new key scores as one use; a CUSTOMIZED table without
+        them takes its :meth:`set_scores` score). Where each storage mode puts the rows
+        (a CACHE table: keys not cached go to its backing store), what becomes of rows of
+        batches in flight, and the counts ``write_inserts`` / ``write_overwrites`` of ``stats()``: see
+        :mod:`dynemb.tables.row_writes`.
+
+        Example::
+
+            >>> ec = DynamicEmbCollection([EmbeddingConfig(
+            ...     name="t", embedding_dim=2, num_embeddings=64, feature_names=["f"])])
+            >>> ec.write_rows("t", torch.tensor([3, 8]), torch.tensor([[1., 2.], [3., 4.]]))
+            >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([8, 3]),
+            ...                                           torch.tensor([2]))
+            >>> ec.eval()(kjt)["f"].values().tolist()
+            [[3.0, 4.0], [1.0, 2.0]]
+            >>> {k: ec.stats()["t"][k] for k in ("write_inserts", "write_overwrites")}
+            {'write_inserts': 2, 'write_overwrites': 0}
+        """
+        self._refuse_on_meta("has no rows to write")
+        self._core.write_rows(table, keys, rows, optimizer_state=optimizer_state,
+                              scores=scores)
+
+    def prepare_write(self, table: str, keys: torch.Tensor, rows: torch.Tensor, *,
+                      optimizer_state: Optional[torch.Tensor] = None,
+                      scores: Optional[torch.Tensor] = None):
+        """:meth:`write_rows` in steps, a :class:`~dynemb.tables.row_writes.RowWrite`
+        checked and ready to ``claim()``, then ``commit()`` or ``undo()`` (a sharded module
+        claims on every rank before any rank writes)."""
+        self._refuse_on_meta("has no rows to write")
+        return self._core.prepare_write(table, keys, rows, optimizer_state, scores)
+
     def set_scores(self, scores: Dict[str, int]) -> None:
         """Set, per table, the score that training batches write for their keys: every key of
         such a batch (found or inserted) gets it, e.g. a timestamp or a business value, and

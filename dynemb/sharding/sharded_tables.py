@@ -20,6 +20,7 @@ from dynemb.checkpoint.table_state import SavedTable
 from dynemb.modules.collection import DynamicEmbCollection
 from dynemb.module_interface import ShardedDynamicModuleInterface
 from dynemb.sharding.routing import owner_ranks
+from dynemb.sharding.sharded_writes import write_rows_sharded
 from dynemb.sharding.step_check import BackwardStepCheck
 
 SUPPORTED_SHARDING_TYPES = (ShardingType.ROW_WISE.value,)
@@ -160,6 +161,18 @@ class ShardedTables(ShardedDynamicModuleInterface):
     def read_rows(self, table: str, keys: torch.Tensor, *, with_state: bool = False):
         """Rows of the ``keys`` this rank owns (others come back not found)."""
         return self.local.read_rows(table, keys, with_state=with_state)
+
+    def write_rows(self, table: str, keys: torch.Tensor, rows: torch.Tensor, *,
+                   optimizer_state: Optional[torch.Tensor] = None,
+                   scores: Optional[torch.Tensor] = None) -> None:
+        """:meth:`DynamicEmbCollection.write_rows
+        <dynemb.modules.dynamic_module.DynamicModule.write_rows>` over the ranks, a
+        collective: every rank passes its own keys (any keys, possibly none), each key goes
+        to its owner, and either every owner writes or, if any rank's input is bad or any
+        owner's share does not fit, every rank raises and nothing is written anywhere (see
+        :mod:`dynemb.sharding.sharded_writes`)."""
+        write_rows_sharded(self.local, self._pg, self._rank, self._world_size, table, keys,
+                           rows, optimizer_state, scores)
 
     def set_scores(self, scores: Dict[str, int]) -> None:
         """The score this rank's training batches write for the keys its share of each named

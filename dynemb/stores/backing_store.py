@@ -177,6 +177,23 @@ class HostBackingStore:
         """Most slots it grows to (None: unbounded)."""
         return self._table.max_capacity
 
+    def room(self) -> Optional[int]:
+        """Rows it takes on top of those it holds without forgetting any (None: no bound):
+        up to the load at which it would grow, at ``max_capacity`` (past it, a bucket may
+        overflow). What ``write_rows`` asks before it sends rows here.
+
+        Example::
+
+            >>> store = HostBackingStore(4, torch.float32, torch.device("cpu"),
+            ...                          initial_capacity=128, max_capacity=256)
+            >>> store.room()
+            192
+        """
+        if self.max_capacity is None:
+            return None
+        limit = int(self._table.grow_at_load_factor * self.max_capacity)
+        return max(0, limit - self.size())
+
     def __repr__(self) -> str:
         return (f"HostBackingStore(width={self.width}, size={self.size()}, "
                 f"capacity={self.capacity})")

@@ -124,6 +124,10 @@ class DynamicTable(CheckpointTiers):
         self.expired = 0
         #: keys that found no slot (their ``TableFullError`` raised) since the table was built
         self.refused = 0
+        #: rows ``write_rows`` gave to keys the table did not hold, and rows it replaced,
+        #: since the table was built (:mod:`dynemb.tables.row_writes`)
+        self.write_inserts = 0
+        self.write_overwrites = 0
         #: the table's clock at its latest ``ttl_steps`` sweep
         self.swept_at = 0
 
@@ -331,6 +335,8 @@ class DynamicTable(CheckpointTiers):
         out["admission_pending"] = 0 if self.admission is None else self.admission.size()
         out["expired"] = self.expired
         out["refused"] = self.refused
+        out["write_inserts"] = self.write_inserts
+        out["write_overwrites"] = self.write_overwrites
         return out
 
     def expire(self, *, older_than: Optional[int] = None, where=None) -> int:
