@@ -266,7 +266,8 @@ def sharded_hit_rate(dmp, examples: Dict[str, np.ndarray], catalog: torch.Tensor
 
 
 def summed_stats(dmp) -> Dict[str, Any]:
-    """Each table's counters summed over the ranks (one gather), and each rank's own."""
+    """Each table's counters summed over the ranks (one gather; its load factor: the device rows
+    over the device capacity of all ranks), and each rank's own."""
     mine = dmp.module.ec.stats()
     everyone: List[Dict[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)
@@ -276,10 +277,12 @@ def summed_stats(dmp) -> Dict[str, Any]:
         for key, value in mine[name].items():
             if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
                 merged[key] = sum(int(r[name][key]) for r in everyone)
-            elif key == "load_factor":
+            elif key == "load_factor":  # rows over capacity, all ranks (below)
                 merged[key] = float(np.mean([r[name][key] for r in everyone]))
             else:
                 merged[key] = value
+        if merged.get("device_capacity"):  # (HOST_ONLY: no device rows, the ranks' mean)
+            merged["load_factor"] = merged["rows_device"] / merged["device_capacity"]
         total[name] = merged
     return {"total": total, "per_rank": everyone}
 

@@ -124,7 +124,8 @@ def test_train_sharded_quick_learns(tmp_path):
             assert sum(i[f"ec/{table}/{name}"] for i in series) == m["stats"][table][name]
         assert all(0 <= i[f"ec/{table}/hit_rate"] <= 1 for i in series)
         assert series[-1][f"ec/{table}/load_factor"] == pytest.approx(
-            m["stats"][table]["rows_device"] / m["stats"][table]["device_capacity"])
+            m["stats"][table]["rows_device"] / m["stats"][table]["device_capacity"]) == \
+            m["stats"][table]["load_factor"]  # the totals' too: all ranks' rows / capacity
     assert series[-1]["ec/items/hit_rate"] > series[0]["ec/items/hit_rate"]
     assert "tables over steps" in proc.stdout
 
