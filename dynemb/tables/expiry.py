@@ -49,6 +49,7 @@ import torch
 
 from dynemb.options import TIMED_POLICIES
 from dynemb.types import LFU_LRU_MAX_CLOCK, ScorePolicy
+
 #: Entries read at a time by a sweep.
 SWEEP_CHUNK_ROWS = 1 << 16
 
